@@ -1,0 +1,298 @@
+"""Model, DSA, MoE and parallel configuration, read from a Hugging Face ``config.json``.
+
+Every size in the project comes from one of these dataclasses; nothing is sized by a literal.
+Field names follow the Hugging Face names of GLM-5 / DeepSeek-V3.2 configs where one exists.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+    """A config field is missing, has the wrong type, or contradicts another field."""
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Absorbed NoPE MLA of the decoder block."""
+
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return 1.0 / float(self.qk_head_dim) ** 0.5
+
+
+@dataclass(frozen=True)
+class DsaConfig:
+    """KPool lightning indexer of DeepSeek Sparse Attention.
+
+    ``max_context`` is the indexer cache reservation in tokens (what a serving engine reserves per
+    sequence); ``max_dsa_context`` in ``model.dsa`` rounds it down to whole pools and clamps it to
+    the top-k kernel's capacity.
+    """
+
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    index_kpool: int
+    always_select_tail: bool
+    max_context: int
+
+    @property
+    def topk_pools(self) -> int:
+        return self.index_topk // self.index_kpool
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    n_shared_experts: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    swiglu_limit: float
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Where this process sits among the ranks that run ``propose`` in lockstep."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ConfigError(f"world_size must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} is outside world_size {self.world_size}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The whole model family: target layers plus the MTP block at index ``num_hidden_layers``."""
+
+    hidden_size: int
+    vocab_size: int
+    num_hidden_layers: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    attention: AttentionConfig
+    dsa: DsaConfig
+    moe: MoeConfig
+    # Target only: the first ``first_k_dense_replace`` layers use a dense SwiGLU MLP of this width.
+    first_k_dense_replace: int = 0
+    intermediate_size: int = 0
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def mtp_layer_index(self) -> int:
+        return self.num_hidden_layers
+
+    def validate(self) -> None:
+        a, d, m = self.attention, self.dsa, self.moe
+        positive = {
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "num_attention_heads": a.num_attention_heads,
+            "q_lora_rank": a.q_lora_rank,
+            "kv_lora_rank": a.kv_lora_rank,
+            "qk_nope_head_dim": a.qk_nope_head_dim,
+            "v_head_dim": a.v_head_dim,
+            "index_n_heads": d.index_n_heads,
+            "index_head_dim": d.index_head_dim,
+            "index_topk": d.index_topk,
+            "index_kpool": d.index_kpool,
+            "max_context": d.max_context,
+            "n_routed_experts": m.n_routed_experts,
+            "num_experts_per_tok": m.num_experts_per_tok,
+            "moe_intermediate_size": m.moe_intermediate_size,
+            "max_position_embeddings": self.max_position_embeddings,
+        }
+        for name, value in positive.items():
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"config field {name} must be a positive integer, got {value!r}")
+        if a.qk_rope_head_dim != 0:
+            raise ConfigError(
+                f"qk_rope_head_dim is {a.qk_rope_head_dim}: this block is NoPE MLA and needs 0"
+            )
+        if d.index_topk % d.index_kpool:
+            raise ConfigError(
+                f"index_topk {d.index_topk} is not a multiple of index_kpool {d.index_kpool}"
+            )
+        if m.num_experts_per_tok > m.n_routed_experts:
+            raise ConfigError(
+                f"num_experts_per_tok {m.num_experts_per_tok} exceeds n_routed_experts "
+                f"{m.n_routed_experts}"
+            )
+        if m.n_shared_experts not in (0, 1):
+            raise ConfigError(f"n_shared_experts must be 0 or 1, got {m.n_shared_experts}")
+        if not self.rms_norm_eps > 0:
+            raise ConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if self.first_k_dense_replace and self.intermediate_size <= 0:
+            raise ConfigError("first_k_dense_replace > 0 needs a positive intermediate_size")
+        if not m.swiglu_limit > 0:
+            raise ConfigError(f"swiglu_limit must be > 0, got {m.swiglu_limit}")
+
+    # ---- Hugging Face config.json -------------------------------------------------------------
+
+    @classmethod
+    def from_hf_dict(
+        cls,
+        d: Mapping[str, Any],
+        *,
+        parallel: ParallelConfig | None = None,
+        dsa_max_context: int | None = None,
+    ) -> "ModelConfig":
+        """Build from a ``config.json`` mapping. A missing required field names itself.
+
+        ``dsa_max_context`` overrides the indexer reservation; otherwise ``index_max_context``
+        from the file, else ``max_position_embeddings``.
+        """
+
+        def req(name: str) -> Any:
+            if name not in d:
+                raise ConfigError(f"config.json is missing required field {name!r}")
+            return d[name]
+
+        def opt(name: str, default: Any) -> Any:
+            return d.get(name, default)
+
+        max_pos = int(req("max_position_embeddings"))
+        reservation = dsa_max_context or int(opt("index_max_context", max_pos))
+        try:
+            return cls(
+                hidden_size=int(req("hidden_size")),
+                vocab_size=int(req("vocab_size")),
+                num_hidden_layers=int(req("num_hidden_layers")),
+                rms_norm_eps=float(req("rms_norm_eps")),
+                max_position_embeddings=max_pos,
+                attention=AttentionConfig(
+                    num_attention_heads=int(req("num_attention_heads")),
+                    q_lora_rank=int(req("q_lora_rank")),
+                    kv_lora_rank=int(req("kv_lora_rank")),
+                    qk_nope_head_dim=int(req("qk_nope_head_dim")),
+                    qk_rope_head_dim=int(opt("qk_rope_head_dim", 0)),
+                    v_head_dim=int(req("v_head_dim")),
+                ),
+                dsa=DsaConfig(
+                    index_n_heads=int(req("index_n_heads")),
+                    index_head_dim=int(req("index_head_dim")),
+                    index_topk=int(req("index_topk")),
+                    index_kpool=int(req("index_kpool")),
+                    always_select_tail=bool(opt("index_always_select_tail", True)),
+                    max_context=int(reservation),
+                ),
+                moe=MoeConfig(
+                    n_routed_experts=int(req("n_routed_experts")),
+                    num_experts_per_tok=int(req("num_experts_per_tok")),
+                    moe_intermediate_size=int(req("moe_intermediate_size")),
+                    n_shared_experts=int(opt("n_shared_experts", 1)),
+                    routed_scaling_factor=float(opt("routed_scaling_factor", 1.0)),
+                    norm_topk_prob=bool(opt("norm_topk_prob", True)),
+                    swiglu_limit=float(opt("swiglu_limit", 10.0)),
+                ),
+                first_k_dense_replace=int(opt("first_k_dense_replace", 0)),
+                intermediate_size=int(opt("intermediate_size", 0)),
+                parallel=parallel or ParallelConfig(),
+            )
+        except (TypeError, ValueError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"config.json has a field of the wrong type: {e}") from e
+
+    @classmethod
+    def from_json(cls, path: str | Path, **kw: Any) -> "ModelConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"no config.json at {path}")
+        return cls.from_hf_dict(json.loads(path.read_text()), **kw)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        a, d, m = self.attention, self.dsa, self.moe
+        out: dict[str, Any] = {
+            "model_type": "glm_moe_dsa",
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_nextn_predict_layers": 1,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "first_k_dense_replace": self.first_k_dense_replace,
+            "intermediate_size": self.intermediate_size,
+            "index_max_context": d.max_context,
+            "index_always_select_tail": d.always_select_tail,
+        }
+        for part in (a, d, m):
+            for f in fields(part):
+                if f.name not in ("max_context", "always_select_tail"):
+                    out[f.name] = getattr(part, f.name)
+        return out
+
+    def with_parallel(self, rank: int, world_size: int) -> "ModelConfig":
+        return replace(self, parallel=ParallelConfig(rank=rank, world_size=world_size))
+
+    def describe(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+
+def glm5_flash(max_context: int = 16384) -> ModelConfig:
+    """GLM-5.3-Flash MTP block at its reference shapes (REFERENCE.md)."""
+    return ModelConfig(
+        hidden_size=4096,
+        vocab_size=154880,
+        num_hidden_layers=45,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=202752,
+        attention=AttentionConfig(64, 1536, 512, 256, 0, 256),
+        dsa=DsaConfig(32, 128, 2048, 4, True, max_context),
+        moe=MoeConfig(288, 8, 2048, 1, 2.5, True, 10.0),
+        first_k_dense_replace=1,
+        intermediate_size=10240,
+    )
+
+
+def tiny(
+    *,
+    hidden_size: int = 64,
+    vocab_size: int = 97,
+    num_hidden_layers: int = 2,
+    heads: int = 4,
+    index_topk: int = 8,
+    index_kpool: int = 2,
+    n_routed_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    max_context: int = 256,
+) -> ModelConfig:
+    """A config of the same form, small enough for a CPU test; awkward sizes on purpose."""
+    return ModelConfig(
+        hidden_size=hidden_size,
+        vocab_size=vocab_size,
+        num_hidden_layers=num_hidden_layers,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=max_context,
+        attention=AttentionConfig(heads, 48, 32, 16, 0, 16),
+        dsa=DsaConfig(2, 16, index_topk, index_kpool, True, max_context),
+        moe=MoeConfig(n_routed_experts, num_experts_per_tok, 24, 1, 2.5, True, 10.0),
+        first_k_dense_replace=1,
+        intermediate_size=80,
+    )

@@ -1,0 +1,23 @@
+"""GPU runtime: backends, device pointers, kernel declarations and launches, graphs, paged KV
+cache and communicators. Knows nothing of models."""
+
+from .allocations import AllocStats, Graph
+from .backend import GpuBackend, KernelHandle, NULL_KERNEL
+from .device_ptr import DevicePtr, NULL
+from .errors import (
+    CommError,
+    CudaError,
+    GraphLifetimeError,
+    KernelNotFound,
+    LaunchError,
+    MemoryFault,
+    OutOfMemoryError,
+)
+from .host_backend import HostBackend
+from .launch import Launch, launch
+
+__all__ = [
+    "AllocStats", "Graph", "GpuBackend", "KernelHandle", "NULL_KERNEL", "DevicePtr", "NULL",
+    "CommError", "CudaError", "GraphLifetimeError", "KernelNotFound", "LaunchError", "MemoryFault",
+    "OutOfMemoryError", "HostBackend", "Launch", "launch",
+]

@@ -1,0 +1,257 @@
+"""``HostBackend``: the GpuBackend protocol over a NumPy heap.
+
+Device memory is a set of NumPy byte arrays at made-up, never-reused addresses separated by guard
+gaps. New and freed memory is poisoned (0xFF: NaN in bf16/f32/fp8, a huge u32), and every access
+resolves through the allocation table, so an out-of-bounds pointer, a use after free, a double
+free or a free of an unknown pointer raises an error naming the address instead of corrupting
+memory silently, as it would on a GPU. Kernels run their registered host twins. Graph capture
+records launches and copies and replays them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from .allocations import AllocationTable, AllocStats, Graph
+from .backend import Dim3, KernelHandle, NULL_KERNEL
+from .device_ptr import DevicePtr
+from .errors import GraphLifetimeError, KernelNotFound, LaunchError, MemoryFault, OutOfMemoryError
+from .kernel import lookup
+from .launch import check_args
+
+POISON = 0xFF
+_BASE = 0x7F00_0000_0000
+_ALIGN = 256
+_GUARD = 4096
+
+
+class HostMemory:
+    """What a host twin sees: bounds-checked typed views into the heap."""
+
+    def __init__(self, table: AllocationTable, arrays: dict[int, np.ndarray]) -> None:
+        self._table = table
+        self._arrays = arrays
+
+    def _bytes(self, ptr: DevicePtr, nbytes: int) -> np.ndarray:
+        if not isinstance(ptr, DevicePtr):
+            raise TypeError(f"expected DevicePtr, got {type(ptr).__name__}")
+        if nbytes < 0:
+            raise MemoryFault(f"negative access size {nbytes} at 0x{ptr.addr:x}")
+        base, _ = self._table.find(ptr.addr, max(nbytes, 1))
+        off = ptr.addr - base
+        return self._arrays[base][off : off + nbytes]
+
+    def view(self, ptr: DevicePtr, dtype: Any, count: int | tuple[int, ...]) -> np.ndarray:
+        """A writable view of ``count`` elements (or a shape) of ``dtype`` at ``ptr``."""
+        dt = np.dtype(dtype)
+        shape = (count,) if isinstance(count, (int, np.integer)) else tuple(count)
+        n = int(np.prod(shape)) if shape else 1
+        raw = self._bytes(ptr, n * dt.itemsize)
+        if ptr.addr % dt.alignment:
+            raise MemoryFault(f"misaligned {dt} access at 0x{ptr.addr:x}")
+        return raw.view(dt).reshape(shape)
+
+    def read(self, ptr: DevicePtr, dtype: Any, count: int | tuple[int, ...]) -> np.ndarray:
+        return self.view(ptr, dtype, count).copy()
+
+    def write(self, ptr: DevicePtr, values: np.ndarray) -> None:
+        values = np.ascontiguousarray(values)
+        self._bytes(ptr, values.nbytes)[:] = values.reshape(-1).view(np.uint8)
+
+    def scalar(self, ptr: DevicePtr, dtype: Any) -> Any:
+        return self.view(ptr, dtype, 1)[0].item()
+
+
+class HostBackend:
+    name = "host"
+
+    def __init__(self, capacity_bytes: int = 32 << 30) -> None:
+        self.capacity = capacity_bytes
+        self._table = AllocationTable()
+        self._arrays: dict[int, np.ndarray] = {}
+        self.mem = HostMemory(self._table, self._arrays)
+        self._next = _BASE
+        self._capture: list[Callable[[], None]] | None = None
+        self._capture_touches: set[int] = set()
+        self._streams = {0}
+        self._next_stream = 1
+        self.launches = 0  # kernels run, captured replays included
+
+    # ---- memory ---------------------------------------------------------------------------------
+
+    def alloc(self, nbytes: int) -> DevicePtr:
+        nbytes = int(nbytes)
+        if nbytes <= 0:
+            raise ValueError(f"alloc of {nbytes} bytes: size must be positive")
+        free, _ = self.mem_info()
+        if nbytes > free:
+            raise OutOfMemoryError(
+                f"alloc of {nbytes} bytes ({nbytes / 2**20:.1f} MiB) exceeds the {free} bytes free "
+                f"on the host heap (capacity {self.capacity})"
+            )
+        base = self._next
+        self._next += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN + _GUARD
+        self._arrays[base] = np.full(nbytes, POISON, dtype=np.uint8)
+        self._table.add(base, nbytes)
+        return DevicePtr(base)
+
+    def free(self, ptr: DevicePtr) -> None:
+        self._table.remove(ptr)
+        arr = self._arrays.pop(ptr.addr)
+        arr[:] = POISON  # any view a twin kept now reads poison
+
+    def memset(self, ptr: DevicePtr, byte: int, nbytes: int, stream: int | None = None) -> None:
+        self._touch(ptr, nbytes)
+        self._run(lambda: self.mem._bytes(ptr, nbytes).fill(byte & 0xFF))
+
+    def copy_h2d(self, dst: DevicePtr, src: np.ndarray | bytes, stream: int | None = None) -> None:
+        data = np.frombuffer(bytes(src), np.uint8) if isinstance(src, (bytes, bytearray)) else np.ascontiguousarray(src)
+        self._touch(dst, data.nbytes)
+        if self._capture is not None:
+            if stream is None:
+                raise GraphLifetimeError("a synchronous copy is not allowed during graph capture")
+            # The CUDA graph reads the host buffer at replay time, so the host twin does too.
+            self._capture.append(lambda: self.mem.write(dst, data))
+            return
+        self.mem.write(dst, data.copy())
+
+    def copy_d2h(self, dst: np.ndarray, src: DevicePtr, stream: int | None = None) -> None:
+        if not dst.flags.c_contiguous:
+            raise ValueError("copy_d2h destination must be C-contiguous")
+        self._touch(src, dst.nbytes)
+        if self._capture is not None and stream is None:
+            raise GraphLifetimeError("a synchronous copy is not allowed during graph capture")
+        flat = dst.reshape(-1).view(np.uint8)
+        self._run(lambda: flat.__setitem__(slice(None), self.mem._bytes(src, dst.nbytes)))
+
+    def copy_d2d(self, dst: DevicePtr, src: DevicePtr, nbytes: int, stream: int | None = None) -> None:
+        self._touch(dst, nbytes)
+        self._touch(src, nbytes)
+        self._run(lambda: self.mem._bytes(dst, nbytes).__setitem__(slice(None), self.mem._bytes(src, nbytes)))
+
+    def alloc_host(self, nbytes: int) -> np.ndarray:
+        return np.zeros(int(nbytes), dtype=np.uint8)
+
+    def free_host(self, buf: np.ndarray) -> None:
+        pass
+
+    def mem_info(self) -> tuple[int, int]:
+        return self.capacity - self._table.live_bytes, self.capacity
+
+    def stats(self) -> AllocStats:
+        return self._table.stats()
+
+    def _touch(self, ptr: DevicePtr, nbytes: int) -> None:
+        base, _ = self._table.find(ptr.addr, max(int(nbytes), 1))
+        if self._capture is not None:
+            self._capture_touches.add(base)
+
+    def _run(self, op: Callable[[], None]) -> None:
+        if self._capture is not None:
+            self._capture.append(op)
+        else:
+            op()
+
+    # ---- streams and events ---------------------------------------------------------------------
+
+    @property
+    def default_stream(self) -> int:
+        return 0
+
+    def create_stream(self) -> int:
+        s = self._next_stream
+        self._next_stream += 1
+        self._streams.add(s)
+        return s
+
+    def destroy_stream(self, stream: int) -> None:
+        self._streams.discard(stream)
+
+    def synchronize(self, stream: int | None = None) -> None:
+        if self._capture is not None:
+            raise GraphLifetimeError("synchronize during graph capture")
+
+    def event_create(self) -> list[float]:
+        return [0.0]
+
+    def event_record(self, event: list[float], stream: int | None = None) -> None:
+        self._run(lambda: event.__setitem__(0, time.perf_counter()))
+
+    def event_elapsed_ms(self, start: list[float], end: list[float]) -> float:
+        return (end[0] - start[0]) * 1e3
+
+    def event_destroy(self, event: list[float]) -> None:
+        pass
+
+    # ---- kernels --------------------------------------------------------------------------------
+
+    def kernel(self, module: str, function: str) -> KernelHandle:
+        decl = lookup(module, function)
+        if decl is None or decl.host is None:
+            raise KernelNotFound(f"no kernel {module}.{function} is registered on the host backend")
+        return KernelHandle(decl, decl.host)
+
+    def try_kernel(self, module: str, function: str) -> KernelHandle:
+        try:
+            return self.kernel(module, function)
+        except KernelNotFound:
+            return NULL_KERNEL
+
+    def launch(
+        self,
+        kernel: KernelHandle,
+        grid: Dim3,
+        block: Dim3,
+        args: Sequence[Any],
+        smem: int = 0,
+        stream: int | None = None,
+    ) -> None:
+        args = check_args(kernel, args)
+        if kernel.native is None:
+            raise LaunchError(f"{kernel.name} has no host twin")
+        for (_, _), v in zip(kernel.decl.args, args):  # type: ignore[union-attr]
+            if isinstance(v, DevicePtr):
+                self._touch(v, 1)
+        fn = kernel.native
+
+        def run() -> None:
+            self.launches += 1
+            fn(self.mem, *args)
+
+        self._run(run)
+
+    # ---- graphs ---------------------------------------------------------------------------------
+
+    def begin_capture(self, stream: int | None = None) -> None:
+        if self._capture is not None:
+            raise GraphLifetimeError("begin_capture while a capture is already open")
+        self._capture = []
+        self._capture_touches = set()
+
+    def end_capture(self, stream: int | None = None, label: str = "") -> Graph:
+        if self._capture is None:
+            raise GraphLifetimeError("end_capture without begin_capture")
+        ops, touches = self._capture, self._capture_touches
+        self._capture, self._capture_touches = None, set()
+        return self._table.new_graph(ops, touches, label)
+
+    def abort_capture(self) -> None:
+        self._capture, self._capture_touches = None, set()
+
+    def graph_launch(self, graph: Graph, stream: int | None = None) -> None:
+        self._table.check_graph_live(graph)
+        for op in graph.handle:  # type: ignore[union-attr]
+            op()
+
+    def graph_destroy(self, graph: Graph) -> None:
+        self._table.drop_graph(graph)
+
+    def live_graphs(self) -> list[Graph]:
+        return self._table.live_graphs()
+
+    @property
+    def capturing(self) -> bool:
+        return self._capture is not None

@@ -1,0 +1,89 @@
+"""Kernel declarations: one per CUDA function, with its argument signature and its host twin.
+
+A kernel's Python module (``runtime/kernels/*.py`` or ``model/kernels/*.py``) declares it with
+``declare(...)`` and registers the NumPy implementation that the host backend runs and that the GPU
+tests compare the PTX against. The CUDA source is ``ptx/<module>.cu``; the function is
+``extern "C"`` with the same name and the same arguments in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable
+
+import numpy as np
+
+
+class Arg(Enum):
+    """Kernel argument types, with the NumPy scalar that carries each through cuLaunchKernel."""
+
+    PTR = ("ptr", np.uint64)
+    U32 = ("u32", np.uint32)
+    I32 = ("i32", np.int32)
+    U64 = ("u64", np.uint64)
+    F32 = ("f32", np.float32)
+
+    @property
+    def np_type(self) -> type:
+        return self.value[1]
+
+
+PTR, U32, I32, U64, F32 = Arg.PTR, Arg.U32, Arg.I32, Arg.U64, Arg.F32
+
+
+@dataclass(frozen=True)
+class KernelDecl:
+    module: str
+    function: str
+    args: tuple[tuple[str, Arg], ...]
+    # Pointer arguments the kernel writes (for graph bookkeeping and poisoning in tests).
+    writes: tuple[str, ...] = ()
+    host: Callable[..., None] | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.module, self.function)
+
+    @property
+    def arg_types(self) -> tuple[Arg, ...]:
+        return tuple(t for _, t in self.args)
+
+
+_REGISTRY: dict[tuple[str, str], KernelDecl] = {}
+
+
+def declare(
+    module: str,
+    function: str,
+    args: list[tuple[str, Arg]],
+    *,
+    writes: tuple[str, ...] = (),
+) -> Callable[[Callable[..., None]], KernelDecl]:
+    """Decorator: declare a kernel and register the decorated function as its host twin.
+
+    The host twin is called as ``host(mem, *args)`` where ``mem`` is the host heap
+    (``HostMemory``) and pointer arguments arrive as ``DevicePtr``.
+    """
+    names = [n for n, _ in args]
+    for w in writes:
+        if w not in names:
+            raise ValueError(f"{module}.{function}: writes names unknown argument {w!r}")
+
+    def wrap(fn: Callable[..., None]) -> KernelDecl:
+        decl = KernelDecl(module, function, tuple(args), tuple(writes), fn)
+        old = _REGISTRY.get(decl.key)
+        if old is not None and old.args != decl.args:
+            raise ValueError(f"kernel {module}.{function} declared twice with different arguments")
+        _REGISTRY[decl.key] = decl
+        return decl
+
+    return wrap
+
+
+def lookup(module: str, function: str) -> KernelDecl | None:
+    return _REGISTRY.get((module, function))
+
+
+def registered() -> list[KernelDecl]:
+    return sorted(_REGISTRY.values(), key=lambda d: d.key)

@@ -1,0 +1,119 @@
+import numpy as np
+import pytest
+
+from runtime import DevicePtr, GraphLifetimeError, LaunchError, MemoryFault, OutOfMemoryError
+from runtime.dtypes import BF16
+from runtime.host_backend import HostBackend
+from runtime.kernels.rmsnorm import RMSNORM, rmsnorm, rmsnorm_ref
+
+
+def test_fresh_memory_is_poisoned(host):
+    p = host.alloc(64)
+    out = np.zeros(64, np.uint8)
+    host.copy_d2h(out, p)
+    assert (out == 0xFF).all()
+
+
+def test_roundtrip_and_accounting(host):
+    p = host.alloc(100)
+    q = host.alloc(28)
+    assert host.stats().live_allocations == 2 and host.stats().live_bytes == 128
+    data = np.arange(100, dtype=np.uint8)
+    host.copy_h2d(p, data)
+    out = np.empty(100, np.uint8)
+    host.copy_d2h(out, p)
+    assert (out == data).all()
+    host.free(p)
+    host.free(q)
+    assert host.stats().live_bytes == 0 and host.stats().peak_bytes == 128
+
+
+def test_memory_faults_name_the_address(host):
+    p = host.alloc(16)
+    with pytest.raises(MemoryFault, match="past the end"):
+        host.copy_h2d(p.offset(8), np.zeros(9, np.uint8))
+    host.free(p)
+    with pytest.raises(MemoryFault, match=f"double free of 0x{p.addr:x}"):
+        host.free(p)
+    with pytest.raises(MemoryFault, match="use after free"):
+        host.copy_d2h(np.zeros(4, np.uint8), p)
+    with pytest.raises(MemoryFault, match="unknown pointer 0x1234"):
+        host.free(DevicePtr(0x1234))
+    q = host.alloc(32)
+    with pytest.raises(MemoryFault, match="not its base"):
+        host.free(q.offset(4))
+    host.free(q)  # still usable after every error
+    assert host.stats().live_allocations == 0
+
+
+def test_oom_names_the_size_and_leaves_backend_usable():
+    h = HostBackend(capacity_bytes=1 << 20)
+    with pytest.raises(OutOfMemoryError, match=str(2 << 20)):
+        h.alloc(2 << 20)
+    p = h.alloc(1000)
+    h.free(p)
+
+
+def test_launch_checks_signature(host):
+    k = host.kernel(*RMSNORM.key)
+    x = host.alloc(64)
+    with pytest.raises(LaunchError, match="takes 6 arguments"):
+        host.launch(k, (1, 1, 1), (32, 1, 1), (x, x, x, 1, 32))
+    with pytest.raises(LaunchError, match="must be a DevicePtr"):
+        host.launch(k, (1, 1, 1), (32, 1, 1), (x.addr, x, x, 1, 32, 1e-5))
+    with pytest.raises(LaunchError, match="must be an integer"):
+        host.launch(k, (1, 1, 1), (32, 1, 1), (x, x, x, 1.5, 32, 1e-5))
+    with pytest.raises(LaunchError, match="does not fit u32"):
+        host.launch(k, (1, 1, 1), (32, 1, 1), (x, x, x, -1, 32, 1e-5))
+    host.free(x)
+
+
+def test_try_kernel_gives_null_handle(host):
+    k = host.try_kernel("nope", "nothing")
+    assert not k and k.is_null
+    with pytest.raises(Exception, match="nope.nothing"):
+        host.kernel("nope", "nothing")
+
+
+def test_rmsnorm_twin_matches_float64(host):
+    rng = np.random.default_rng(0)
+    rows, n = 3, 37
+    x = rng.standard_normal((rows, n)).astype(BF16)
+    w = rng.standard_normal(n).astype(BF16)
+    px, pw, po = host.alloc(x.nbytes), host.alloc(w.nbytes), host.alloc(x.nbytes)
+    host.copy_h2d(px, x)
+    host.copy_h2d(pw, w)
+    rmsnorm(host, px, pw, po, rows, n, 1e-5)
+    out = np.empty((rows, n), BF16)
+    host.copy_d2h(out, po)
+    x64 = x.astype(np.float64)
+    ref = x64 / np.sqrt((x64**2).mean(-1, keepdims=True) + 1e-5) * w.astype(np.float64)
+    np.testing.assert_allclose(out.astype(np.float64), ref, rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(out, rmsnorm_ref(x, w, 1e-5))
+
+
+def test_graph_records_replays_and_guards_lifetime(host):
+    rng = np.random.default_rng(1)
+    n = 40
+    px, pw, po = host.alloc(2 * n), host.alloc(2 * n), host.alloc(2 * n)
+    host.copy_h2d(pw, np.ones(n, BF16))
+    s = host.create_stream()
+    host.begin_capture(s)
+    rmsnorm(host, px, pw, po, 1, n, 1e-5, stream=s)
+    g = host.end_capture(s, label="norm")
+    for _ in range(3):  # the graph reads px at replay time, like a CUDA graph does
+        x = rng.standard_normal(n).astype(BF16)
+        host.copy_h2d(px, x)
+        host.memset(po, 0xFF, 2 * n)
+        host.graph_launch(g, s)
+        out = np.empty(n, BF16)
+        host.copy_d2h(out, po)
+        np.testing.assert_array_equal(out, rmsnorm_ref(x, np.ones(n, BF16), 1e-5))
+    with pytest.raises(GraphLifetimeError, match="norm"):
+        host.free(po)
+    assert host.stats().live_allocations == 3  # the refused free changed nothing
+    host.graph_destroy(g)
+    with pytest.raises(GraphLifetimeError, match="destroyed"):
+        host.graph_launch(g, s)
+    for p in (px, pw, po):
+        host.free(p)
