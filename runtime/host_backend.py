@@ -149,6 +149,14 @@ class HostBackend:
         if self._capture is not None:
             self._capture_touches.add(base)
 
+    def enqueue(self, op: Callable[[], None], touches: Sequence[tuple[DevicePtr, int]] = ()) -> None:
+        """Run ``op`` in stream order: now, or at replay when a capture is open. ``touches`` are the
+        (pointer, bytes) it reads or writes, checked now and recorded for graph lifetime. This is
+        how a host-side collective (the host communicator) joins a captured graph."""
+        for ptr, nbytes in touches:
+            self._touch(ptr, nbytes)
+        self._run(op)
+
     def _run(self, op: Callable[[], None]) -> None:
         if self._capture is not None:
             self._capture.append(op)
