@@ -167,50 +167,65 @@ class ModelConfig:
         from the file, else ``max_position_embeddings``.
         """
 
-        def req(name: str) -> Any:
+        def typed(name: str, v: Any, kind: type) -> Any:
+            # A silent int("64.5") or bool("false") would size buffers from a typo; refuse instead.
+            ok = {
+                int: isinstance(v, int) and not isinstance(v, bool),
+                float: isinstance(v, (int, float)) and not isinstance(v, bool),
+                bool: isinstance(v, bool),
+            }[kind]
+            if not ok:
+                raise ConfigError(
+                    f"config.json field {name!r} must be {kind.__name__}, found {v!r} "
+                    f"({type(v).__name__})"
+                )
+            return kind(v)
+
+        def req(name: str, kind: type = int) -> Any:
             if name not in d:
                 raise ConfigError(f"config.json is missing required field {name!r}")
-            return d[name]
+            return typed(name, d[name], kind)
 
-        def opt(name: str, default: Any) -> Any:
-            return d.get(name, default)
+        def opt(name: str, default: Any, kind: type = int) -> Any:
+            return typed(name, d[name], kind) if name in d else default
 
-        max_pos = int(req("max_position_embeddings"))
-        reservation = dsa_max_context or int(opt("index_max_context", max_pos))
+        max_pos = req("max_position_embeddings")
+        reservation = (dsa_max_context if dsa_max_context is not None
+                       else opt("index_max_context", max_pos))
         try:
             return cls(
-                hidden_size=int(req("hidden_size")),
-                vocab_size=int(req("vocab_size")),
-                num_hidden_layers=int(req("num_hidden_layers")),
-                rms_norm_eps=float(req("rms_norm_eps")),
+                hidden_size=req("hidden_size"),
+                vocab_size=req("vocab_size"),
+                num_hidden_layers=req("num_hidden_layers"),
+                rms_norm_eps=req("rms_norm_eps", float),
                 max_position_embeddings=max_pos,
                 attention=AttentionConfig(
-                    num_attention_heads=int(req("num_attention_heads")),
-                    q_lora_rank=int(req("q_lora_rank")),
-                    kv_lora_rank=int(req("kv_lora_rank")),
-                    qk_nope_head_dim=int(req("qk_nope_head_dim")),
-                    qk_rope_head_dim=int(opt("qk_rope_head_dim", 0)),
-                    v_head_dim=int(req("v_head_dim")),
+                    num_attention_heads=req("num_attention_heads"),
+                    q_lora_rank=req("q_lora_rank"),
+                    kv_lora_rank=req("kv_lora_rank"),
+                    qk_nope_head_dim=req("qk_nope_head_dim"),
+                    qk_rope_head_dim=opt("qk_rope_head_dim", 0),
+                    v_head_dim=req("v_head_dim"),
                 ),
                 dsa=DsaConfig(
-                    index_n_heads=int(req("index_n_heads")),
-                    index_head_dim=int(req("index_head_dim")),
-                    index_topk=int(req("index_topk")),
-                    index_kpool=int(req("index_kpool")),
-                    always_select_tail=bool(opt("index_always_select_tail", True)),
+                    index_n_heads=req("index_n_heads"),
+                    index_head_dim=req("index_head_dim"),
+                    index_topk=req("index_topk"),
+                    index_kpool=req("index_kpool"),
+                    always_select_tail=opt("index_always_select_tail", True, bool),
                     max_context=int(reservation),
                 ),
                 moe=MoeConfig(
-                    n_routed_experts=int(req("n_routed_experts")),
-                    num_experts_per_tok=int(req("num_experts_per_tok")),
-                    moe_intermediate_size=int(req("moe_intermediate_size")),
-                    n_shared_experts=int(opt("n_shared_experts", 1)),
-                    routed_scaling_factor=float(opt("routed_scaling_factor", 1.0)),
-                    norm_topk_prob=bool(opt("norm_topk_prob", True)),
-                    swiglu_limit=float(opt("swiglu_limit", 10.0)),
+                    n_routed_experts=req("n_routed_experts"),
+                    num_experts_per_tok=req("num_experts_per_tok"),
+                    moe_intermediate_size=req("moe_intermediate_size"),
+                    n_shared_experts=opt("n_shared_experts", 1),
+                    routed_scaling_factor=opt("routed_scaling_factor", 1.0, float),
+                    norm_topk_prob=opt("norm_topk_prob", True, bool),
+                    swiglu_limit=opt("swiglu_limit", 10.0, float),
                 ),
-                first_k_dense_replace=int(opt("first_k_dense_replace", 0)),
-                intermediate_size=int(opt("intermediate_size", 0)),
+                first_k_dense_replace=opt("first_k_dense_replace", 0),
+                intermediate_size=opt("intermediate_size", 0),
                 parallel=parallel or ParallelConfig(),
             )
         except (TypeError, ValueError) as e:

@@ -1,0 +1,452 @@
+"""Independent NumPy float64 reference of the MTP draft proposer (the test oracle).
+
+Written directly from SPEC.md ("The model", "The proposer", "Exact semantics") and nothing else:
+it imports no kernel, no runtime helper and no model code other than ``model.config``. Every
+number is computed in float64; the only deliberate loss of precision is the FP8 storage emulation
+of the latent cache and the pool keys (``fp8_cache``, on by default) and, optionally, of the draft
+head (``fp8_head``), which mirror what the real drafter stores.
+
+Row space: drafter row r is the pair (embedding of a token, hidden row); its latent, its indexer key
+and gate, and its position are all r. ``context_row`` appends a row that only fills the caches;
+``draft_row`` appends a row and runs it through the block and the head.
+
+Weights are a mapping from the Hugging Face names of the SPEC's table (P =
+``model.layers.{num_hidden_layers}.``) plus ``model.embed_tokens.weight`` and ``lm_head.weight``;
+any float dtype (bfloat16 from ml_dtypes, float32, ...) is upcast to float64 once, at construction.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import ml_dtypes
+import numpy as np
+
+from model.config import ModelConfig
+
+FP8_MAX = 448.0
+INDEXER_LN_EPS = 1e-6
+
+
+# ---- small pure functions ------------------------------------------------------------------------
+
+
+def f64(a) -> np.ndarray:
+    """Upcast any numeric array (bf16/fp8 from ml_dtypes included) to a float64 copy."""
+    a = np.asarray(a)
+    if a.dtype == np.float64:
+        return a.copy()
+    return a.astype(np.float64)
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def layernorm(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float = INDEXER_LN_EPS) -> np.ndarray:
+    mu = np.mean(x, axis=-1, keepdims=True)
+    d = x - mu
+    var = np.mean(d * d, axis=-1, keepdims=True)
+    return d / np.sqrt(var + eps) * w + b
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    out = np.empty_like(x)
+    pos = x >= 0
+    out[pos] = 1.0 / (1.0 + np.exp(-x[pos]))
+    ex = np.exp(x[~pos])
+    out[~pos] = ex / (1.0 + ex)
+    return out
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x * sigmoid(x)
+
+
+def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
+    m = np.max(x, axis=axis, keepdims=True)
+    e = np.exp(x - m)
+    return e / np.sum(e, axis=axis, keepdims=True)
+
+
+def clamped_swiglu(y: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray,
+                   limit: float) -> np.ndarray:
+    """down(silu(min(gate.y, L)) * clip(up.y, -L, L))."""
+    g = np.minimum(w_gate @ y, limit)
+    u = np.clip(w_up @ y, -limit, limit)
+    return w_down @ (silu(g) * u)
+
+
+def fp8_rows(x: np.ndarray) -> np.ndarray:
+    """FP8 E4M3 storage round trip with one scale per row (last axis is the row).
+
+    scale = absmax / 448 (1 for an all-zero row); q = E4M3(clip(x / scale, -448, 448)); returns
+    q * scale in float64. The clip is required: ml_dtypes' float8_e4m3fn does not saturate.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    amax = np.max(np.abs(x), axis=-1, keepdims=True)
+    scale = np.where(amax > 0, amax / FP8_MAX, 1.0)
+    q = np.clip(x / scale, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    return q.astype(np.float64) * scale
+
+
+def argmax_lowest(v: np.ndarray) -> int:
+    """Index of the maximum, the lowest index on a tie (np.argmax's documented behaviour)."""
+    v = np.asarray(v)
+    if np.isnan(v).any():
+        raise FloatingPointError("NaN in logits")
+    return int(np.argmax(v))
+
+
+def top_k_desc(values: np.ndarray, k: int) -> list[int]:
+    """The k indices of the largest values; ties by lower index. -0.0 and 0.0 tie."""
+    order = sorted(range(len(values)), key=lambda i: (-float(values[i]), i))
+    return order[:k]
+
+
+# ---- the drafter ---------------------------------------------------------------------------------
+
+
+class ReferenceDrafter:
+    """Float64 MTP drafter: one decoder block (absorbed NoPE MLA + KPool DSA + MoE) and the head."""
+
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], *, fp8_cache: bool = True,
+                 fp8_head: bool = False) -> None:
+        a, d, m = cfg.attention, cfg.dsa, cfg.moe
+        if a.qk_rope_head_dim != 0:
+            raise ValueError("reference covers NoPE MLA only (qk_rope_head_dim == 0)")
+        if not d.always_select_tail:
+            raise ValueError("the SPEC only defines selection with always_select_tail=True")
+        if cfg.parallel.world_size != 1:
+            raise ValueError("the reference is the unsharded drafter (world_size 1)")
+        self.cfg = cfg
+        self.fp8_cache = fp8_cache
+        self.fp8_head = fp8_head
+        H = cfg.hidden_size
+        P = f"model.layers.{cfg.num_hidden_layers}."
+        self.prefix = P
+
+        def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
+            if name not in weights:
+                raise KeyError(f"missing tensor {name}")
+            t = f64(weights[name])
+            if t.shape != shape:
+                raise ValueError(f"tensor {name}: expected shape {shape}, found {t.shape}")
+            return t
+
+        nh, nope, v, ql, kl = (a.num_attention_heads, a.qk_nope_head_dim, a.v_head_dim,
+                               a.q_lora_rank, a.kv_lora_rank)
+        ih, idim, kp = d.index_n_heads, d.index_head_dim, d.index_kpool
+        E, I = m.n_routed_experts, m.moe_intermediate_size
+        V = cfg.vocab_size
+
+        emb_name = P + "embed_tokens.weight" if P + "embed_tokens.weight" in weights \
+            else "model.embed_tokens.weight"
+        head_name = P + "shared_head.head.weight" if P + "shared_head.head.weight" in weights \
+            else "lm_head.weight"
+        self.embed = get(emb_name, (V, H))
+        head = get(head_name, (V, H))
+        self.head = fp8_rows(head) if fp8_head else head
+
+        self.enorm = get(P + "enorm.weight", (H,))
+        self.hnorm = get(P + "hnorm.weight", (H,))
+        self.eh_proj = get(P + "eh_proj.weight", (H, 2 * H))
+        self.in_norm = get(P + "input_layernorm.weight", (H,))
+        self.post_norm = get(P + "post_attention_layernorm.weight", (H,))
+        self.head_norm = get(P + "shared_head.norm.weight", (H,))
+
+        A = P + "self_attn."
+        self.q_a = get(A + "q_a_proj.weight", (ql, H))
+        self.q_a_norm = get(A + "q_a_layernorm.weight", (ql,))
+        self.q_b = get(A + "q_b_proj.weight", (nh * nope, ql))
+        kv_a = get(A + "kv_a_proj_with_mqa.weight", (kl + a.qk_rope_head_dim, H))
+        self.kv_a = kv_a[:kl]
+        self.kv_a_norm = get(A + "kv_a_layernorm.weight", (kl,))
+        kv_b = get(A + "kv_b_proj.weight", (nh * (nope + v), kl)).reshape(nh, nope + v, kl)
+        self.w_uk = kv_b[:, :nope, :]  # [nh, nope, kl]: key half per head
+        self.w_uv = kv_b[:, nope:, :]  # [nh, v, kl]: value half per head
+        self.o_proj = get(A + "o_proj.weight", (H, nh * v))
+
+        X = A + "indexer."
+        self.ix_wq_b = get(X + "wq_b.weight", (ih * idim, ql))
+        self.ix_wk = get(X + "wk.weight", (idim, H))
+        self.ix_weights = get(X + "weights_proj.weight", (ih, H))
+        self.ix_ln_w = get(X + "k_norm.weight", (idim,))
+        self.ix_ln_b = get(X + "k_norm.bias", (idim,))
+        self.ix_gate = get(X + "compress_gate.weight", (idim, H))
+        self.ix_ape = get(X + "compress_ape", (kp, idim))
+
+        M = P + "mlp."
+        self.router = get(M + "gate.weight", (E, H))
+        self.router_bias = get(M + "gate.e_score_correction_bias", (E,))
+        self.experts = [
+            (get(M + f"experts.{e}.gate_proj.weight", (I, H)),
+             get(M + f"experts.{e}.up_proj.weight", (I, H)),
+             get(M + f"experts.{e}.down_proj.weight", (H, I)))
+            for e in range(E)
+        ]
+        self.shared = None
+        if m.n_shared_experts:
+            self.shared = (get(M + "shared_experts.gate_proj.weight", (I * m.n_shared_experts, H)),
+                           get(M + "shared_experts.up_proj.weight", (I * m.n_shared_experts, H)),
+                           get(M + "shared_experts.down_proj.weight", (H, I * m.n_shared_experts)),
+                           get(M + "shared_expert_gate.weight", (1, H)))
+
+        # Per-row state (row r at index r) and per-pool compressed keys.
+        self._y: list[np.ndarray] = []        # normalised block input (kept to recompute selection)
+        self._c: list[np.ndarray] = []        # latent rows as read back from storage [kl]
+        self._k: list[np.ndarray] = []        # indexer keys [idim]
+        self._g: list[np.ndarray] = []        # compress gates [idim]
+        self._pool_keys: list[np.ndarray] = []  # stored pool keys (read back) [idim]
+        self._draft_rows = 0                  # rows written by the last propose (for after_verify)
+
+    # ---- state -----------------------------------------------------------------------------------
+
+    @property
+    def rows(self) -> int:
+        return len(self._c)
+
+    @property
+    def latents(self) -> np.ndarray:
+        """Stored latent rows as read back, [rows, kv_lora]."""
+        return np.array(self._c).reshape(self.rows, self.cfg.attention.kv_lora_rank)
+
+    @property
+    def indexer_keys(self) -> np.ndarray:
+        return np.array(self._k).reshape(self.rows, self.cfg.dsa.index_head_dim)
+
+    @property
+    def gates(self) -> np.ndarray:
+        return np.array(self._g).reshape(self.rows, self.cfg.dsa.index_head_dim)
+
+    @property
+    def pool_keys(self) -> np.ndarray:
+        """Stored pool keys as read back, [complete pools, index_head_dim]."""
+        return np.array(self._pool_keys).reshape(len(self._pool_keys), self.cfg.dsa.index_head_dim)
+
+    def state(self) -> dict[str, np.ndarray]:
+        """A copy of the whole cache state, for exact comparisons."""
+        return {"y": np.array(self._y).reshape(self.rows, self.cfg.hidden_size), "latents": self.latents,
+                "indexer_keys": self.indexer_keys, "gates": self.gates,
+                "pool_keys": self.pool_keys}
+
+    def rewind_to(self, n: int) -> None:
+        """Keep rows 0..n-1; drop every pool that is no longer complete."""
+        if not 0 <= n <= self.rows:
+            raise ValueError(f"rewind_to({n}) outside 0..{self.rows}")
+        del self._y[n:], self._c[n:], self._k[n:], self._g[n:]
+        del self._pool_keys[n // self.cfg.dsa.index_kpool:]
+
+    # ---- the pieces of the math ------------------------------------------------------------------
+
+    def embed_row(self, token: int) -> np.ndarray:
+        if not 0 <= int(token) < self.cfg.vocab_size:
+            raise ValueError(f"token {token} outside the vocabulary")
+        return self.embed[int(token)]
+
+    def block_input(self, token: int, hidden: np.ndarray) -> np.ndarray:
+        """x = eh_proj [rmsnorm(embed[t]) * enorm ; rmsnorm(h) * hnorm]."""
+        eps = self.cfg.rms_norm_eps
+        h = f64(hidden).reshape(self.cfg.hidden_size)
+        e = rmsnorm(self.embed_row(token), self.enorm, eps)
+        hh = rmsnorm(h, self.hnorm, eps)
+        return self.eh_proj @ np.concatenate([e, hh])
+
+    def q_latent(self, y: np.ndarray) -> np.ndarray:
+        return rmsnorm(self.q_a @ y, self.q_a_norm, self.cfg.rms_norm_eps)
+
+    def pool_key(self, k: np.ndarray, g: np.ndarray) -> np.ndarray:
+        """k, g: [kpool, idim] -> per-dimension softmax over slots of (g + ape) weighting k."""
+        wts = softmax(g + self.ix_ape, axis=0)
+        return np.sum(wts * k, axis=0)
+
+    def _append(self, token: int, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Write row n = rows: latent, indexer key, gate; compress the pool it completes."""
+        eps = self.cfg.rms_norm_eps
+        x = self.block_input(token, hidden)
+        y = rmsnorm(x, self.in_norm, eps)
+        c = rmsnorm(self.kv_a @ y, self.kv_a_norm, eps)
+        k = layernorm(self.ix_wk @ y, self.ix_ln_w, self.ix_ln_b)
+        g = self.ix_gate @ y
+        self._y.append(y)
+        self._c.append(fp8_rows(c) if self.fp8_cache else c)
+        self._k.append(k)
+        self._g.append(g)
+        kp = self.cfg.dsa.index_kpool
+        n = self.rows - 1
+        if (n + 1) % kp == 0:
+            s = slice(n + 1 - kp, n + 1)
+            key = self.pool_key(np.array(self._k[s]), np.array(self._g[s]))
+            self._pool_keys.append(fp8_rows(key) if self.fp8_cache else key)
+        assert len(self._pool_keys) == self.rows // kp
+        return x, y
+
+    def pool_scores(self, y: np.ndarray, n_pools: int) -> np.ndarray:
+        """score_p = sum_h w_h relu(q_h . key_p) / sqrt(idim) for pools 0..n_pools-1."""
+        d = self.cfg.dsa
+        qi = (self.ix_wq_b @ self.q_latent(y)).reshape(d.index_n_heads, d.index_head_dim)
+        w = (self.ix_weights @ y) / math.sqrt(d.index_n_heads)
+        keys = self.pool_keys[:n_pools]                         # [P, idim]
+        rel = np.maximum(qi @ keys.T, 0.0)                     # [ih, P]
+        return (w @ rel) / math.sqrt(d.index_head_dim)
+
+    def selection(self, n: int | None = None) -> np.ndarray:
+        """Sorted rows that row n (already written) attends to."""
+        if n is None:
+            n = self.rows - 1
+        if not 0 <= n < self.rows:
+            raise ValueError(f"row {n} is not written (rows = {self.rows})")
+        d = self.cfg.dsa
+        kp, T = d.index_kpool, d.topk_pools
+        complete = (n + 1) // kp
+        if complete <= T:
+            return np.arange(n + 1)
+        scores = self.pool_scores(self._y[n], complete)
+        pools = sorted(top_k_desc(scores, T))
+        sel = [p * kp + s for p in pools for s in range(kp)]
+        sel += list(range(complete * kp, n + 1))
+        return np.array(sel, dtype=np.int64)
+
+    def attention(self, y: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Absorbed NoPE MLA over the given latent rows; returns o_proj output [H]."""
+        a = self.cfg.attention
+        q = (self.q_b @ self.q_latent(y)).reshape(a.num_attention_heads, a.qk_nope_head_dim)
+        qa = np.einsum("hdk,hd->hk", self.w_uk, q)              # [nh, kl]
+        c = self.latents[rows]                                 # [S, kl]
+        p = softmax((qa @ c.T) * a.softmax_scale, axis=-1)     # [nh, S]
+        o_lat = p @ c                                          # [nh, kl]
+        o = np.einsum("hvk,hk->hv", self.w_uv, o_lat)          # [nh, v]
+        return self.o_proj @ o.reshape(-1)
+
+    def route(self, y2: np.ndarray) -> tuple[list[int], np.ndarray]:
+        """Chosen experts (by score + bias) and their weights (from the unbiased scores)."""
+        m = self.cfg.moe
+        scores = sigmoid(self.router @ y2)
+        chosen = top_k_desc(scores + self.router_bias, m.num_experts_per_tok)
+        w = scores[chosen]
+        if m.norm_topk_prob:
+            w = w / np.sum(w)
+        return chosen, w * m.routed_scaling_factor
+
+    def moe(self, y2: np.ndarray) -> np.ndarray:
+        L = self.cfg.moe.swiglu_limit
+        chosen, w = self.route(y2)
+        out = np.zeros(self.cfg.hidden_size)
+        for e, we in zip(chosen, w):
+            out += we * clamped_swiglu(y2, *self.experts[e], L)
+        if self.shared is not None:
+            sg, su, sd, sgate = self.shared
+            out += sigmoid(sgate @ y2)[0] * clamped_swiglu(y2, sg, su, sd, L)
+        return out
+
+    def block(self, x: np.ndarray, y: np.ndarray, n: int) -> np.ndarray:
+        h1 = x + self.attention(y, self.selection(n))
+        return h1 + self.moe(rmsnorm(h1, self.post_norm, self.cfg.rms_norm_eps))
+
+    def head_logits(self, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        xn = rmsnorm(out, self.head_norm, self.cfg.rms_norm_eps)
+        return self.head @ xn, xn
+
+    # ---- the public drafter API ------------------------------------------------------------------
+
+    def context_row(self, token: int, hidden: np.ndarray) -> None:
+        self._append(token, hidden)
+
+    def feed(self, tokens, hiddens) -> None:
+        """Context rows for consecutive (token, hidden) pairs."""
+        for t, h in zip(tokens, hiddens, strict=True):
+            self._append(int(t), h)
+
+    def draft_row(self, token: int, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        x, y = self._append(token, hidden)
+        out = self.block(x, y, self.rows - 1)
+        return self.head_logits(out)
+
+    def propose(self, last_token: int, target_hidden: np.ndarray, k: int, *,
+                position: int | None = None) -> tuple[list[int], np.ndarray, np.ndarray]:
+        """k drafts; draft 1 writes row ``position`` (default: the current length).
+
+        A drafter ahead of ``position`` is rewound to it; one behind it refuses.
+        """
+        if k < 1:
+            raise ValueError("k must be >= 1")
+        if position is not None:
+            if position > self.rows:
+                raise ValueError(f"drafter has {self.rows} rows, behind position {position}")
+            self.rewind_to(position)
+        drafts, logits, hiddens = [], [], []
+        tok, hid = int(last_token), target_hidden
+        for _ in range(k):
+            lg, xn = self.draft_row(tok, hid)
+            tok, hid = argmax_lowest(lg), xn
+            drafts.append(tok)
+            logits.append(lg)
+            hiddens.append(xn)
+        self._draft_rows = k
+        return drafts, np.array(logits), np.array(hiddens)
+
+    def after_verify(self, accepted: int) -> None:
+        """Keep min(drafted, accepted + 1) of the rows the last propose wrote."""
+        k = self._draft_rows
+        if k == 0:
+            raise RuntimeError("after_verify without a propose")
+        keep = min(k, max(0, int(accepted)) + 1)
+        self.rewind_to(self.rows - k + keep)
+        self._draft_rows = 0
+
+
+# ---- random weights for tests --------------------------------------------------------------------
+
+
+def random_mtp_weights(cfg: ModelConfig, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
+    """Random weights of the SPEC's names and shapes, scaled so activations stay O(1)."""
+    rng = np.random.default_rng(seed)
+    a, d, m = cfg.attention, cfg.dsa, cfg.moe
+    H, V = cfg.hidden_size, cfg.vocab_size
+    P = f"model.layers.{cfg.num_hidden_layers}."
+    A, X, M = P + "self_attn.", P + "self_attn.indexer.", P + "mlp."
+    nh, nope, v, ql, kl = (a.num_attention_heads, a.qk_nope_head_dim, a.v_head_dim,
+                           a.q_lora_rank, a.kv_lora_rank)
+    ih, idim = d.index_n_heads, d.index_head_dim
+    E, I = m.n_routed_experts, m.moe_intermediate_size
+
+    def lin(o: int, i: int) -> np.ndarray:
+        return (rng.standard_normal((o, i)) / math.sqrt(i)).astype(dtype)
+
+    def norm(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n)).astype(dtype)
+
+    w = {
+        "model.embed_tokens.weight": rng.standard_normal((V, H)).astype(dtype),
+        "lm_head.weight": lin(V, H),
+        P + "enorm.weight": norm(H), P + "hnorm.weight": norm(H),
+        P + "eh_proj.weight": lin(H, 2 * H),
+        P + "input_layernorm.weight": norm(H), P + "post_attention_layernorm.weight": norm(H),
+        P + "shared_head.norm.weight": norm(H),
+        A + "q_a_proj.weight": lin(ql, H), A + "q_a_layernorm.weight": norm(ql),
+        A + "q_b_proj.weight": lin(nh * (nope + a.qk_rope_head_dim), ql),
+        A + "kv_a_proj_with_mqa.weight": lin(kl + a.qk_rope_head_dim, H),
+        A + "kv_a_layernorm.weight": norm(kl),
+        A + "kv_b_proj.weight": lin(nh * (nope + v), kl),
+        A + "o_proj.weight": lin(H, nh * v),
+        X + "wq_b.weight": lin(ih * idim, ql), X + "wk.weight": lin(idim, H),
+        X + "weights_proj.weight": lin(ih, H),
+        X + "k_norm.weight": norm(idim), X + "k_norm.bias": (0.1 * rng.standard_normal(idim)).astype(dtype),
+        X + "compress_gate.weight": lin(idim, H),
+        X + "compress_ape": rng.standard_normal((d.index_kpool, idim)).astype(dtype),
+        M + "gate.weight": lin(E, H),
+        M + "gate.e_score_correction_bias": (0.1 * rng.standard_normal(E)).astype(np.float32),
+    }
+    for e in range(E):
+        w[M + f"experts.{e}.gate_proj.weight"] = lin(I, H)
+        w[M + f"experts.{e}.up_proj.weight"] = lin(I, H)
+        w[M + f"experts.{e}.down_proj.weight"] = lin(H, I)
+    if m.n_shared_experts:
+        w[M + "shared_experts.gate_proj.weight"] = lin(I, H)
+        w[M + "shared_experts.up_proj.weight"] = lin(I, H)
+        w[M + "shared_experts.down_proj.weight"] = lin(H, I)
+        w[M + "shared_expert_gate.weight"] = lin(1, H)
+    return w
