@@ -115,6 +115,11 @@ class AllocationTable:
         hit = self.find(addr, 1, quiet=True)
         return hit[0] if hit else None
 
+    def bytes_from(self, addr: int) -> int:
+        """Bytes from ``addr`` to the end of its live allocation (raises MemoryFault if none)."""
+        base, size = self.find(addr, 1)
+        return base + size - addr
+
     def stats(self) -> AllocStats:
         return AllocStats(len(self._sizes), self.live_bytes, self.peak_bytes)
 

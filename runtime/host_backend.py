@@ -144,6 +144,9 @@ class HostBackend:
     def stats(self) -> AllocStats:
         return self._table.stats()
 
+    def bytes_from(self, ptr: DevicePtr) -> int:
+        return self._table.bytes_from(ptr.addr)
+
     def _touch(self, ptr: DevicePtr, nbytes: int) -> None:
         base, _ = self._table.find(ptr.addr, max(int(nbytes), 1))
         if self._capture is not None:

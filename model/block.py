@@ -1,0 +1,222 @@
+"""One decoder layer of the family (DSA attention + MoE or dense MLP, plain residual), as a
+sequence of kernel launches through the runtime.
+
+Two entry points:
+- ``context_rows``: rows that only fill the caches (the latent, the indexer key and gate, pool
+  compression). No attention, no MLP: a context row's output is never read.
+- ``full_row``: one row through the whole layer, in place on ``x``: it writes its caches first,
+  then attends over the selection, then the MLP.
+
+Every launch addresses the row through ``row_ptr`` (a u32 in device memory) plus an immediate
+``row_add``, so a captured graph replays at whatever row the host (or the previous node) set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runtime.backend import GpuBackend
+from runtime.device_ptr import DevicePtr
+from runtime.kernels.gemv_bf16 import gemv_bf16
+from runtime.kernels.rmsnorm import rmsnorm
+from runtime.kv_cache import PagedKvCache
+
+from .config import ModelConfig
+from .dsa import DsaState, selection_rows
+from .kernels import bgemv as bg
+from .kernels import dsa_cache, dsa_select, moe, sparse_mla
+from .weights import AttentionWeights, DeviceArena, MlpWeights, Sharding
+
+# The indexer's k_norm is a LayerNorm with a fixed eps (SPEC "Exact semantics").
+INDEXER_LN_EPS = 1e-6
+
+
+@dataclass
+class LayerScratch:
+    """Per-sequence scratch of one layer call (its pointers are baked into captured graphs, so it
+    belongs to a sequence slot, not to the layer)."""
+
+    y: DevicePtr
+    fused: DevicePtr
+    q_lat: DevicePtr
+    q_fused: DevicePtr
+    q_abs: DevicePtr
+    o_lat: DevicePtr
+    o: DevicePtr
+    attn_local: DevicePtr
+    attn_parts: DevicePtr
+    h1: DevicePtr
+    y2: DevicePtr
+    rscores: DevicePtr
+    ids: DevicePtr
+    wts: DevicePtr
+    act: DevicePtr
+    moe_parts: DevicePtr
+    iscores: DevicePtr
+    selected: DevicePtr
+    count: DevicePtr
+
+    @classmethod
+    def alloc(cls, arena: DeviceArena, cfg: ModelConfig, sh: Sharding, chunk: int, rows: int,
+              fused_rows: int) -> "LayerScratch":
+        a, d, m, H = cfg.attention, cfg.dsa, cfg.moe, cfg.hidden_size
+        slots = m.num_experts_per_tok + 1
+        inter = max(m.moe_intermediate_size, cfg.intermediate_size)
+        g = arena.gpu
+        b = arena.zeros
+        return cls(
+            y=b(chunk * H * 2),
+            fused=b(chunk * fused_rows * 2),
+            q_lat=b(a.q_lora_rank * 2),
+            q_fused=b((sh.local_heads * a.qk_head_dim + d.index_n_heads * d.index_head_dim) * 2),
+            q_abs=b(sh.local_heads * a.kv_lora_rank * 4),
+            o_lat=b(sh.local_heads * a.kv_lora_rank * 2),
+            o=b(sh.local_heads * a.v_head_dim * 2),
+            attn_local=b(sh.local_groups * H * 4),
+            attn_parts=b(sh.groups * H * 4),
+            h1=b(H * 2),
+            y2=b(H * 2),
+            rscores=b((m.n_routed_experts + 1) * 4),
+            ids=b(slots * 4),
+            wts=b(slots * 4),
+            act=b(slots * inter * 2),
+            moe_parts=b(slots * H * 4),
+            iscores=b(max(rows // d.index_kpool, 1) * 4),
+            selected=b(max(selection_rows(d, rows), 1) * 4),
+            count=b(4),
+        )
+
+
+class DecoderLayer:
+    """A layer's weights and its launch sequence. ``comm`` is required when the layer is sharded:
+    a sharded layer without one would draft from a partial sum, so construction refuses it."""
+
+    def __init__(self, gpu: GpuBackend, cfg: ModelConfig, sh: Sharding, attn: AttentionWeights,
+                 mlp: MlpWeights, comm=None, kv_layer: int = 0) -> None:
+        if sh.world_size > 1 and comm is None:
+            raise ValueError(
+                f"layer sharded over {sh.world_size} ranks needs a communicator: without one it "
+                "would compute from this rank's share of the heads and experts only"
+            )
+        if comm is not None and comm.world_size != sh.world_size:
+            raise ValueError(
+                f"communicator has {comm.world_size} ranks, the layer is sharded over {sh.world_size}"
+            )
+        self.gpu, self.cfg, self.sh, self.attn, self.mlp, self.comm = gpu, cfg, sh, attn, mlp, comm
+        self.kv_layer = kv_layer
+        a, d = cfg.attention, cfg.dsa
+        self.ctx_rows = a.kv_lora_rank + 2 * d.index_head_dim  # rows of fused_in a context row needs
+
+    # ---- caches ---------------------------------------------------------------------------------
+
+    def _write_caches(self, s: LayerScratch, fused: DevicePtr, stride: int, st: DsaState,
+                      kv: PagedKvCache, row_ptr: DevicePtr, row_add: int, rows: int, stream) -> None:
+        cfg, gpu, w = self.cfg, self.gpu, self.attn
+        C, idim = cfg.attention.kv_lora_rank, cfg.dsa.index_head_dim
+        dsa_cache.latent_write_fp8(gpu, fused, stride, w.kv_a_norm, kv.data[self.kv_layer], kv.scales[self.kv_layer],
+                                   st.table.device, row_ptr, row_add, rows, C,
+                                   kv.config.block_size, cfg.rms_norm_eps, stream)
+        dsa_cache.indexer_write_keys(gpu, fused.offset(C * 2), stride, w.k_norm_w, w.k_norm_b,
+                                     st.keys, st.gates, row_ptr, row_add, rows, idim,
+                                     INDEXER_LN_EPS, stream)
+        dsa_cache.indexer_compress_pools(gpu, st.keys, st.gates, w.ape, st.pool_keys,
+                                         st.pool_scales, row_ptr, row_add, rows, idim,
+                                         cfg.dsa.index_kpool, stream)
+
+    def context_rows(self, x: DevicePtr, rows: int, s: LayerScratch, st: DsaState,
+                     kv: PagedKvCache, row_ptr: DevicePtr, row_add: int, stream=None) -> None:
+        """Cache rows for ``rows`` consecutive inputs ``x[rows, H]`` (rows <= the scratch chunk)."""
+        H = self.cfg.hidden_size
+        rmsnorm(self.gpu, x, self.attn.input_norm, s.y, rows, H, self.cfg.rms_norm_eps, stream)
+        gemv_bf16(self.gpu, self.attn.fused_in, s.y, s.fused, rows, self.ctx_rows, H, stream)
+        self._write_caches(s, s.fused, self.ctx_rows, st, kv, row_ptr, row_add, rows, stream)
+
+    # ---- the whole layer for one row ------------------------------------------------------------
+
+    def full_row(self, x: DevicePtr, s: LayerScratch, st: DsaState, kv: PagedKvCache,
+                 row_ptr: DevicePtr, row_add: int, rows_capacity: int, stream=None) -> None:
+        """x [H] in place: x = x + attn(norm(x)); x = x + mlp(norm(x))."""
+        self.attention(x, s, st, kv, row_ptr, row_add, rows_capacity, stream)
+        self.mlp_forward(s, x, stream)
+
+    def attention(self, x: DevicePtr, s: LayerScratch, st: DsaState, kv: PagedKvCache,
+                  row_ptr: DevicePtr, row_add: int, rows_capacity: int, stream=None) -> None:
+        cfg, gpu, w, sh = self.cfg, self.gpu, self.attn, self.sh
+        a, d, H, eps = cfg.attention, cfg.dsa, cfg.hidden_size, cfg.rms_norm_eps
+        C, idim, ih = a.kv_lora_rank, d.index_head_dim, d.index_n_heads
+        hl = sh.local_heads
+        rmsnorm(gpu, x, w.input_norm, s.y, 1, H, eps, stream)
+        gemv_bf16(gpu, w.fused_in, s.y, s.fused, 1, w.fused_rows, H, stream)
+        self._write_caches(s, s.fused, w.fused_rows, st, kv, row_ptr, row_add, 1, stream)
+        q_a = s.fused.offset(self.ctx_rows * 2)
+        rmsnorm(gpu, q_a, w.q_a_norm, s.q_lat, 1, a.q_lora_rank, eps, stream)
+        nq = hl * a.qk_head_dim + ih * idim
+        gemv_bf16(gpu, w.q_fused, s.q_lat, s.q_fused, 1, nq, a.q_lora_rank, stream)
+        iw = q_a.offset(a.q_lora_rank * 2)  # weights_proj y
+        dsa_select.indexer_scores(gpu, s.q_fused.offset(hl * a.qk_head_dim * 2), iw, st.pool_keys,
+                                  st.pool_scales, s.iscores, row_ptr, row_add, ih, idim,
+                                  d.index_kpool, 1.0 / ih ** 0.5,
+                                  max(rows_capacity // d.index_kpool, 1), stream)
+        dsa_select.select_topk_pools(gpu, s.iscores, s.selected, s.count, row_ptr, row_add,
+                                     d.topk_pools, d.index_kpool, stream)
+        bg.bgemv(gpu, w.wk_t, s.q_fused, s.q_abs, hl, C, a.qk_nope_head_dim, out_f32=True,
+                 stream=stream)
+        sparse_mla.sparse_mla_attend(gpu, s.q_abs, kv.data[self.kv_layer], kv.scales[self.kv_layer], st.table.device,
+                                     s.selected, s.count, s.o_lat, hl, C, kv.config.block_size,
+                                     a.softmax_scale, stream)
+        bg.bgemv(gpu, w.wv, s.o_lat, s.o, hl, a.v_head_dim, C, out_f32=False, stream=stream)
+        gw = sh.group_heads * a.v_head_dim
+        if sh.world_size == 1:
+            bg.bgemv(gpu, w.o_proj, s.o, s.attn_parts, sh.groups, H, gw, out_f32=True, stream=stream)
+        else:
+            bg.bgemv(gpu, w.o_proj, s.o, s.attn_local, sh.local_groups, H, gw, out_f32=True,
+                     stream=stream)
+            self.comm.all_gather(s.attn_local, s.attn_parts, sh.local_groups * H, "float32",
+                                 stream=stream)
+        bg.sum_rows_residual(gpu, s.attn_parts, x, s.h1, sh.groups, H, stream)
+
+    def mlp_forward(self, s: LayerScratch, x_out: DevicePtr, stream=None) -> None:
+        """x_out = h1 + mlp(post_norm(h1))."""
+        cfg, gpu, w, sh = self.cfg, self.gpu, self.mlp, self.sh
+        H, m = cfg.hidden_size, cfg.moe
+        rmsnorm(gpu, s.h1, w.post_norm, s.y2, 1, H, cfg.rms_norm_eps, stream)
+        if not w.is_moe:
+            # A dense MLP is one "expert" whose id and weight are the constants the layer holds.
+            moe.expert_gate_up(gpu, w.gate_up, s.y2, self.const_ids, s.act, 0, 1, 0, 1, w.inter, H,
+                               float("inf"), stream)
+            moe.expert_down(gpu, w.down, s.act, self.const_ids, self.const_one, s.moe_parts, 0, 1,
+                            0, 1, H, w.inter, stream)
+            bg.sum_rows_residual(gpu, s.moe_parts, s.h1, x_out, 1, H, stream)
+            return
+        E, k, L = m.n_routed_experts, m.num_experts_per_tok, m.swiglu_limit
+        shared = m.n_shared_experts > 0
+        moe.router_scores(gpu, w.router, s.y2, s.rscores, E + int(shared), H, stream)
+        moe.router_topk(gpu, s.rscores, w.bias, s.ids, s.wts, E, k, m.norm_topk_prob,
+                        m.routed_scaling_factor, shared, stream)
+        moe.expert_gate_up(gpu, w.gate_up, s.y2, s.ids, s.act, 0, k, w.expert_base, w.n_local,
+                           w.inter, H, L, stream)
+        moe.expert_down(gpu, w.down, s.act, s.ids, s.wts, s.moe_parts, 0, k, w.expert_base,
+                        w.n_local, H, w.inter, stream)
+        slots = k
+        if shared:
+            slots += 1
+            if w.shared_gate_up is not None:
+                moe.expert_gate_up(gpu, w.shared_gate_up, s.y2, s.ids, s.act, k, 1, 0, 1, w.inter,
+                                   H, L, stream)
+                moe.expert_down(gpu, w.shared_down, s.act, s.ids, s.wts, s.moe_parts, k, 1, 0, 1,
+                                H, w.inter, stream)
+            else:
+                gpu.memset(s.moe_parts.offset(k * H * 4), 0, H * 4, stream)
+        if sh.world_size > 1:
+            # Every slot row is non-zero on exactly one rank, so this sum is exact (x + 0 = x).
+            self.comm.all_reduce(s.moe_parts, slots * H, "float32", "sum", stream=stream)
+        bg.sum_rows_residual(gpu, s.moe_parts, s.h1, x_out, slots, H, stream)
+
+    const_ids: DevicePtr
+    const_one: DevicePtr
+
+    def bind_constants(self, arena: DeviceArena) -> None:
+        import numpy as np
+
+        self.const_ids = arena.upload(np.zeros(1, np.uint32))
+        self.const_one = arena.upload(np.ones(1, np.float32))

@@ -1,0 +1,106 @@
+"""Per-sequence DSA state of one layer: the latent rows in the layer's paged FP8 pool, the
+indexer's per-token keys and gates, the compressed FP8 pool keys, and the row count.
+
+Rewinding is moving the count: rows and pools past it are unreachable (the selection reads only
+complete pools below the current row, attention only selected rows), and a pool that a rewind cut
+open is recompressed from its per-token keys and gates when a re-feed completes it again, so
+rewind-then-refeed gives exactly the state that never advanced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runtime.backend import GpuBackend
+from runtime.device_ptr import DevicePtr
+from runtime.kv_cache import BlockTable, PagedKvCache
+
+from .config import DsaConfig
+from .kernels.dsa_select import TOPK_MAX_POOLS, selection_capacity
+
+
+class DsaSizingError(ValueError):
+    """A row past the drafter's sizing, or a feed that would leave a hole."""
+
+
+def max_dsa_context(cfg: DsaConfig) -> int:
+    """Rows a DSA layer can ever hold: the indexer reservation in whole pools, clamped to what the
+    top-k selection kernel can rank (``TOPK_MAX_POOLS`` pools). Derived, never a literal."""
+    whole_pools = cfg.max_context // cfg.index_kpool
+    return min(whole_pools, TOPK_MAX_POOLS) * cfg.index_kpool
+
+
+def drafter_context_rows(served_max_seq_len: int, cfg: DsaConfig) -> int:
+    """The drafter's reach: the served context clamped to ``max_dsa_context``. Every per-sequence
+    buffer is sized from this; a declared context the DSA layer can never reach sizes nothing."""
+    if served_max_seq_len <= 0:
+        raise DsaSizingError(f"served max_seq_len must be positive, got {served_max_seq_len}")
+    return min(served_max_seq_len, max_dsa_context(cfg))
+
+
+@dataclass
+class DsaState:
+    rows_capacity: int
+    keys: DevicePtr  # [rows, idim] BF16
+    gates: DevicePtr  # [rows, idim] BF16
+    pool_keys: DevicePtr  # [pools, idim] FP8
+    pool_scales: DevicePtr  # [pools] f32
+    table: BlockTable
+    length: int = 0
+
+    @classmethod
+    def alloc(cls, gpu: GpuBackend, cfg: DsaConfig, rows: int, kv: PagedKvCache,
+              table: BlockTable | None = None) -> "DsaState":
+        """With ``table``, the rows share another layer's block table (the target's layers do:
+        one claim per sequence, one pool per layer); the caller then owns the table."""
+        idim = cfg.index_head_dim
+        pools = max(rows // cfg.index_kpool, 1)
+        done: list[DevicePtr] = []
+        try:
+            for nbytes in (rows * idim * 2, rows * idim * 2, pools * idim, pools * 4):
+                done.append(gpu.alloc(nbytes))
+            owned = table is None
+            table = kv.claim(rows) if owned else table
+        except Exception:
+            for p in done:
+                gpu.free(p)
+            raise
+        st = cls(rows, *done, table=table)
+        st.owns_table = owned
+        return st
+
+    owns_table: bool = True
+
+    def free(self, gpu: GpuBackend, kv: PagedKvCache) -> None:
+        if self.owns_table:
+            kv.release(self.table)
+        for p in (self.keys, self.gates, self.pool_keys, self.pool_scales):
+            gpu.free(p)
+
+    def check_advance(self, start: int, rows: int) -> None:
+        """Refuse, before anything is written, a feed that does not start at the current length or
+        runs past the sizing (invariant: the row space is dense and within its buffers)."""
+        if start != self.length:
+            raise DsaSizingError(
+                f"feed starts at row {start} but the DSA state holds {self.length} rows: "
+                "rows must append exactly at the current length (no hole, no overwrite)"
+            )
+        if start + rows > self.rows_capacity:
+            raise DsaSizingError(
+                f"feed of {rows} rows at {start} runs past the {self.rows_capacity} rows this "
+                "state was sized for"
+            )
+
+    def advance(self, rows: int) -> None:
+        self.check_advance(self.length, rows)
+        self.length += rows
+
+    def rewind_to(self, n: int) -> None:
+        if not 0 <= n <= self.length:
+            raise DsaSizingError(f"rewind_to({n}) outside 0..{self.length}")
+        self.length = n
+
+
+def selection_rows(cfg: DsaConfig, rows: int) -> int:
+    """Capacity of the selected-row list for a state of ``rows`` rows."""
+    return selection_capacity(rows, cfg.topk_pools, cfg.index_kpool)

@@ -1,0 +1,73 @@
+"""Acceptance per draft position on held-out text, with the protocol ``train/eval_acceptance.py``
+uses in PyTorch float32 (see ``model.corpus``): for a sample (file, t), the target reads
+``bytes[0..t]`` and commits its greedy token g_1; the drafter holds rows ``(tokens[r+1], h_r)`` for
+r < t and proposes k drafts from ``(g_1, h_t)``; draft i is accepted when it equals the target's
+greedy continuation g_{i+1} and every draft before it was accepted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from .corpus import heldout_files, sample_positions
+from .proposer import MtpProposer
+from .target import TargetModel
+
+
+def evaluate_acceptance(target: TargetModel, drafter: MtpProposer, checkpoint: Path, *, k: int,
+                        samples: int, max_context: int, refeed: bool = False,
+                        quiet: bool = False) -> dict:
+    files = dict(heldout_files())
+    plan = sample_positions(files.items(), max_t=max_context - k - 2, n_samples=samples)
+    by_file: dict[str, list[int]] = {}
+    for rel, t in plan:
+        by_file.setdefault(rel, []).append(t)
+    reached = np.zeros(k, np.int64)
+    accepted = np.zeros(k, np.int64)
+    total_acc = 0
+    bar = tqdm(total=len(plan), desc="eval", unit="sample", disable=quiet)
+    for rel, ts in by_file.items():
+        toks = list(files[rel])
+        tst = target.alloc_state()
+        dst = drafter.alloc_state()
+        try:
+            for t in ts:
+                # Real text up to row t, then its greedy token.
+                logits = target.forward(tst, toks[tst.length:t + 1], tst.length)
+                g1 = int(np.argmax(logits[-1]))
+                # The greedy continuation g_2..g_{k+1} from rows t+1.., then back to the text.
+                cont = [g1]
+                for _ in range(k):
+                    lg = target.forward(tst, [cont[-1]], tst.length)
+                    cont.append(int(np.argmax(lg[-1])))
+                target.rewind_to(tst, t + 1)
+                # Drafter rows 0..t-1 from the real text; then k drafts from (g_1, h_t).
+                drafter.rewind_to(dst, min(dst.rows, t))
+                if dst.rows < t:
+                    base = dst.rows
+                    drafter.catchup_drafter(dst, toks[base:t + 1], target.hidden_rows(tst, base), base)
+                drafts = drafter.propose(dst, g1, target.hidden_rows(tst, t), t, k)
+                a = 0
+                while a < k and drafts[a] == cont[a + 1]:
+                    a += 1
+                reached[: min(a + 1, k)] += 1
+                accepted[:a] += 1
+                total_acc += a
+                drafter.after_verify(dst, a)
+                bar.update(1)
+        finally:
+            drafter.free_state(dst)
+            target.free_state(tst)
+    bar.close()
+    acc = [float(a / r) if r else float("nan") for a, r in zip(accepted, reached)]
+    return {
+        "checkpoint": str(checkpoint),
+        "k": k,
+        "samples": len(plan),
+        "files": len(by_file),
+        "acceptance": [round(x, 4) for x in acc],
+        "mean_accepted_drafts": round(total_acc / max(len(plan), 1), 4),
+    }

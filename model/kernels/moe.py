@@ -1,0 +1,134 @@
+"""MoE: sigmoid router, top-k with correction bias, and expert GEMVs that read the chosen ids from
+device memory.
+
+Slots: the routed experts fill slots 0..topk-1; the gated shared expert, when present, is slot
+topk. ``expert_down`` writes one f32 row per slot (zero for an expert this rank does not hold), and
+``bgemv.sum_rows_residual`` adds the rows in slot order, so the zero-padded all-reduce of a sharded
+run reproduces one rank's arithmetic exactly. CUDA: ptx/moe.cu.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.dtypes import BF16
+from runtime.launch import launch
+from runtime.kernel import F32, PTR, U32, declare
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return (1.0 / (1.0 + np.exp(-np.asarray(x, np.float32)))).astype(np.float32)
+
+
+def clamped_swiglu(g: np.ndarray, u: np.ndarray, limit: float) -> np.ndarray:
+    g = np.minimum(np.asarray(g, np.float32), np.float32(limit))
+    u = np.clip(np.asarray(u, np.float32), -np.float32(limit), np.float32(limit))
+    return g * sigmoid(g) * u
+
+
+def route_ref(scores: np.ndarray, bias: np.ndarray, topk: int, norm: bool, scale: float):
+    """ids by higher score+bias then lower index; weights from the unbiased scores."""
+    sel = np.asarray(scores, np.float32) + np.asarray(bias, np.float32)
+    ids = np.argsort(-sel.astype(np.float64), kind="stable")[:topk].astype(np.uint32)
+    w = scores[ids].astype(np.float32)
+    if norm:
+        w = w / w.sum(dtype=np.float32)
+    return ids, (w * np.float32(scale)).astype(np.float32)
+
+
+@declare(
+    "moe",
+    "router_scores",
+    [("w", PTR), ("y", PTR), ("scores", PTR), ("n", U32), ("h", U32)],
+    writes=("scores",),
+)
+def ROUTER_SCORES(mem, w, y, scores, n, h):
+    """scores[i] = sigmoid(w[i] . y), f32."""
+    wv = mem.read(w, BF16, (n, h)).astype(np.float32)
+    mem.write(scores, sigmoid(wv @ mem.read(y, BF16, h).astype(np.float32)))
+
+
+@declare(
+    "moe",
+    "router_topk",
+    [
+        ("scores", PTR), ("bias", PTR), ("ids", PTR), ("weights", PTR), ("n_experts", U32),
+        ("topk", U32), ("norm", U32), ("scale", F32), ("shared", U32),
+    ],
+    writes=("ids", "weights"),
+)
+def ROUTER_TOPK(mem, scores, bias, ids, weights, n_experts, topk, norm, scale, shared):
+    """With ``shared``, slot topk gets id 0 and weight scores[n_experts] (the shared gate)."""
+    s = mem.read(scores, np.float32, n_experts + (1 if shared else 0))
+    i, w = route_ref(s[:n_experts], mem.read(bias, np.float32, n_experts), topk, bool(norm), scale)
+    if shared:
+        i = np.append(i, np.uint32(0))
+        w = np.append(w, s[n_experts]).astype(np.float32)
+    mem.write(ids, i)
+    mem.write(weights, w)
+
+
+_SLOTS = [("slot0", U32), ("nslots", U32), ("expert_base", U32), ("n_local", U32)]
+
+
+@declare(
+    "moe",
+    "expert_gate_up",
+    [("w", PTR), ("y", PTR), ("ids", PTR), ("act", PTR), *_SLOTS, ("inter", U32), ("h", U32),
+     ("limit", F32)],
+    writes=("act",),
+)
+def EXPERT_GATE_UP(mem, w, y, ids, act, slot0, nslots, expert_base, n_local, inter, h, limit):
+    """act[j] = silu(min(g, L)) * clamp(u, -L, L) with [g; u] = w[e] @ y, for local experts.
+    w is [n_local, 2*inter, h]: the gate rows, then the up rows."""
+    yv = mem.read(y, BF16, h).astype(np.float32)
+    idv = mem.read(ids, np.uint32, slot0 + nslots)
+    for j in range(slot0, slot0 + nslots):
+        e = int(idv[j]) - expert_base
+        if not 0 <= e < n_local:
+            continue
+        we = mem.read(w.offset(e * 2 * inter * h * 2), BF16, (2 * inter, h)).astype(np.float32)
+        gu = we @ yv
+        mem.write(act.offset(j * inter * 2), clamped_swiglu(gu[:inter], gu[inter:], limit).astype(BF16))
+
+
+@declare(
+    "moe",
+    "expert_down",
+    [("w", PTR), ("act", PTR), ("ids", PTR), ("weights", PTR), ("parts", PTR), *_SLOTS,
+     ("h", U32), ("inter", U32)],
+    writes=("parts",),
+)
+def EXPERT_DOWN(mem, w, act, ids, weights, parts, slot0, nslots, expert_base, n_local, h, inter):
+    """parts[j] = weights[j] * (w[e] @ act[j]) in f32; zeros where the expert is not local."""
+    idv = mem.read(ids, np.uint32, slot0 + nslots)
+    wt = mem.read(weights, np.float32, slot0 + nslots)
+    for j in range(slot0, slot0 + nslots):
+        e = int(idv[j]) - expert_base
+        if not 0 <= e < n_local:
+            mem.write(parts.offset(j * h * 4), np.zeros(h, np.float32))
+            continue
+        we = mem.read(w.offset(e * h * inter * 2), BF16, (h, inter)).astype(np.float32)
+        a = mem.read(act.offset(j * inter * 2), BF16, inter).astype(np.float32)
+        mem.write(parts.offset(j * h * 4), (np.float32(wt[j]) * (we @ a)).astype(np.float32))
+
+
+def router_scores(gpu, w, y, scores, n, h, stream=None):
+    launch(gpu, gpu.kernel(*ROUTER_SCORES.key), -(-n // 8), 256, w, y, scores, n, h, stream=stream)
+
+
+def router_topk(gpu, scores, bias, ids, weights, n_experts, topk, norm, scale, shared, stream=None):
+    launch(gpu, gpu.kernel(*ROUTER_TOPK.key), 1, 32, scores, bias, ids, weights, n_experts, topk,
+           int(norm), scale, int(shared), stream=stream)
+
+
+def expert_gate_up(gpu, w, y, ids, act, slot0, nslots, expert_base, n_local, inter, h, limit,
+                   stream=None):
+    launch(gpu, gpu.kernel(*EXPERT_GATE_UP.key), (-(-inter // 8), nslots), 256, w, y, ids, act,
+           slot0, nslots, expert_base, n_local, inter, h, limit, stream=stream)
+
+
+def expert_down(gpu, w, act, ids, weights, parts, slot0, nslots, expert_base, n_local, h, inter,
+                stream=None):
+    launch(gpu, gpu.kernel(*EXPERT_DOWN.key), (-(-h // 8), nslots), 256, w, act, ids, weights,
+           parts, slot0, nslots, expert_base, n_local, h, inter, stream=stream)

@@ -1,0 +1,427 @@
+"""The MTP draft proposer: the contract a serving engine's scheduler calls.
+
+``alloc_state / prefill_drafter / catchup_drafter / propose / after_verify / free_state``, plus
+``drafter_rows``, ``last_pair_key``, ``prefill_hidden_rows`` and ``drafter_context_rows``.
+
+Row space (dense): drafter row r is the pair ``(embed(tokens[r+1]), hidden[r])``; its KV slot, its
+indexer row and its position are all r. Context rows append exactly at the current length; a feed
+that would leave a hole or run past the sizing is refused before anything is written.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from runtime.allocations import Graph
+from runtime.backend import GpuBackend
+from runtime.device_ptr import DevicePtr
+from runtime.dtypes import BF16
+from runtime.kernels.argmax_bf16 import argmax_bf16
+from runtime.kernels.gemv_bf16 import MAX_M as GEMV_MAX_M, gemv_bf16
+from runtime.kernels.gemv_fp8w import gemv_fp8w
+from runtime.kernels.quantize_fp8 import quantize_fp8
+from runtime.kernels.rmsnorm import rmsnorm
+from runtime.kv_cache import KvCacheConfig, KvDtype, PagedKvCache
+
+from .block import DecoderLayer, LayerScratch
+from .config import ModelConfig
+from .dsa import DsaSizingError, DsaState, drafter_context_rows
+from .kernels import draft_head
+from .kernels.mtp_input import mtp_embed_norm
+from .weights import DeviceArena, Sharding, WeightError, load_attention, load_moe
+
+log = logging.getLogger(__name__)
+
+# The drafter's private pool uses the same block size as the target's absorbed-MLA cache, so the
+# latent write and the paged gather see the strides they assume.
+KV_BLOCK_SIZE = 16
+
+
+class ProposerError(ValueError):
+    """Bad input to the proposer; raised before any state changes."""
+
+
+@dataclass(frozen=True)
+class ProposerOptions:
+    served_max_seq_len: int
+    max_draft_tokens: int = 4
+    max_sequences: int = 4
+    fp8_head: bool = True
+    context_chunk: int = 8
+    o_proj_groups: int = 8
+    use_graphs: bool = False
+    # Timing arms: drafts become meaningless (the target still verifies every one), the time of
+    # the part that remains is what they are for.
+    skip_block: bool = False
+    skip_head: bool = False
+    # Diagnostic arm: build context rows through the full block (attention and MoE included) to
+    # tell a wrong cache-only shortcut from wrong attention over real context.
+    full_context_rows: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_draft_tokens < 1:
+            raise ProposerError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
+        if not 1 <= self.context_chunk <= GEMV_MAX_M:
+            raise ProposerError(f"context_chunk must be 1..{GEMV_MAX_M} (rows one GEMV reads W for)")
+        if self.max_sequences < 1:
+            raise ProposerError("max_sequences must be >= 1")
+
+
+@dataclass
+class SharedTables:
+    """The target's embedding and head, read in place (no copy)."""
+
+    embed: DevicePtr  # [V, H] BF16
+    lm_head: DevicePtr  # [V, H] BF16
+
+
+@dataclass
+class ProposerState:
+    slot: int
+    dsa: DsaState
+    scratch: LayerScratch
+    arena: DeviceArena
+    concat: DevicePtr
+    x: DevicePtr
+    xn: DevicePtr
+    hidden_in: DevicePtr
+    logits: DevicePtr
+    am_idx: DevicePtr
+    am_val: DevicePtr
+    key: DevicePtr
+    token: DevicePtr
+    drafts: DevicePtr
+    row: DevicePtr
+    ctx_tokens: DevicePtr
+    step_host: np.ndarray  # pinned: [row, token] u32
+    drafts_host: np.ndarray  # pinned: [max_draft_tokens] u32
+    last_drafted: int = 0
+    released: bool = False
+    graphs: dict[int, Graph] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return self.dsa.length
+
+
+class TensorLookup:
+    """Names -> host arrays, with ``in``; a Mapping or a checkpoint object (``has``/``get``)."""
+
+    def __init__(self, src) -> None:
+        self.src = src
+
+    def __contains__(self, name: str) -> bool:
+        return (self.src.has(name) if hasattr(self.src, "has") else name in self.src)
+
+    def __call__(self, name: str) -> np.ndarray:
+        if name not in self:
+            raise WeightError(f"missing tensor {name!r}")
+        return self.src.get(name) if hasattr(self.src, "has") else self.src[name]
+
+
+class MtpProposer:
+    def __init__(self, gpu: GpuBackend, cfg: ModelConfig, tensors, options: ProposerOptions, *,
+                 comm=None, tables: SharedTables | None = None, stream: int | None = None) -> None:
+        self.gpu, self.cfg, self.opt, self.comm = gpu, cfg, options, comm
+        self.stream = gpu.default_stream if stream is None else stream
+        self.src = src = tensors if isinstance(tensors, TensorLookup) else TensorLookup(tensors)
+        H, V = cfg.hidden_size, cfg.vocab_size
+        groups = min(options.o_proj_groups, cfg.attention.num_attention_heads)
+        self.sharding = sh = Sharding.for_config(cfg, groups)
+        self.rows_cap = drafter_context_rows(options.served_max_seq_len, cfg.dsa)
+        P = f"model.layers.{cfg.mtp_layer_index}."
+        self.arena = arena = DeviceArena(gpu)
+        self._slots_free = list(range(options.max_sequences - 1, -1, -1))
+        self._states: list[ProposerState] = []
+        try:
+            def vec(name: str) -> DevicePtr:
+                return arena.upload(_checked(src, P + name, (H,)))
+
+            self.enorm, self.hnorm = vec("enorm.weight"), vec("hnorm.weight")
+            self.head_norm = vec("shared_head.norm.weight")
+            self.eh_proj = arena.upload(_checked(src, P + "eh_proj.weight", (H, 2 * H)))
+            attn = load_attention(arena, src, P, cfg, sh)
+            mlp = load_moe(arena, src, P, cfg, sh)
+            self.layer = DecoderLayer(gpu, cfg, sh, attn, mlp, comm)
+            self.layer.bind_constants(arena)
+            if tables is None:
+                emb = P + "embed_tokens.weight" if P + "embed_tokens.weight" in src else "model.embed_tokens.weight"
+                head = P + "shared_head.head.weight" if P + "shared_head.head.weight" in src else "lm_head.weight"
+                tables = SharedTables(arena.upload(_checked(src, emb, (V, H))),
+                                      arena.upload(_checked(src, head, (V, H))))
+            self.tables = tables
+            # Vocabulary shard of the head this rank sweeps (whole vocabulary when the world size
+            # does not divide it: then every rank sweeps all of it and no exchange is needed).
+            W = cfg.parallel.world_size
+            self.head_sharded = W > 1 and V % W == 0
+            self.head_n = V // W if self.head_sharded else V
+            self.head_v0 = cfg.parallel.rank * self.head_n if self.head_sharded else 0
+            self.head_bf16 = tables.lm_head.offset(self.head_v0 * H * 2)
+            self.head_fp8 = self.head_fp8_scales = None
+            if options.fp8_head:
+                self._quantize_head()
+            kvc = KvCacheConfig(KV_BLOCK_SIZE, 1, cfg.attention.kv_lora_rank, 1, KvDtype.FP8_E4M3)
+            self.kv = PagedKvCache(kvc, kvc.blocks_for(self.rows_cap) * options.max_sequences, gpu)
+        except Exception:
+            arena.free()
+            raise
+        log.info("MTP proposer: %d context rows, head %s, %.1f MiB of weights",
+                 self.rows_cap, "FP8" if self.head_fp8 else "BF16", arena.nbytes / 2**20)
+
+    def _quantize_head(self) -> None:
+        q = self.gpu.try_kernel("quantize_fp8", "quantize_fp8")
+        g = self.gpu.try_kernel("gemv_fp8w", "gemv_fp8w")
+        if not q or not g:
+            log.warning("FP8 draft head unavailable on the %s backend; drafting with the BF16 head",
+                        self.gpu.name)
+            return
+        H, n = self.cfg.hidden_size, self.head_n
+        self.head_fp8 = self.arena.zeros(n * H)
+        self.head_fp8_scales = self.arena.zeros(n * 4)
+        quantize_fp8(self.gpu, self.head_bf16, self.head_fp8, self.head_fp8_scales, n, H, self.stream)
+        self.gpu.synchronize(self.stream)
+
+    # ---- sizing ---------------------------------------------------------------------------------
+
+    @property
+    def drafter_context_rows(self) -> int:
+        return self.rows_cap
+
+    def prefill_hidden_rows(self, max_seq_len: int) -> int:
+        """Rows of target hidden the caller must capture at prefill: never more than the drafter
+        can hold, so the capture buffer is not sized for a context the drafter cannot reach."""
+        return min(max_seq_len, self.rows_cap)
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def alloc_state(self) -> ProposerState:
+        """Everything a sequence needs, up front: ``propose`` allocates nothing."""
+        if not self._slots_free:
+            raise ProposerError(f"all {self.opt.max_sequences} sequence slots are in use")
+        cfg, gpu, H = self.cfg, self.gpu, self.cfg.hidden_size
+        arena = DeviceArena(gpu)
+        dsa = None
+        try:
+            dsa = DsaState.alloc(gpu, cfg.dsa, self.rows_cap, self.kv)
+            ch = self.opt.context_chunk
+            scratch = LayerScratch.alloc(arena, cfg, self.sharding, ch, self.rows_cap,
+                                         self.layer.attn.fused_rows)
+            z = arena.zeros
+            st = ProposerState(
+                slot=self._slots_free[-1], dsa=dsa, scratch=scratch, arena=arena,
+                concat=z(ch * 2 * H * 2), x=z(ch * H * 2), xn=z(H * 2), hidden_in=z(H * 2),
+                logits=z(self.head_n * 2), am_idx=z(4), am_val=z(4), key=z(8), token=z(4),
+                drafts=z(self.opt.max_draft_tokens * 4), row=z(4), ctx_tokens=z(ch * 4),
+                step_host=gpu.alloc_host(8).view(np.uint32),
+                drafts_host=gpu.alloc_host(self.opt.max_draft_tokens * 4).view(np.uint32),
+            )
+        except Exception:
+            if dsa is not None:
+                dsa.free(gpu, self.kv)
+            arena.free()
+            raise
+        self._slots_free.pop()
+        self._states.append(st)
+        return st
+
+    def free_state(self, st: ProposerState) -> None:
+        """Release everything ``alloc_state`` took. Graphs go first: they bake these pointers, and
+        the slot may be reused with new ones. A second call is a no-op."""
+        if st.released:
+            return
+        self.gpu.synchronize(self.stream)
+        for g in st.graphs.values():
+            self.gpu.graph_destroy(g)
+        st.graphs.clear()
+        st.dsa.free(self.gpu, self.kv)
+        st.arena.free()
+        self.gpu.free_host(st.step_host)
+        self.gpu.free_host(st.drafts_host)
+        st.released = True
+        self._states.remove(st)
+        self._slots_free.append(st.slot)
+
+    def close(self) -> None:
+        for st in list(self._states):
+            self.free_state(st)
+        self.kv.free()
+        self.arena.free()
+
+    def _live(self, st: ProposerState) -> None:
+        if st.released:
+            raise ProposerError("proposer state was freed; allocate a new one")
+
+    # ---- queries --------------------------------------------------------------------------------
+
+    def drafter_rows(self, st: ProposerState) -> int:
+        return st.rows
+
+    def last_pair_key(self, st: ProposerState) -> int | None:
+        return st.rows - 1 if st.rows > 0 else None
+
+    # ---- context rows ---------------------------------------------------------------------------
+
+    def prefill_drafter(self, st: ProposerState, prompt_tokens: Sequence[int], hiddens: DevicePtr) -> int:
+        return self.catchup_drafter(st, prompt_tokens, hiddens, 0)
+
+    def catchup_drafter(self, st: ProposerState, tokens: Sequence[int], hiddens: DevicePtr,
+                        row_base: int) -> int:
+        """Append rows ``row_base + r = (embed(tokens[r+1]), hiddens[r])``. Returns rows written."""
+        self._live(st)
+        rows = len(tokens) - 1
+        if rows <= 0:
+            return 0
+        toks = self._check_tokens(tokens)
+        st.dsa.check_advance(row_base, rows)
+        self._check_buffer(hiddens, rows * self.cfg.hidden_size * 2, "hiddens")
+        gpu, s, H = self.gpu, self.stream, self.cfg.hidden_size
+        ch = self.opt.context_chunk
+        for c in range(0, rows, ch):
+            n = min(ch, rows - c)
+            gpu.synchronize(s)  # the scalars below are rewritten; the last chunk must have read them
+            gpu.copy_h2d(st.row, np.array([row_base + c], np.uint32))
+            gpu.copy_h2d(st.ctx_tokens, toks[1 + c:1 + c + n])
+            mtp_embed_norm(gpu, self.tables.embed, st.ctx_tokens, self.enorm, hiddens.offset(c * H * 2),
+                           self.hnorm, st.concat, n, self.cfg.vocab_size, H, self.cfg.rms_norm_eps, s)
+            gemv_bf16(gpu, self.eh_proj, st.concat, st.x, n, H, 2 * H, s)
+            if self.opt.full_context_rows:
+                for r in range(n):
+                    self.layer.full_row(st.x.offset(r * H * 2), st.scratch, st.dsa, self.kv, st.row,
+                                        r, self.rows_cap, s)
+            else:
+                self.layer.context_rows(st.x, n, st.scratch, st.dsa, self.kv, st.row, 0, s)
+        gpu.synchronize(s)
+        st.dsa.advance(rows)
+        return rows
+
+    def rewind_to(self, st: ProposerState, n: int) -> None:
+        """Drop rows ``n..``: the caches keep their bytes, which later feeds overwrite."""
+        self._live(st)
+        st.dsa.rewind_to(n)
+        st.last_drafted = 0
+
+    # ---- drafting -------------------------------------------------------------------------------
+
+    def propose(self, st: ProposerState, last_token: int, target_hidden: DevicePtr, position: int,
+                k: int) -> list[int]:
+        """k drafts. Draft 1 consumes the target's hidden, drafts 2..k the drafter's own output."""
+        self._live(st)
+        if not 1 <= k <= self.opt.max_draft_tokens:
+            raise ProposerError(f"k={k} outside 1..{self.opt.max_draft_tokens} (max_draft_tokens)")
+        self._check_tokens([last_token])
+        if position < 0 or position + k > self.rows_cap:
+            raise ProposerError(
+                f"propose at position {position} with k={k} runs past the {self.rows_cap} rows "
+                "the drafter was sized for"
+            )
+        if st.rows < position:
+            raise ProposerError(
+                f"drafter holds {st.rows} rows but propose is at position {position}: catch up "
+                "the missing rows first"
+            )
+        self._check_buffer(target_hidden, self.cfg.hidden_size * 2, "target_hidden")
+        if st.rows > position:
+            st.dsa.rewind_to(position)
+        gpu, s = self.gpu, self.stream
+        st.step_host[0], st.step_host[1] = position, last_token
+        gpu.copy_h2d(st.row, st.step_host[:1], s)
+        gpu.copy_h2d(st.token, st.step_host[1:2], s)
+        gpu.copy_d2d(st.hidden_in, target_hidden, self.cfg.hidden_size * 2, s)
+        if self.opt.use_graphs:
+            g = st.graphs.get(k)
+            if g is None:
+                gpu.begin_capture(s)
+                try:
+                    self._enqueue_drafts(st, k)
+                except BaseException:
+                    _abort_capture(gpu, s)
+                    raise
+                g = st.graphs[k] = gpu.end_capture(s, label=f"propose k={k} slot={st.slot}")
+            gpu.graph_launch(g, s)
+        else:
+            self._enqueue_drafts(st, k)
+        gpu.synchronize(s)
+        st.dsa.length = position + k
+        st.last_drafted = k
+        return [int(t) for t in st.drafts_host[:k]]
+
+    def _enqueue_drafts(self, st: ProposerState, k: int) -> None:
+        for i in range(k):
+            self._draft_step(st, i)
+        self.gpu.copy_d2h(st.drafts_host[:k], st.drafts, self.stream)
+
+    def _draft_step(self, st: ProposerState, i: int) -> None:
+        gpu, s, cfg = self.gpu, self.stream, self.cfg
+        H, V, eps = cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps
+        hidden = st.hidden_in if i == 0 else st.xn
+        mtp_embed_norm(gpu, self.tables.embed, st.token, self.enorm, hidden, self.hnorm, st.concat,
+                       1, V, H, eps, s)
+        gemv_bf16(gpu, self.eh_proj, st.concat, st.x, 1, H, 2 * H, s)
+        if not self.opt.skip_block:
+            self.layer.full_row(st.x, st.scratch, st.dsa, self.kv, st.row, i, self.rows_cap, s)
+        rmsnorm(gpu, st.x, self.head_norm, st.xn, 1, H, eps, s)
+        if self.opt.skip_head:
+            gpu.memset(st.token, 0, 4, s)
+            gpu.memset(st.drafts.offset(i * 4), 0, 4, s)
+            return
+        n = self.head_n
+        if self.head_fp8 is not None:
+            gemv_fp8w(gpu, self.head_fp8, self.head_fp8_scales, st.xn, st.logits, 1, n, H, s)
+        else:
+            gemv_bf16(gpu, self.head_bf16, st.xn, st.logits, 1, n, H, s)
+        argmax_bf16(gpu, st.logits, st.am_idx, st.am_val, n, s)
+        draft_head.argmax_pack(gpu, st.am_idx, st.am_val, st.key, self.head_v0, s)
+        if self.head_sharded:
+            self.comm.all_reduce(st.key, 1, "uint64", "max", stream=s)
+        draft_head.draft_commit(gpu, st.key, st.token, st.drafts, i, s)
+
+    def after_verify(self, st: ProposerState, accepted: int) -> None:
+        """Keep ``min(drafted, accepted + 1)`` of the rows the last propose wrote. Row 0 pairs the
+        committed token with the target's hidden and is never trimmed; with one draft nothing is."""
+        self._live(st)
+        if accepted < 0 or accepted > st.last_drafted:
+            raise ProposerError(f"accepted={accepted} outside 0..{st.last_drafted} (drafts proposed)")
+        keep = min(st.last_drafted, accepted + 1)
+        trim = st.last_drafted - keep
+        if trim:
+            st.dsa.rewind_to(st.rows - trim)
+        st.last_drafted = 0
+
+    # ---- checks ---------------------------------------------------------------------------------
+
+    def _check_tokens(self, tokens: Sequence[int]) -> np.ndarray:
+        t = np.asarray(tokens, dtype=np.int64)
+        bad = np.nonzero((t < 0) | (t >= self.cfg.vocab_size))[0]
+        if bad.size:
+            raise ProposerError(
+                f"token {int(t[bad[0]])} at index {int(bad[0])} is outside the vocabulary "
+                f"0..{self.cfg.vocab_size - 1}"
+            )
+        return t.astype(np.uint32)
+
+    def _check_buffer(self, ptr: DevicePtr, nbytes: int, what: str) -> None:
+        if not isinstance(ptr, DevicePtr) or not ptr:
+            raise ProposerError(f"{what} must be a non-null DevicePtr")
+        have = self.gpu.bytes_from(ptr)
+        if have < nbytes:
+            raise ProposerError(f"{what} holds {have} bytes from its pointer; {nbytes} are needed")
+
+
+def _checked(src: TensorLookup, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    a = src(name)
+    if tuple(a.shape) != shape:
+        raise WeightError(f"tensor {name!r}: expected shape {shape}, found {tuple(a.shape)}")
+    if np.dtype(a.dtype) != BF16:
+        raise WeightError(f"tensor {name!r}: expected dtype bfloat16, found {np.dtype(a.dtype)}")
+    return a
+
+
+def _abort_capture(gpu: GpuBackend, stream: int) -> None:
+    try:
+        gpu.graph_destroy(gpu.end_capture(stream))
+    except Exception:  # the capture is already invalid; the original error is what matters
+        pass

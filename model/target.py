@@ -1,0 +1,163 @@
+"""The target model of the family: embedding, decoder layers (DSA attention + dense MLP for the
+first ``first_k_dense_replace`` layers, MoE after), final norm, ``lm_head``.
+
+It exists to drive the drafter: ``prefill`` and ``verify`` (k + 1 rows in one call) return the
+logits and leave the post-final-norm hidden rows in a device buffer the drafter reads in place.
+Rows run one at a time through every layer: this is a reference-quality target, not a fast one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.backend import GpuBackend
+from runtime.device_ptr import DevicePtr
+from runtime.kernels.embed_gather_bf16 import embed_gather_bf16
+from runtime.kernels.gemv_bf16 import gemv_bf16
+from runtime.kernels.rmsnorm import rmsnorm
+from runtime.dtypes import BF16
+from runtime.kv_cache import KvCacheConfig, KvDtype, PagedKvCache
+
+from .block import DecoderLayer, LayerScratch
+from .config import ModelConfig
+from .dsa import DsaState, drafter_context_rows
+from .proposer import KV_BLOCK_SIZE, ProposerError, SharedTables, TensorLookup
+from .weights import DeviceArena, Sharding, load_attention, load_dense_mlp, load_moe
+
+
+@dataclass
+class TargetState:
+    layers: list[DsaState]
+    scratch: LayerScratch
+    arena: DeviceArena
+    hiddens: DevicePtr  # [rows_cap, H] BF16 post-final-norm rows
+    x: DevicePtr
+    logits: DevicePtr
+    token: DevicePtr
+    row: DevicePtr
+    length: int = 0
+    released: bool = False
+
+
+class TargetModel:
+    def __init__(self, gpu: GpuBackend, cfg: ModelConfig, tensors, max_seq_len: int,
+                 stream: int | None = None) -> None:
+        if cfg.parallel.world_size != 1:
+            raise ValueError("the target model runs on one rank")
+        self.gpu, self.cfg = gpu, cfg
+        self.stream = gpu.default_stream if stream is None else stream
+        src = tensors if isinstance(tensors, TensorLookup) else TensorLookup(tensors)
+        self.rows_cap = drafter_context_rows(max_seq_len, cfg.dsa)
+        H, V = cfg.hidden_size, cfg.vocab_size
+        self.arena = arena = DeviceArena(gpu)
+        sh = Sharding.for_config(cfg, 1)
+        try:
+            self.embed = arena.upload(_bf16(src, "model.embed_tokens.weight", (V, H)))
+            self.lm_head = arena.upload(_bf16(src, "lm_head.weight", (V, H)))
+            self.norm = arena.upload(_bf16(src, "model.norm.weight", (H,)))
+            self.layers: list[DecoderLayer] = []
+            for i in range(cfg.num_hidden_layers):
+                p = f"model.layers.{i}."
+                attn = load_attention(arena, src, p, cfg, sh)
+                mlp = (load_dense_mlp(arena, src, p, cfg) if i < cfg.first_k_dense_replace
+                       else load_moe(arena, src, p, cfg, sh))
+                layer = DecoderLayer(gpu, cfg, sh, attn, mlp, kv_layer=i)
+                layer.bind_constants(arena)
+                self.layers.append(layer)
+            kvc = KvCacheConfig(KV_BLOCK_SIZE, 1, cfg.attention.kv_lora_rank,
+                                cfg.num_hidden_layers, KvDtype.FP8_E4M3)
+            self.kv = PagedKvCache(kvc, kvc.blocks_for(self.rows_cap), gpu)
+        except Exception:
+            arena.free()
+            raise
+        self._state: TargetState | None = None
+
+    @property
+    def tables(self) -> SharedTables:
+        """The embedding and head the drafter shares, read in place."""
+        return SharedTables(self.embed, self.lm_head)
+
+    def alloc_state(self) -> TargetState:
+        if self._state is not None:
+            raise ProposerError("the target serves one sequence at a time; free its state first")
+        cfg, gpu, H = self.cfg, self.gpu, self.cfg.hidden_size
+        arena = DeviceArena(gpu)
+        table = self.kv.claim(self.rows_cap)
+        layers = [DsaState.alloc(gpu, cfg.dsa, self.rows_cap, self.kv, table) for _ in self.layers]
+        inter = self.layers[0].attn.fused_rows
+        st = TargetState(
+            layers=layers,
+            scratch=LayerScratch.alloc(arena, cfg, Sharding.for_config(cfg, 1), 1, self.rows_cap, inter),
+            arena=arena, hiddens=arena.zeros(self.rows_cap * H * 2), x=arena.zeros(H * 2),
+            logits=arena.zeros(cfg.vocab_size * 2), token=arena.zeros(4), row=arena.zeros(4),
+        )
+        st.table = table
+        self._state = st
+        return st
+
+    def free_state(self, st: TargetState) -> None:
+        if st.released:
+            return
+        for d in st.layers:
+            d.free(self.gpu, self.kv)
+        self.kv.release(st.table)
+        st.arena.free()
+        st.released = True
+        self._state = None
+
+    def close(self) -> None:
+        if self._state is not None:
+            self.free_state(self._state)
+        self.kv.free()
+        self.arena.free()
+
+    def rewind_to(self, st: TargetState, n: int) -> None:
+        if not 0 <= n <= st.length:
+            raise ProposerError(f"target rewind_to({n}) outside 0..{st.length}")
+        for d in st.layers:
+            d.rewind_to(n)
+        st.length = n
+
+    def forward(self, st: TargetState, tokens, start: int) -> np.ndarray:
+        """Rows ``start .. start + len(tokens) - 1`` (start must be the current length). Returns
+        their logits as float32 [n, V]; their hidden rows land in ``st.hiddens``."""
+        cfg, gpu, s, H, V = self.cfg, self.gpu, self.stream, self.cfg.hidden_size, self.cfg.vocab_size
+        toks = np.asarray(tokens, np.int64)
+        if toks.size == 0:
+            raise ProposerError("forward of no tokens")
+        if ((toks < 0) | (toks >= V)).any():
+            raise ProposerError(f"token outside the vocabulary 0..{V - 1}")
+        if start != st.length:
+            raise ProposerError(f"target rows must append at {st.length}, got {start}")
+        if start + toks.size > self.rows_cap:
+            raise ProposerError(
+                f"{start + toks.size} rows exceed the target's {self.rows_cap}-row context")
+        out = np.empty((toks.size, V), np.float32)
+        buf = np.empty(V, BF16)
+        for i, t in enumerate(toks):
+            row = start + i
+            gpu.copy_h2d(st.row, np.array([row], np.uint32))
+            gpu.copy_h2d(st.token, np.array([t], np.uint32))
+            embed_gather_bf16(gpu, self.embed, st.token, st.x, V, H, s)
+            for layer, d in zip(self.layers, st.layers):
+                layer.full_row(st.x, st.scratch, d, self.kv, st.row, 0, self.rows_cap, s)
+                d.length = row + 1
+            hid = st.hiddens.offset(row * H * 2)
+            rmsnorm(gpu, st.x, self.norm, hid, 1, H, cfg.rms_norm_eps, s)
+            gemv_bf16(gpu, self.lm_head, hid, st.logits, 1, V, H, s)
+            gpu.synchronize(s)
+            gpu.copy_d2h(buf, st.logits)
+            out[i] = buf.astype(np.float32)
+        st.length = start + toks.size
+        return out
+
+    def hidden_rows(self, st: TargetState, row: int) -> DevicePtr:
+        return st.hiddens.offset(row * self.cfg.hidden_size * 2)
+
+
+def _bf16(src: TensorLookup, name: str, shape) -> np.ndarray:
+    from .proposer import _checked
+
+    return _checked(src, name, tuple(shape))

@@ -1,0 +1,105 @@
+"""Shared helpers for the kernel tests (host twins and PTX): random data, device round trips, and
+the stated tolerances.
+
+Tolerances, in one place so that every test states the same thing:
+
+- ``BF16_REL = 2**-8``: one BF16 rounding is at most half an ulp, 2**-9 relative; two results that
+  each went through one rounding (the GPU and the host twin, or a twin and float64) differ by at
+  most one ulp, 2**-8 relative to the larger.
+- A dot product of length k accumulated in f32 (any order) is within ``k * 2**-24 * sum|x_i w_i|``
+  of the exact value (the textbook gamma_k bound); ``dot_bound`` adds that to the BF16 rounding.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.device_ptr import DevicePtr
+from runtime.dtypes import BF16
+
+BF16_REL = 2.0**-8
+F32_EPS = 2.0**-24
+
+
+def random_bf16(rng: np.random.Generator, shape: int | tuple[int, ...], exp_lo: int = -5) -> np.ndarray:
+    """Random BF16 with random sign and mantissa and a binary exponent in [exp_lo, exp_lo + 7],
+    built from random bits (fast enough for the 634M-element head: one uint16 draw each)."""
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    n = int(np.prod(shape))
+    r = np.frombuffer(rng.bytes(2 * n), dtype=np.uint16)
+    exp = ((r >> 7) & np.uint16(7)) + np.uint16(127 + exp_lo)
+    bits = (r & np.uint16(0x807F)) | (exp << np.uint16(7))
+    return bits.view(BF16).reshape(shape)
+
+
+def upload(gpu, arr: np.ndarray, pad: int = 0) -> DevicePtr:
+    """A fresh allocation holding ``arr`` (plus ``pad`` poisoned bytes after it)."""
+    arr = np.ascontiguousarray(arr)
+    p = gpu.alloc(arr.nbytes + pad)
+    if pad:
+        gpu.memset(p, 0xFF, arr.nbytes + pad)
+    gpu.copy_h2d(p, arr)
+    return p
+
+
+def download(gpu, ptr: DevicePtr, dtype, shape) -> np.ndarray:
+    out = np.empty(shape, dtype)
+    gpu.copy_d2h(out, ptr)
+    return out
+
+
+def poisoned(gpu, nbytes: int) -> DevicePtr:
+    """An output buffer filled with 0xFF (NaN in BF16/F32/FP8), so an unwritten element shows."""
+    p = gpu.alloc(nbytes)
+    gpu.memset(p, 0xFF, nbytes)
+    return p
+
+
+def abs_dot(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """``|x| @ |w|^T`` [m, n] (float64 for small operands; f32 for the 634M-element head, whose
+    float64 copy would be 5 GB: the bound only needs a few correct digits)."""
+    xa = np.abs(np.asarray(x, np.float32))
+    wa = np.abs(np.asarray(w, np.float32))
+    if wa.size < 50_000_000:
+        return xa.astype(np.float64) @ wa.T.astype(np.float64)
+    return (xa @ wa.T).astype(np.float64)
+
+
+def dot_bound(absdot: np.ndarray, ref: np.ndarray, k: int, roundings: int = 1) -> np.ndarray:
+    """Allowed |out - ref| for ``out = bf16(f32 dot)`` of length k against ``ref``: per result,
+    half a BF16 ulp (2**-9 relative) plus the f32 accumulation bound k * 2**-24 * sum|x w|;
+    ``roundings=2`` when both sides carry those errors (GPU against host twin); then a factor 2 of
+    slack for the second-order terms."""
+    return 2.0 * roundings * (2.0**-9 * np.abs(np.asarray(ref, np.float64)) + k * F32_EPS * absdot) + 1e-30
+
+
+def assert_dot_close(out: np.ndarray, ref: np.ndarray, bound: np.ndarray, what: str) -> None:
+    out64 = np.asarray(out, np.float64)
+    assert not np.isnan(out64).any(), f"{what}: {int(np.isnan(out64).sum())} NaN (unwritten?) elements"
+    err = np.abs(out64 - ref)
+    bad = err > bound
+    if bad.any():
+        i = np.unravel_index(int(np.argmax(err - bound)), err.shape)
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {bad.size} elements outside the bound; worst at {i}: "
+            f"out {out64[i]!r}, ref {ref[i]!r}, bound {bound[i]!r}"
+        )
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+    return a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def assert_bf16_equal_or_nan(out: np.ndarray, ref: np.ndarray, what: str) -> None:
+    """Exact BF16 equality, treating every NaN bit pattern as the same value."""
+    o = np.asarray(out, np.float32)
+    r = np.asarray(ref, np.float32)
+    both_nan = np.isnan(o) & np.isnan(r)
+    diff = ~both_nan & (o != r)
+    if diff.any():
+        i = int(np.flatnonzero(diff.reshape(-1))[0])
+        raise AssertionError(
+            f"{what}: {int(diff.sum())} elements differ; first at flat index {i}: out {o.reshape(-1)[i]!r}, "
+            f"ref {r.reshape(-1)[i]!r}"
+        )

@@ -1,0 +1,73 @@
+"""Shared builders for proposer tests: random BF16 weights of a tiny config, a host proposer, and
+readers of its caches."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from model.config import ModelConfig, tiny
+from model.proposer import MtpProposer, ProposerOptions
+from runtime.dtypes import BF16, FP8
+from runtime.host_backend import HostBackend
+from tests.reference_f64 import random_mtp_weights
+
+
+def bf16_weights(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    w = random_mtp_weights(cfg, seed=seed, dtype=np.float32)
+    out = {}
+    for name, a in w.items():
+        out[name] = a.astype(np.float32) if name.endswith("e_score_correction_bias") else a.astype(BF16)
+    return out
+
+
+def small_cfg(**kw) -> ModelConfig:
+    return tiny(**kw)
+
+
+def make_proposer(cfg: ModelConfig, weights, *, gpu=None, served=None, **opts):
+    gpu = gpu or HostBackend()
+    served = served or cfg.dsa.max_context
+    return MtpProposer(gpu, cfg, weights, ProposerOptions(served_max_seq_len=served, **opts))
+
+
+def upload_rows(gpu, rows: np.ndarray):
+    a = np.ascontiguousarray(rows.astype(BF16))
+    p = gpu.alloc(a.nbytes)
+    gpu.copy_h2d(p, a)
+    return p
+
+
+def cache_snapshot(prop: MtpProposer, st) -> dict[str, np.ndarray]:
+    """The valid region of every cache of a state: latent rows and scales through the block table,
+    indexer keys and gates, complete pool keys and scales."""
+    gpu, cfg = prop.gpu, prop.cfg
+    n, C, idim, kp = st.rows, cfg.attention.kv_lora_rank, cfg.dsa.index_head_dim, cfg.dsa.index_kpool
+    bs = prop.kv.config.block_size
+    snap: dict[str, np.ndarray] = {}
+    lat = np.zeros((n, C), np.uint8)
+    sc = np.zeros(n, np.float32)
+    for r in range(n):
+        slot = st.dsa.table.blocks[r // bs] * bs + r % bs
+        row = np.empty(C, np.uint8)
+        gpu.copy_d2h(row, prop.kv.data[0].offset(slot * C))
+        lat[r] = row
+        s = np.empty(1, np.float32)
+        gpu.copy_d2h(s, prop.kv.scales[0].offset(slot * 4))
+        sc[r] = s[0]
+    snap["latent"], snap["latent_scale"] = lat, sc
+    for name, ptr, shape, dt in (
+        ("keys", st.dsa.keys, (n, idim), BF16),
+        ("gates", st.dsa.gates, (n, idim), BF16),
+        ("pool_keys", st.dsa.pool_keys, (n // kp, idim), FP8),
+        ("pool_scales", st.dsa.pool_scales, (n // kp,), np.float32),
+    ):
+        a = np.empty(shape, dt)
+        if a.size:
+            gpu.copy_d2h(a.view(np.uint8).reshape(-1), ptr)
+        snap[name] = a.view(np.uint8) if dt is not np.float32 else a
+    return snap
+
+
+def assert_same_caches(a: dict, b: dict) -> None:
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=f"cache {k} differs")
