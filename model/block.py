@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runtime.backend import GpuBackend
+from runtime.comm.base import CommDtype, ReduceOp
 from runtime.device_ptr import DevicePtr
 from runtime.kernels.gemv_bf16 import gemv_bf16
 from runtime.kernels.rmsnorm import rmsnorm
@@ -171,8 +172,8 @@ class DecoderLayer:
         else:
             bg.bgemv(gpu, w.o_proj, s.o, s.attn_local, sh.local_groups, H, gw, out_f32=True,
                      stream=stream)
-            self.comm.all_gather(s.attn_local, s.attn_parts, sh.local_groups * H, "float32",
-                                 stream=stream)
+            self.comm.all_gather(s.attn_local, s.attn_parts, sh.local_groups * H,
+                                 CommDtype.FLOAT32, stream=stream)
         bg.sum_rows_residual(gpu, s.attn_parts, x, s.h1, sh.groups, H, stream)
 
     def mlp_forward(self, s: LayerScratch, x_out: DevicePtr, stream=None) -> None:
@@ -209,7 +210,8 @@ class DecoderLayer:
                 gpu.memset(s.moe_parts.offset(k * H * 4), 0, H * 4, stream)
         if sh.world_size > 1:
             # Every slot row is non-zero on exactly one rank, so this sum is exact (x + 0 = x).
-            self.comm.all_reduce(s.moe_parts, slots * H, "float32", "sum", stream=stream)
+            self.comm.all_reduce(s.moe_parts, slots * H, CommDtype.FLOAT32, ReduceOp.SUM,
+                                 stream=stream)
         bg.sum_rows_residual(gpu, s.moe_parts, s.h1, x_out, slots, H, stream)
 
     const_ids: DevicePtr

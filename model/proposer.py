@@ -18,6 +18,7 @@ import numpy as np
 
 from runtime.allocations import Graph
 from runtime.backend import GpuBackend
+from runtime.comm.base import CommDtype, ReduceOp
 from runtime.device_ptr import DevicePtr
 from runtime.dtypes import BF16
 from runtime.kernels.argmax_bf16 import argmax_bf16
@@ -130,6 +131,16 @@ class MtpProposer:
         self.stream = gpu.default_stream if stream is None else stream
         self.src = src = tensors if isinstance(tensors, TensorLookup) else TensorLookup(tensors)
         H, V = cfg.hidden_size, cfg.vocab_size
+        W = cfg.parallel.world_size
+        if W > 1 and comm is None:
+            raise ValueError(
+                f"proposer sharded over {W} ranks needs a communicator: without one it would "
+                "draft from this rank's share of the heads, experts and vocabulary only"
+            )
+        if comm is not None and comm.world_size != W:
+            raise ValueError(f"communicator has {comm.world_size} ranks, the config says {W}")
+        if comm is not None and W > 1:
+            self._agree_with_peers(options)
         groups = min(options.o_proj_groups, cfg.attention.num_attention_heads)
         self.sharding = sh = Sharding.for_config(cfg, groups)
         self.rows_cap = drafter_context_rows(options.served_max_seq_len, cfg.dsa)
@@ -156,7 +167,6 @@ class MtpProposer:
             self.tables = tables
             # Vocabulary shard of the head this rank sweeps (whole vocabulary when the world size
             # does not divide it: then every rank sweeps all of it and no exchange is needed).
-            W = cfg.parallel.world_size
             self.head_sharded = W > 1 and V % W == 0
             self.head_n = V // W if self.head_sharded else V
             self.head_v0 = cfg.parallel.rank * self.head_n if self.head_sharded else 0
@@ -171,6 +181,37 @@ class MtpProposer:
             raise
         log.info("MTP proposer: %d context rows, head %s, %.1f MiB of weights",
                  self.rows_cap, "FP8" if self.head_fp8 else "BF16", arena.nbytes / 2**20)
+
+    def _agree_with_peers(self, options: ProposerOptions) -> None:
+        """Every rank must run the same model with the same sharding options, or their collectives
+        would pair up different tensors. One all-gather of a config fingerprint settles it before
+        any weight is loaded; a dead peer surfaces here as the communicator's timeout."""
+        import hashlib
+        import json
+
+        from runtime.errors import CommError
+
+        what = {"config": {k: v for k, v in self.cfg.to_hf_dict().items()},
+                "o_proj_groups": options.o_proj_groups, "fp8_head": options.fp8_head}
+        fp = int.from_bytes(hashlib.sha256(json.dumps(what, sort_keys=True).encode()).digest()[:8],
+                            "little")
+        W, gpu = self.cfg.parallel.world_size, self.gpu
+        send, recv = gpu.alloc(8), gpu.alloc(8 * W)
+        try:
+            gpu.copy_h2d(send, np.array([fp], np.uint64))
+            self.comm.all_gather(send, recv, 1, CommDtype.UINT64, stream=self.stream)
+            gpu.synchronize(self.stream)
+            got = np.empty(W, np.uint64)
+            gpu.copy_d2h(got, recv)
+        finally:
+            gpu.free(send)
+            gpu.free(recv)
+        bad = [r for r in range(W) if got[r] != got[0]]
+        if bad:
+            raise CommError(
+                f"rank {self.cfg.parallel.rank}: ranks {bad} run a different model config or "
+                "sharding options than rank 0 (config fingerprints differ)"
+            )
 
     def _quantize_head(self) -> None:
         q = self.gpu.try_kernel("quantize_fp8", "quantize_fp8")
@@ -376,7 +417,7 @@ class MtpProposer:
         argmax_bf16(gpu, st.logits, st.am_idx, st.am_val, n, s)
         draft_head.argmax_pack(gpu, st.am_idx, st.am_val, st.key, self.head_v0, s)
         if self.head_sharded:
-            self.comm.all_reduce(st.key, 1, "uint64", "max", stream=s)
+            self.comm.all_reduce(st.key, 1, CommDtype.UINT64, ReduceOp.MAX, stream=s)
         draft_head.draft_commit(gpu, st.key, st.token, st.drafts, i, s)
 
     def after_verify(self, st: ProposerState, accepted: int) -> None:

@@ -15,12 +15,19 @@ from runtime.kernel import PTR, U32, declare
 
 
 def ordered_bits(v: np.float32) -> int:
+    """Monotone u32 image of an f32. -0.0 counts as +0.0 (they tie in the unsharded argmax, so the
+    lower index must win, not the sign bit) and NaN as -inf (a NaN never wins the argmax)."""
+    v = np.float32(v)
+    if np.isnan(v):
+        v = np.float32(-np.inf)
+    elif v == 0:
+        v = np.float32(0.0)
     b = int(np.array([v], np.float32).view(np.uint32)[0])
     return (b ^ 0x8000_0000) if b < 0x8000_0000 else (~b & 0xFFFF_FFFF)
 
 
 def pack_key(val: float, index: int) -> int:
-    return (ordered_bits(np.float32(val)) << 32) | (0xFFFF_FFFF - index)
+    return (ordered_bits(np.float32(val)) << 32) | (0xFFFF_FFFF - int(index))
 
 
 def unpack_index(key: int) -> int:
@@ -34,9 +41,11 @@ def unpack_index(key: int) -> int:
     writes=("key",),
 )
 def ARGMAX_PACK(mem, idx, val, key, v0):
-    i = int(mem.scalar(idx, np.uint32)) + v0
+    """A shard with no valid logit (argmax index 0xFFFFFFFF: all NaN) packs key 0 and never wins."""
+    i = int(mem.scalar(idx, np.uint32))
     v = mem.read(val, np.float32, 1)[0]
-    mem.write(key, np.array([pack_key(v, i)], np.uint64))
+    k = 0 if i == 0xFFFF_FFFF else pack_key(v, i + v0)
+    mem.write(key, np.array([k], np.uint64))
 
 
 @declare(

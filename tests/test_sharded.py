@@ -1,0 +1,159 @@
+"""Several ranks on the CPU: threads with their own host backends and a host communicator. The
+sharded drafter must draft exactly what one rank drafts, on every rank."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st_
+
+from model.config import tiny
+from model.kernels.draft_head import pack_key, unpack_index
+from model.proposer import MtpProposer, ProposerOptions
+from runtime.comm import HostCommGroup
+from runtime.errors import CommError
+from runtime.host_backend import HostBackend
+from runtime.kernels.argmax_bf16 import argmax_ref
+from tests.proposer_fixtures import bf16_weights, upload_rows
+
+
+def run_ranks(world: int, fn, timeout_s: float = 20.0):
+    """fn(rank, backend, comm) in one thread per rank; returns the per-rank results."""
+    group = HostCommGroup(world, timeout_s=timeout_s)
+    out: list = [None] * world
+    errs: list = [None] * world
+
+    def body(r: int) -> None:
+        gpu = HostBackend()
+        try:
+            out[r] = fn(r, gpu, group.communicator(r, gpu))
+        except BaseException as e:  # reported to the test thread
+            errs[r] = e
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s * 3)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return out, errs
+
+
+def history_drafts(cfg, weights, rank_world, gpu, comm, history, seed):
+    """Feed and propose through a fixed random history; return every propose's drafts."""
+    c = cfg.with_parallel(*rank_world)
+    prop = MtpProposer(gpu, c, weights, ProposerOptions(served_max_seq_len=64, o_proj_groups=4),
+                       comm=comm)
+    st = prop.alloc_state()
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, cfg.vocab_size, 80)
+    hid = rng.standard_normal((80, cfg.hidden_size)).astype(np.float32)
+    drafts, rows = [], 0
+    for n_feed, k, acc in history:
+        n_feed = min(n_feed, 60 - rows)
+        if n_feed > 0:
+            p = upload_rows(gpu, hid[rows:rows + n_feed])
+            prop.catchup_drafter(st, tokens[rows:rows + n_feed + 1], p, rows)
+            gpu.free(p)
+            rows += n_feed
+        if rows + k > 64:
+            break
+        p = upload_rows(gpu, hid[rows:rows + 1])
+        drafts.append(prop.propose(st, int(tokens[rows + 1]), p, rows, k))
+        gpu.free(p)
+        prop.after_verify(st, min(acc, k))
+        rows += min(k, acc + 1)
+    prop.close()
+    return drafts
+
+
+histories = st_.lists(st_.tuples(st_.integers(0, 9), st_.integers(1, 4), st_.integers(0, 4)),
+                      min_size=2, max_size=8)
+
+
+@settings(max_examples=6, deadline=None)
+@given(history=histories, seed=st_.integers(0, 1000), vocab=st_.sampled_from([96, 97]))
+def test_world_2_and_4_draft_exactly_what_one_rank_drafts(history, seed, vocab):
+    cfg = tiny(vocab_size=vocab, index_topk=8, index_kpool=2, max_context=64)
+    w = bf16_weights(cfg, seed)
+    one = history_drafts(cfg, w, (0, 1), HostBackend(), None, history, seed)
+    for world in (2, 4):
+        res, errs = run_ranks(world, lambda r, g, c: history_drafts(cfg, w, (r, world), g, c,
+                                                                     history, seed))
+        assert errs == [None] * world, errs
+        for r in range(world):
+            assert res[r] == one, f"world {world} rank {r}"
+
+
+def test_sharded_layer_without_a_communicator_refuses_to_start():
+    cfg = tiny().with_parallel(0, 2)
+    with pytest.raises(ValueError, match="needs a communicator"):
+        MtpProposer(HostBackend(), cfg, bf16_weights(tiny(), 0), ProposerOptions(64, o_proj_groups=4))
+
+
+def test_communicator_world_size_must_match_the_config():
+    cfg = tiny()
+
+    def body(r, gpu, comm):
+        MtpProposer(gpu, cfg.with_parallel(r, 4), bf16_weights(cfg, 0), ProposerOptions(64, o_proj_groups=4),
+                    comm=comm)
+
+    _, errs = run_ranks(2, body)
+    assert all(isinstance(e, ValueError) and "communicator has 2 ranks" in str(e) for e in errs)
+
+
+def test_ranks_with_different_configs_fail_on_every_rank():
+    base = tiny()
+
+    def body(r, gpu, comm):
+        cfg = tiny(num_experts_per_tok=2 + r)  # rank 1 disagrees
+        MtpProposer(gpu, cfg.with_parallel(r, 2), bf16_weights(cfg, 0),
+                    ProposerOptions(64, o_proj_groups=4), comm=comm)
+
+    _, errs = run_ranks(2, body)
+    assert all(isinstance(e, CommError) and "config" in str(e) for e in errs), errs
+    assert base  # the failure is the mismatch, not the base config
+
+
+def test_a_dead_peer_is_a_timeout_error_not_a_hang():
+    cfg = tiny()
+
+    def body(r, gpu, comm):
+        if r == 1:
+            return "never arrives"
+        MtpProposer(gpu, cfg.with_parallel(r, 2), bf16_weights(cfg, 0),
+                    ProposerOptions(64, o_proj_groups=4), comm=comm)
+
+    _, errs = run_ranks(2, body, timeout_s=1.0)
+    assert isinstance(errs[0], CommError)
+
+
+# ---- the cross-rank argmax ---------------------------------------------------------------------
+
+special = st_.sampled_from([0.0, -0.0, np.inf, -np.inf, 1.0, -1.0, 3.5])
+values = st_.one_of(special, st_.floats(-1e4, 1e4, width=32))
+
+
+@settings(max_examples=300)
+@given(logits=st_.lists(values, min_size=1, max_size=40), world=st_.integers(1, 5),
+       data=st_.data())
+def test_cross_rank_argmax_equals_the_unsharded_argmax(logits, world, data):
+    x = np.asarray(logits, np.float32)
+    # Adversarial: copy the global max into several shards.
+    if data.draw(st_.booleans()) and x.size > 1:
+        j = data.draw(st_.integers(0, x.size - 1))
+        x[j] = np.max(x)
+    n = x.size
+    bounds = np.linspace(0, n, world + 1).astype(int)
+    keys = []
+    for r in range(world):
+        lo, hi = bounds[r], bounds[r + 1]
+        if hi == lo:
+            continue
+        idx, val = argmax_ref(x[lo:hi])
+        keys.append(pack_key(val, lo + idx))
+    want, _ = argmax_ref(x)
+    assert unpack_index(max(keys)) == want
