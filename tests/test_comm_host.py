@@ -405,9 +405,11 @@ def test_missing_rank_times_out_on_every_waiting_rank() -> None:
             return elapsed
         raise AssertionError(f"rank {r}: all_reduce returned without rank 2")
 
-    elapsed = no_errors(run_ranks(world, rank_fn))
-    for r in (0, 1):
-        assert timeout * 0.9 <= elapsed[r] < timeout + 1.0, f"rank {r} waited {elapsed[r]:.3f}s"
+    elapsed = no_errors(run_ranks(world, rank_fn))[:2]
+    # The rank whose deadline passed first waited the whole timeout; the other was released with
+    # it (it may have started later, so only the upper bound applies to it).
+    assert max(elapsed) >= timeout * 0.9, elapsed
+    assert max(elapsed) < timeout + 1.0, elapsed
     assert group.broken is not None
     # The group stays broken: a late call fails at once, on the latecomer too.
     t0 = time.monotonic()
@@ -449,7 +451,7 @@ def test_mismatched_calls_fail_on_every_rank(odd_call: Callable, needle: str) ->
     t0 = time.monotonic()
     msgs = no_errors(run_ranks(world, rank_fn))
     assert time.monotonic() - t0 < 2.0, "a mismatch must not wait for the timeout"
-    for r, msg in enumerate(msgs):
+    for msg in msgs:
         assert "mismatched collective #0" in msg, msg
         assert needle in msg and "all_reduce(count=4, dtype=float32, op=sum)" in msg, msg
     assert group.broken is not None
@@ -657,10 +659,11 @@ def test_rendezvous_missing_rank_times_out() -> None:
             rendezvous(_dist(r, world, port), "fp", payload=b"id" if r == 0 else None, timeout_s=timeout)
         return str(ei.value), time.monotonic() - t0
 
-    results = no_errors(run_ranks(world, rank_fn))
-    for msg, elapsed in results[:2]:
+    results = no_errors(run_ranks(world, rank_fn))[:2]
+    for msg, _ in results:
         assert "rank(s) [2] did not arrive" in msg, msg
-        assert timeout * 0.9 <= elapsed < timeout + 2.0, elapsed
+    elapsed = [t for _, t in results]
+    assert timeout * 0.9 <= max(elapsed) < timeout + 2.0, elapsed
 
 
 def test_rendezvous_without_rank0_fails_to_connect_in_time() -> None:
