@@ -62,6 +62,8 @@ class ProposerOptions:
     # Diagnostic arm: build context rows through the full block (attention and MoE included) to
     # tell a wrong cache-only shortcut from wrong attention over real context.
     full_context_rows: bool = False
+    # Bound on a wait for peer ranks before it becomes a CommError.
+    comm_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.max_draft_tokens < 1:
@@ -385,7 +387,7 @@ class MtpProposer:
             gpu.graph_launch(g, s)
         else:
             self._enqueue_drafts(st, k)
-        gpu.synchronize(s)
+        self._wait(s)
         st.dsa.length = position + k
         st.last_drafted = k
         return [int(t) for t in st.drafts_host[:k]]
@@ -419,6 +421,15 @@ class MtpProposer:
         if self.head_sharded:
             self.comm.all_reduce(st.key, 1, CommDtype.UINT64, ReduceOp.MAX, stream=s)
         draft_head.draft_commit(gpu, st.key, st.token, st.drafts, i, s)
+
+    def _wait(self, stream: int) -> None:
+        """Wait for the drafts. With peers in the step a dead rank would leave the stream
+        unfinished forever; a communicator that can bound the wait (NCCL's ``wait``) turns that
+        into a CommError."""
+        wait = getattr(self.comm, "wait", None) if self.cfg.parallel.world_size > 1 else None
+        if wait is not None:
+            wait(stream, self.opt.comm_timeout_s)
+        self.gpu.synchronize(stream)
 
     def after_verify(self, st: ProposerState, accepted: int) -> None:
         """Keep ``min(drafted, accepted + 1)`` of the rows the last propose wrote. Row 0 pairs the

@@ -157,3 +157,11 @@ def test_cross_rank_argmax_equals_the_unsharded_argmax(logits, world, data):
         keys.append(pack_key(val, lo + idx))
     want, _ = argmax_ref(x)
     assert unpack_index(max(keys)) == want
+
+
+def test_the_rank_entry_point_runs_one_rank_on_the_host(capsys):
+    from model.sharded_run import main
+
+    assert main(["--backend", "host", "--steps", "6", "--timing-iters", "2", "--context", "48"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert '"ranks_agree": true' in line and '"proposes": 6' in line
