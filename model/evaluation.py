@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .corpus import heldout_files, sample_positions
+from .corpus import SAMPLE_MAX_T, heldout_files, sample_positions
 from .proposer import MtpProposer
 from .target import TargetModel
 
@@ -21,7 +21,8 @@ def evaluate_acceptance(target: TargetModel, drafter: MtpProposer, checkpoint: P
                         samples: int, max_context: int, refeed: bool = False,
                         quiet: bool = False) -> dict:
     files = dict(heldout_files())
-    plan = sample_positions(files.items(), max_t=max_context - k - 2, n_samples=samples)
+    plan = sample_positions(files.items(), max_t=min(SAMPLE_MAX_T, max_context - k - 2),
+                            n_samples=samples)
     by_file: dict[str, list[int]] = {}
     for rel, t in plan:
         by_file.setdefault(rel, []).append(t)
