@@ -56,6 +56,9 @@ class LayerScratch:
     iscores: DevicePtr
     selected: DevicePtr
     count: DevicePtr
+    router_counter: DevicePtr  # u32, zero between launches (router_fused's last-block handshake)
+    attn_part: DevicePtr  # sparse_mla_partial's per-split outputs and (max, sum)
+    attn_ml: DevicePtr
 
     @classmethod
     def alloc(cls, arena: DeviceArena, cfg: ModelConfig, sh: Sharding, chunk: int, rows: int,
@@ -63,8 +66,9 @@ class LayerScratch:
         a, d, m, H = cfg.attention, cfg.dsa, cfg.moe, cfg.hidden_size
         slots = m.num_experts_per_tok + 1
         inter = max(m.moe_intermediate_size, cfg.intermediate_size)
-        g = arena.gpu
         b = arena.zeros
+        part_bytes, ml_bytes = sparse_mla.split_workspace(sh.local_heads, a.kv_lora_rank,
+                                                          selection_rows(d, rows))
         return cls(
             y=b(chunk * H * 2),
             fused=b(chunk * fused_rows * 2),
@@ -85,6 +89,9 @@ class LayerScratch:
             iscores=b(max(rows // d.index_kpool, 1) * 4),
             selected=b(max(selection_rows(d, rows), 1) * 4),
             count=b(4),
+            router_counter=b(4),
+            attn_part=b(part_bytes),
+            attn_ml=b(ml_bytes),
         )
 
 
@@ -114,15 +121,13 @@ class DecoderLayer:
                       kv: PagedKvCache, row_ptr: DevicePtr, row_add: int, rows: int, stream) -> None:
         cfg, gpu, w = self.cfg, self.gpu, self.attn
         C, idim = cfg.attention.kv_lora_rank, cfg.dsa.index_head_dim
-        dsa_cache.latent_write_fp8(gpu, fused, stride, w.kv_a_norm, kv.data[self.kv_layer], kv.scales[self.kv_layer],
-                                   st.table.device, row_ptr, row_add, rows, C,
-                                   kv.config.block_size, cfg.rms_norm_eps, stream)
-        dsa_cache.indexer_write_keys(gpu, fused.offset(C * 2), stride, w.k_norm_w, w.k_norm_b,
-                                     st.keys, st.gates, row_ptr, row_add, rows, idim,
-                                     INDEXER_LN_EPS, stream)
-        dsa_cache.indexer_compress_pools(gpu, st.keys, st.gates, w.ape, st.pool_keys,
-                                         st.pool_scales, row_ptr, row_add, rows, idim,
-                                         cfg.dsa.index_kpool, stream)
+        # One launch for the latent, the indexer key and gate, and the pools the rows complete
+        # (dsa_cache_write = latent_write_fp8 + indexer_write_keys + indexer_compress_pools).
+        dsa_cache.dsa_cache_write(gpu, fused, stride, w.kv_a_norm, kv.data[self.kv_layer],
+                                  kv.scales[self.kv_layer], st.table.device, w.k_norm_w, w.k_norm_b,
+                                  st.keys, st.gates, w.ape, st.pool_keys, st.pool_scales, row_ptr,
+                                  row_add, rows, C, idim, kv.config.block_size, cfg.dsa.index_kpool,
+                                  cfg.rms_norm_eps, INDEXER_LN_EPS, stream)
 
     def context_rows(self, x: DevicePtr, rows: int, s: LayerScratch, st: DsaState,
                      kv: PagedKvCache, row_ptr: DevicePtr, row_add: int, stream=None) -> None:
@@ -135,10 +140,12 @@ class DecoderLayer:
     # ---- the whole layer for one row ------------------------------------------------------------
 
     def full_row(self, x: DevicePtr, s: LayerScratch, st: DsaState, kv: PagedKvCache,
-                 row_ptr: DevicePtr, row_add: int, rows_capacity: int, stream=None) -> None:
-        """x [H] in place: x = x + attn(norm(x)); x = x + mlp(norm(x))."""
+                 row_ptr: DevicePtr, row_add: int, rows_capacity: int, stream=None,
+                 next_norm: tuple[DevicePtr, DevicePtr] | None = None) -> None:
+        """x [H] in place: x = x + attn(norm(x)); x = x + mlp(norm(x)). With ``next_norm = (w, out)``
+        the consumer's RMSNorm ``out = rmsnorm(x) * w`` is fused into the last residual add."""
         self.attention(x, s, st, kv, row_ptr, row_add, rows_capacity, stream)
-        self.mlp_forward(s, x, stream)
+        self.mlp_forward(s, x, stream, next_norm)
 
     def attention(self, x: DevicePtr, s: LayerScratch, st: DsaState, kv: PagedKvCache,
                   row_ptr: DevicePtr, row_add: int, rows_capacity: int, stream=None) -> None:
@@ -162,9 +169,16 @@ class DecoderLayer:
                                      d.topk_pools, d.index_kpool, stream)
         bg.bgemv(gpu, w.wk_t, s.q_fused, s.q_abs, hl, C, a.qk_nope_head_dim, out_f32=True,
                  stream=stream)
-        sparse_mla.sparse_mla_attend(gpu, s.q_abs, kv.data[self.kv_layer], kv.scales[self.kv_layer], st.table.device,
-                                     s.selected, s.count, s.o_lat, hl, C, kv.config.block_size,
-                                     a.softmax_scale, stream)
+        sel_cap = selection_rows(d, rows_capacity)
+        if sparse_mla.split_supported(C, sel_cap):
+            sparse_mla.sparse_mla_split(gpu, s.q_abs, kv.data[self.kv_layer], kv.scales[self.kv_layer],
+                                        st.table.device, s.selected, s.count, s.attn_part, s.attn_ml,
+                                        s.o_lat, hl, C, kv.config.block_size, a.softmax_scale, sel_cap,
+                                        stream)
+        else:
+            sparse_mla.sparse_mla_attend(gpu, s.q_abs, kv.data[self.kv_layer], kv.scales[self.kv_layer],
+                                         st.table.device, s.selected, s.count, s.o_lat, hl, C,
+                                         kv.config.block_size, a.softmax_scale, stream)
         bg.bgemv(gpu, w.wv, s.o_lat, s.o, hl, a.v_head_dim, C, out_f32=False, stream=stream)
         gw = sh.group_heads * a.v_head_dim
         if sh.world_size == 1:
@@ -174,45 +188,56 @@ class DecoderLayer:
                      stream=stream)
             self.comm.all_gather(s.attn_local, s.attn_parts, sh.local_groups * H,
                                  CommDtype.FLOAT32, stream=stream)
-        bg.sum_rows_residual(gpu, s.attn_parts, x, s.h1, sh.groups, H, stream)
+        # h1 = x + attn, and the MLP's input norm y2 = rmsnorm(h1) * post_norm, in one launch.
+        bg.sum_rows_residual_rmsnorm(gpu, s.attn_parts, x, self.mlp.post_norm, s.h1, s.y2, sh.groups,
+                                     H, eps, stream)
 
-    def mlp_forward(self, s: LayerScratch, x_out: DevicePtr, stream=None) -> None:
-        """x_out = h1 + mlp(post_norm(h1))."""
+    def _residual_out(self, parts: DevicePtr, s: LayerScratch, x_out: DevicePtr, rows: int,
+                      next_norm: tuple[DevicePtr, DevicePtr] | None, stream) -> None:
+        H = self.cfg.hidden_size
+        if next_norm is None:
+            bg.sum_rows_residual(self.gpu, parts, s.h1, x_out, rows, H, stream)
+        else:
+            bg.sum_rows_residual_rmsnorm(self.gpu, parts, s.h1, next_norm[0], x_out, next_norm[1], rows,
+                                         H, self.cfg.rms_norm_eps, stream)
+
+    def mlp_forward(self, s: LayerScratch, x_out: DevicePtr, stream=None,
+                    next_norm: tuple[DevicePtr, DevicePtr] | None = None) -> None:
+        """x_out = h1 + mlp(y2), with y2 = post_norm(h1) as ``attention`` left it; with
+        ``next_norm = (w, out)`` also out = rmsnorm(x_out) * w."""
         cfg, gpu, w, sh = self.cfg, self.gpu, self.mlp, self.sh
         H, m = cfg.hidden_size, cfg.moe
-        rmsnorm(gpu, s.h1, w.post_norm, s.y2, 1, H, cfg.rms_norm_eps, stream)
         if not w.is_moe:
             # A dense MLP is one "expert" whose id and weight are the constants the layer holds.
             moe.expert_gate_up(gpu, w.gate_up, s.y2, self.const_ids, s.act, 0, 1, 0, 1, w.inter, H,
-                               float("inf"), stream)
+                               self.cfg.moe.swiglu_limit, stream)
             moe.expert_down(gpu, w.down, s.act, self.const_ids, self.const_one, s.moe_parts, 0, 1,
                             0, 1, H, w.inter, stream)
-            bg.sum_rows_residual(gpu, s.moe_parts, s.h1, x_out, 1, H, stream)
+            self._residual_out(s.moe_parts, s, x_out, 1, next_norm, stream)
             return
         E, k, L = m.n_routed_experts, m.num_experts_per_tok, m.swiglu_limit
         shared = m.n_shared_experts > 0
-        moe.router_scores(gpu, w.router, s.y2, s.rscores, E + int(shared), H, stream)
-        moe.router_topk(gpu, s.rscores, w.bias, s.ids, s.wts, E, k, m.norm_topk_prob,
-                        m.routed_scaling_factor, shared, stream)
-        moe.expert_gate_up(gpu, w.gate_up, s.y2, s.ids, s.act, 0, k, w.expert_base, w.n_local,
-                           w.inter, H, L, stream)
-        moe.expert_down(gpu, w.down, s.act, s.ids, s.wts, s.moe_parts, 0, k, w.expert_base,
-                        w.n_local, H, w.inter, stream)
-        slots = k
-        if shared:
-            slots += 1
-            if w.shared_gate_up is not None:
-                moe.expert_gate_up(gpu, w.shared_gate_up, s.y2, s.ids, s.act, k, 1, 0, 1, w.inter,
-                                   H, L, stream)
-                moe.expert_down(gpu, w.shared_down, s.act, s.ids, s.wts, s.moe_parts, k, 1, 0, 1,
-                                H, w.inter, stream)
-            else:
-                gpu.memset(s.moe_parts.offset(k * H * 4), 0, H * 4, stream)
+        # Scores and top-k in one launch (the last block routes).
+        moe.router_fused(gpu, w.router, s.y2, w.bias, s.rscores, s.ids, s.wts, s.router_counter, E, H,
+                         k, m.norm_topk_prob, m.routed_scaling_factor, shared, stream)
+        if not shared:
+            mode, w_sh_gu, w_sh_down = moe.SHARED_NONE, w.gate_up, w.down
+        elif w.shared_gate_up is not None:
+            mode, w_sh_gu, w_sh_down = moe.SHARED_HERE, w.shared_gate_up, w.shared_down
+        else:
+            mode, w_sh_gu, w_sh_down = moe.SHARED_ELSEWHERE, w.gate_up, w.down
+        # The routed experts and the shared expert as one more slot: one launch each for gate/up
+        # and down instead of two each (and no memset for a shared slot another rank holds).
+        moe.moe_gate_up(gpu, w.gate_up, w_sh_gu, s.y2, s.ids, s.act, k, w.expert_base, w.n_local,
+                        w.inter, H, L, mode, stream)
+        moe.moe_down(gpu, w.down, w_sh_down, s.act, s.ids, s.wts, s.moe_parts, k, w.expert_base,
+                     w.n_local, H, w.inter, mode, stream)
+        slots = k + int(shared)
         if sh.world_size > 1:
             # Every slot row is non-zero on exactly one rank, so this sum is exact (x + 0 = x).
             self.comm.all_reduce(s.moe_parts, slots * H, CommDtype.FLOAT32, ReduceOp.SUM,
                                  stream=stream)
-        bg.sum_rows_residual(gpu, s.moe_parts, s.h1, x_out, slots, H, stream)
+        self._residual_out(s.moe_parts, s, x_out, slots, next_norm, stream)
 
     const_ids: DevicePtr
     const_one: DevicePtr
