@@ -120,10 +120,27 @@ def cmd_generate(args) -> int:
 def cmd_eval(args) -> int:
     from model.evaluation import evaluate_acceptance
 
-    gpu, cfg, target, drafter = build(args, served=args.max_context)
+    if args.decode:
+        from model.evaluation import decode_acceptance
+
+        gpu, cfg, target, drafter = build(args, served=args.prompt_len + args.new_tokens + args.k + 2)
+        for refeed in (False, True):
+            print(json.dumps(decode_acceptance(target, drafter, k=args.k, prompts=args.samples,
+                                               prompt_len=args.prompt_len,
+                                               new_tokens=args.new_tokens, refeed=refeed,
+                                               quiet=args.quiet)))
+        drafter.close()
+        target.close()
+        return 0
+    if args.max_t < 16 or args.samples < 1:
+        raise UserError("--max-t must be >= 16 and --samples >= 1")
+    gpu, cfg, target, drafter = build(args, served=args.max_t + args.k + 2)
+    records: list | None = [] if args.records else None
     res = evaluate_acceptance(target, drafter, Path(args.checkpoint), k=args.k,
-                              samples=args.samples, max_context=args.sample_context,
-                              refeed=args.refeed_target_hidden, quiet=args.quiet)
+                              samples=args.samples, max_t=args.max_t, quiet=args.quiet,
+                              records=records)
+    if args.records:
+        Path(args.records).write_text(json.dumps(records))
     print(json.dumps(res))
     drafter.close()
     target.close()
@@ -172,9 +189,17 @@ def parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="acceptance per draft position on held-out text")
     common(e)
-    e.add_argument("--samples", type=int, default=200, help="positions sampled (default 200)")
-    e.add_argument("--sample-context", type=int, default=512,
-                   help="longest context a sample uses (default 512)")
+    e.add_argument("--samples", type=int, default=512,
+                   help="positions sampled, in the protocol's order (default 512)")
+    e.add_argument("--max-t", type=int, default=1000,
+                   help="last position a sample may sit at; the served context follows "
+                        "(default 1000, as train/eval_acceptance.py)")
+    e.add_argument("--records", metavar="FILE", help="write every sample's record as JSON")
+    e.add_argument("--decode", action="store_true",
+                   help="instead: acceptance inside speculative decoding on held-out prompts "
+                        "(--samples prompts), with and without --refeed-target-hidden")
+    e.add_argument("--prompt-len", type=int, default=64, help="with --decode: prompt bytes")
+    e.add_argument("--new-tokens", type=int, default=128, help="with --decode: tokens generated")
     e.set_defaults(func=cmd_eval)
 
     b = sub.add_parser("bench", help="GPU benchmark of propose (see bench/bench_propose.py --help)")

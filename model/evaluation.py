@@ -12,17 +12,18 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .corpus import SAMPLE_MAX_T, heldout_files, sample_positions
+from .corpus import SAMPLE_COUNT, SAMPLE_MAX_T, heldout_files, sample_positions
 from .proposer import MtpProposer
 from .target import TargetModel
 
 
 def evaluate_acceptance(target: TargetModel, drafter: MtpProposer, checkpoint: Path, *, k: int,
-                        samples: int, max_context: int, refeed: bool = False,
-                        quiet: bool = False) -> dict:
+                        samples: int = SAMPLE_COUNT, max_t: int = SAMPLE_MAX_T,
+                        quiet: bool = False, records: list | None = None) -> dict:
+    """``records``, when given, receives one dict per sample (file, t, target continuation,
+    drafts, accepted) for comparison with another implementation's records."""
     files = dict(heldout_files())
-    plan = sample_positions(files.items(), max_t=min(SAMPLE_MAX_T, max_context - k - 2),
-                            n_samples=samples)
+    plan = sample_positions(files.items(), max_t=max_t, n_samples=samples)
     by_file: dict[str, list[int]] = {}
     for rel, t in plan:
         by_file.setdefault(rel, []).append(t)
@@ -58,6 +59,8 @@ def evaluate_acceptance(target: TargetModel, drafter: MtpProposer, checkpoint: P
                 accepted[:a] += 1
                 total_acc += a
                 drafter.after_verify(dst, a)
+                if records is not None:
+                    records.append({"file": rel, "t": t, "g": cont, "drafts": drafts, "accepted": a})
                 bar.update(1)
         finally:
             drafter.free_state(dst)
@@ -69,6 +72,32 @@ def evaluate_acceptance(target: TargetModel, drafter: MtpProposer, checkpoint: P
         "k": k,
         "samples": len(plan),
         "files": len(by_file),
+        "reached": reached.tolist(),
+        "accepted": accepted.tolist(),
         "acceptance": [round(x, 4) for x in acc],
         "mean_accepted_drafts": round(total_acc / max(len(plan), 1), 4),
     }
+
+
+def decode_acceptance(target: TargetModel, drafter: MtpProposer, *, k: int, prompts: int,
+                      prompt_len: int, new_tokens: int, refeed: bool, quiet: bool = False) -> dict:
+    """Acceptance inside the speculative decoding loop, on prompts cut from the held-out files
+    (the first ``prompt_len`` bytes of each, in sorted order). Unlike the protocol above, later
+    steps run on rows the loop built, so this is where re-feeding accepted draft rows with the
+    target's own hidden rows (``refeed``) can matter."""
+    from .speculative import SpecStats, speculative_decode
+
+    total = SpecStats(k)
+    files = [(rel, data) for rel, data in heldout_files() if len(data) > prompt_len][:prompts]
+    for rel, data in tqdm(files, desc=f"decode refeed={refeed}", disable=quiet):
+        _, s = speculative_decode(target, drafter, list(data[:prompt_len]), new_tokens, k,
+                                  refeed_target_hidden=refeed)
+        total.steps += s.steps
+        total.accepted_total += s.accepted_total
+        total.reached = [a + b for a, b in zip(total.reached, s.reached)]
+        total.accepted_at = [a + b for a, b in zip(total.accepted_at, s.accepted_at)]
+    out = total.summary()
+    out.update(prompts=len(files), prompt_len=prompt_len, new_tokens=new_tokens, refeed=refeed)
+    for key in ("drafter_ms_per_step", "target_ms_per_step"):
+        out.pop(key)
+    return out

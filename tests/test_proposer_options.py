@@ -1,0 +1,93 @@
+"""Proposer options and load-time errors on the host backend."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from model.config import tiny
+from model.weights import WeightError
+from runtime.backend import NULL_KERNEL
+from runtime.host_backend import HostBackend
+from tests.proposer_fixtures import (assert_same_caches, bf16_weights, cache_snapshot,
+                                     make_proposer, upload_rows)
+
+CFG = tiny(index_topk=8, index_kpool=2, max_context=64)
+W = bf16_weights(CFG, 11)
+
+
+def _history(prop, gpu, rows=13, k=3):
+    rng = np.random.default_rng(4)
+    tok = rng.integers(0, CFG.vocab_size, rows + 2)
+    hid = rng.standard_normal((rows + 1, CFG.hidden_size))
+    st = prop.alloc_state()
+    p = upload_rows(gpu, hid[:rows])
+    prop.prefill_drafter(st, tok[:rows + 1], p)
+    h = upload_rows(gpu, hid[rows:])
+    drafts = prop.propose(st, int(tok[rows + 1]), h, rows, k)
+    gpu.free(p)
+    gpu.free(h)
+    return st, drafts
+
+
+def test_diagnostic_full_context_rows_build_the_same_caches():
+    """Cache rows are pure functions of a row's input, so the shortcut that skips attention and
+    MoE for context rows must write exactly what the full block writes."""
+    gpu = HostBackend()
+    a = make_proposer(CFG, W, gpu=gpu)
+    b = make_proposer(CFG, W, gpu=gpu, full_context_rows=True)
+    sa, da = _history(a, gpu)
+    sb, db = _history(b, gpu)
+    assert da == db
+    assert_same_caches(cache_snapshot(a, sa), cache_snapshot(b, sb))
+
+
+def test_timing_arms_change_what_they_skip():
+    gpu = HostBackend()
+    _, full = _history(make_proposer(CFG, W, gpu=gpu), gpu)
+    _, no_head = _history(make_proposer(CFG, W, gpu=gpu, skip_head=True), gpu)
+    _, no_block = _history(make_proposer(CFG, W, gpu=gpu, skip_block=True), gpu)
+    assert no_head == [0, 0, 0]
+    assert no_block != full
+
+
+class NoFp8Gemv(HostBackend):
+    def try_kernel(self, module, function):
+        return NULL_KERNEL if module == "gemv_fp8w" else super().try_kernel(module, function)
+
+
+def test_fp8_head_falls_back_to_bf16_with_a_warning(caplog):
+    gpu = NoFp8Gemv()
+    with caplog.at_level(logging.WARNING):
+        prop = make_proposer(CFG, W, gpu=gpu, fp8_head=True)
+    assert prop.head_fp8 is None and "BF16 head" in caplog.text
+    _, d_fallback = _history(prop, gpu)
+    g2 = HostBackend()
+    _, d_bf16 = _history(make_proposer(CFG, W, gpu=g2, fp8_head=False), g2)
+    assert d_fallback == d_bf16
+
+
+@pytest.mark.parametrize("mutate,msg", [
+    (lambda w, n: w.pop(n), "missing tensor"),
+    (lambda w, n: w.__setitem__(n, w[n][:-1]), "expected shape"),
+    (lambda w, n: w.__setitem__(n, w[n].astype(np.float32)), "expected dtype"),
+])
+@pytest.mark.parametrize("name", [
+    "model.layers.2.eh_proj.weight",
+    "model.layers.2.self_attn.kv_b_proj.weight",
+    "model.layers.2.mlp.experts.5.down_proj.weight",
+    "model.layers.2.mlp.gate.e_score_correction_bias",
+])
+def test_bad_checkpoint_tensor_is_named_and_leaks_nothing(mutate, msg, name):
+    w = dict(W)
+    if "bias" in name and msg == "expected dtype":
+        w[name] = w[name].astype(np.float16)
+    else:
+        mutate(w, name)
+    gpu = HostBackend()
+    with pytest.raises(WeightError, match=msg) as e:
+        make_proposer(CFG, w, gpu=gpu)
+    assert name in str(e.value)
+    assert gpu.stats().live_bytes == 0
