@@ -111,5 +111,11 @@ def launch(
     smem: int = 0,
     stream: int | None = None,
 ) -> None:
-    """One checked launch."""
-    Launch(gpu, kernel).grid(grid).block(block).smem(smem).args(*args).launch(stream)
+    """One launch; the backend checks the arguments against the declaration (once: a second
+    check in the builder measured 7 us of the 21 us a kernel helper cost per launch)."""
+    if kernel.decl is None:
+        raise LaunchError("launch of a null kernel handle (the kernel was absent at lookup)")
+    b3 = _dim3(block, "block", kernel)
+    if b3[0] * b3[1] * b3[2] > 1024:
+        raise LaunchError(f"{kernel.name}: block {b3} has more than 1024 threads")
+    gpu.launch(kernel, _dim3(grid, "grid", kernel), b3, args, smem, stream)

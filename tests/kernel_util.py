@@ -84,22 +84,3 @@ def assert_dot_close(out: np.ndarray, ref: np.ndarray, bound: np.ndarray, what: 
             f"{what}: {int(bad.sum())} of {bad.size} elements outside the bound; worst at {i}: "
             f"out {out64[i]!r}, ref {ref[i]!r}, bound {bound[i]!r}"
         )
-
-
-def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-    return a.shape == b.shape and a.tobytes() == b.tobytes()
-
-
-def assert_bf16_equal_or_nan(out: np.ndarray, ref: np.ndarray, what: str) -> None:
-    """Exact BF16 equality, treating every NaN bit pattern as the same value."""
-    o = np.asarray(out, np.float32)
-    r = np.asarray(ref, np.float32)
-    both_nan = np.isnan(o) & np.isnan(r)
-    diff = ~both_nan & (o != r)
-    if diff.any():
-        i = int(np.flatnonzero(diff.reshape(-1))[0])
-        raise AssertionError(
-            f"{what}: {int(diff.sum())} elements differ; first at flat index {i}: out {o.reshape(-1)[i]!r}, "
-            f"ref {r.reshape(-1)[i]!r}"
-        )

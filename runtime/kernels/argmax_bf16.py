@@ -1,0 +1,53 @@
+"""Argmax over a BF16 vector: the lowest index holding the largest value, and that value as f32.
+NaN never wins; if there is no non-NaN element the index is ``NONE`` (0xFFFFFFFF) and the value
+NaN.
+
+CUDA source: ptx/argmax_bf16.cu. One cluster of ``BLOCKS`` blocks of 1024 threads (the cluster shape
+is compiled into the kernel), no workspace, no host sync: capturable and safe on concurrent streams.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..backend import GpuBackend
+from ..device_ptr import DevicePtr
+from ..dtypes import BF16, F32, U32 as U32_DT
+from ..kernel import PTR, U32, declare
+from ..launch import launch
+
+BLOCK = 1024
+BLOCKS = 8  # must match ARGMAX_BLOCKS in ptx/argmax_bf16.cu (the grid is exactly one cluster)
+NONE = 0xFFFFFFFF
+
+
+def argmax_ref(x: np.ndarray) -> tuple[int, float]:
+    v = np.asarray(x, np.float32).reshape(-1)
+    valid = ~np.isnan(v)
+    if not valid.any():
+        return NONE, float("nan")
+    best = v[valid].max()
+    return int(np.flatnonzero(v == best)[0]), float(best)
+
+
+@declare(
+    "argmax_bf16",
+    "argmax_bf16",
+    [("x", PTR), ("out_idx", PTR), ("out_val", PTR), ("n", U32)],
+    writes=("out_idx", "out_val"),
+)
+def ARGMAX_BF16(mem, x, out_idx, out_val, n):  # noqa: N802 - the declaration is the constant
+    idx, val = argmax_ref(mem.read(x, BF16, n) if n else np.zeros(0, BF16))
+    mem.write(out_idx, np.array([idx], U32_DT))
+    mem.write(out_val, np.array([val], F32))
+
+
+def argmax_bf16(
+    gpu: GpuBackend,
+    x: DevicePtr,
+    out_idx: DevicePtr,
+    out_val: DevicePtr,
+    n: int,
+    stream: int | None = None,
+) -> None:
+    launch(gpu, gpu.kernel(*ARGMAX_BF16.key), BLOCKS, BLOCK, x, out_idx, out_val, n, stream=stream)
