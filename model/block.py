@@ -153,13 +153,12 @@ class DecoderLayer:
         a, d, H, eps = cfg.attention, cfg.dsa, cfg.hidden_size, cfg.rms_norm_eps
         C, idim, ih = a.kv_lora_rank, d.index_head_dim, d.index_n_heads
         hl = sh.local_heads
-        rmsnorm(gpu, x, w.input_norm, s.y, 1, H, eps, stream)
-        gemv_bf16(gpu, w.fused_in, s.y, s.fused, 1, w.fused_rows, H, stream)
+        # The input norm is every block's prologue of the fused projection (no rmsnorm launch).
+        bg.rmsnorm_gemv(gpu, x, w.input_norm, w.fused_in, s.fused, w.fused_rows, H, eps, stream)
         self._write_caches(s, s.fused, w.fused_rows, st, kv, row_ptr, row_add, 1, stream)
         q_a = s.fused.offset(self.ctx_rows * 2)
-        rmsnorm(gpu, q_a, w.q_a_norm, s.q_lat, 1, a.q_lora_rank, eps, stream)
         nq = hl * a.qk_head_dim + ih * idim
-        gemv_bf16(gpu, w.q_fused, s.q_lat, s.q_fused, 1, nq, a.q_lora_rank, stream)
+        bg.rmsnorm_gemv(gpu, q_a, w.q_a_norm, w.q_fused, s.q_fused, nq, a.q_lora_rank, eps, stream)
         iw = q_a.offset(a.q_lora_rank * 2)  # weights_proj y
         dsa_select.indexer_scores(gpu, s.q_fused.offset(hl * a.qk_head_dim * 2), iw, st.pool_keys,
                                   st.pool_scales, s.iscores, row_ptr, row_add, ih, idim,

@@ -32,7 +32,7 @@ from .block import DecoderLayer, LayerScratch
 from .config import ModelConfig
 from .dsa import DsaSizingError, DsaState, drafter_context_rows
 from .kernels import draft_head
-from .kernels.mtp_input import mtp_embed_norm
+from .kernels.mtp_input import mtp_embed_norm, mtp_input_gemv
 from .weights import DeviceArena, Sharding, WeightError, load_attention, load_moe
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,7 @@ class ProposerState:
     drafts: DevicePtr
     row: DevicePtr
     ctx_tokens: DevicePtr
+    head_counter: DevicePtr  # u32, zero between launches (head_argmax's last-block handshake)
     step_host: np.ndarray  # pinned: [row, token] u32
     drafts_host: np.ndarray  # pinned: [max_draft_tokens] u32
     last_drafted: int = 0
@@ -259,6 +260,7 @@ class MtpProposer:
                 concat=z(ch * 2 * H * 2), x=z(ch * H * 2), xn=z(H * 2), hidden_in=z(H * 2),
                 logits=z(self.head_n * 2), am_idx=z(4), am_val=z(4), key=z(8), token=z(4),
                 drafts=z(self.opt.max_draft_tokens * 4), row=z(4), ctx_tokens=z(ch * 4),
+                head_counter=z(4),
                 step_host=gpu.alloc_host(8).view(np.uint32),
                 drafts_host=gpu.alloc_host(self.opt.max_draft_tokens * 4).view(np.uint32),
             )
@@ -401,25 +403,34 @@ class MtpProposer:
         gpu, s, cfg = self.gpu, self.stream, self.cfg
         H, V, eps = cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps
         hidden = st.hidden_in if i == 0 else st.xn
-        mtp_embed_norm(gpu, self.tables.embed, st.token, self.enorm, hidden, self.hnorm, st.concat,
-                       1, V, H, eps, s)
-        gemv_bf16(gpu, self.eh_proj, st.concat, st.x, 1, H, 2 * H, s)
+        # Both input norms are every block's prologue of eh_proj (one launch, no concat round trip).
+        mtp_input_gemv(gpu, self.tables.embed, st.token, self.enorm, hidden, self.hnorm, self.eh_proj,
+                       st.x, V, H, H, eps, s)
         if not self.opt.skip_block:
-            self.layer.full_row(st.x, st.scratch, st.dsa, self.kv, st.row, i, self.rows_cap, s)
-        rmsnorm(gpu, st.x, self.head_norm, st.xn, 1, H, eps, s)
+            # The head's RMSNorm rides on the block's last residual add (one launch for both).
+            self.layer.full_row(st.x, st.scratch, st.dsa, self.kv, st.row, i, self.rows_cap, s,
+                                next_norm=(self.head_norm, st.xn))
+        else:
+            rmsnorm(gpu, st.x, self.head_norm, st.xn, 1, H, eps, s)
         if self.opt.skip_head:
             gpu.memset(st.token, 0, 4, s)
             gpu.memset(st.drafts.offset(i * 4), 0, 4, s)
             return
         n = self.head_n
+        if not self.head_sharded:
+            # One launch: head GEMV, argmax, commit of the draft token (st.key stays zero).
+            fp8 = self.head_fp8 is not None
+            w, sc = (self.head_fp8, self.head_fp8_scales) if fp8 else (self.head_bf16, None)
+            draft_head.head_argmax(gpu, w, sc, st.xn, st.logits, st.key, st.head_counter, st.token,
+                                   st.drafts, i, n, H, s)
+            return
         if self.head_fp8 is not None:
             gemv_fp8w(gpu, self.head_fp8, self.head_fp8_scales, st.xn, st.logits, 1, n, H, s)
         else:
             gemv_bf16(gpu, self.head_bf16, st.xn, st.logits, 1, n, H, s)
         argmax_bf16(gpu, st.logits, st.am_idx, st.am_val, n, s)
         draft_head.argmax_pack(gpu, st.am_idx, st.am_val, st.key, self.head_v0, s)
-        if self.head_sharded:
-            self.comm.all_reduce(st.key, 1, CommDtype.UINT64, ReduceOp.MAX, stream=s)
+        self.comm.all_reduce(st.key, 1, CommDtype.UINT64, ReduceOp.MAX, stream=s)
         draft_head.draft_commit(gpu, st.key, st.token, st.drafts, i, s)
 
     def _wait(self, stream: int) -> None:

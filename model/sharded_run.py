@@ -22,6 +22,10 @@ import numpy as np
 
 def random_weights(cfg, seed: int) -> dict:
     from model.checkpoint import DTYPES, random_tensors
+    from model.checkpoint.random_init import tiled_mtp_weights
+
+    if cfg.hidden_size >= 1024:  # reference shapes: tiles of one random pool, built in seconds
+        return tiled_mtp_weights(cfg, seed)
 
     out = {}
     for t in random_tensors(cfg, seed, include_target=False):

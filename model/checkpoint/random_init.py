@@ -12,6 +12,8 @@ Values are uniform rather than normal: 2.5x faster to draw, same variance, no ou
 
 from __future__ import annotations
 
+import math
+
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +31,7 @@ from model.weights_layout import (
     shared_layout,
     target_layout,
 )
-from runtime.dtypes import FP8_MAX, to_fp8_saturating
+from runtime.dtypes import BF16, FP8_MAX, to_fp8_saturating
 
 from . import fp8
 from .safetensors_io import DTYPES, PendingTensor
@@ -175,3 +177,65 @@ def random_checkpoint(
                                          "weight_block_size": list(fp8_block)}}
     return write_checkpoint(directory, cfg, tensors, max_shard_bytes, extra_config=extra,
                             overwrite=overwrite, progress=progress)
+
+
+# 64 MiB of random BF16 that every tiled weight is cut from.
+POOL_ELEMS = 32 << 20
+
+
+def tiled_mtp_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """For benchmarks at the reference shapes, where drawing 17 GB of random numbers costs minutes.
+    Every tensor of the MTP block, the embedding and the head, at ``cfg``'s shapes: slices of one
+    random pool at tensor-specific offsets (tiled when larger), so nothing is zero and building
+    them costs a few copies, not a random draw per weight."""
+    rng = np.random.default_rng(seed)
+    pool = (rng.standard_normal(POOL_ELEMS, dtype=np.float32) * 0.02).astype(BF16)
+    salt = [0]
+
+    def t(*shape: int, scale_one: bool = False) -> np.ndarray:
+        n = math.prod(shape)
+        salt[0] += 1
+        if scale_one:  # norm weights near 1
+            return (1.0 + pool[salt[0] * 4099 % (POOL_ELEMS - n):][:n].astype(np.float32)).astype(BF16).reshape(shape)
+        if n <= POOL_ELEMS // 2:
+            off = (salt[0] * 1_000_003) % (POOL_ELEMS - n)
+            return pool[off:off + n].reshape(shape)
+        return np.resize(pool, n).reshape(shape)
+
+    a, d, m = cfg.attention, cfg.dsa, cfg.moe
+    H, V = cfg.hidden_size, cfg.vocab_size
+    P = f"model.layers.{cfg.mtp_layer_index}."
+    A, X, M = P + "self_attn.", P + "self_attn.indexer.", P + "mlp."
+    nh, I, E = a.num_attention_heads, m.moe_intermediate_size, m.n_routed_experts
+    w = {
+        "model.embed_tokens.weight": t(V, H), "lm_head.weight": t(V, H),
+        P + "enorm.weight": t(H, scale_one=True), P + "hnorm.weight": t(H, scale_one=True),
+        P + "eh_proj.weight": t(H, 2 * H),
+        P + "input_layernorm.weight": t(H, scale_one=True),
+        P + "post_attention_layernorm.weight": t(H, scale_one=True),
+        P + "shared_head.norm.weight": t(H, scale_one=True),
+        A + "q_a_proj.weight": t(a.q_lora_rank, H), A + "q_a_layernorm.weight": t(a.q_lora_rank, scale_one=True),
+        A + "q_b_proj.weight": t(nh * a.qk_head_dim, a.q_lora_rank),
+        A + "kv_a_proj_with_mqa.weight": t(a.kv_lora_rank + a.qk_rope_head_dim, H),
+        A + "kv_a_layernorm.weight": t(a.kv_lora_rank, scale_one=True),
+        A + "kv_b_proj.weight": t(nh * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank),
+        A + "o_proj.weight": t(H, nh * a.v_head_dim),
+        X + "wq_b.weight": t(d.index_n_heads * d.index_head_dim, a.q_lora_rank),
+        X + "wk.weight": t(d.index_head_dim, H), X + "weights_proj.weight": t(d.index_n_heads, H),
+        X + "k_norm.weight": t(d.index_head_dim, scale_one=True), X + "k_norm.bias": t(d.index_head_dim),
+        X + "compress_gate.weight": t(d.index_head_dim, H),
+        X + "compress_ape": t(d.index_kpool, d.index_head_dim),
+        M + "gate.weight": t(E, H),
+        M + "gate.e_score_correction_bias": (0.01 * rng.standard_normal(E)).astype(np.float32),
+    }
+    for e in range(E):
+        w[M + f"experts.{e}.gate_proj.weight"] = t(I, H)
+        w[M + f"experts.{e}.up_proj.weight"] = t(I, H)
+        w[M + f"experts.{e}.down_proj.weight"] = t(H, I)
+    if m.n_shared_experts:
+        Is = I * m.n_shared_experts
+        w[M + "shared_experts.gate_proj.weight"] = t(Is, H)
+        w[M + "shared_experts.up_proj.weight"] = t(Is, H)
+        w[M + "shared_experts.down_proj.weight"] = t(H, Is)
+        w[M + "shared_expert_gate.weight"] = t(1, H)
+    return w

@@ -1,8 +1,8 @@
 """Batched GEMV with one weight matrix per batch entry: ``y[b] = W[b] @ x[b]``.
 
 Used for the per-head absorbed query (``kv_b``'s key half, stored transposed per head), the per-head
-value projection, and ``o_proj`` split into fixed head groups (see ``model.attention``).
-CUDA: ptx/bgemv.cu.
+value projection, and ``o_proj`` split into fixed head groups (see ``model.weights``).
+CUDA: ptx/bgemv.cu (grid (ceil(n / (8 rows_per_warp(k))), batch), block 256).
 """
 
 from __future__ import annotations
@@ -10,8 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.dtypes import BF16
+from runtime.kernel import F32, PTR, U32, declare
+from runtime.kernels.gemv_bf16 import gemv_bf16_ref
+from runtime.kernels.rmsnorm import rmsnorm_ref
 from runtime.launch import launch
-from runtime.kernel import PTR, U32, declare
 
 _ARGS = [("w", PTR), ("x", PTR), ("y", PTR), ("batch", U32), ("n", U32), ("k", U32)]
 
@@ -48,11 +50,63 @@ def SUM_ROWS_RESIDUAL(mem, parts, residual, out, rows, n):
     mem.write(out, (mem.read(residual, BF16, n).astype(np.float32) + acc).astype(BF16))
 
 
+@declare(
+    "bgemv",
+    "sum_rows_residual_rmsnorm",
+    [("parts", PTR), ("residual", PTR), ("norm_w", PTR), ("out", PTR), ("normed", PTR),
+     ("rows", U32), ("n", U32), ("eps", F32)],
+    writes=("out", "normed"),
+)
+def SUM_ROWS_RESIDUAL_RMSNORM(mem, parts, residual, norm_w, out, normed, rows, n, eps):
+    """sum_rows_residual into ``out``, then ``normed = rmsnorm(out) * norm_w`` of the BF16 result:
+    the residual add of one sub-layer and the input norm of the next in one launch."""
+    SUM_ROWS_RESIDUAL.host(mem, parts, residual, out, rows, n)
+    mem.write(normed, rmsnorm_ref(mem.read(out, BF16, n), mem.read(norm_w, BF16, n), eps))
+
+
+@declare(
+    "bgemv",
+    "rmsnorm_gemv",
+    [("x", PTR), ("norm_w", PTR), ("w", PTR), ("y", PTR), ("n", U32), ("k", U32), ("eps", F32)],
+    writes=("y",),
+)
+def RMSNORM_GEMV(mem, x, norm_w, w, y, n, k, eps):
+    """y = W @ (rmsnorm(x) * norm_w) for one row x [k]; W [n, k], y [n] BF16: the rmsnorm and
+    gemv_bf16 (m = 1) twins in sequence, in one launch on the device."""
+    xn = rmsnorm_ref(mem.read(x, BF16, k), mem.read(norm_w, BF16, k), eps)
+    mem.write(y, gemv_bf16_ref(mem.view(w, BF16, (n, k)), xn[None])[0])
+
+
+def rows_per_warp(k: int) -> int:
+    """ptx/bgemv.cu bgemv_dispatch: short rows get more rows per warp (16 loads per lane in flight)."""
+    return 16 if k <= 256 else 8 if k <= 512 else 4
+
+
 def bgemv(gpu, w, x, y, batch, n, k, *, out_f32: bool, stream=None):
     decl = BGEMV_F32 if out_f32 else BGEMV_BF16
-    launch(gpu, gpu.kernel(*decl.key), (-(-n // 8), batch), 256, w, x, y, batch, n, k, stream=stream)
+    per_block = 8 * rows_per_warp(k)  # 8 warps
+    launch(gpu, gpu.kernel(*decl.key), (-(-n // per_block), batch), 256, w, x, y, batch, n, k,
+           stream=stream)
 
 
 def sum_rows_residual(gpu, parts, residual, out, rows, n, stream=None):
     launch(gpu, gpu.kernel(*SUM_ROWS_RESIDUAL.key), -(-n // 256), 256, parts, residual, out, rows,
            n, stream=stream)
+
+
+def sum_rows_residual_rmsnorm(gpu, parts, residual, norm_w, out, normed, rows, n, eps, stream=None):
+    """One block of 1024 threads owns the whole row (the norm needs all of it)."""
+    launch(gpu, gpu.kernel(*SUM_ROWS_RESIDUAL_RMSNORM.key), 1, 1024, parts, residual, norm_w, out,
+           normed, rows, n, eps, stream=stream)
+
+
+# ptx/bgemv.cu rmsnorm_gemv: one row per warp, 8 warps per block, grid-stride; the grid is what
+# fits on an H200 at once (132 SMs x 3 blocks, __launch_bounds__(256, 3)), so every block pays
+# its norm prologue once. The normalised x lives in dynamic smem.
+NORM_GEMV_MAX_GRID = 132 * 3
+
+
+def rmsnorm_gemv(gpu, x, norm_w, w, y, n, k, eps, stream=None):
+    grid = max(1, min(-(-n // 8), NORM_GEMV_MAX_GRID))
+    launch(gpu, gpu.kernel(*RMSNORM_GEMV.key), grid, 256, x, norm_w, w, y, n, k, eps, smem=2 * k,
+           stream=stream)

@@ -4,14 +4,23 @@ A rank's (max logit, global index) becomes one u64: the order-preserving bits of
 the high word, ``0xFFFFFFFF - index`` in the low word. A u64 MAX all-reduce over ranks then picks
 the larger logit, and on a tie the lower index, which is the lower rank since vocabulary shards are
 contiguous by rank: exactly the unsharded argmax, identical on every rank. CUDA: ptx/draft_head.cu.
+
+On one rank (or a head every rank sweeps whole) ``head_argmax_bf16`` / ``head_argmax_fp8`` do the
+head GEMV, the argmax and the commit in one launch: each block folds its rows' best key into a u64
+with atomicMax and the last block commits, which also saves the single-block argmax's second read
+of the logits.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from runtime.launch import launch
+from runtime.dtypes import BF16, FP8
 from runtime.kernel import PTR, U32, declare
+from runtime.kernels.argmax_bf16 import argmax_ref
+from runtime.kernels.gemv_bf16 import gemv_bf16_ref
+from runtime.kernels.gemv_fp8w import gemv_fp8w_ref
+from runtime.launch import launch
 
 
 def ordered_bits(v: np.float32) -> int:
@@ -58,6 +67,54 @@ def DRAFT_COMMIT(mem, key, token, drafts, slot):
     t = np.array([unpack_index(int(mem.scalar(key, np.uint64)))], np.uint32)
     mem.write(token, t)
     mem.write(drafts.offset(slot * 4), t)
+
+
+_HEAD_TAIL = [("logits", PTR), ("key", PTR), ("counter", PTR), ("token", PTR), ("drafts", PTR),
+              ("slot", U32), ("n", U32), ("k", U32)]
+_HEAD_WRITES = ("logits", "key", "counter", "token", "drafts")
+
+
+def _commit_argmax(mem, logits_bf16, logits, key, counter, token, drafts, slot):
+    """Store the logits, commit their argmax (gemv -> argmax_bf16 -> argmax_pack(v0=0) ->
+    draft_commit on one rank), and leave the scratch key and counter zeroed as the kernel does."""
+    mem.write(logits, logits_bf16)
+    idx, _ = argmax_ref(logits_bf16)
+    t = np.array([idx], np.uint32)
+    mem.write(token, t)
+    mem.write(drafts.offset(slot * 4), t)
+    mem.write(key, np.zeros(1, np.uint64))
+    mem.write(counter, np.zeros(1, np.uint32))
+
+
+@declare("draft_head", "head_argmax_bf16", [("w", PTR), ("x", PTR), *_HEAD_TAIL], writes=_HEAD_WRITES)
+def HEAD_ARGMAX_BF16(mem, w, x, logits, key, counter, token, drafts, slot, n, k):
+    """Single-rank head in one launch: logits = W x (BF16), draft = argmax (lowest index on ties,
+    NaN never; 0xFFFFFFFF if every logit is NaN), *token = drafts[slot] = draft."""
+    y = gemv_bf16_ref(mem.view(w, BF16, (n, k)), mem.read(x, BF16, (1, k)))[0]
+    _commit_argmax(mem, y, logits, key, counter, token, drafts, slot)
+
+
+@declare("draft_head", "head_argmax_fp8", [("wq", PTR), ("scale", PTR), ("x", PTR), *_HEAD_TAIL],
+         writes=_HEAD_WRITES)
+def HEAD_ARGMAX_FP8(mem, wq, scale, x, logits, key, counter, token, drafts, slot, n, k):
+    """head_argmax_bf16 with the FP8 copy of the head (gemv_fp8w's arithmetic)."""
+    y = gemv_fp8w_ref(mem.view(wq, FP8, (n, k)), mem.read(scale, np.float32, n), mem.read(x, BF16, (1, k)))[0]
+    _commit_argmax(mem, y, logits, key, counter, token, drafts, slot)
+
+
+# ptx/draft_head.cu: 8 warps x 2 rows per block for both heads.
+HEAD_ROWS_PER_BLOCK_BF16 = 16
+HEAD_ROWS_PER_BLOCK_FP8 = 16
+
+
+def head_argmax(gpu, w, scale, x, logits, key, counter, token, drafts, slot, n, k, stream=None):
+    """The FP8 head when ``scale`` is given (w is then the FP8 copy), else the BF16 head."""
+    if scale is None:
+        launch(gpu, gpu.kernel(*HEAD_ARGMAX_BF16.key), -(-n // HEAD_ROWS_PER_BLOCK_BF16), 256, w, x,
+               logits, key, counter, token, drafts, slot, n, k, stream=stream)
+    else:
+        launch(gpu, gpu.kernel(*HEAD_ARGMAX_FP8.key), -(-n // HEAD_ROWS_PER_BLOCK_FP8), 256, w, scale,
+               x, logits, key, counter, token, drafts, slot, n, k, stream=stream)
 
 
 def argmax_pack(gpu, idx, val, key, v0, stream=None):

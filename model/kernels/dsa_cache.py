@@ -7,7 +7,8 @@
   slots of ``g + ape`` weighting the slots' ``k``, stored FP8 with a scale.
 
 Rows are read from a fused projection output with row stride ``stride`` (elements).
-CUDA: ptx/dsa_cache.cu.
+CUDA: ptx/dsa_cache.cu (grid = rows, block 128). ``dsa_cache_write`` does all three for the same
+rows in one launch (the block path's only cache write).
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.dtypes import BF16, FP8, quantize_rows_fp8
-from runtime.launch import launch
 from runtime.kernel import F32, PTR, U32, declare
 from runtime.kernels.rmsnorm import rmsnorm_ref
+from runtime.launch import launch
 
 
 def layernorm_ref(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
@@ -108,7 +109,42 @@ def INDEXER_COMPRESS_POOLS(mem, keys, gates, ape, pool_keys, pool_scales, row_pt
         mem.write(pool_scales.offset(p * 4), s)
 
 
+@declare(
+    "dsa_cache",
+    "dsa_cache_write",
+    [
+        ("fused", PTR), ("stride", U32), ("kv_norm_w", PTR), ("cache", PTR), ("scales", PTR),
+        ("block_table", PTR), ("knorm_w", PTR), ("knorm_b", PTR), ("keys", PTR), ("gates", PTR),
+        ("ape", PTR), ("pool_keys", PTR), ("pool_scales", PTR), ("row_ptr", PTR), ("row_add", U32),
+        ("rows", U32), ("C", U32), ("idim", U32), ("block_size", U32), ("kpool", U32),
+        ("eps", F32), ("ln_eps", F32),
+    ],
+    writes=("cache", "scales", "keys", "gates", "pool_keys", "pool_scales"),
+)
+def DSA_CACHE_WRITE(mem, fused, stride, kv_norm_w, cache, scales, block_table, knorm_w, knorm_b, keys,
+                    gates, ape, pool_keys, pool_scales, row_ptr, row_add, rows, C, idim, block_size,
+                    kpool, eps, ln_eps):
+    """latent_write_fp8, indexer_write_keys and indexer_compress_pools of the same rows, in that
+    order, in one launch. Fused row r: [kv (C) ; wk y (idim) ; compress_gate y (idim) ; ...]."""
+    LATENT_WRITE_FP8.host(mem, fused, stride, kv_norm_w, cache, scales, block_table, row_ptr, row_add,
+                          rows, C, block_size, eps)
+    INDEXER_WRITE_KEYS.host(mem, fused.offset(C * 2), stride, knorm_w, knorm_b, keys, gates, row_ptr,
+                            row_add, rows, idim, ln_eps)
+    INDEXER_COMPRESS_POOLS.host(mem, keys, gates, ape, pool_keys, pool_scales, row_ptr, row_add, rows,
+                                idim, kpool)
+
+
 assert FP8.itemsize == 1
+
+# ptx/dsa_cache.cu keeps a pool key row and per-slot LayerNorm statistics in static shared memory.
+MAX_DIM = 1024
+MAX_KPOOL = 16
+
+
+def check_dims(idim: int, kpool: int) -> None:
+    if not 1 <= kpool <= MAX_KPOOL or not 1 <= idim <= MAX_DIM:
+        raise ValueError(f"dsa_cache: index_head_dim {idim} / index_kpool {kpool} outside the kernels' "
+                         f"1..{MAX_DIM} / 1..{MAX_KPOOL}")
 
 
 def latent_write_fp8(gpu, kv, stride, norm_w, cache, scales, block_table, row_ptr, row_add, rows,
@@ -125,5 +161,15 @@ def indexer_write_keys(gpu, kg, stride, knorm_w, knorm_b, keys, gates, row_ptr, 
 
 def indexer_compress_pools(gpu, keys, gates, ape, pool_keys, pool_scales, row_ptr, row_add, rows,
                            dim, kpool, stream=None):
+    check_dims(dim, kpool)
     launch(gpu, gpu.kernel(*INDEXER_COMPRESS_POOLS.key), rows, 128, keys, gates, ape, pool_keys,
            pool_scales, row_ptr, row_add, rows, dim, kpool, stream=stream)
+
+
+def dsa_cache_write(gpu, fused, stride, kv_norm_w, cache, scales, block_table, knorm_w, knorm_b, keys,
+                    gates, ape, pool_keys, pool_scales, row_ptr, row_add, rows, C, idim, block_size,
+                    kpool, eps, ln_eps, stream=None):
+    check_dims(idim, kpool)
+    launch(gpu, gpu.kernel(*DSA_CACHE_WRITE.key), rows, 128, fused, stride, kv_norm_w, cache, scales,
+           block_table, knorm_w, knorm_b, keys, gates, ape, pool_keys, pool_scales, row_ptr, row_add,
+           rows, C, idim, block_size, kpool, eps, ln_eps, stream=stream)

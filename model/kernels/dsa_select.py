@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.dtypes import BF16, FP8
-from runtime.launch import launch
 from runtime.kernel import F32, PTR, U32, declare
+from runtime.launch import launch
 
 # 16384 pools x 4 B of f32 score = 64 KiB of dynamic shared memory in ptx/dsa_select.cu.
 TOPK_MAX_POOLS = 16384
@@ -83,10 +83,23 @@ def SELECT_TOPK_POOLS(mem, scores, selected, count, row_ptr, row_add, topk_pools
     mem.write(count, np.array([rows.size], np.uint32))
 
 
+# indexer_scores: a warp per pool, 8 per block, grid-stride. The grid is capped at two blocks per SM
+# of an H200 (132 SMs): past that each block stages q (heads x dim f32) for fewer than one pool per
+# warp. Blocks beyond the row's pools exit at once.
+SCORES_MAX_GRID = 264
+
+
+def indexer_scores_smem(heads: int, dim: int) -> int:
+    """ptx/dsa_select.cu: q [heads][dim + 4] f32, w [heads] (padded to 4), 8 key rows [dim] f32."""
+    return 4 * (heads * (dim + 4) + heads + (-heads % 4) + 8 * dim)
+
+
 def indexer_scores(gpu, q, w, pool_keys, pool_scales, scores, row_ptr, row_add, heads, dim, kpool,
                    w_scale, max_pools, stream=None):
-    launch(gpu, gpu.kernel(*INDEXER_SCORES.key), max(-(-max_pools // 8), 1), 256, q, w, pool_keys,
-           pool_scales, scores, row_ptr, row_add, heads, dim, kpool, w_scale, stream=stream)
+    grid = min(max(-(-max_pools // 8), 1), SCORES_MAX_GRID)
+    launch(gpu, gpu.kernel(*INDEXER_SCORES.key), grid, 256, q, w, pool_keys, pool_scales, scores,
+           row_ptr, row_add, heads, dim, kpool, w_scale, smem=indexer_scores_smem(heads, dim),
+           stream=stream)
 
 
 def select_topk_pools(gpu, scores, selected, count, row_ptr, row_add, topk_pools, kpool,

@@ -9,9 +9,10 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.dtypes import BF16
-from runtime.launch import launch
 from runtime.kernel import F32, PTR, U32, declare
+from runtime.kernels.gemv_bf16 import gemv_bf16_ref
 from runtime.kernels.rmsnorm import rmsnorm_ref
+from runtime.launch import launch
 
 
 @declare(
@@ -35,6 +36,40 @@ def MTP_EMBED_NORM(mem, table, tokens, enorm, hidden, hnorm, out, rows, vocab, h
             res[r, :h] = rmsnorm_ref(mem.read(table.offset(int(t) * h * 2), BF16, h), e_w, eps)
     res[:, h:] = rmsnorm_ref(hid, h_w, eps)
     mem.write(out, res)
+
+
+@declare(
+    "mtp_input",
+    "mtp_input_gemv",
+    [
+        ("table", PTR), ("token", PTR), ("enorm", PTR), ("hidden", PTR), ("hnorm", PTR), ("w", PTR),
+        ("y", PTR), ("vocab", U32), ("h", U32), ("n", U32), ("eps", F32),
+    ],
+    writes=("y",),
+)
+def MTP_INPUT_GEMV(mem, table, token, enorm, hidden, hnorm, w, y, vocab, h, n, eps):
+    """y = W @ [rmsnorm(table[*token]) * enorm ; rmsnorm(hidden) * hnorm] for one row (W [n, 2h]):
+    mtp_embed_norm (rows = 1) and gemv_bf16 in sequence, in one launch on the device."""
+    t = int(mem.scalar(token, np.uint32))
+    x = np.empty(2 * h, BF16)
+    if t >= vocab:
+        x[:h] = np.float32(np.nan)
+    else:
+        x[:h] = rmsnorm_ref(mem.read(table.offset(t * h * 2), BF16, h), mem.read(enorm, BF16, h), eps)
+    x[h:] = rmsnorm_ref(mem.read(hidden, BF16, h), mem.read(hnorm, BF16, h), eps)
+    mem.write(y, gemv_bf16_ref(mem.view(w, BF16, (n, 2 * h)), x[None])[0])
+
+
+# ptx/mtp_input.cu mtp_input_gemv: one row per warp, 8 warps per block, grid-stride over the rows;
+# the grid is what fits on an H200 at once (132 SMs x 2 blocks, __launch_bounds__(256, 2)). The
+# 2h-wide input lives in dynamic smem.
+INPUT_GEMV_MAX_GRID = 132 * 2
+
+
+def mtp_input_gemv(gpu, table, token, enorm, hidden, hnorm, w, y, vocab, h, n, eps, stream=None):
+    grid = max(1, min(-(-n // 8), INPUT_GEMV_MAX_GRID))
+    launch(gpu, gpu.kernel(*MTP_INPUT_GEMV.key), grid, 256, table, token, enorm, hidden, hnorm, w, y,
+           vocab, h, n, eps, smem=4 * h, stream=stream)
 
 
 def mtp_embed_norm(gpu, table, tokens, enorm, hidden, hnorm, out, rows, vocab, h, eps, stream=None):

@@ -3,6 +3,11 @@
 Per head: ``s_j = (q_h . c_j) * scale`` over the selected rows j, softmax, ``o_h = sum_j p_j c_j``.
 ``q`` is the absorbed query in latent space (f32, [heads, dim]); ``out`` is BF16 [heads, dim].
 The selection's row count is read from device memory. CUDA: ptx/sparse_mla.cu.
+
+Two implementations of the same function: ``sparse_mla_attend`` (one launch, one block per head,
+CUDA cores) and the split pair ``sparse_mla_partial`` + ``sparse_mla_combine`` (flash-decoding:
+64-row splits x 16-head tiles on the tensor cores, then an exact merge), which the decoder block
+uses where the shapes allow it (``split_supported``).
 """
 
 from __future__ import annotations
@@ -10,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.dtypes import BF16, FP8
-from runtime.launch import launch
 from runtime.kernel import F32, PTR, U32, declare
+from runtime.launch import launch
 
 
 @declare(
@@ -41,7 +46,102 @@ def SPARSE_MLA_ATTEND(mem, q, cache, scales, block_table, selected, count, out, 
     mem.write(out, (p @ c).astype(BF16))
 
 
+# ptx/sparse_mla.cu: rows per split and heads per tile of sparse_mla_partial.
+SPLIT_ROWS = 64
+HEAD_TILE = 16
+MAX_SPLITS = 1024
+
+
+def _gather(mem, cache, scales, block_table, selected, count, dim, block_size):
+    n = int(mem.scalar(count, np.uint32))
+    rows = mem.read(selected, np.uint32, n).astype(np.int64)
+    blocks = mem.read(block_table, np.uint32, int(rows.max()) // block_size + 1).astype(np.int64)
+    slots = blocks[rows // block_size] * block_size + rows % block_size
+    nslots = int(slots.max()) + 1
+    c = mem.read(cache, FP8, (nslots, dim))[slots].astype(np.float32)
+    c *= mem.read(scales, np.float32, nslots)[slots][:, None]
+    return n, c
+
+
+@declare(
+    "sparse_mla",
+    "sparse_mla_partial",
+    [
+        ("q", PTR), ("cache", PTR), ("scales", PTR), ("block_table", PTR), ("selected", PTR),
+        ("count", PTR), ("part", PTR), ("ml", PTR), ("heads", U32), ("dim", U32),
+        ("block_size", U32), ("scale", F32),
+    ],
+    writes=("part", "ml"),
+)
+def SPARSE_MLA_PARTIAL(mem, q, cache, scales, block_table, selected, count, part, ml, heads, dim,
+                       block_size, scale):
+    """Split s = rows [64 s, 64 s + 64) of the selection: m = max_j s_j, l = sum_j exp(s_j - m),
+    part[s][h] = sum_j exp(s_j - m) c_j (f32), ml[s][h] = (m, l)."""
+    n, c = _gather(mem, cache, scales, block_table, selected, count, dim, block_size)
+    qv = mem.read(q, np.float32, (heads, dim))
+    s = (qv @ c.T) * np.float32(scale)
+    for sp in range(-(-n // SPLIT_ROWS)):
+        seg = slice(sp * SPLIT_ROWS, min(n, (sp + 1) * SPLIT_ROWS))
+        m = s[:, seg].max(1)
+        e = np.exp(s[:, seg] - m[:, None])
+        mem.write(part.offset(sp * heads * dim * 4), (e @ c[seg]).astype(np.float32))
+        mem.write(ml.offset(sp * heads * 8), np.stack([m, e.sum(1, dtype=np.float32)], 1).astype(np.float32))
+
+
+@declare(
+    "sparse_mla",
+    "sparse_mla_combine",
+    [("part", PTR), ("ml", PTR), ("count", PTR), ("out", PTR), ("heads", U32), ("dim", U32)],
+    writes=("out",),
+)
+def SPARSE_MLA_COMBINE(mem, part, ml, count, out, heads, dim):
+    """out[h] = sum_s w_s part[s][h] / sum_s w_s l_s with w_s = exp(m_s - max_s m_s)."""
+    splits = -(-int(mem.scalar(count, np.uint32)) // SPLIT_ROWS)
+    p = mem.read(part, np.float32, (splits, heads, dim))
+    mlv = mem.read(ml, np.float32, (splits, heads, 2))
+    w = np.exp(mlv[:, :, 0] - mlv[:, :, 0].max(0))
+    num = (p * w[:, :, None]).sum(0, dtype=np.float32)
+    den = (mlv[:, :, 1] * w).sum(0, dtype=np.float32)
+    mem.write(out, (num / den[:, None]).astype(BF16))
+
+
+def split_supported(dim: int, rows_capacity: int) -> bool:
+    """Shapes the tensor-core split kernels take: dim a multiple of 16 up to 512, and at most
+    MAX_SPLITS splits (sparse_mla_combine's shared weights)."""
+    return dim % 16 == 0 and 16 <= dim <= 512 and -(-rows_capacity // SPLIT_ROWS) <= MAX_SPLITS
+
+
+def split_workspace(heads: int, dim: int, rows_capacity: int) -> tuple[int, int]:
+    """Bytes of (part, ml) for a selection of at most ``rows_capacity`` rows."""
+    splits = max(-(-rows_capacity // SPLIT_ROWS), 1)
+    return splits * heads * dim * 4, splits * heads * 8
+
+
+def partial_smem(dim: int) -> int:
+    """ptx/sparse_mla.cu sparse_mla_partial: C [64][dim+8] and q hi/lo [16][dim+8] BF16, scores
+    [16][68] f32, p hi/lo [16][72] BF16, 64 slots and scales, 16 (m, l)."""
+    dp = dim + 8
+    return 2 * SPLIT_ROWS * dp + 4 * HEAD_TILE * dp + 4 * HEAD_TILE * 68 + 4 * HEAD_TILE * 72 + \
+        8 * SPLIT_ROWS + 8 * HEAD_TILE
+
+
+def sparse_mla_split(gpu, q, cache, scales, block_table, selected, count, part, ml, out, heads, dim,
+                     block_size, scale, rows_capacity, stream=None):
+    """sparse_mla_partial over every split a selection of ``rows_capacity`` rows can have (splits
+    past the device-side count exit), then sparse_mla_combine."""
+    if not split_supported(dim, rows_capacity):
+        raise ValueError(f"sparse_mla_split: dim {dim} / {rows_capacity} rows outside the split kernels")
+    splits = max(-(-rows_capacity // SPLIT_ROWS), 1)
+    launch(gpu, gpu.kernel(*SPARSE_MLA_PARTIAL.key), (splits, -(-heads // HEAD_TILE)), 256, q, cache,
+           scales, block_table, selected, count, part, ml, heads, dim, block_size, scale,
+           smem=partial_smem(dim), stream=stream)
+    launch(gpu, gpu.kernel(*SPARSE_MLA_COMBINE.key), heads, 128, part, ml, count, out, heads, dim,
+           stream=stream)
+
+
 def sparse_mla_attend(gpu, q, cache, scales, block_table, selected, count, out, heads, dim,
                       block_size, scale, stream=None):
+    if dim > 1024:
+        raise ValueError(f"sparse_mla_attend: dim {dim} > 1024 (the kernel's per-lane registers)")
     launch(gpu, gpu.kernel(*SPARSE_MLA_ATTEND.key), heads, 256, q, cache, scales, block_table,
            selected, count, out, heads, dim, block_size, scale, stream=stream)

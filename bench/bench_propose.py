@@ -1,0 +1,499 @@
+"""GPU benchmark of the MTP proposer at GLM-5.3-Flash shapes (``mtpdraft bench`` calls ``main``).
+
+    python3 bench/bench_propose.py [--iters N] [--json PATH] [--update-md BENCHMARKS.md]
+    python3 bench/bench_propose.py --from-json PATH --update-md BENCHMARKS.md   # no GPU: render only
+
+One run measures, on the device it finds:
+- the device copy bandwidth (a 2 GiB device-to-device copy, bytes read + written, median);
+- the bytes one draft must read, counted from the weight buffers the step touches (eh_proj,
+  fused_in, q_fused, wk_t, wv, o_proj, router, the 8 chosen experts' gate_up + down, the shared
+  expert, the head in BF16 or FP8 + scales) plus the cache bytes read (selected latent rows and
+  scales, the complete pool keys and scales, the embedding row); norms and biases are left out
+  (under 0.1 MB); the floor is bytes / bandwidth;
+- propose(k = 1 and 3) at contexts 4096 and 16000, eager and graph, BF16 and FP8 head: the graph's
+  device time (CUDA events around back-to-back replays of the captured k-draft graph, median) and
+  the wall time of ``propose()`` (time.perf_counter around the call, median); their difference is
+  the host's time per graph-replayed propose, the copy of the drafts back included;
+- timing arms that skip the block or the head (ProposerOptions.skip_block / skip_head), to place a
+  gap;
+- the same step in plain PyTorch, eager and CUDA graph (bench/torch_step.py ``run``; skipped with a
+  note if it cannot be imported).
+
+Weights are random and never written to disk: every tensor is a slice of one 64 MiB pool of random
+BF16 (tiled where a tensor is larger), handed to MtpProposer as a Mapping; host memory peaks near
+20 GB (the expert stacks the loader builds). Contexts are fed fast: random FP8 latents and scales,
+random indexer keys and gates, and random FP8 pool keys and scales are written straight into a
+fresh state's caches and its row count is set; what is timed (the draft rows) then runs the real
+kernels over them. For the arms, the same proposer is reused with ``opt`` replaced
+(use_graphs / skip_block / skip_head) or its FP8 head copy detached (BF16 arm), on a fresh state,
+so that no graph captured under one arm replays under another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np
+
+from model.checkpoint.random_init import tiled_mtp_weights as random_weights
+from model.config import ModelConfig, glm5_flash
+from model.kernels.dsa_select import complete_pools
+from runtime.dtypes import BF16
+
+DATE = "2026-11-29"
+CONTEXTS = (4096, 16000)
+KS = (1, 3)
+SECTION = "## MTP drafter: propose (bench/bench_propose.py)"
+
+
+# ---- weights ---------------------------------------------------------------------------------------
+
+
+# ---- bytes per draft -------------------------------------------------------------------------------
+
+
+def draft_bytes(prop: Any, context_row: int, fp8_head: bool) -> dict[str, int]:
+    """Bytes one draft at row ``context_row`` reads, from the buffers the step touches."""
+    cfg, sh = prop.cfg, prop.sharding
+    a, d, m, H = cfg.attention, cfg.dsa, cfg.moe, cfg.hidden_size
+    hl, C, I = sh.local_heads, a.kv_lora_rank, m.moe_intermediate_size
+    npools = complete_pools(context_row, d.index_kpool)
+    if npools <= d.topk_pools:
+        sel = context_row + 1
+    else:
+        sel = d.topk_pools * d.index_kpool + context_row + 1 - npools * d.index_kpool
+    out = {
+        "eh_proj": H * 2 * H * 2,
+        "fused_in": prop.layer.attn.fused_rows * H * 2,
+        "q_fused": (hl * a.qk_head_dim + d.index_n_heads * d.index_head_dim) * a.q_lora_rank * 2,
+        "wk_t": hl * C * a.qk_nope_head_dim * 2,
+        "wv": hl * a.v_head_dim * C * 2,
+        "o_proj": sh.groups * H * sh.group_heads * a.v_head_dim * 2,
+        "router": (m.n_routed_experts + int(m.n_shared_experts > 0)) * H * 2,
+        "experts": m.num_experts_per_tok * 3 * I * H * 2,
+        "shared_expert": 3 * I * m.n_shared_experts * H * 2 if m.n_shared_experts else 0,
+        "head": prop.head_n * H + prop.head_n * 4 if fp8_head else prop.head_n * H * 2,
+        "caches": sel * (C + 4) + npools * (d.index_head_dim + 4) + H * 2,
+    }
+    return out
+
+
+# ---- measuring ------------------------------------------------------------------------------------
+
+
+def copy_bandwidth(gpu: Any, nbytes: int = 2 << 30, reps: int = 10) -> float:
+    """Bytes read + written per second of a device-to-device copy (median of ``reps``)."""
+    a, b = gpu.alloc(nbytes), gpu.alloc(nbytes)
+    e0, e1 = gpu.event_create(), gpu.event_create()
+    try:
+        gpu.memset(a, 0x3C, nbytes)
+        gpu.copy_d2d(b, a, nbytes)
+        times = []
+        for _ in range(reps):
+            gpu.event_record(e0)
+            gpu.copy_d2d(b, a, nbytes)
+            gpu.event_record(e1)
+            times.append(gpu.event_elapsed_ms(e0, e1) / 1e3)
+        return 2 * nbytes / statistics.median(times)
+    finally:
+        gpu.event_destroy(e0)
+        gpu.event_destroy(e1)
+        gpu.free(a)
+        gpu.free(b)
+
+
+def fill_context(prop: Any, st: Any, rows: int, rng: np.random.Generator) -> None:
+    """Write ``rows`` rows of random cache contents straight into ``st`` and set its length (the
+    fast feed this benchmark documents: what is timed is the draft rows, not the prefill)."""
+    gpu, cfg = prop.gpu, prop.cfg
+    C, idim, kp = cfg.attention.kv_lora_rank, cfg.dsa.index_head_dim, cfg.dsa.index_kpool
+    bs = prop.kv.config.block_size
+    # FP8 E4M3 with the exponent's top bit clear: finite values below 2, never NaN.
+    lat = (rng.integers(0, 256, (rows, C), dtype=np.uint8) & np.uint8(0xBF))
+    sc = (0.02 + 0.01 * rng.random(rows)).astype(np.float32)
+    blocks = st.dsa.table.blocks
+    for b in range(-(-rows // bs)):
+        r0, r1 = b * bs, min(rows, (b + 1) * bs)
+        slot0 = blocks[b] * bs
+        gpu.copy_h2d(prop.kv.data[0].offset(slot0 * C), lat[r0:r1])
+        gpu.copy_h2d(prop.kv.scales[0].offset(slot0 * 4), sc[r0:r1])
+    keys = (rng.standard_normal((rows, idim), dtype=np.float32)).astype(BF16)
+    gates = (rng.standard_normal((rows, idim), dtype=np.float32)).astype(BF16)
+    gpu.copy_h2d(st.dsa.keys, keys)
+    gpu.copy_h2d(st.dsa.gates, gates)
+    pools = rows // kp
+    if pools:
+        gpu.copy_h2d(st.dsa.pool_keys, rng.integers(0, 256, (pools, idim), dtype=np.uint8) & np.uint8(0xBF))
+        gpu.copy_h2d(st.dsa.pool_scales, (0.01 + 0.01 * rng.random(pools)).astype(np.float32))
+    st.dsa.length = rows
+    gpu.synchronize()
+
+
+def _median_ms(xs: list[float]) -> float:
+    return statistics.median(xs) * 1e3
+
+
+def time_propose(prop: Any, st: Any, hidden: Any, context: int, k: int, iters: int,
+                 rng: np.random.Generator) -> tuple[float, list[int]]:
+    """Median wall milliseconds of ``propose`` (perf_counter around the call) and the last drafts."""
+    vocab = prop.cfg.vocab_size
+    drafts = prop.propose(st, int(rng.integers(0, vocab)), hidden, context, k)  # warm-up / capture
+    times = []
+    for _ in range(iters):
+        tok = int(rng.integers(0, vocab))
+        t0 = time.perf_counter()
+        drafts = prop.propose(st, tok, hidden, context, k)
+        times.append(time.perf_counter() - t0)
+    return _median_ms(times), drafts
+
+
+def time_graph(prop: Any, st: Any, k: int, iters: int) -> float:
+    """Median device milliseconds of one replay of the captured k-draft graph, back to back."""
+    gpu, s, g = prop.gpu, prop.stream, st.graphs[k]
+    evs = [(gpu.event_create(), gpu.event_create()) for _ in range(iters)]
+    try:
+        for _ in range(3):
+            gpu.graph_launch(g, s)
+        for a, b in evs:
+            gpu.event_record(a, s)
+            gpu.graph_launch(g, s)
+            gpu.event_record(b, s)
+        gpu.synchronize(s)
+        return statistics.median(gpu.event_elapsed_ms(a, b) for a, b in evs)
+    finally:
+        for a, b in evs:
+            gpu.event_destroy(a)
+            gpu.event_destroy(b)
+
+
+class _LaunchRecorder:
+    """A GpuBackend proxy that brackets every kernel launch with a pair of events."""
+
+    def __init__(self, gpu: Any) -> None:
+        self._gpu = gpu
+        self.marks: list[tuple[str, tuple[int, ...], Any, Any]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._gpu, name)
+
+    def launch(self, kernel: Any, grid: Any, block: Any, args: Any, smem: int = 0, stream: Any = None) -> None:
+        a, b = self._gpu.event_create(), self._gpu.event_create()
+        self._gpu.event_record(a, stream)
+        self._gpu.launch(kernel, grid, block, args, smem, stream)
+        self._gpu.event_record(b, stream)
+        self.marks.append((kernel.name, tuple(grid) if not isinstance(grid, int) else (grid,), a, b))
+
+
+def profile_step(prop: Any, st: Any, hidden: Any, context: int, k: int, blocker_bytes: int) -> dict[str, Any]:
+    """Device time of every launch of one eager k-draft propose. A long device copy is queued first
+    so the host enqueues the whole step before the GPU reaches it: the kernels then run back to
+    back, as in a graph, and each one's events bracket its own execution."""
+    gpu = prop.gpu
+    a, b = gpu.alloc(blocker_bytes), gpu.alloc(blocker_bytes)
+    rec = _LaunchRecorder(gpu)
+    try:
+        prop.propose(st, 1, hidden, context, k)
+        gpu.copy_d2d(b, a, blocker_bytes, prop.stream)
+        prop.gpu = prop.layer.gpu = rec
+        try:
+            prop.propose(st, 2, hidden, context, k)
+        finally:
+            prop.gpu = prop.layer.gpu = gpu
+        launches = []
+        for i, (name, grid, e0, e1) in enumerate(rec.marks):
+            gap = gpu.event_elapsed_ms(rec.marks[i - 1][3], e0) if i else 0.0
+            launches.append({"kernel": name, "grid": list(grid), "us": gpu.event_elapsed_ms(e0, e1) * 1e3,
+                             "gap_us": gap * 1e3})
+        span = gpu.event_elapsed_ms(rec.marks[0][2], rec.marks[-1][3]) * 1e3
+        return {"context": context, "k": k, "span_us": span, "launches": launches}
+    finally:
+        for _, _, e0, e1 in rec.marks:
+            gpu.event_destroy(e0)
+            gpu.event_destroy(e1)
+        gpu.free(a)
+        gpu.free(b)
+
+
+def profile_text(p: dict[str, Any]) -> str:
+    per: dict[str, list[float]] = {}
+    for x in p["launches"]:
+        per.setdefault(x["kernel"], []).append(x["us"])
+    k = p["k"]
+    busy = sum(x["us"] for x in p["launches"])
+    lines = [f"Per-launch device time of one eager k={k} propose at context {p['context']} (FP8 head), queued "
+             f"behind a long copy so the kernels run back to back: span {p['span_us']:.0f} us, kernels "
+             f"{busy:.0f} us, gaps and events {p['span_us'] - busy:.0f} us.", "",
+             "| kernel | launches | us per draft |", "|---|---:|---:|"]
+    for name, us in sorted(per.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"| {name} | {len(us) // k} | {sum(us) / k:.1f} |")
+    lines += ["", "Draft 0 in order (grid: us):", ""]
+    n0 = len(p["launches"]) // k
+    lines.append("; ".join(f"{x['kernel'].split('.')[-1]} {tuple(x['grid'])}: {x['us']:.1f}"
+                           for x in p["launches"][:n0]))
+    return "\n".join(lines)
+
+
+class Arms:
+    """Switches the proposer's arm between measurements: options (use_graphs, skip_*) and the
+    head (FP8 copy attached or detached). Each arm gets a fresh state (graphs bake the arm)."""
+
+    def __init__(self, prop: Any) -> None:
+        self.prop = prop
+        self.base_opt = prop.opt
+        self.fp8 = (prop.head_fp8, prop.head_fp8_scales)
+
+    def set(self, *, fp8: bool, graphs: bool, skip_block: bool = False, skip_head: bool = False) -> None:
+        self.prop.opt = dataclasses.replace(self.base_opt, use_graphs=graphs, skip_block=skip_block,
+                                            skip_head=skip_head)
+        self.prop.head_fp8, self.prop.head_fp8_scales = self.fp8 if fp8 else (None, None)
+
+    def restore(self) -> None:
+        self.prop.opt = self.base_opt
+        self.prop.head_fp8, self.prop.head_fp8_scales = self.fp8
+
+
+def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None = None,
+            contexts: tuple[int, ...] = CONTEXTS, copy_bytes: int = 2 << 30) -> dict[str, Any]:
+    """The whole run on ``gpu`` (default: a new CudaBackend) at ``cfg`` (default: glm5_flash). The
+    host backend with a tiny config runs the same code (tests/test_bench_propose.py)."""
+    from model.proposer import MtpProposer, ProposerOptions
+
+    owned = gpu is None
+    if gpu is None:
+        from runtime.cuda_backend import CudaBackend
+
+        gpu = CudaBackend()
+    cfg = cfg or glm5_flash()
+    res: dict[str, Any] = {"date": DATE, "device": getattr(gpu, "device_name", gpu.name),
+                           "sm_count": getattr(gpu, "sm_count", None),
+                           "command": "python3 bench/bench_propose.py " + " ".join(args.argv)}
+    log = print
+    try:
+        import subprocess
+
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        res["nvidia_smi"] = smi.stdout.strip()
+    except Exception as e:  # informational only
+        res["nvidia_smi"] = f"unavailable: {e}"
+    bw = copy_bandwidth(gpu, copy_bytes)
+    res["copy_bw_GBps"] = bw / 1e9
+    log(f"device {res['device']}, {res['sm_count']} SMs; copy bandwidth {bw / 1e12:.3f} TB/s (read + write)",
+        flush=True)
+
+    t0 = time.time()
+    weights = random_weights(cfg)
+    served = max(contexts) + max(KS)
+    opt = ProposerOptions(served_max_seq_len=served, max_draft_tokens=max(KS), max_sequences=2, fp8_head=True)
+    prop = MtpProposer(gpu, cfg, weights, opt)
+    del weights
+    assert prop.head_fp8 is not None, "the FP8 head kernels must load"
+    log(f"weights built and uploaded in {time.time() - t0:.1f} s ({prop.arena.nbytes / 2**30:.2f} GiB)", flush=True)
+    rng = np.random.default_rng(1)
+    hid = (rng.standard_normal(cfg.hidden_size, dtype=np.float32)).astype(BF16)
+    hidden = gpu.alloc(hid.nbytes)
+    gpu.copy_h2d(hidden, hid)
+    arms = Arms(prop)
+    rows: list[dict[str, Any]] = []
+    res["rows"] = rows
+    res["bytes"] = {}
+    try:
+        for ctx in contexts:
+            for fp8 in (True, False):
+                b = draft_bytes(prop, ctx, fp8)
+                res["bytes"][f"{ctx}/{'fp8' if fp8 else 'bf16'}"] = b
+                per_draft = sum(b.values())
+                for k in KS:
+                    row = {"context": ctx, "head": "fp8" if fp8 else "bf16", "k": k,
+                           "bytes_per_draft": per_draft}
+                    # draft i reads row ctx + i's selection: count each draft's own cache bytes
+                    floor_bytes = sum(sum(draft_bytes(prop, ctx + i, fp8).values()) for i in range(k))
+                    row["floor_ms"] = floor_bytes / bw * 1e3
+                    for graphs in (False, True):
+                        arms.set(fp8=fp8, graphs=graphs)
+                        st = prop.alloc_state()
+                        try:
+                            fill_context(prop, st, ctx, rng)
+                            wall, drafts = time_propose(prop, st, hidden, ctx, k, args.iters, rng)
+                            assert all(0 <= t < cfg.vocab_size for t in drafts), drafts
+                            if graphs:
+                                row["graph_wall_ms"] = wall
+                                row["graph_device_ms"] = time_graph(prop, st, k, args.iters)
+                                row["host_us"] = (wall - row["graph_device_ms"]) * 1e3
+                            else:
+                                row["eager_wall_ms"] = wall
+                        finally:
+                            prop.free_state(st)
+                    row["graph_over_floor"] = row["graph_device_ms"] / row["floor_ms"]
+                    rows.append(row)
+                    log(f"ctx {ctx:>5} head {row['head']:>4} k {k}: floor {row['floor_ms']:.3f} ms, "
+                        f"graph {row['graph_device_ms']:.3f} ms device ({row['graph_over_floor']:.2f}x floor), "
+                        f"{row['graph_wall_ms']:.3f} ms wall (host {row['host_us']:.0f} us), "
+                        f"eager {row['eager_wall_ms']:.3f} ms", flush=True)
+        # Arms that place a gap: the block alone, the head alone (context 4096, k = 3, graph).
+        arms_out = []
+        for fp8 in (True, False):
+            for skip_block, skip_head in ((True, False), (False, True), (True, True)):
+                arms.set(fp8=fp8, graphs=True, skip_block=skip_block, skip_head=skip_head)
+                st = prop.alloc_state()
+                try:
+                    fill_context(prop, st, contexts[0], rng)
+                    time_propose(prop, st, hidden, contexts[0], 3, 3, rng)
+                    ms = time_graph(prop, st, 3, args.iters)
+                finally:
+                    prop.free_state(st)
+                arms_out.append({"head": "fp8" if fp8 else "bf16", "skip_block": skip_block,
+                                 "skip_head": skip_head, "graph_device_ms": ms})
+                log(f"arm head {'fp8' if fp8 else 'bf16'} skip_block={skip_block} skip_head={skip_head}: "
+                    f"{ms:.3f} ms", flush=True)
+        res["arms"] = arms_out
+        # Same inputs, eager vs graph: identical drafts (deterministic kernels).
+        same = True
+        for fp8 in (True, False):
+            outs = []
+            for graphs in (False, True):
+                arms.set(fp8=fp8, graphs=graphs)
+                st = prop.alloc_state()
+                try:
+                    fill_context(prop, st, contexts[0], np.random.default_rng(7))
+                    outs.append(prop.propose(st, 12345 % cfg.vocab_size, hidden, contexts[0], 3))
+                finally:
+                    prop.free_state(st)
+            same &= outs[0] == outs[1]
+        res["eager_equals_graph"] = same
+        log(f"eager and graph drafts identical on the same inputs: {same}", flush=True)
+        arms.set(fp8=True, graphs=False)
+        st = prop.alloc_state()
+        try:
+            fill_context(prop, st, contexts[0], rng)
+            res["profile"] = profile_step(prop, st, hidden, contexts[0], 3, min(4 << 30, 64 * copy_bytes))
+        finally:
+            prop.free_state(st)
+        log(profile_text(res["profile"]), flush=True)
+    finally:
+        arms.restore()
+        gpu.free(hidden)
+        prop.close()
+        if owned:
+            gpu.close()
+
+    res["torch"] = torch_rows(args, contexts) if args.torch else {"skipped": "--no-torch"}
+    return res
+
+
+def torch_rows(args: argparse.Namespace, contexts: tuple[int, ...]) -> dict[str, Any]:
+    try:
+        from bench import torch_step
+    except Exception as e:
+        print(f"note: bench/torch_step.py unavailable ({e!r}); the PyTorch rows are skipped", flush=True)
+        return {"skipped": repr(e)}
+    out: dict[str, Any] = {}
+    for ctx in contexts:
+        for k in KS:
+            try:
+                eager = torch_step.run(ctx, k, graph=False, iters=max(args.iters // 2, 10))
+                graph = torch_step.run(ctx, k, graph=True, iters=args.iters)
+            except Exception as e:
+                print(f"note: torch step at context {ctx}, k {k} failed: {e!r}", flush=True)
+                out[f"{ctx}/{k}"] = {"error": repr(e)}
+                continue
+            out[f"{ctx}/{k}"] = {"eager_ms": eager, "graph_ms": graph}
+            print(f"torch ctx {ctx} k {k}: eager {eager:.3f} ms, graph {graph:.3f} ms", flush=True)
+    return out
+
+
+# ---- reporting ------------------------------------------------------------------------------------
+
+
+def table(res: dict[str, Any]) -> str:
+    bw = res["copy_bw_GBps"]
+    lines = [
+        f"Device: {res['device']} ({res.get('sm_count', '?')} SMs; {res.get('nvidia_smi', '')}). "
+        f"Measured copy bandwidth {bw / 1e3:.3f} TB/s (bytes read + written). Date {res['date']}.",
+        f"Command: `{res['command']}`",
+        "",
+        "| context | head | k | MB/draft | floor ms | graph ms (device) | x floor | propose wall ms | host us | eager ms | torch graph ms | torch eager ms | torch graph / ours |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    torch = res.get("torch", {})
+    for r in res["rows"]:
+        t = torch.get(f"{r['context']}/{r['k']}", {})
+        tg, te = t.get("graph_ms", float("nan")), t.get("eager_ms", float("nan"))
+        lines.append(
+            f"| {r['context']} | {r['head']} | {r['k']} | {r['bytes_per_draft'] / 1e6:.0f} | {r['floor_ms']:.3f} | "
+            f"{r['graph_device_ms']:.3f} | {r['graph_over_floor']:.2f} | {r['graph_wall_ms']:.3f} | "
+            f"{r['host_us']:.0f} | {r['eager_wall_ms']:.3f} | {tg:.3f} | {te:.3f} | "
+            f"{tg / r['graph_device_ms']:.2f} |")
+    if "skipped" in torch:
+        lines.append(f"\nPyTorch rows skipped: {torch['skipped']}")
+    if res.get("arms"):
+        lines += ["", "Timing arms (context 4096, k = 3, graph, device ms):", "",
+                  "| head | skip_block | skip_head | ms |", "|---|---|---|---:|"]
+        for a in res["arms"]:
+            lines.append(f"| {a['head']} | {a['skip_block']} | {a['skip_head']} | {a['graph_device_ms']:.3f} |")
+    b = res["bytes"].get("4096/fp8")
+    if b:
+        lines += ["", "Bytes per draft at context 4096 (FP8 head): " +
+                  ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in b.items())]
+    lines.append(f"\nEager and graph drafts identical on the same inputs: {res.get('eager_equals_graph')}")
+    if res.get("profile"):
+        lines += ["", profile_text(res["profile"])]
+    return "\n".join(lines)
+
+
+def update_markdown(path: Path, body: str) -> None:
+    """Replace (or append) this benchmark's section of BENCHMARKS.md, leaving every other section."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n"
+    start = text.find(SECTION)
+    block = f"{SECTION}\n\n{body}\n"
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + block
+    else:
+        nxt = text.find("\n## ", start + len(SECTION))
+        text = text[:start] + block + ("" if nxt < 0 else text[nxt:])
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iters", type=int, default=50, help="timed proposes / replays per point (median)")
+    ap.add_argument("--json", type=Path, help="write the raw results here")
+    ap.add_argument("--update-md", type=Path, help="rewrite this benchmark's section of this markdown file")
+    ap.add_argument("--notes", type=Path, help="markdown appended under the table in --update-md")
+    ap.add_argument("--from-json", type=Path, help="render a previous run's results (no GPU needed)")
+    ap.add_argument("--no-torch", dest="torch", action="store_false", help="skip the PyTorch rows")
+    args = ap.parse_args(argv)
+    args.argv = argv
+    if args.from_json:
+        res = json.loads(args.from_json.read_text())
+    else:
+        try:
+            res = measure(args)
+        except ImportError as e:
+            print(f"the benchmark needs cuda-bindings and a CUDA GPU: {e}", file=sys.stderr)
+            return 2
+        if args.json:
+            args.json.write_text(json.dumps(res, indent=1))
+    out = table(res)
+    if args.update_md:
+        notes = args.notes.read_text().strip() if args.notes else ""
+        update_markdown(args.update_md, out + ("\n\n" + notes if notes else ""))
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,162 @@
+// Batched GEMV y[b] = W[b] @ x[b] (W[b] [n, k] BF16, x[b] [k] BF16, f32 accumulation) and the
+// ordered row sums that follow the o_proj head groups and the MoE slots.
+//
+// bgemv geometry (model/kernels/bgemv.py rows_per_warp): grid (ceil(n / (8 R)), batch), block 256
+// = 8 warps, each warp owns R consecutive rows with R * U = 16 sixteen-byte loads per lane in
+// flight. The drafter's batched GEMVs have short rows, so rows per warp is what keeps bytes in
+// flight: wk_t (k = 256: one chunk per lane per row) takes R = 16, wv (k = 512) R = 8, o_proj
+// (k = 2048) R = 4 with 4 chunks per row. With R = 4 everywhere wk_t ran at 1.6 TB/s and wv at
+// 1.7 TB/s on the H200 (10.5 / 10.0 us for 16.8 MB each, measured).
+#include "model_common.cuh"
+
+namespace {
+constexpr int WARPS = 8;
+
+template <bool OUT_F32, int ROWS, int UNROLL>
+__device__ __forceinline__ void bgemv_body(const uint16_t* __restrict__ w, const uint16_t* __restrict__ x,
+                                           void* __restrict__ y, uint32_t batch, uint32_t n, uint32_t k) {
+    const uint32_t b = blockIdx.y;
+    const uint32_t lane = threadIdx.x & 31;
+    const uint32_t row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
+    if (b >= batch || row0 >= n) return;
+    const uint16_t* wb = w + (size_t)b * n * k;
+    const uint16_t* xb = x + (size_t)b * k;
+    const bool vec = (k % 8u == 0) && aligned16(w) && aligned16(x);
+    const uint16_t* wr[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) wr[r] = wb + (size_t)min(row0 + r, n - 1) * k;
+    float acc[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
+    warp_gemv_bf16<ROWS, UNROLL>(wr, xb, k, vec, acc);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const float v = warp_sum(acc[r]);
+        if (lane == (uint32_t)r && row0 + r < n) {
+            if (OUT_F32) reinterpret_cast<float*>(y)[(size_t)b * n + row0 + r] = v;
+            else reinterpret_cast<uint16_t*>(y)[(size_t)b * n + row0 + r] = f32_to_bf16_bits(v);
+        }
+    }
+}
+
+// Rows per warp by row length; must match model/kernels/bgemv.py rows_per_warp.
+template <bool OUT_F32>
+__device__ __forceinline__ void bgemv_dispatch(const uint16_t* w, const uint16_t* x, void* y, uint32_t batch,
+                                               uint32_t n, uint32_t k) {
+    if (k <= 256u) bgemv_body<OUT_F32, 16, 1>(w, x, y, batch, n, k);
+    else if (k <= 512u) bgemv_body<OUT_F32, 8, 2>(w, x, y, batch, n, k);
+    else bgemv_body<OUT_F32, 4, 4>(w, x, y, batch, n, k);
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(256) bgemv_bf16_f32(const uint16_t* __restrict__ w,
+                                                                 const uint16_t* __restrict__ x,
+                                                                 float* __restrict__ y, uint32_t batch,
+                                                                 uint32_t n, uint32_t k) {
+    bgemv_dispatch<true>(w, x, y, batch, n, k);
+}
+
+extern "C" __global__ void __launch_bounds__(256) bgemv_bf16_bf16(const uint16_t* __restrict__ w,
+                                                                  const uint16_t* __restrict__ x,
+                                                                  uint16_t* __restrict__ y, uint32_t batch,
+                                                                  uint32_t n, uint32_t k) {
+    bgemv_dispatch<false>(w, x, y, batch, n, k);
+}
+
+// out = bf16(residual + (((p0 + p1) + p2) + ...)): the host twin's order exactly (f32 adds in row
+// order, then the residual), so this kernel is bit-identical to its twin. Grid ceil(n / 256),
+// block 256, one element per thread.
+extern "C" __global__ void __launch_bounds__(256) sum_rows_residual(const float* __restrict__ parts,
+                                                                    const uint16_t* residual,
+                                                                    uint16_t* out, uint32_t rows,
+                                                                    uint32_t n) {
+    const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n || rows == 0) return;
+    float acc = parts[i];
+    for (uint32_t r = 1; r < rows; ++r) acc = __fadd_rn(acc, parts[(size_t)r * n + i]);
+    out[i] = f32_to_bf16_bits(__fadd_rn(bf16_bits_to_f32(residual[i]), acc));
+}
+
+// sum_rows_residual, then the next layer's RMSNorm of its BF16 result in the same launch:
+// normed = bf16((out / r) * w), r = sqrt(mean(out^2) + eps). One block of 1024 threads owns the
+// whole row (the norm needs all of it). Each thread takes 4 consecutive elements and keeps 8 part
+// rows' float4 loads in flight: the element-wise version waited one L2 round trip per part row
+// (9.1-10.1 us for 9 rows x 4096 on the H200, measured; this is a few round trips). The adds stay
+// in row order, so `out` is bit-identical to sum_rows_residual's.
+extern "C" __global__ void __launch_bounds__(1024) sum_rows_residual_rmsnorm(
+    const float* __restrict__ parts, const uint16_t* residual, const uint16_t* __restrict__ norm_w,
+    uint16_t* out, uint16_t* __restrict__ normed, uint32_t rows, uint32_t n, float eps) {
+    __shared__ float scratch[32];
+    if (rows == 0) return;
+    constexpr int RL = 8;
+    float ss = 0.0f;
+    const bool vec = (n % 4u == 0) && aligned16(parts) && ((uintptr_t)residual & 7u) == 0 &&
+                     ((uintptr_t)out & 7u) == 0 && ((uintptr_t)normed & 7u) == 0 && ((uintptr_t)norm_w & 7u) == 0;
+    if (vec) {
+        const uint32_t n4 = n / 4u;
+        const float4* p4 = reinterpret_cast<const float4*>(parts);
+        for (uint32_t c = threadIdx.x; c < n4; c += blockDim.x) {
+            float4 acc = __ldg(p4 + c);
+            const uint2 res = *reinterpret_cast<const uint2*>(residual + 4u * c);
+            for (uint32_t r0 = 1; r0 < rows; r0 += RL) {
+                float4 v[RL];
+#pragma unroll
+                for (int u = 0; u < RL; ++u)
+                    v[u] = r0 + u < rows ? __ldg(p4 + (size_t)(r0 + u) * n4 + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+                for (int u = 0; u < RL; ++u) {
+                    if (r0 + u < rows) {
+                        acc.x = __fadd_rn(acc.x, v[u].x);
+                        acc.y = __fadd_rn(acc.y, v[u].y);
+                        acc.z = __fadd_rn(acc.z, v[u].z);
+                        acc.w = __fadd_rn(acc.w, v[u].w);
+                    }
+                }
+            }
+            const uint32_t o01 = pack_bf16x2(__fadd_rn(bf16_lo(res.x), acc.x), __fadd_rn(bf16_hi(res.x), acc.y));
+            const uint32_t o23 = pack_bf16x2(__fadd_rn(bf16_lo(res.y), acc.z), __fadd_rn(bf16_hi(res.y), acc.w));
+            *reinterpret_cast<uint2*>(out + 4u * c) = make_uint2(o01, o23);
+            const float f[4] = {bf16_lo(o01), bf16_hi(o01), bf16_lo(o23), bf16_hi(o23)};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ss = fmaf(f[e], f[e], ss);
+        }
+    } else {
+        for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) {
+            float acc = parts[i];
+            for (uint32_t r = 1; r < rows; ++r) acc = __fadd_rn(acc, parts[(size_t)r * n + i]);
+            const uint16_t o = f32_to_bf16_bits(__fadd_rn(bf16_bits_to_f32(residual[i]), acc));
+            out[i] = o;
+            const float v = bf16_bits_to_f32(o);
+            ss = fmaf(v, v, ss);
+        }
+    }
+    ss = block_sum(ss, scratch);
+    const float d = sqrtf(ss / (float)n + eps);
+    // Each thread re-reads only the elements it wrote itself: program order makes them visible.
+    if (vec) {
+        for (uint32_t c = threadIdx.x; c < n / 4u; c += blockDim.x) {
+            const uint2 o = *reinterpret_cast<const uint2*>(out + 4u * c);
+            const uint2 w = *reinterpret_cast<const uint2*>(norm_w + 4u * c);
+            *reinterpret_cast<uint2*>(normed + 4u * c) = make_uint2(
+                pack_bf16x2(__fmul_rn(bf16_lo(o.x) / d, bf16_lo(w.x)), __fmul_rn(bf16_hi(o.x) / d, bf16_hi(w.x))),
+                pack_bf16x2(__fmul_rn(bf16_lo(o.y) / d, bf16_lo(w.y)), __fmul_rn(bf16_hi(o.y) / d, bf16_hi(w.y))));
+        }
+    } else {
+        for (uint32_t i = threadIdx.x; i < n; i += blockDim.x)
+            normed[i] = f32_to_bf16_bits(__fmul_rn(bf16_bits_to_f32(out[i]) / d, bf16_bits_to_f32(norm_w[i])));
+    }
+}
+
+// y = W @ (rmsnorm(x) * norm_w): the RMSNorm of the GEMV's input computed by every block into
+// shared memory (smem_x_gemv), replacing a single-block rmsnorm launch and its round trip.
+// Grid min(ceil(n / 8), 3 blocks per SM), block 256, dynamic smem k * 2 bytes. The 3-block bound
+// lets ptxas use 80 registers without the 4-byte spill it chose under a plain (256) bound.
+extern "C" __global__ void __launch_bounds__(256, 3) rmsnorm_gemv(const uint16_t* __restrict__ x,
+                                                               const uint16_t* __restrict__ norm_w,
+                                                               const uint16_t* __restrict__ w,
+                                                               uint16_t* __restrict__ y, uint32_t n, uint32_t k,
+                                                               float eps) {
+    extern __shared__ __align__(16) uint16_t xs[];
+    __shared__ float scratch[64];
+    smem_x_gemv(w, y, n, k, xs, RmsNormToSmem{x, norm_w, k, eps, scratch});
+}

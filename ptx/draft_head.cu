@@ -1,0 +1,134 @@
+// The draft's exchange key and commit (model/kernels/draft_head.py), and the single-rank head that
+// fuses the logits GEMV, the argmax and the commit into one launch.
+//
+// Key: (order-preserving bits of the f32 logit) << 32 | (0xFFFFFFFF - global index): a larger key
+// is a larger logit, or on a tie the lower index.
+#include "model_common.cuh"
+
+namespace {
+// draft_head.ordered_bits: -0 counts as +0 (the lower index must win their tie) and NaN as -inf.
+__device__ __forceinline__ uint32_t ordered_bits(float v) {
+    if (isnan(v)) v = -INFINITY;
+    else if (v == 0.0f) v = 0.0f;
+    const uint32_t b = __float_as_uint(v);
+    return b < 0x80000000u ? (b ^ 0x80000000u) : ~b;
+}
+
+constexpr int WARPS = 8;
+// Rows per warp, 2 for both heads. Four rows per warp for the FP8 copy (128 KB per block, as the
+// BF16 head moves, so half as many per-block handshakes) measured slower on the H200: 194 us per
+// draft against 181 us with two rows (bench/bench_propose.py profile, 2026-11-29).
+constexpr int ROWS_BF16 = 2;
+constexpr int ROWS_FP8 = 2;
+
+// Per block: candidate key of this block's rows (0 if none is a number) -> atomicMax into *key;
+// the last block commits the winner's index to token and drafts[slot] and re-zeroes key.
+__device__ __forceinline__ void argmax_commit(unsigned long long cand, unsigned long long* key, uint32_t* counter,
+                                              uint32_t* token, uint32_t* drafts, uint32_t slot) {
+    __shared__ unsigned long long best_s[WARPS];
+    const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xFFFFFFFFu, cand, o);
+        cand = other > cand ? other : cand;
+    }
+    if (lane == 0) best_s[warp] = cand;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned long long b = 0ull;
+        for (int w = 0; w < WARPS; ++w) b = best_s[w] > b ? best_s[w] : b;
+        if (b) atomicMax(key, b);
+    }
+    if (!last_block_done(counter)) return;
+    if (threadIdx.x == 0) {
+        const unsigned long long k = atomicOr(key, 0ull);
+        const uint32_t t = 0xFFFFFFFFu - (uint32_t)(k & 0xFFFFFFFFull);  // 0xFFFFFFFF: every logit NaN
+        *token = t;
+        drafts[slot] = t;
+        *key = 0ull;
+    }
+}
+
+// The logit of `row` (warp-reduced v), rounded to BF16 and stored; its candidate key (0 for NaN).
+// -0 is folded onto +0 so that equal logits always tie-break by index, as argmax_bf16 does.
+__device__ __forceinline__ unsigned long long store_logit(float v, uint32_t row, uint16_t* logits) {
+    const uint16_t b = f32_to_bf16_bits(v);
+    logits[row] = b;
+    const float vb = bf16_bits_to_f32(b);
+    if (isnan(vb)) return 0ull;
+    return ((unsigned long long)ordered_key(vb) << 32) | (0xFFFFFFFFu - row);
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(32) argmax_pack(const uint32_t* __restrict__ idx,
+                                                             const float* __restrict__ val,
+                                                             unsigned long long* __restrict__ key, uint32_t v0) {
+    if (threadIdx.x != 0) return;
+    const uint32_t i = *idx;
+    // A shard whose logits are all NaN (argmax index 0xFFFFFFFF) packs 0: it never wins.
+    *key = i == 0xFFFFFFFFu ? 0ull : ((unsigned long long)ordered_bits(*val) << 32) | (0xFFFFFFFFu - (i + v0));
+}
+
+extern "C" __global__ void __launch_bounds__(32) draft_commit(const unsigned long long* __restrict__ key,
+                                                              uint32_t* __restrict__ token,
+                                                              uint32_t* __restrict__ drafts, uint32_t slot) {
+    if (threadIdx.x != 0) return;
+    const uint32_t t = 0xFFFFFFFFu - (uint32_t)(*key & 0xFFFFFFFFull);
+    *token = t;
+    drafts[slot] = t;
+}
+
+// logits = W @ x (BF16 head), draft = argmax(logits) (lowest index on ties, NaN never wins),
+// *token = drafts[slot] = draft. Grid ceil(n / 16), block 256: 8 warps x 2 rows, 4 x 2 loads of
+// 16 bytes per lane in flight. `key` (u64) and `counter` (u32) are zeroed scratch the kernel
+// leaves zeroed; every replay of a graph reuses them.
+extern "C" __global__ void __launch_bounds__(256) head_argmax_bf16(
+    const uint16_t* __restrict__ w, const uint16_t* __restrict__ x, uint16_t* __restrict__ logits,
+    unsigned long long* key, uint32_t* counter, uint32_t* __restrict__ token, uint32_t* __restrict__ drafts,
+    uint32_t slot, uint32_t n, uint32_t k) {
+    constexpr int ROWS = ROWS_BF16;
+    const uint32_t lane = threadIdx.x & 31;
+    const uint32_t row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
+    unsigned long long cand = 0ull;
+    if (row0 < n) {
+        const bool vec = (k % 8u == 0) && aligned16(w) && aligned16(x);
+        const uint16_t* wr[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) wr[r] = w + (size_t)min(row0 + r, n - 1) * k;
+        float acc[ROWS] = {0.0f, 0.0f};
+        warp_gemv_bf16<ROWS, 4>(wr, x, k, vec, acc);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const float v = warp_sum(acc[r]);
+            if (lane == (uint32_t)r && row0 + r < n) cand = store_logit(v, row0 + r, logits);
+        }
+    }
+    argmax_commit(cand, key, counter, token, drafts, slot);
+}
+
+// As head_argmax_bf16 with the FP8 copy of the head: logit = scale[row] * (Wq[row] . x), the f32
+// product rounded to BF16 (gemv_fp8w's arithmetic). 16 weights per 16-byte load; grid ceil(n / 16),
+// 8 warps x 2 rows.
+extern "C" __global__ void __launch_bounds__(256) head_argmax_fp8(
+    const uint8_t* __restrict__ wq, const float* __restrict__ scale, const uint16_t* __restrict__ x,
+    uint16_t* __restrict__ logits, unsigned long long* key, uint32_t* counter, uint32_t* __restrict__ token,
+    uint32_t* __restrict__ drafts, uint32_t slot, uint32_t n, uint32_t k) {
+    constexpr int ROWS = ROWS_FP8;
+    const uint32_t lane = threadIdx.x & 31;
+    const uint32_t row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
+    unsigned long long cand = 0ull;
+    if (row0 < n) {
+        const bool vec = (k % 16u == 0) && aligned16(wq) && aligned16(x);
+        const uint8_t* wr[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) wr[r] = wq + (size_t)min(row0 + r, n - 1) * k;
+        float acc[ROWS] = {0.0f, 0.0f};
+        warp_gemv_fp8<ROWS, 4>(wr, x, k, vec, acc);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const float v = warp_sum(acc[r]);
+            if (lane == (uint32_t)r && row0 + r < n) cand = store_logit(__fmul_rn(scale[row0 + r], v), row0 + r, logits);
+        }
+    }
+    argmax_commit(cand, key, counter, token, drafts, slot);
+}

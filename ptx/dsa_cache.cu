@@ -1,0 +1,188 @@
+// Writes of the DSA caches for rows row = *row_ptr + row_add + r, r < rows (grid = rows, block 128,
+// model/kernels/dsa_cache.py). Each row's inputs are a row of the fused projection output with
+// stride `stride` elements: [kv_a (C) ; wk y (idim) ; compress_gate y (idim) ; ...].
+//
+// Arithmetic follows the host twins: the latent is rmsnorm'd and rounded to BF16, then quantised
+// with scale = absmax / 448 (IEEE division, saturating E4M3); the indexer key is a LayerNorm
+// rounded to BF16 (multiply and add kept separate, as NumPy does them); a pool key is the
+// per-dimension softmax over its slots of (gate + ape) weighting the slots' keys, summed in slot
+// order, then quantised like a latent.
+#include "model_common.cuh"
+
+#define DSA_MAX_DIM 1024   // smem row buffer of a pool key (index_head_dim)
+#define DSA_MAX_KPOOL 16   // per-slot LayerNorm statistics kept in smem
+
+namespace {
+
+// Latent row: c = bf16(rmsnorm(x) * w) -> FP8 with one scale, into the paged cache at `slot`.
+__device__ __forceinline__ void write_latent(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
+                                             uint8_t* __restrict__ cache, float* __restrict__ scales, uint32_t slot,
+                                             uint32_t dim, float eps, float* scratch) {
+    const float d = rms_divisor(x, dim, eps, scratch);
+    float amax = 0.0f;
+    for (uint32_t i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float c = bf16_bits_to_f32(f32_to_bf16_bits(__fmul_rn(bf16_bits_to_f32(x[i]) / d, bf16_bits_to_f32(w[i]))));
+        amax = fmaxf(amax, fabsf(c));
+    }
+    amax = block_max(amax, scratch);
+    const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+    uint8_t* dst = cache + (size_t)slot * dim;
+    for (uint32_t i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float c = bf16_bits_to_f32(f32_to_bf16_bits(__fmul_rn(bf16_bits_to_f32(x[i]) / d, bf16_bits_to_f32(w[i]))));
+        dst[i] = f32_to_fp8_sat(c / s);
+    }
+    if (threadIdx.x == 0) scales[slot] = s;
+}
+
+// Indexer key (LayerNorm, BF16) and gate (copied) of one row.
+__device__ __forceinline__ void write_key_gate(const uint16_t* __restrict__ kg, const uint16_t* __restrict__ kw,
+                                               const uint16_t* __restrict__ kb, uint16_t* __restrict__ keys,
+                                               uint16_t* __restrict__ gates, uint32_t row, uint32_t dim, float eps,
+                                               float* scratch) {
+    float mu, den;
+    ln_stats(kg, dim, eps, scratch, mu, den);
+    uint16_t* kr = keys + (size_t)row * dim;
+    uint16_t* gr = gates + (size_t)row * dim;
+    for (uint32_t i = threadIdx.x; i < dim; i += blockDim.x) {
+        kr[i] = ln_elem(bf16_bits_to_f32(kg[i]), mu, den, bf16_bits_to_f32(kw[i]), bf16_bits_to_f32(kb[i]));
+        gr[i] = kg[dim + i];
+    }
+}
+
+// Pool key of pool p from its kpool slots. Slot i's key and gate come either from the caches
+// (kg_rows == nullptr or kg_rows[i] == nullptr) or are recomputed from a fused row of this launch
+// (kg_rows[i], with its LayerNorm statistics mu[i], den[i] in shared memory), with the arithmetic
+// of the block that writes that row, so the bits agree. Three passes over the slots (max, sum,
+// weighted keys) recompute each exp instead of keeping per-slot arrays, which a run-time kpool would
+// put in local memory.
+__device__ __forceinline__ void slot_key_gate(const uint16_t* __restrict__ keys, const uint16_t* __restrict__ gates,
+                                              uint32_t p, uint32_t i, uint32_t d, uint32_t dim, uint32_t kpool,
+                                              const uint16_t* const* kg_rows, const float* mu, const float* den,
+                                              const uint16_t* kw, const uint16_t* kb, float& k, float& g) {
+    const uint16_t* src = kg_rows ? kg_rows[i] : nullptr;
+    if (src != nullptr) {
+        k = bf16_bits_to_f32(
+            ln_elem(bf16_bits_to_f32(src[d]), mu[i], den[i], bf16_bits_to_f32(kw[d]), bf16_bits_to_f32(kb[d])));
+        g = bf16_bits_to_f32(src[dim + d]);
+    } else {
+        const size_t at = ((size_t)p * kpool + i) * dim + d;
+        k = bf16_bits_to_f32(keys[at]);
+        g = bf16_bits_to_f32(gates[at]);
+    }
+}
+
+__device__ __forceinline__ void compress_pool(const uint16_t* __restrict__ keys, const uint16_t* __restrict__ gates,
+                                              const uint16_t* __restrict__ ape, uint8_t* __restrict__ pool_keys,
+                                              float* __restrict__ pool_scales, uint32_t p, uint32_t dim,
+                                              uint32_t kpool, const uint16_t* const* kg_rows, const float* mu,
+                                              const float* den, const uint16_t* kw, const uint16_t* kb,
+                                              float* key_buf, float* scratch) {
+    float amax = 0.0f;
+    for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x) {
+        float k, g;
+        float m = -INFINITY;
+        for (uint32_t i = 0; i < kpool; ++i) {
+            slot_key_gate(keys, gates, p, i, d, dim, kpool, kg_rows, mu, den, kw, kb, k, g);
+            m = fmaxf(m, __fadd_rn(g, bf16_bits_to_f32(ape[(size_t)i * dim + d])));
+        }
+        float sum = 0.0f;
+        for (uint32_t i = 0; i < kpool; ++i) {
+            slot_key_gate(keys, gates, p, i, d, dim, kpool, kg_rows, mu, den, kw, kb, k, g);
+            sum = __fadd_rn(sum, expf(__fsub_rn(__fadd_rn(g, bf16_bits_to_f32(ape[(size_t)i * dim + d])), m)));
+        }
+        float key = 0.0f;
+        for (uint32_t i = 0; i < kpool; ++i) {
+            slot_key_gate(keys, gates, p, i, d, dim, kpool, kg_rows, mu, den, kw, kb, k, g);
+            const float e = expf(__fsub_rn(__fadd_rn(g, bf16_bits_to_f32(ape[(size_t)i * dim + d])), m));
+            key = __fadd_rn(key, __fmul_rn(e / sum, k));
+        }
+        key_buf[d] = key;
+        amax = fmaxf(amax, fabsf(key));
+    }
+    amax = block_max(amax, scratch);  // its barriers also publish key_buf
+    const float s = amax > 0.0f ? amax / 448.0f : 1.0f;
+    for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x) pool_keys[(size_t)p * dim + d] = f32_to_fp8_sat(key_buf[d] / s);
+    if (threadIdx.x == 0) pool_scales[p] = s;
+}
+
+__device__ __forceinline__ uint32_t slot_of(const uint32_t* __restrict__ block_table, uint32_t row, uint32_t bs) {
+    return block_table[row / bs] * bs + row % bs;
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(128) latent_write_fp8(
+    const uint16_t* __restrict__ kv, uint32_t stride, const uint16_t* __restrict__ norm_w, uint8_t* __restrict__ cache,
+    float* __restrict__ scales, const uint32_t* __restrict__ block_table, const uint32_t* __restrict__ row_ptr,
+    uint32_t row_add, uint32_t rows, uint32_t dim, uint32_t block_size, float eps) {
+    __shared__ float scratch[32];
+    const uint32_t r = blockIdx.x;
+    if (r >= rows) return;
+    const uint32_t row = *row_ptr + row_add + r;
+    write_latent(kv + (size_t)r * stride, norm_w, cache, scales, slot_of(block_table, row, block_size), dim, eps,
+                 scratch);
+}
+
+extern "C" __global__ void __launch_bounds__(128) indexer_write_keys(
+    const uint16_t* __restrict__ kg, uint32_t stride, const uint16_t* __restrict__ knorm_w,
+    const uint16_t* __restrict__ knorm_b, uint16_t* __restrict__ keys, uint16_t* __restrict__ gates,
+    const uint32_t* __restrict__ row_ptr, uint32_t row_add, uint32_t rows, uint32_t dim, float eps) {
+    __shared__ float scratch[32];
+    const uint32_t r = blockIdx.x;
+    if (r >= rows) return;
+    const uint32_t row = *row_ptr + row_add + r;
+    write_key_gate(kg + (size_t)r * stride, knorm_w, knorm_b, keys, gates, row, dim, eps, scratch);
+}
+
+extern "C" __global__ void __launch_bounds__(128) indexer_compress_pools(
+    const uint16_t* __restrict__ keys, const uint16_t* __restrict__ gates, const uint16_t* __restrict__ ape,
+    uint8_t* __restrict__ pool_keys, float* __restrict__ pool_scales, const uint32_t* __restrict__ row_ptr,
+    uint32_t row_add, uint32_t rows, uint32_t dim, uint32_t kpool) {
+    __shared__ float scratch[32];
+    __shared__ float key_buf[DSA_MAX_DIM];
+    const uint32_t r = blockIdx.x;
+    if (r >= rows || kpool == 0 || kpool > DSA_MAX_KPOOL || dim > DSA_MAX_DIM) return;
+    const uint32_t row = *row_ptr + row_add + r;
+    if ((row + 1u) % kpool) return;
+    compress_pool(keys, gates, ape, pool_keys, pool_scales, row / kpool, dim, kpool, nullptr, nullptr, nullptr,
+                  nullptr, nullptr, key_buf, scratch);
+}
+
+// The three writes above for one row in one launch (grid = rows, block 128): latent, key and gate,
+// and the pool key when the row completes a pool. A pool's slots that belong to this launch are
+// recomputed from their fused rows instead of read back, since another block of this launch is
+// writing them (there is no grid-wide barrier); slots of earlier rows are read from the caches.
+extern "C" __global__ void __launch_bounds__(128) dsa_cache_write(
+    const uint16_t* __restrict__ fused, uint32_t stride, const uint16_t* __restrict__ kv_norm_w,
+    uint8_t* __restrict__ cache, float* __restrict__ scales, const uint32_t* __restrict__ block_table,
+    const uint16_t* __restrict__ knorm_w, const uint16_t* __restrict__ knorm_b, uint16_t* __restrict__ keys,
+    uint16_t* __restrict__ gates, const uint16_t* __restrict__ ape, uint8_t* __restrict__ pool_keys,
+    float* __restrict__ pool_scales, const uint32_t* __restrict__ row_ptr, uint32_t row_add, uint32_t rows,
+    uint32_t C, uint32_t idim, uint32_t block_size, uint32_t kpool, float eps, float ln_eps) {
+    __shared__ float scratch[32];
+    __shared__ float key_buf[DSA_MAX_DIM];
+    __shared__ float mu_s[DSA_MAX_KPOOL], den_s[DSA_MAX_KPOOL];
+    __shared__ const uint16_t* kg_rows[DSA_MAX_KPOOL];
+    const uint32_t r = blockIdx.x;
+    if (r >= rows) return;
+    const uint32_t base = *row_ptr + row_add;
+    const uint32_t row = base + r;
+    const uint16_t* src = fused + (size_t)r * stride;
+    write_latent(src, kv_norm_w, cache, scales, slot_of(block_table, row, block_size), C, eps, scratch);
+    write_key_gate(src + C, knorm_w, knorm_b, keys, gates, row, idim, ln_eps, scratch);
+    if (kpool == 0 || kpool > DSA_MAX_KPOOL || idim > DSA_MAX_DIM || (row + 1u) % kpool) return;
+    const uint32_t p = row / kpool;
+    for (uint32_t i = 0; i < kpool; ++i) {
+        const uint32_t pr = p * kpool + i;
+        if (pr >= base) {  // a row of this launch (pr <= row < base + rows)
+            const uint16_t* kg = fused + (size_t)(pr - base) * stride + C;
+            float mu, den;
+            ln_stats(kg, idim, ln_eps, scratch, mu, den);
+            if (threadIdx.x == 0) { mu_s[i] = mu; den_s[i] = den; kg_rows[i] = kg; }
+        } else if (threadIdx.x == 0) {
+            kg_rows[i] = nullptr;
+        }
+    }
+    __syncthreads();
+    compress_pool(keys, gates, ape, pool_keys, pool_scales, p, idim, kpool, kg_rows, mu_s, den_s, knorm_w,
+                  knorm_b, key_buf, scratch);
+}

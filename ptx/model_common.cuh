@@ -1,0 +1,404 @@
+// Helpers shared by the drafter's kernels (ptx/{mtp_input,bgemv,dsa_cache,dsa_select,sparse_mla,
+// moe,draft_head}.cu): FP8 conversions, the order-preserving key the selections sort by, the
+// weight-streaming warp GEMV core, block scans, and the row normalisations whose exact arithmetic
+// several kernels must share (a fused kernel that recomputes another block's row has to produce
+// the same bits, so both call the same function).
+#pragma once
+#include "common.cuh"
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#define BF16_QNAN_BITS 0x7FC0u  // what NumPy's float32 NaN becomes in bfloat16
+
+// ---- FP8 E4M3 -----------------------------------------------------------------------------------
+
+// Four E4M3 bytes (low byte first) -> four exact floats: cvt.rn.f16x2.e4m3x2 is exact (every E4M3
+// value is an f16), f16 -> f32 is exact.
+__device__ __forceinline__ void fp8x4_to_f32(uint32_t v, float (&f)[4]) {
+    uint32_t h01, h23;
+    asm("{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %2;\n\t"
+        "cvt.rn.f16x2.e4m3x2 %0, lo;\n\tcvt.rn.f16x2.e4m3x2 %1, hi;\n\t}"
+        : "=r"(h01), "=r"(h23)
+        : "r"(v));
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&h01));
+    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&h23));
+    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
+}
+
+__device__ __forceinline__ float fp8_to_f32(uint8_t b) {
+    uint32_t h;
+    const uint16_t b16 = b;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(b16));
+    return __half2float(__ushort_as_half((unsigned short)(h & 0xFFFFu)));
+}
+
+// Round to nearest even, saturating at +-448: what runtime.dtypes.to_fp8_saturating does.
+__device__ __forceinline__ uint8_t f32_to_fp8_sat(float v) {
+    return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
+}
+
+// ---- ordering -----------------------------------------------------------------------------------
+
+// Order-preserving u32 of an f32 for "higher first" selections: larger key = larger value. -0 is
+// folded onto +0 (NumPy's sorts and argmax treat them as equal, so an index tie-break must decide),
+// and NaN maps to 0, below -inf (NumPy sorts NaN last; argmax never picks it).
+__device__ __forceinline__ uint32_t ordered_key(float v) {
+    if (isnan(v)) return 0u;
+    const uint32_t b = __float_as_uint(v == 0.0f ? 0.0f : v);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// ---- block scans (blockDim.x a multiple of 32, <= 1024) ------------------------------------------
+
+// Exclusive prefix sum of one u32 per thread, in thread order; *total gets the block's sum.
+// `scratch` holds 32 u32. Ends with a barrier so scratch can be reused at once.
+__device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* scratch, uint32_t* total) {
+    const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    uint32_t inc = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t t = __shfl_up_sync(0xFFFFFFFFu, inc, o);
+        if (lane >= (uint32_t)o) inc += t;
+    }
+    if (lane == 31) scratch[warp] = inc;
+    __syncthreads();
+    uint32_t wsum = lane < nwarps ? scratch[lane] : 0u;
+    uint32_t winc = wsum;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t t = __shfl_up_sync(0xFFFFFFFFu, winc, o);
+        if (lane >= (uint32_t)o) winc += t;
+    }
+    const uint32_t warp_excl = __shfl_sync(0xFFFFFFFFu, winc - wsum, warp);
+    *total = __shfl_sync(0xFFFFFFFFu, winc, 31);
+    __syncthreads();
+    return warp_excl + inc - v;
+}
+
+// ---- row normalisations -------------------------------------------------------------------------
+
+// 1 / the RMS divisor of a BF16 row, as ptx/rmsnorm.cu computes it: f32 sum of squares with fmaf
+// in thread-strided order, r = sqrt(ss / n + eps); the caller does (x / r) * w.
+__device__ __forceinline__ float rms_divisor(const uint16_t* __restrict__ x, uint32_t n, float eps, float* scratch) {
+    float ss = 0.0f;
+    if ((n % 8u == 0) && aligned16(x)) {
+        const uint4* xv = reinterpret_cast<const uint4*>(x);
+        for (uint32_t c = threadIdx.x; c < n / 8u; c += blockDim.x) {
+            const uint4 v = xv[c];
+            const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const float a = bf16_lo(words[q]), b = bf16_hi(words[q]);
+                ss = fmaf(a, a, ss);
+                ss = fmaf(b, b, ss);
+            }
+        }
+    } else {
+        for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) {
+            const float a = bf16_bits_to_f32(x[i]);
+            ss = fmaf(a, a, ss);
+        }
+    }
+    ss = block_sum(ss, scratch);
+    return sqrtf(ss / (float)n + eps);
+}
+
+// out = bf16((x / r) * w) over a row, block-strided (rmsnorm.cu's element order is irrelevant:
+// each element is independent).
+__device__ __forceinline__ void rms_apply(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
+                                          uint16_t* __restrict__ out, uint32_t n, float r) {
+    for (uint32_t i = threadIdx.x; i < n; i += blockDim.x)
+        out[i] = f32_to_bf16_bits(__fmul_rn(bf16_bits_to_f32(x[i]) / r, bf16_bits_to_f32(w[i])));
+}
+
+// LayerNorm statistics of a BF16 row as the host twin computes them: mu = sum(x) / n,
+// var = sum((x - mu)^2) / n, denom = sqrt(var + eps). Deterministic for a given blockDim, so two
+// blocks normalising the same row get the same bits.
+__device__ __forceinline__ void ln_stats(const uint16_t* __restrict__ x, uint32_t n, float eps, float* scratch,
+                                         float& mu, float& denom) {
+    float s = 0.0f;
+    for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) s += bf16_bits_to_f32(x[i]);
+    mu = block_sum(s, scratch) / (float)n;
+    float v = 0.0f;
+    for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const float d = __fsub_rn(bf16_bits_to_f32(x[i]), mu);
+        v = fmaf(d, d, v);
+    }
+    denom = sqrtf(block_sum(v, scratch) / (float)n + eps);
+}
+
+// One LayerNorm output element, rounded to BF16: ((x - mu) / denom) * w + b, no contraction (the
+// twin multiplies and adds separately).
+__device__ __forceinline__ uint16_t ln_elem(float x, float mu, float denom, float w, float b) {
+    return f32_to_bf16_bits(__fadd_rn(__fmul_rn(__fsub_rn(x, mu) / denom, w), b));
+}
+
+// ---- the weight-streaming warp GEMV core --------------------------------------------------------
+//
+// A warp computes ROWS dot products of BF16 (or FP8) weight rows with one BF16 vector x. Batch-1
+// decode is pure weight streaming: each lane issues ROWS * U independent 16-byte loads that bypass
+// L1 (ld_stream16) before the first FMA, x is read through the read-only path and stays in L1.
+// Lanes take 16-byte chunks round-robin; the partial sums are reduced by the caller (warp_sum).
+// `vec` (k a multiple of the chunk, every pointer 16-byte aligned) selects the vector path; the
+// scalar path is the correctness fallback for odd shapes.
+
+__device__ __forceinline__ float dot8_bf16(uint4 w, uint4 x, float acc) {
+    acc = fmaf(bf16_lo(w.x), bf16_lo(x.x), acc);
+    acc = fmaf(bf16_hi(w.x), bf16_hi(x.x), acc);
+    acc = fmaf(bf16_lo(w.y), bf16_lo(x.y), acc);
+    acc = fmaf(bf16_hi(w.y), bf16_hi(x.y), acc);
+    acc = fmaf(bf16_lo(w.z), bf16_lo(x.z), acc);
+    acc = fmaf(bf16_hi(w.z), bf16_hi(x.z), acc);
+    acc = fmaf(bf16_lo(w.w), bf16_lo(x.w), acc);
+    acc = fmaf(bf16_hi(w.w), bf16_hi(x.w), acc);
+    return acc;
+}
+
+__device__ __forceinline__ float dot16_fp8(uint4 w, uint4 xa, uint4 xb, float acc) {
+    const uint32_t ww[4] = {w.x, w.y, w.z, w.w};
+    const uint32_t xx[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        float f[4];
+        fp8x4_to_f32(ww[q], f);
+        acc = fmaf(f[0], bf16_lo(xx[2 * q]), acc);
+        acc = fmaf(f[1], bf16_hi(xx[2 * q]), acc);
+        acc = fmaf(f[2], bf16_lo(xx[2 * q + 1]), acc);
+        acc = fmaf(f[3], bf16_hi(xx[2 * q + 1]), acc);
+    }
+    return acc;
+}
+
+template <int ROWS, int U>
+__device__ __forceinline__ void warp_gemv_bf16(const uint16_t* const (&w)[ROWS], const uint16_t* __restrict__ x,
+                                               uint32_t k, bool vec, float (&acc)[ROWS]) {
+    const uint32_t lane = threadIdx.x & 31;
+    if (vec) {
+        const uint32_t kc = k >> 3;
+        const uint4* xv = reinterpret_cast<const uint4*>(x);
+        for (uint32_t c0 = 0; c0 < kc; c0 += 32u * U) {
+            uint4 wv[ROWS][U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const uint32_t c = c0 + lane + 32u * u;
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r)
+                    wv[r][u] = c < kc ? ld_stream16(reinterpret_cast<const uint4*>(w[r]) + c) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const uint32_t c = c0 + lane + 32u * u;
+                if (c < kc) {
+                    const uint4 xc = __ldg(xv + c);
+#pragma unroll
+                    for (int r = 0; r < ROWS; ++r) acc[r] = dot8_bf16(wv[r][u], xc, acc[r]);
+                }
+            }
+        }
+    } else {
+        for (uint32_t i = lane; i < k; i += 32u) {
+            const float xi = bf16_bits_to_f32(x[i]);
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) acc[r] = fmaf(bf16_bits_to_f32(w[r][i]), xi, acc[r]);
+        }
+    }
+}
+
+template <int ROWS, int U>
+__device__ __forceinline__ void warp_gemv_fp8(const uint8_t* const (&w)[ROWS], const uint16_t* __restrict__ x,
+                                              uint32_t k, bool vec, float (&acc)[ROWS]) {
+    const uint32_t lane = threadIdx.x & 31;
+    if (vec) {
+        const uint32_t kc = k >> 4;
+        const uint4* xv = reinterpret_cast<const uint4*>(x);
+        for (uint32_t c0 = 0; c0 < kc; c0 += 32u * U) {
+            uint4 wv[ROWS][U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const uint32_t c = c0 + lane + 32u * u;
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r)
+                    wv[r][u] = c < kc ? ld_stream16(reinterpret_cast<const uint4*>(w[r]) + c) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const uint32_t c = c0 + lane + 32u * u;
+                if (c < kc) {
+                    const uint4 xa = __ldg(xv + 2u * c), xb = __ldg(xv + 2u * c + 1u);
+#pragma unroll
+                    for (int r = 0; r < ROWS; ++r) acc[r] = dot16_fp8(wv[r][u], xa, xb, acc[r]);
+                }
+            }
+        }
+    } else {
+        for (uint32_t i = lane; i < k; i += 32u) {
+            const float xi = bf16_bits_to_f32(x[i]);
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) acc[r] = fmaf(fp8_to_f32(w[r][i]), xi, acc[r]);
+        }
+    }
+}
+
+// ---- last-block handshake -----------------------------------------------------------------------
+//
+// "The last block to finish does the epilogue" without a second launch: every block publishes its
+// results, and one thread per block fences and bumps a counter; the block that sees gridDim - 1
+// runs the epilogue and resets the counter to 0, so the same counter serves the next launch and
+// every graph replay. The barrier orders the block's writes before thread 0's fence (the fence is
+// cumulative), as cooperative groups' grid sync does; one fence per block instead of one per thread
+// (a gpu-scope fence waits for the issuing thread's outstanding memory operations).
+// Call from all threads of a block; returns true in the last block (uniformly).
+__device__ __forceinline__ bool last_block_done(uint32_t* counter) {
+    __shared__ bool is_last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const uint32_t total = gridDim.x * gridDim.y * gridDim.z;
+        const uint32_t prev = atomicAdd(counter, 1u);
+        is_last = (prev == total - 1u);
+        if (is_last) {
+            *counter = 0u;
+            __threadfence();
+        }
+    }
+    __syncthreads();
+    return is_last;
+}
+
+// ---- GEMV with a block-computed input in shared memory ------------------------------------------
+//
+// y[row] = bf16(W[row] . xs) over the rows of W, where xs (k BF16 values in shared memory) is
+// produced by `prologue(xs)`, a block-wide step that ends with a barrier (every block recomputes it:
+// a normalisation of a few KB from L2, instead of a separate single-block launch). One row per
+// warp with U = 8 sixteen-byte loads per lane in flight, grid-stride over the rows: the launch
+// helper caps the grid at the blocks that fit on the chip at once, so that a block computes its
+// prologue once for several rows per warp instead of once per 16 rows. The first row's first U loads are issued before the
+// prologue, so its latency overlaps the start of the weight stream. On the H200 the per-16-rows
+// version spent 18.3 us on the 19 MB fused_in projection (146 blocks, 8 KB in flight per warp).
+template <typename Prologue>
+__device__ __forceinline__ void smem_x_gemv(const uint16_t* __restrict__ W, uint16_t* __restrict__ y, uint32_t n,
+                                            uint32_t k, uint16_t* xs, Prologue prologue) {
+    constexpr int U = 8;
+    const uint32_t lane = threadIdx.x & 31;
+    const uint32_t warps = gridDim.x * (blockDim.x >> 5);
+    uint32_t row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const bool vec = (k % 8u == 0) && aligned16(W);
+    const uint32_t kc = k >> 3;
+    uint4 wv[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const uint32_t c = lane + 32u * u;
+        wv[u] = (row < n && vec && c < kc) ? ld_stream16(reinterpret_cast<const uint4*>(W + (size_t)row * k) + c)
+                                           : make_uint4(0, 0, 0, 0);
+    }
+    prologue(xs);
+    const uint4* xv = reinterpret_cast<const uint4*>(xs);
+    for (bool first = true; row < n; row += warps, first = false) {
+        const uint16_t* wr = W + (size_t)row * k;
+        float acc = 0.0f;
+        if (vec) {
+            for (uint32_t c0 = 0; c0 < kc; c0 += 32u * U) {
+                if (!first || c0 > 0) {
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        const uint32_t c = c0 + lane + 32u * u;
+                        wv[u] = c < kc ? ld_stream16(reinterpret_cast<const uint4*>(wr) + c) : make_uint4(0, 0, 0, 0);
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const uint32_t c = c0 + lane + 32u * u;
+                    if (c < kc) acc = dot8_bf16(wv[u], xv[c], acc);
+                }
+            }
+        } else {
+            for (uint32_t i = lane; i < k; i += 32u) acc = fmaf(bf16_bits_to_f32(wr[i]), bf16_bits_to_f32(xs[i]), acc);
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) y[row] = f32_to_bf16_bits(acc);
+    }
+}
+
+// Sum of two floats over the block at once (one barrier pair instead of two). blockDim.x a
+// multiple of 32; `scratch` holds 64 floats.
+__device__ __forceinline__ void block_sum2(float& a, float& b, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    a = warp_sum(a);
+    b = warp_sum(b);
+    if (lane == 0) { scratch[warp] = a; scratch[32 + warp] = b; }
+    __syncthreads();
+    a = warp_sum(lane < nwarps ? scratch[lane] : 0.0f);
+    b = warp_sum(lane < nwarps ? scratch[32 + lane] : 0.0f);
+    __syncthreads();
+}
+
+// Up to RMS_REGS sixteen-byte chunks of a row (and of its norm weights) per thread in registers:
+// the whole row is loaded in one round trip, its sum of squares taken, and the normalised values
+// written from the registers (rms_divisor + rms_apply read the row twice, in block-strided turns).
+#define RMS_REGS 4
+struct RowChunks {
+    uint4 x[RMS_REGS], w[RMS_REGS];
+    __device__ __forceinline__ void load(const uint16_t* xr, const uint16_t* wr, uint32_t n) {
+#pragma unroll
+        for (int j = 0; j < RMS_REGS; ++j) {
+            const uint32_t c = threadIdx.x + blockDim.x * j;
+            const bool in = c < n / 8u;
+            x[j] = in ? __ldg(reinterpret_cast<const uint4*>(xr) + c) : make_uint4(0, 0, 0, 0);
+            w[j] = in ? __ldg(reinterpret_cast<const uint4*>(wr) + c) : make_uint4(0, 0, 0, 0);
+        }
+    }
+    __device__ __forceinline__ float sumsq() const {
+        float ss = 0.0f;
+#pragma unroll
+        for (int j = 0; j < RMS_REGS; ++j) {
+            const uint32_t v[4] = {x[j].x, x[j].y, x[j].z, x[j].w};
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const float a = bf16_lo(v[q]), b = bf16_hi(v[q]);
+                ss = fmaf(a, a, ss);
+                ss = fmaf(b, b, ss);
+            }
+        }
+        return ss;
+    }
+    // out[c] = bf16((x / d) * w) for this thread's chunks.
+    __device__ __forceinline__ void apply(uint16_t* out, uint32_t n, float d) const {
+#pragma unroll
+        for (int j = 0; j < RMS_REGS; ++j) {
+            const uint32_t c = threadIdx.x + blockDim.x * j;
+            if (c >= n / 8u) continue;
+            const uint32_t xv[4] = {x[j].x, x[j].y, x[j].z, x[j].w}, wv[4] = {w[j].x, w[j].y, w[j].z, w[j].w};
+            uint32_t o[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+                o[q] = pack_bf16x2(__fmul_rn(bf16_lo(xv[q]) / d, bf16_lo(wv[q])), __fmul_rn(bf16_hi(xv[q]) / d, bf16_hi(wv[q])));
+            reinterpret_cast<uint4*>(out)[c] = make_uint4(o[0], o[1], o[2], o[3]);
+        }
+    }
+};
+
+__device__ __forceinline__ bool rms_regs_ok(const uint16_t* x, const uint16_t* w, uint32_t n) {
+    return n % 8u == 0 && n / 8u <= RMS_REGS * blockDim.x && aligned16(x) && aligned16(w);
+}
+
+// Prologue: xs[0..n) = bf16((x / r) * w), r the RMS divisor of x (rmsnorm.cu's arithmetic).
+struct RmsNormToSmem {
+    const uint16_t* x;
+    const uint16_t* w;
+    uint32_t n;
+    float eps;
+    float* scratch;  // 64 floats
+    __device__ __forceinline__ void operator()(uint16_t* xs) const {
+        if (rms_regs_ok(x, w, n)) {
+            RowChunks r;
+            r.load(x, w, n);
+            float ss = r.sumsq(), unused = 0.0f;
+            block_sum2(ss, unused, scratch);
+            r.apply(xs, n, sqrtf(ss / (float)n + eps));
+        } else {
+            const float d = rms_divisor(x, n, eps, scratch);
+            rms_apply(x, w, xs, n, d);
+        }
+        __syncthreads();
+    }
+};

@@ -1,0 +1,365 @@
+// Absorbed MLA attention over the selected latent rows of the paged FP8 cache
+// (model/kernels/sparse_mla.py). Per head h: s_j = (q_h . c_j) * scale over the selected rows j,
+// p = softmax(s), o_h = sum_j p_j c_j, with c_j = fp8(cache[slot_j]) * scales[slot_j] and
+// slot_j = block_table[r / block_size] * block_size + r % block_size for r = selected[j].
+// The row count is read from device memory (the selection kernel wrote it).
+#include "model_common.cuh"
+
+// ---- sparse_mla_attend: the declared one-launch kernel (CUDA cores) ----------------------------
+// Grid = heads, block 256. Each warp runs an online softmax over rows j = warp, warp + 8, ...
+// with the lane owning dims lane + 32 i, then the 8 warps' (max, sum, acc) are merged in shared
+// memory. Exact softmax (running max with rescaling); the order of additions differs from NumPy's.
+// It has no workspace, so one block serves one head over every row; the proposer uses the split
+// pair below (sparse_mla_partial + sparse_mla_combine), which spreads the rows over the chip.
+#define MLA_MAX_DIM 1024
+#define MLA_PER_LANE (MLA_MAX_DIM / 32)
+
+extern "C" __global__ void __launch_bounds__(256) sparse_mla_attend(
+    const float* __restrict__ q, const uint8_t* __restrict__ cache, const float* __restrict__ scales,
+    const uint32_t* __restrict__ block_table, const uint32_t* __restrict__ selected,
+    const uint32_t* __restrict__ count, uint16_t* __restrict__ out, uint32_t heads, uint32_t dim,
+    uint32_t block_size, float scale) {
+    __shared__ float qs[MLA_MAX_DIM];
+    __shared__ float acc_s[8][MLA_MAX_DIM / 4];  // merged a quarter of the dims at a time
+    __shared__ float m_s[8], l_s[8];
+    const uint32_t h = blockIdx.x;
+    if (h >= heads || dim > MLA_MAX_DIM) return;
+    const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const uint32_t n = *count;
+    for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x) qs[d] = q[(size_t)h * dim + d];
+    __syncthreads();
+    float acc[MLA_PER_LANE];
+#pragma unroll
+    for (int i = 0; i < MLA_PER_LANE; ++i) acc[i] = 0.0f;
+    float m = -INFINITY, l = 0.0f;
+    for (uint32_t j = warp; j < n; j += 8u) {
+        const uint32_t r = selected[j];
+        const uint32_t slot = block_table[r / block_size] * block_size + r % block_size;
+        const float sc = scales[slot];
+        const uint8_t* row = cache + (size_t)slot * dim;
+        float c[MLA_PER_LANE];
+        float dot = 0.0f;
+#pragma unroll
+        for (int i = 0; i < MLA_PER_LANE; ++i) {
+            const uint32_t d = lane + 32u * i;
+            c[i] = d < dim ? __fmul_rn(fp8_to_f32(row[d]), sc) : 0.0f;
+            if (d < dim) dot = fmaf(qs[d], c[i], dot);
+        }
+        const float s = __fmul_rn(warp_sum(dot), scale);
+        const float m_new = fmaxf(m, s);
+        const float corr = expf(m - m_new);
+        const float p = expf(s - m_new);
+        l = fmaf(l, corr, p);
+#pragma unroll
+        for (int i = 0; i < MLA_PER_LANE; ++i) acc[i] = fmaf(acc[i], corr, p * c[i]);
+        m = m_new;
+    }
+    if (lane == 0) { m_s[warp] = m; l_s[warp] = l; }
+    __syncthreads();
+    float M = -INFINITY;
+    for (int w = 0; w < 8; ++w) M = fmaxf(M, m_s[w]);
+    float L = 0.0f;
+    for (int w = 0; w < 8; ++w)
+        if (m_s[w] != -INFINITY) L = fmaf(l_s[w], expf(m_s[w] - M), L);
+    const float my_w = m == -INFINITY ? 0.0f : expf(m - M);  // this warp's rescale
+    const uint32_t quarter = MLA_MAX_DIM / 4;
+    for (uint32_t d0 = 0; d0 < dim; d0 += quarter) {
+#pragma unroll
+        for (int i = 0; i < MLA_PER_LANE; ++i) {
+            const uint32_t d = lane + 32u * i;
+            if (d >= d0 && d < d0 + quarter && d < dim) acc_s[warp][d - d0] = acc[i] * my_w;
+        }
+        __syncthreads();
+        for (uint32_t d = d0 + threadIdx.x; d < min(dim, d0 + quarter); d += blockDim.x) {
+            float o = 0.0f;
+            for (int w = 0; w < 8; ++w) o += acc_s[w][d - d0];
+            out[(size_t)h * dim + d] = f32_to_bf16_bits(o / L);
+        }
+        __syncthreads();
+    }
+}
+
+// ---- the split pair: sparse_mla_partial + sparse_mla_combine ------------------------------------
+// Flash-decoding over the selection: block (x, y) takes rows [64 x, 64 x + 64) of the selection and
+// heads [16 y, 16 y + 16), computes its local softmax statistics and its unnormalised partial
+// output, and sparse_mla_combine merges the ceil(count / 64) partials per head exactly
+// (rescaling by exp(m_s - M)). Both products run on the tensor cores (mma.sync m16n8k16, BF16
+// operands, f32 accumulation) without giving up f32 accuracy:
+//   - the FP8 latent values are exact in BF16; the row scale is applied outside the product
+//     (to the score, and folded into p for the output);
+//   - q and p are f32: each is split into hi = bf16(v) and lo = bf16(v - hi), and both halves are
+//     multiplied, which keeps about 16 mantissa bits (relative error ~2^-17 instead of BF16's 2^-9).
+// Shared memory (dynamic, launch helper): C tile [64][dim + 8] BF16, q hi/lo [16][dim + 8] BF16,
+// scores [16][68] f32, p hi/lo [16][72] BF16, row slots and scales: the + 8 pitches put the 32-bit
+// fragment loads of a warp on distinct banks. dim % 16 == 0 and dim <= 512 (8 n-tiles per warp).
+#define MLA_RT 64
+#define MLA_HT 16
+#define MLA_NTW 8
+
+namespace {
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint16_t bf16_hi_part(float v) { return f32_to_bf16_bits(v); }
+__device__ __forceinline__ uint16_t bf16_lo_part(float v, uint16_t hi) {
+    return f32_to_bf16_bits(__fsub_rn(v, bf16_bits_to_f32(hi)));
+}
+
+__device__ __forceinline__ uint32_t ld_u32(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(256) sparse_mla_partial(
+    const float* __restrict__ q, const uint8_t* __restrict__ cache, const float* __restrict__ scales,
+    const uint32_t* __restrict__ block_table, const uint32_t* __restrict__ selected,
+    const uint32_t* __restrict__ count, float* __restrict__ part, float* __restrict__ ml, uint32_t heads,
+    uint32_t dim, uint32_t block_size, float scale) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    const uint32_t n = *count;
+    const uint32_t j0 = blockIdx.x * MLA_RT, h0 = blockIdx.y * MLA_HT;
+    if (j0 >= n || dim % 16u != 0 || dim > 64u * MLA_NTW) return;
+    const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const uint32_t dp = dim + 8u;               // BF16 pitch of C and q rows
+    constexpr uint32_t SP = MLA_RT + 4u;        // f32 pitch of the score rows
+    constexpr uint32_t PP = MLA_RT + 8u;        // BF16 pitch of the p rows
+    uint16_t* cs = reinterpret_cast<uint16_t*>(smem);           // [RT][dp]
+    uint16_t* qhi = cs + (size_t)MLA_RT * dp;                   // [HT][dp]
+    uint16_t* qlo = qhi + (size_t)MLA_HT * dp;                  // [HT][dp]
+    float* ss = reinterpret_cast<float*>(qlo + (size_t)MLA_HT * dp);  // [HT][SP]
+    uint16_t* phi = reinterpret_cast<uint16_t*>(ss + MLA_HT * SP);    // [HT][PP]
+    uint16_t* plo = phi + MLA_HT * PP;                                // [HT][PP]
+    uint32_t* slot_s = reinterpret_cast<uint32_t*>(plo + MLA_HT * PP);  // [RT]
+    float* sc_s = reinterpret_cast<float*>(slot_s + MLA_RT);           // [RT]
+    float* m_s = sc_s + MLA_RT;                                         // [HT]
+    float* l_s = m_s + MLA_HT;                                          // [HT]
+
+    const uint32_t nr = min((uint32_t)MLA_RT, n - j0);
+    // q tile as float4, every load in flight before the first use (the loop otherwise waits one L2
+    // round trip per element: 23 us for this kernel, measured on the H200, against ~4 now).
+    constexpr int QL = 8;
+    const uint32_t d4 = dim / 4u, nq4 = MLA_HT * d4;
+    const float4* q4 = reinterpret_cast<const float4*>(q) + (size_t)h0 * d4;
+    for (uint32_t base = 0; base < nq4; base += blockDim.x * QL) {
+        float4 v[QL];
+#pragma unroll
+        for (int u = 0; u < QL; ++u) {
+            const uint32_t i = base + tid + blockDim.x * u;
+            v[u] = (i < nq4 && h0 + i / d4 < heads) ? __ldg(q4 + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+        if (base == 0 && tid < MLA_RT) {  // the row slots, while the q loads are in flight
+            uint32_t slot = 0xFFFFFFFFu;
+            float sc = 0.0f;
+            if (tid < nr) {
+                const uint32_t r = selected[j0 + tid];
+                slot = block_table[r / block_size] * block_size + r % block_size;
+                sc = scales[slot];
+            }
+            slot_s[tid] = slot;
+            sc_s[tid] = sc;
+        }
+#pragma unroll
+        for (int u = 0; u < QL; ++u) {
+            const uint32_t i = base + tid + blockDim.x * u;
+            if (i >= nq4) continue;
+            const uint32_t hh = i / d4, d = 4u * (i % d4);
+            const float f[4] = {v[u].x, v[u].y, v[u].z, v[u].w};
+            uint16_t hi[4], lo[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                hi[e] = bf16_hi_part(f[e]);
+                lo[e] = bf16_lo_part(f[e], hi[e]);
+            }
+            *reinterpret_cast<uint2*>(qhi + hh * dp + d) =
+                make_uint2((uint32_t)hi[0] | ((uint32_t)hi[1] << 16), (uint32_t)hi[2] | ((uint32_t)hi[3] << 16));
+            *reinterpret_cast<uint2*>(qlo + hh * dp + d) =
+                make_uint2((uint32_t)lo[0] | ((uint32_t)lo[1] << 16), (uint32_t)lo[2] | ((uint32_t)lo[3] << 16));
+        }
+    }
+    __syncthreads();
+    // Gather the rows: 16 FP8 values per 16-byte load, all of a thread's loads issued first, then
+    // widened exactly to BF16.
+    constexpr int CL = 8;
+    const uint32_t cpr = dim / 16u;
+    for (uint32_t base = 0; base < MLA_RT * cpr; base += blockDim.x * CL) {
+        uint4 v[CL];
+#pragma unroll
+        for (int u = 0; u < CL; ++u) {
+            const uint32_t i = base + tid + blockDim.x * u;
+            const uint32_t slot = i < MLA_RT * cpr ? slot_s[i / cpr] : 0xFFFFFFFFu;
+            v[u] = slot != 0xFFFFFFFFu ? __ldg(reinterpret_cast<const uint4*>(cache + (size_t)slot * dim) + i % cpr)
+                                       : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < CL; ++u) {
+            const uint32_t i = base + tid + blockDim.x * u;
+            if (i >= MLA_RT * cpr) continue;
+            uint4 lo4, hi4;
+            float f[4];
+            fp8x4_to_f32(v[u].x, f); lo4.x = pack_bf16x2(f[0], f[1]); lo4.y = pack_bf16x2(f[2], f[3]);
+            fp8x4_to_f32(v[u].y, f); lo4.z = pack_bf16x2(f[0], f[1]); lo4.w = pack_bf16x2(f[2], f[3]);
+            fp8x4_to_f32(v[u].z, f); hi4.x = pack_bf16x2(f[0], f[1]); hi4.y = pack_bf16x2(f[2], f[3]);
+            fp8x4_to_f32(v[u].w, f); hi4.z = pack_bf16x2(f[0], f[1]); hi4.w = pack_bf16x2(f[2], f[3]);
+            uint4* dst = reinterpret_cast<uint4*>(cs + (size_t)(i / cpr) * dp + 16u * (i % cpr));
+            dst[0] = lo4;
+            dst[1] = hi4;
+        }
+    }
+    __syncthreads();
+
+    // Scores: warp w owns rows 8w..8w+7 (one n-tile); k runs over dim in steps of 16.
+    {
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        const uint32_t rb = 8u * warp;
+        for (uint32_t k0 = 0; k0 < dim; k0 += 16u) {
+            uint32_t ah[4], al[4];
+            ah[0] = ld_u32(qhi + g * dp + k0 + 2u * t);
+            ah[1] = ld_u32(qhi + (g + 8u) * dp + k0 + 2u * t);
+            ah[2] = ld_u32(qhi + g * dp + k0 + 8u + 2u * t);
+            ah[3] = ld_u32(qhi + (g + 8u) * dp + k0 + 8u + 2u * t);
+            al[0] = ld_u32(qlo + g * dp + k0 + 2u * t);
+            al[1] = ld_u32(qlo + (g + 8u) * dp + k0 + 2u * t);
+            al[2] = ld_u32(qlo + g * dp + k0 + 8u + 2u * t);
+            al[3] = ld_u32(qlo + (g + 8u) * dp + k0 + 8u + 2u * t);
+            const uint32_t b0 = ld_u32(cs + (rb + g) * dp + k0 + 2u * t);
+            const uint32_t b1 = ld_u32(cs + (rb + g) * dp + k0 + 8u + 2u * t);
+            mma_bf16(acc, ah, b0, b1);
+            mma_bf16(acc, al, b0, b1);
+        }
+        const uint32_t r0 = rb + 2u * t, r1 = r0 + 1u;
+        const float f0 = r0 < nr ? __fmul_rn(sc_s[r0], scale) : 0.0f;
+        const float f1 = r1 < nr ? __fmul_rn(sc_s[r1], scale) : 0.0f;
+        ss[g * SP + r0] = r0 < nr ? acc[0] * f0 : -INFINITY;
+        ss[g * SP + r1] = r1 < nr ? acc[1] * f1 : -INFINITY;
+        ss[(g + 8u) * SP + r0] = r0 < nr ? acc[2] * f0 : -INFINITY;
+        ss[(g + 8u) * SP + r1] = r1 < nr ? acc[3] * f1 : -INFINITY;
+    }
+    __syncthreads();
+
+    // Local softmax statistics: warp w owns heads 2w, 2w+1; lanes own rows lane, lane + 32.
+    for (uint32_t hh = 2u * warp; hh < 2u * warp + 2u; ++hh) {
+        const float v0 = ss[hh * SP + lane], v1 = ss[hh * SP + lane + 32u];
+        const float m = warp_max(fmaxf(v0, v1));
+        const float e0 = expf(v0 - m), e1 = expf(v1 - m);
+        const float l = warp_sum(e0 + e1);
+        // p carries the row's FP8 scale into the output product (c_j = fp8_j * scale_j).
+        const float p0 = e0 * sc_s[lane], p1 = e1 * sc_s[lane + 32u];
+        const uint16_t h0b = bf16_hi_part(p0), h1b = bf16_hi_part(p1);
+        phi[hh * PP + lane] = h0b;
+        phi[hh * PP + lane + 32u] = h1b;
+        plo[hh * PP + lane] = bf16_lo_part(p0, h0b);
+        plo[hh * PP + lane + 32u] = bf16_lo_part(p1, h1b);
+        if (lane == 0) { m_s[hh] = m; l_s[hh] = l; }
+    }
+    __syncthreads();
+
+    // Output: O[16 heads][dim] = P[16][64] . C[64][dim]; warp w owns n-tiles w, w + 8, ... (8 dims each).
+    const uint32_t ntiles = dim / 8u;
+    float acc[MLA_NTW][4];
+#pragma unroll
+    for (int i = 0; i < MLA_NTW; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+#pragma unroll
+    for (uint32_t r0 = 0; r0 < MLA_RT; r0 += 16u) {
+        uint32_t ah[4], al[4];
+        ah[0] = ld_u32(phi + g * PP + r0 + 2u * t);
+        ah[1] = ld_u32(phi + (g + 8u) * PP + r0 + 2u * t);
+        ah[2] = ld_u32(phi + g * PP + r0 + 8u + 2u * t);
+        ah[3] = ld_u32(phi + (g + 8u) * PP + r0 + 8u + 2u * t);
+        al[0] = ld_u32(plo + g * PP + r0 + 2u * t);
+        al[1] = ld_u32(plo + (g + 8u) * PP + r0 + 2u * t);
+        al[2] = ld_u32(plo + g * PP + r0 + 8u + 2u * t);
+        al[3] = ld_u32(plo + (g + 8u) * PP + r0 + 8u + 2u * t);
+#pragma unroll
+        for (int i = 0; i < MLA_NTW; ++i) {
+            const uint32_t nt = warp + 8u * i;
+            if (nt < ntiles) {
+                const uint32_t col = 8u * nt + g;
+                const uint16_t* c0 = cs + (size_t)(r0 + 2u * t) * dp + col;
+                const uint32_t b0 = (uint32_t)c0[0] | ((uint32_t)c0[dp] << 16);
+                const uint32_t b1 = (uint32_t)c0[8u * dp] | ((uint32_t)c0[9u * dp] << 16);
+                mma_bf16(acc[i], ah, b0, b1);
+                mma_bf16(acc[i], al, b0, b1);
+            }
+        }
+    }
+    const uint32_t split = blockIdx.x;
+#pragma unroll
+    for (int i = 0; i < MLA_NTW; ++i) {
+        const uint32_t nt = warp + 8u * i;
+        if (nt >= ntiles) continue;
+        const uint32_t d = 8u * nt + 2u * t;
+        if (h0 + g < heads) {
+            float* o = part + ((size_t)split * heads + h0 + g) * dim + d;
+            o[0] = acc[i][0];
+            o[1] = acc[i][1];
+        }
+        if (h0 + g + 8u < heads) {
+            float* o = part + ((size_t)split * heads + h0 + g + 8u) * dim + d;
+            o[0] = acc[i][2];
+            o[1] = acc[i][3];
+        }
+    }
+    if (tid < MLA_HT && h0 + tid < heads) {
+        ml[((size_t)split * heads + h0 + tid) * 2u] = m_s[tid];
+        ml[((size_t)split * heads + h0 + tid) * 2u + 1u] = l_s[tid];
+    }
+}
+
+// out[h] = sum_s exp(m_s - M) part_s[h] / sum_s exp(m_s - M) l_s, M = max_s m_s, over the
+// ceil(count / 64) splits sparse_mla_partial wrote. Grid = heads, block 128: a thread owns 4
+// consecutive dims and keeps 8 splits' loads in flight (one L2 round trip per 8 splits, not per
+// split: 13 us -> ~3 us for 33 splits of 64 heads x 512).
+#define MLA_MAX_SPLITS 1024
+extern "C" __global__ void __launch_bounds__(128) sparse_mla_combine(
+    const float* __restrict__ part, const float* __restrict__ ml, const uint32_t* __restrict__ count,
+    uint16_t* __restrict__ out, uint32_t heads, uint32_t dim) {
+    __shared__ float wgt[MLA_MAX_SPLITS];
+    __shared__ float scratch[32];
+    const uint32_t h = blockIdx.x;
+    if (h >= heads) return;
+    const uint32_t splits = min((*count + MLA_RT - 1u) / MLA_RT, (uint32_t)MLA_MAX_SPLITS);
+    float M = -INFINITY;
+    for (uint32_t s = threadIdx.x; s < splits; s += blockDim.x) M = fmaxf(M, ml[((size_t)s * heads + h) * 2u]);
+    M = block_max(M, scratch);
+    float L = 0.0f;
+    for (uint32_t s = threadIdx.x; s < splits; s += blockDim.x) {
+        const float w = expf(ml[((size_t)s * heads + h) * 2u] - M);
+        wgt[s] = w;
+        L = fmaf(ml[((size_t)s * heads + h) * 2u + 1u], w, L);
+    }
+    L = block_sum(L, scratch);  // its barriers also publish wgt
+    constexpr int SL = 8;
+    const size_t stride = (size_t)heads * dim;
+    if (dim % 4u == 0) {
+        for (uint32_t d = 4u * threadIdx.x; d < dim; d += 4u * blockDim.x) {
+            const float* p = part + (size_t)h * dim + d;
+            float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            for (uint32_t s0 = 0; s0 < splits; s0 += SL) {
+                float4 v[SL];
+#pragma unroll
+                for (int u = 0; u < SL; ++u)
+                    v[u] = s0 + u < splits ? __ldg(reinterpret_cast<const float4*>(p + (s0 + u) * stride))
+                                           : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+                for (int u = 0; u < SL; ++u) {
+                    const float w = s0 + u < splits ? wgt[s0 + u] : 0.0f;
+                    o.x = fmaf(v[u].x, w, o.x);
+                    o.y = fmaf(v[u].y, w, o.y);
+                    o.z = fmaf(v[u].z, w, o.z);
+                    o.w = fmaf(v[u].w, w, o.w);
+                }
+            }
+            *reinterpret_cast<uint2*>(out + (size_t)h * dim + d) = make_uint2(pack_bf16x2(o.x / L, o.y / L),
+                                                                             pack_bf16x2(o.z / L, o.w / L));
+        }
+    } else {
+        for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x) {
+            float o = 0.0f;
+            for (uint32_t s = 0; s < splits; ++s) o = fmaf(part[s * stride + (size_t)h * dim + d], wgt[s], o);
+            out[(size_t)h * dim + d] = f32_to_bf16_bits(o / L);
+        }
+    }
+}
