@@ -64,6 +64,22 @@ def run_history(prop, gpu, history, seed: int) -> list[list[int]]:
     return drafts
 
 
+def time_propose(prop, gpu, k: int, iters: int) -> float:
+    """Median wall time of propose(k) (graph replay on CUDA), drafts copied back, in ms: one
+    state, the same position each time."""
+    st = prop.alloc_state()
+    hid = gpu.alloc(prop.cfg.hidden_size * 2)
+    gpu.memset(hid, 0x3C, prop.cfg.hidden_size * 2)  # 0x3C3C: bf16 ~0.0115, never zero
+    times = []
+    for _ in range(iters + 5):
+        t0 = time.perf_counter()
+        prop.propose(st, 1, hid, 0, k)
+        times.append(time.perf_counter() - t0)
+    gpu.free(hid)
+    prop.free_state(st)
+    return round(1e3 * float(np.median(times[5:])), 4)
+
+
 def main(argv: list[str] | None = None) -> int:
     from model.config import glm5_flash, tiny
     from model.proposer import MtpProposer, ProposerOptions
@@ -126,22 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     gpu.free(recv)
     result = {"rank": dist.rank, "world_size": dist.world_size, "model": args.model,
               "proposes": len(drafts), "ranks_agree": bool((all_digests == digest).all())}
-    # Time propose(k) replayed as a graph: one state, the same position each time.
-    st = prop.alloc_state()
-    hid = gpu.alloc(cfg.hidden_size * 2)
-    gpu.memset(hid, 0x3C, cfg.hidden_size * 2)  # 0x3C3C: bf16 ~0.0115, never zero
-    times = []
-    for i in range(args.timing_iters + 5):
-        t0 = time.perf_counter()
-        prop.propose(st, 1, hid, 0, args.k)
-        times.append(time.perf_counter() - t0)
-    result["propose_ms_median"] = round(1e3 * float(np.median(times[5:])), 4)
-    gpu.free(hid)
-    prop.free_state(st)
+    result["propose_ms_median"] = time_propose(prop, gpu, args.k, args.timing_iters)
     prop.close()
     if dist.rank == 0 and dist.world_size > 1:
         single = MtpProposer(gpu, cfg, weights, opts, comm=None)
         ref = run_history(single, gpu, history, args.seed)
+        result["single_rank_propose_ms_median"] = time_propose(single, gpu, args.k, args.timing_iters)
         single.close()
         result["equals_single_rank"] = ref == drafts
     print(json.dumps(result), flush=True)
