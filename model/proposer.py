@@ -10,6 +10,8 @@ that would leave a hole or run past the sizing is refused before anything is wri
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -21,6 +23,7 @@ from runtime.backend import GpuBackend
 from runtime.comm.base import CommDtype, ReduceOp
 from runtime.device_ptr import DevicePtr
 from runtime.dtypes import BF16
+from runtime.errors import CommError
 from runtime.kernels.argmax_bf16 import argmax_bf16
 from runtime.kernels.gemv_bf16 import MAX_M as GEMV_MAX_M, gemv_bf16
 from runtime.kernels.gemv_fp8w import gemv_fp8w
@@ -78,8 +81,10 @@ class ProposerOptions:
 class SharedTables:
     """The target's embedding and head, read in place (no copy)."""
 
-    embed: DevicePtr  # [V, H] BF16
-    lm_head: DevicePtr  # [V, H] BF16
+    embed: DevicePtr  # [vocab, hidden] BF16
+    lm_head: DevicePtr  # [vocab, hidden] BF16
+    vocab: int
+    hidden: int
 
 
 @dataclass
@@ -166,7 +171,12 @@ class MtpProposer:
                 emb = P + "embed_tokens.weight" if P + "embed_tokens.weight" in src else "model.embed_tokens.weight"
                 head = P + "shared_head.head.weight" if P + "shared_head.head.weight" in src else "lm_head.weight"
                 tables = SharedTables(arena.upload(_checked(src, emb, (V, H))),
-                                      arena.upload(_checked(src, head, (V, H))))
+                                      arena.upload(_checked(src, head, (V, H))), V, H)
+            if (tables.vocab, tables.hidden) != (V, H):
+                raise WeightError(
+                    f"shared embedding/head tables are [{tables.vocab}, {tables.hidden}] but the "
+                    f"checkpoint's config needs [{V}, {H}]: the vocabulary shards would not match"
+                )
             self.tables = tables
             # Vocabulary shard of the head this rank sweeps (whole vocabulary when the world size
             # does not divide it: then every rank sweeps all of it and no exchange is needed).
@@ -189,11 +199,6 @@ class MtpProposer:
         """Every rank must run the same model with the same sharding options, or their collectives
         would pair up different tensors. One all-gather of a config fingerprint settles it before
         any weight is loaded; a dead peer surfaces here as the communicator's timeout."""
-        import hashlib
-        import json
-
-        from runtime.errors import CommError
-
         what = {"config": {k: v for k, v in self.cfg.to_hf_dict().items()},
                 "o_proj_groups": options.o_proj_groups, "fp8_head": options.fp8_head}
         fp = int.from_bytes(hashlib.sha256(json.dumps(what, sort_keys=True).encode()).digest()[:8],

@@ -77,7 +77,7 @@ class TargetModel:
     @property
     def tables(self) -> SharedTables:
         """The embedding and head the drafter shares, read in place."""
-        return SharedTables(self.embed, self.lm_head)
+        return SharedTables(self.embed, self.lm_head, self.cfg.vocab_size, self.cfg.hidden_size)
 
     def alloc_state(self) -> TargetState:
         if self._state is not None:

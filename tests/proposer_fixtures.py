@@ -24,10 +24,11 @@ def small_cfg(**kw) -> ModelConfig:
     return tiny(**kw)
 
 
-def make_proposer(cfg: ModelConfig, weights, *, gpu=None, served=None, **opts):
+def make_proposer(cfg: ModelConfig, weights, *, gpu=None, served=None, tables=None, **opts):
     gpu = gpu or HostBackend()
     served = served or cfg.dsa.max_context
-    return MtpProposer(gpu, cfg, weights, ProposerOptions(served_max_seq_len=served, **opts))
+    return MtpProposer(gpu, cfg, weights, ProposerOptions(served_max_seq_len=served, **opts),
+                       tables=tables)
 
 
 def upload_rows(gpu, rows: np.ndarray):

@@ -91,3 +91,15 @@ def test_bad_checkpoint_tensor_is_named_and_leaks_nothing(mutate, msg, name):
         make_proposer(CFG, w, gpu=gpu)
     assert name in str(e.value)
     assert gpu.stats().live_bytes == 0
+
+
+def test_shared_tables_of_another_vocabulary_are_refused():
+    from model.proposer import SharedTables
+
+    gpu = HostBackend()
+    other = tiny(vocab_size=CFG.vocab_size + 3)
+    emb = gpu.alloc(other.vocab_size * other.hidden_size * 2)
+    with pytest.raises(WeightError, match="vocabulary shards would not match"):
+        make_proposer(CFG, W, gpu=gpu, tables=SharedTables(emb, emb, other.vocab_size, other.hidden_size))
+    gpu.free(emb)
+    assert gpu.stats().live_bytes == 0
