@@ -119,6 +119,17 @@ def parse_header(text: str) -> tuple[Header | None, str]:
     return Header(fields["source-sha256"], fields["flags"], fields["nvcc"]), body
 
 
+# nvcc names module-internal symbols (anonymous namespaces, function-static __shared__ arrays) with
+# a hash of the source's absolute path: a clone at another path compiled byte-different PTX and
+# failed --check (seen on a CI-like clone under /tmp). The hash is replaced by a constant; the
+# symbols stay unique within the module, which is all the driver needs.
+_PATH_HASH = re.compile(r"(_INTERNAL_|_GLOBAL__N__)[0-9a-f]{8}")
+
+
+def canonical_ptx(text: str) -> str:
+    return _PATH_HASH.sub(lambda m: m.group(1) + "00000000", text)
+
+
 def compile_body(nvcc: str, cu: Path, out_dir: Path) -> str:
     out = out_dir / (cu.stem + ".ptx")
     cmd = [nvcc, *NVCC_FLAGS, str(cu), "-o", str(out)]
@@ -127,7 +138,7 @@ def compile_body(nvcc: str, cu: Path, out_dir: Path) -> str:
         raise RuntimeError(f"nvcc failed on {cu.name}:\n{' '.join(cmd)}\n{res.stderr}")
     if res.stderr.strip():
         log.warning("%s: %s", cu.name, res.stderr.strip())
-    return out.read_text()
+    return canonical_ptx(out.read_text())
 
 
 def build(ptx_dir: Path, names: list[str], nvcc: str) -> int:
