@@ -47,25 +47,6 @@ constexpr int ROWS = GEMV_ROWS;
 template <int M>
 __host__ __device__ constexpr int unroll_for() { return M == 1 ? GEMV_UNROLL1 : (M <= 4 ? 2 : 1); }
 
-// Four E4M3 bytes of one 32-bit word -> four floats, low byte first.
-__device__ __forceinline__ void fp8x4_to_f32(uint32_t v, float (&f)[4]) {
-    uint32_t h01, h23;
-    asm("{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %2;\n\t"
-        "cvt.rn.f16x2.e4m3x2 %0, lo;\n\tcvt.rn.f16x2.e4m3x2 %1, hi;\n\t}"
-        : "=r"(h01), "=r"(h23)
-        : "r"(v));
-    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&h01));
-    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&h23));
-    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
-}
-
-__device__ __forceinline__ float fp8_to_f32(uint8_t b) {
-    uint32_t h;
-    const uint16_t b16 = b;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(b16));
-    return __half2float(__ushort_as_half((unsigned short)(h & 0xFFFFu)));
-}
-
 // acc += dot(16 weights of chunk w, 16 x values in xa (8 bf16 pairs as two uint4)).
 __device__ __forceinline__ float dot16(uint4 w, uint4 xa, uint4 xb, float acc) {
     const uint32_t ww[4] = {w.x, w.y, w.z, w.w};

@@ -12,26 +12,6 @@
 
 // ---- FP8 E4M3 -----------------------------------------------------------------------------------
 
-// Four E4M3 bytes (low byte first) -> four exact floats: cvt.rn.f16x2.e4m3x2 is exact (every E4M3
-// value is an f16), f16 -> f32 is exact.
-__device__ __forceinline__ void fp8x4_to_f32(uint32_t v, float (&f)[4]) {
-    uint32_t h01, h23;
-    asm("{\n\t.reg .b16 lo, hi;\n\tmov.b32 {lo, hi}, %2;\n\t"
-        "cvt.rn.f16x2.e4m3x2 %0, lo;\n\tcvt.rn.f16x2.e4m3x2 %1, hi;\n\t}"
-        : "=r"(h01), "=r"(h23)
-        : "r"(v));
-    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&h01));
-    const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&h23));
-    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
-}
-
-__device__ __forceinline__ float fp8_to_f32(uint8_t b) {
-    uint32_t h;
-    const uint16_t b16 = b;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(b16));
-    return __half2float(__ushort_as_half((unsigned short)(h & 0xFFFFu)));
-}
-
 // Round to nearest even, saturating at +-448: what runtime.dtypes.to_fp8_saturating does.
 __device__ __forceinline__ uint8_t f32_to_fp8_sat(float v) {
     return (uint8_t)__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3);
@@ -77,31 +57,6 @@ __device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* s
 
 // ---- row normalisations -------------------------------------------------------------------------
 
-// 1 / the RMS divisor of a BF16 row, as ptx/rmsnorm.cu computes it: f32 sum of squares with fmaf
-// in thread-strided order, r = sqrt(ss / n + eps); the caller does (x / r) * w.
-__device__ __forceinline__ float rms_divisor(const uint16_t* __restrict__ x, uint32_t n, float eps, float* scratch) {
-    float ss = 0.0f;
-    if ((n % 8u == 0) && aligned16(x)) {
-        const uint4* xv = reinterpret_cast<const uint4*>(x);
-        for (uint32_t c = threadIdx.x; c < n / 8u; c += blockDim.x) {
-            const uint4 v = xv[c];
-            const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const float a = bf16_lo(words[q]), b = bf16_hi(words[q]);
-                ss = fmaf(a, a, ss);
-                ss = fmaf(b, b, ss);
-            }
-        }
-    } else {
-        for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) {
-            const float a = bf16_bits_to_f32(x[i]);
-            ss = fmaf(a, a, ss);
-        }
-    }
-    ss = block_sum(ss, scratch);
-    return sqrtf(ss / (float)n + eps);
-}
 
 // out = bf16((x / r) * w) over a row, block-strided (rmsnorm.cu's element order is irrelevant:
 // each element is independent).

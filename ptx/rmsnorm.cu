@@ -15,27 +15,7 @@ extern "C" __global__ void __launch_bounds__(1024) rmsnorm_bf16(const uint16_t* 
     // Rows of a [rows, n] tensor are 16-byte aligned only when n % 8 == 0 and the base is.
     const bool vec = (n % 8u == 0) && aligned16(x) && aligned16(w) && aligned16(out);
 
-    float ss = 0.0f;
-    if (vec) {
-        const uint4* xv = reinterpret_cast<const uint4*>(xr);
-        for (uint32_t c = threadIdx.x; c < n / 8u; c += blockDim.x) {
-            const uint4 v = xv[c];
-            const uint32_t words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const float a = bf16_lo(words[q]), b = bf16_hi(words[q]);
-                ss = fmaf(a, a, ss);
-                ss = fmaf(b, b, ss);
-            }
-        }
-    } else {
-        for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) {
-            const float a = bf16_bits_to_f32(xr[i]);
-            ss = fmaf(a, a, ss);
-        }
-    }
-    ss = block_sum(ss, scratch);
-    const float r = sqrtf(ss / (float)n + eps);
+    const float r = rms_divisor(xr, n, eps, scratch);
 
     if (vec) {
         const uint4* xv = reinterpret_cast<const uint4*>(xr);
