@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="model.sharded_run", description=__doc__)
     p.add_argument("--model", choices=["tiny", "glm5-flash"], default="tiny",
                    help="random weights of this config")
+    p.add_argument("--checkpoint", default=None,
+                   help="draft with this checkpoint's MTP block instead of random weights")
     p.add_argument("--backend", choices=["cuda", "host"], default="cuda")
     p.add_argument("--context", type=int, default=256, help="served context (rows)")
     p.add_argument("--steps", type=int, default=40, help="propose/verify steps in the history")
@@ -113,8 +115,16 @@ def main(argv: list[str] | None = None) -> int:
                   "threads", file=sys.stderr)
             return 2
         gpu = HostBackend()
-    cfg = (tiny(max_context=args.context) if args.model == "tiny"
-           else glm5_flash(max_context=max(args.context, 16384)))
+    if args.checkpoint:
+        from model.checkpoint import Checkpoint, mtp_tensors
+
+        ckpt = Checkpoint(args.checkpoint)
+        cfg = ckpt.config
+        weights = mtp_tensors(ckpt, cfg)
+    else:
+        cfg = (tiny(max_context=args.context) if args.model == "tiny"
+               else glm5_flash(max_context=max(args.context, 16384)))
+        weights = random_weights(cfg, args.seed)
     fingerprint = hashlib.sha256(json.dumps(cfg.to_hf_dict(), sort_keys=True).encode()).hexdigest()
     if dist.world_size > 1:
         from runtime.comm import NcclCommunicator
@@ -122,7 +132,6 @@ def main(argv: list[str] | None = None) -> int:
         comm = NcclCommunicator.from_rendezvous(gpu, dist, fingerprint, timeout_s=args.timeout)
     else:
         comm = SingleRankCommunicator(gpu)
-    weights = random_weights(cfg, args.seed)
     rng = np.random.default_rng(args.seed + 1)
     history = [(int(rng.integers(0, 9)), args.k, int(rng.integers(0, args.k + 1)))
                for _ in range(args.steps)]
@@ -140,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     gpu.copy_d2h(all_digests, recv)
     gpu.free(send)
     gpu.free(recv)
-    result = {"rank": dist.rank, "world_size": dist.world_size, "model": args.model,
+    result = {"rank": dist.rank, "world_size": dist.world_size,
+              "model": args.checkpoint or args.model,
               "proposes": len(drafts), "ranks_agree": bool((all_digests == digest).all())}
     result["propose_ms_median"] = time_propose(prop, gpu, args.k, args.timing_iters)
     prop.close()
