@@ -388,7 +388,7 @@ class MtpProposer:
                 try:
                     self._enqueue_drafts(st, k)
                 except BaseException:
-                    _abort_capture(gpu, s)
+                    gpu.abort_capture()
                     raise
                 g = st.graphs[k] = gpu.end_capture(s, label=f"propose k={k} slot={st.slot}")
             gpu.graph_launch(g, s)
@@ -487,9 +487,3 @@ def _checked(src: TensorLookup, name: str, shape: tuple[int, ...]) -> np.ndarray
         raise WeightError(f"tensor {name!r}: expected dtype bfloat16, found {np.dtype(a.dtype)}")
     return a
 
-
-def _abort_capture(gpu: GpuBackend, stream: int) -> None:
-    try:
-        gpu.graph_destroy(gpu.end_capture(stream))
-    except Exception:  # the capture is already invalid; the original error is what matters
-        pass
