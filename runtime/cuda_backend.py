@@ -78,25 +78,12 @@ def check(result: tuple, what: str = "") -> Any:
 
 
 def register_all_kernels() -> None:
-    """Import every kernel module so that its ``declare`` has run: all of ``runtime.kernels`` and,
-    where the package is importable, ``model.kernels``. A model kernel module that fails to import
-    is logged and skipped, so one broken module does not hide every other kernel."""
-    for pkg_name in ("runtime.kernels", "model.kernels"):
-        try:
-            pkg = importlib.import_module(pkg_name)
-        except ImportError:
-            if pkg_name == "runtime.kernels":
-                raise
-            continue
-        for info in pkgutil.iter_modules(pkg.__path__):
-            name = f"{pkg_name}.{info.name}"
-            if pkg_name == "runtime.kernels":
-                importlib.import_module(name)
-                continue
-            try:
-                importlib.import_module(name)
-            except Exception:
-                log.exception("kernel module %s failed to import; its kernels are unavailable", name)
+    """Import every module of ``runtime.kernels`` so that its ``declare`` has run. Kernels of other
+    packages (the model's) are declared when their package is imported: the runtime does not know
+    them by name."""
+    pkg = importlib.import_module("runtime.kernels")
+    for info in pkgutil.iter_modules(pkg.__path__):
+        importlib.import_module(f"runtime.kernels.{info.name}")
 
 
 def _graph_handles(g: Graph) -> tuple[Any, Any]:
@@ -502,8 +489,8 @@ class CudaBackend:
         path = self.ptx_dir / f"{module}.ptx"
         if decl is None:
             raise KernelNotFound(
-                f"no kernel {module}.{function} is declared (searched runtime.kernels and model.kernels; "
-                f"its PTX would be {path})"
+                f"no kernel {module}.{function} is declared (import the Python module that declares "
+                f"it; its PTX would be {path})"
             )
         mod = self._load_module(module)
         err, func = driver.cuModuleGetFunction(mod, function.encode())

@@ -1,6 +1,6 @@
 """Start one process per GPU on this host, torchrun-style.
 
-    python -m runtime.launcher --nprocs 8 -- -m model.cli propose ...
+    python -m runtime.launcher --nprocs 8 -- -m model.sharded_run --model glm5-flash
     python -m runtime.launcher --nprocs 2 -- path/to/script.py args...
 
 Every child gets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``
