@@ -475,13 +475,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--notes", type=Path, help="markdown appended under the table in --update-md")
     ap.add_argument("--from-json", type=Path, help="render a previous run's results (no GPU needed)")
     ap.add_argument("--no-torch", dest="torch", action="store_false", help="skip the PyTorch rows")
+    ap.add_argument("--contexts", type=lambda s: tuple(int(c) for c in s.split(",")), default=CONTEXTS,
+                    help="comma-separated contexts to measure (default 4096,16000; the arms and the "
+                         "profile use the first)")
     args = ap.parse_args(argv)
     args.argv = argv
     if args.from_json:
         res = json.loads(args.from_json.read_text())
     else:
         try:
-            res = measure(args)
+            res = measure(args, contexts=args.contexts)
         except ImportError as e:
             print(f"the benchmark needs cuda-bindings and a CUDA GPU: {e}", file=sys.stderr)
             return 2

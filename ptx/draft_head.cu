@@ -4,6 +4,7 @@
 // Key: (order-preserving bits of the f32 logit) << 32 | (0xFFFFFFFF - global index): a larger key
 // is a larger logit, or on a tie the lower index.
 #include "model_common.cuh"
+#include "fp8_xsmem.cuh"  // dot16s, stage_x, x_smem, dynamic_smem_bytes
 
 namespace {
 // draft_head.ordered_bits: -0 counts as +0 (the lower index must win their tie) and NaN as -inf.
@@ -20,6 +21,44 @@ constexpr int WARPS = 8;
 // draft against 181 us with two rows (bench/bench_propose.py profile, 2026-11-29).
 constexpr int ROWS_BF16 = 2;
 constexpr int ROWS_FP8 = 2;
+constexpr int U_FP8 = 4;  // 16-byte loads per row per lane in flight (gemv_fp8w_m2's UNROLL1)
+
+// ROWS dot products of FP8 rows with the x staged in shared memory (stage_x, m = 1): gemv_fp8w_m2's
+// loop and arithmetic order (lane-strided chunks, f32 x, fmaf per weight), k % 16 == 0.
+template <int ROWS, int U>
+__device__ __forceinline__ void warp_gemv_fp8_xs(const uint8_t* const (&w)[ROWS], uint32_t k, float (&acc)[ROWS]) {
+    const uint32_t lane = threadIdx.x & 31;
+    const uint32_t kc = k >> 4;
+    const uint4* wr[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) wr[r] = reinterpret_cast<const uint4*>(w[r]);
+    uint32_t c = lane;
+    for (; c + 32u * (U - 1) < kc; c += 32u * U) {
+        uint4 wv[ROWS][U];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) wv[r][u] = ld_stream16(wr[r] + c + 32u * u);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            float4 xf[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) xf[q] = x_smem[q * kc + c + 32u * u];
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) acc[r] = dot16s(wv[r][u], xf, acc[r]);
+        }
+    }
+    for (; c < kc; c += 32u) {
+        uint4 wv[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) wv[r] = ld_stream16(wr[r] + c);
+        float4 xf[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) xf[q] = x_smem[q * kc + c];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) acc[r] = dot16s(wv[r], xf, acc[r]);
+    }
+}
 
 // Per block: candidate key of this block's rows (0 if none is a number) -> atomicMax into *key;
 // the last block commits the winner's index to token and drafts[slot] and re-zeroes key.
@@ -107,27 +146,43 @@ extern "C" __global__ void __launch_bounds__(256) head_argmax_bf16(
 }
 
 // As head_argmax_bf16 with the FP8 copy of the head: logit = scale[row] * (Wq[row] . x), the f32
-// product rounded to BF16 (gemv_fp8w's arithmetic). 16 weights per 16-byte load; grid ceil(n / 16),
-// 8 warps x 2 rows.
-extern "C" __global__ void __launch_bounds__(256) head_argmax_fp8(
+// product rounded to BF16 (gemv_fp8w's arithmetic). gemv_fp8w_m2's streaming: 8 warps x 2 rows per
+// 16-row group, 4 x 2 sixteen-byte loads per lane in flight, x staged once per block in shared
+// memory as f32 when the launch gives k * 4 bytes (else read through L1). Unlike gemv_fp8w the
+// blocks grid-stride over the 16-row groups (the launch helper sizes the grid to the blocks that
+// fit on the chip at once), so the x staging and the argmax handshake (a fence and two atomics)
+// happen once per resident block instead of once per 16 rows (9680 times for the 154880-row head).
+// __launch_bounds__(256, 4): 64 registers (ptxas -v, nvcc 13.0, no spills), 4 blocks per SM, the
+// residency the launch helper's grid assumes.
+extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_fp8(
     const uint8_t* __restrict__ wq, const float* __restrict__ scale, const uint16_t* __restrict__ x,
     uint16_t* __restrict__ logits, unsigned long long* key, uint32_t* counter, uint32_t* __restrict__ token,
     uint32_t* __restrict__ drafts, uint32_t slot, uint32_t n, uint32_t k) {
     constexpr int ROWS = ROWS_FP8;
     const uint32_t lane = threadIdx.x & 31;
-    const uint32_t row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
+    const bool vec = (k % 16u == 0) && aligned16(wq) && aligned16(x);
+    const bool smem = vec && (size_t)k * 4u <= dynamic_smem_bytes();
+    if (smem) stage_x(x, 1, k);  // every thread of the block
+    const uint32_t groups = (n + WARPS * ROWS - 1) / (WARPS * ROWS);
     unsigned long long cand = 0ull;
-    if (row0 < n) {
-        const bool vec = (k % 16u == 0) && aligned16(wq) && aligned16(x);
+    for (uint32_t g = blockIdx.x; g < groups; g += gridDim.x) {
+        const uint32_t row0 = (g * WARPS + (threadIdx.x >> 5)) * ROWS;
+        if (row0 >= n) break;  // warp-uniform; later groups only have larger rows
         const uint8_t* wr[ROWS];
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) wr[r] = wq + (size_t)min(row0 + r, n - 1) * k;
+        // Lane r's row scale, loaded under the weight stream instead of after the reduction.
+        const float sc = (lane < (uint32_t)ROWS && row0 + lane < n) ? scale[row0 + lane] : 0.0f;
         float acc[ROWS] = {0.0f, 0.0f};
-        warp_gemv_fp8<ROWS, 4>(wr, x, k, vec, acc);
+        if (smem) warp_gemv_fp8_xs<ROWS, U_FP8>(wr, k, acc);
+        else warp_gemv_fp8<ROWS, U_FP8>(wr, x, k, vec, acc);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             const float v = warp_sum(acc[r]);
-            if (lane == (uint32_t)r && row0 + r < n) cand = store_logit(__fmul_rn(scale[row0 + r], v), row0 + r, logits);
+            if (lane == (uint32_t)r && row0 + r < n) {
+                const unsigned long long c = store_logit(__fmul_rn(sc, v), row0 + r, logits);
+                cand = c > cand ? c : cand;
+            }
         }
     }
     argmax_commit(cand, key, counter, token, drafts, slot);

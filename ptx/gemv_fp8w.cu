@@ -17,6 +17,7 @@
 // gemv_fp8w for any m in 1..8 and gemv_fp8w_m2, register-light, for the m = 1 draft head.
 // k % 16 != 0 or a pointer that is not 16-byte aligned takes the element-wise path.
 #include "common.cuh"
+#include "fp8_xsmem.cuh"  // dot16s, stage_x, x_smem
 #include <cuda_fp16.h>
 
 // The geometry is fixed by the committed PTX; bench/sweep_gemv.py recompiles with -D overrides to
@@ -61,38 +62,6 @@ __device__ __forceinline__ float dot16(uint4 w, uint4 xa, uint4 xb, float acc) {
         acc = fmaf(f[3], bf16_hi(xx[2 * q + 1]), acc);
     }
     return acc;
-}
-
-// Same, with the 16 x values as four float4 from shared memory (already f32).
-__device__ __forceinline__ float dot16s(uint4 w, const float4 (&xf)[4], float acc) {
-    const uint32_t ww[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        float f[4];
-        fp8x4_to_f32(ww[q], f);
-        acc = fmaf(f[0], xf[q].x, acc);
-        acc = fmaf(f[1], xf[q].y, acc);
-        acc = fmaf(f[2], xf[q].z, acc);
-        acc = fmaf(f[3], xf[q].w, acc);
-    }
-    return acc;
-}
-
-extern __shared__ float4 x_smem[];
-
-// Shared-memory layout of x: float4 index ((mi * 4 + q) * kc + c) holds elements
-// 16c + 4q .. 16c + 4q + 3 of row mi, so lane-consecutive chunks c read consecutive float4s.
-__device__ __forceinline__ void stage_x(const uint16_t* __restrict__ x, uint32_t m, uint32_t k) {
-    const uint32_t kc = k / 16u;
-    const uint4* xv = reinterpret_cast<const uint4*>(x);
-    for (uint32_t i = threadIdx.x; i < m * (k / 8u); i += blockDim.x) {
-        const uint32_t mi = i / (k / 8u), e8 = i % (k / 8u);  // 8 elements: half of chunk e8 / 2
-        const uint32_t c = e8 / 2u, q0 = (e8 % 2u) * 2u;
-        const uint4 v = xv[i];
-        x_smem[(mi * 4u + q0) * kc + c] = make_float4(bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y));
-        x_smem[(mi * 4u + q0 + 1u) * kc + c] = make_float4(bf16_lo(v.z), bf16_hi(v.z), bf16_lo(v.w), bf16_hi(v.w));
-    }
-    __syncthreads();
 }
 
 template <int M>
@@ -264,8 +233,7 @@ __device__ __forceinline__ void gemv_fp8w_body(const uint8_t* __restrict__ Wq, c
     const bool vec = (k % 16u == 0) && aligned16(Wq) && aligned16(x);
     // Stage x only if the launch provided the room (read from the hardware, so a launch without
     // the shared memory falls back to the global path instead of overrunning it).
-    uint32_t dyn_smem;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+    const uint32_t dyn_smem = dynamic_smem_bytes();
     const bool smem = GEMV_X_SMEM && vec && m <= 2 && (size_t)m * k * 4u <= dyn_smem;
     if (smem) stage_x(x, m, k);  // every thread of the block, before any warp returns
     switch (m) {

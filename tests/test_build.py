@@ -33,7 +33,8 @@ RUNTIME_KERNELS = ("add_bf16", "argmax_bf16", "embed_gather_bf16", "gemv_bf16", 
 def ptx_copy(tmp_path: Path) -> Path:
     d = tmp_path / "ptx"
     d.mkdir()
-    shutil.copy(ROOT / "ptx" / "common.cuh", d)
+    for h in (ROOT / "ptx").glob("*.cuh"):  # common.cuh, fp8_xsmem.cuh (gemv_fp8w.cu) and the rest
+        shutil.copy(h, d)
     for name in RUNTIME_KERNELS:
         for ext in (".cu", ".ptx"):
             shutil.copy(ROOT / "ptx" / (name + ext), d)
