@@ -281,6 +281,12 @@ class CudaBackend:
         self._table.remove(ptr)
         self._owned.discard(ptr.addr)
 
+    def touch(self, ptr: DevicePtr, nbytes: int) -> None:
+        """Stream work issued outside this backend (an NCCL collective) uses ``nbytes`` at ``ptr``:
+        checked against the allocation table now, and recorded in an open capture, so the graph's
+        lifetime set covers the collective's buffers too."""
+        self._touch(ptr, nbytes)
+
     def _touch(self, ptr: DevicePtr, nbytes: int) -> None:
         if not isinstance(ptr, DevicePtr):
             raise TypeError(f"expected DevicePtr, got {type(ptr).__name__}")

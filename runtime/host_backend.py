@@ -152,6 +152,10 @@ class HostBackend:
         if self._capture is not None:
             self._capture_touches.add(base)
 
+    def touch(self, ptr: DevicePtr, nbytes: int) -> None:
+        """See ``CudaBackend.touch``: checked now, recorded in an open capture."""
+        self._touch(ptr, nbytes)
+
     def enqueue(self, op: Callable[[], None], touches: Sequence[tuple[DevicePtr, int]] = ()) -> None:
         """Run ``op`` in stream order: now, or at replay when a capture is open. ``touches`` are the
         (pointer, bytes) it reads or writes, checked now and recorded for graph lifetime. This is

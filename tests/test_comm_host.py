@@ -738,3 +738,23 @@ def test_spawn_terminates_survivors_after_a_failure(tmp_path: Path) -> None:
     codes = spawn([str(script)], 2, grace_s=0.5, timeout_s=60)
     assert codes[0] == 5 and codes[1] < 0, codes  # rank 1 was terminated by a signal
     assert time.monotonic() - t0 < 10.0
+
+
+def test_a_captured_collective_keeps_its_buffer_alive():
+    """The collective's buffer joins the graph's lifetime set: freeing it under the live graph is
+    refused, and legal once the graph is destroyed."""
+    from runtime.comm import CommDtype, HostCommGroup, ReduceOp
+    from runtime.errors import GraphLifetimeError
+    from runtime.host_backend import HostBackend
+
+    gpu = HostBackend()
+    comm = HostCommGroup(1, timeout_s=5).communicator(0, gpu)
+    buf = gpu.alloc(16)
+    gpu.copy_h2d(buf, np.arange(4, dtype=np.float32))
+    gpu.begin_capture(1)
+    comm.all_reduce(buf, 4, CommDtype.FLOAT32, ReduceOp.SUM, stream=1)
+    g = gpu.end_capture(1, label="collective")
+    with pytest.raises(GraphLifetimeError, match="collective"):
+        gpu.free(buf)
+    gpu.graph_destroy(g)
+    gpu.free(buf)

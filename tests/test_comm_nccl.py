@@ -98,7 +98,7 @@ if __name__ == "__main__" and "--nccl-worker" in sys.argv:
 import pytest  # noqa: E402
 
 from runtime.comm import CommDtype, NcclCommunicator, ReduceOp, load_nccl, reduce_arrays  # noqa: E402
-from runtime.errors import CommError, MemoryFault  # noqa: E402
+from runtime.errors import CommError, GraphLifetimeError, MemoryFault  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -160,6 +160,8 @@ def test_one_rank_all_reduce_eager_and_in_graph(cuda: Any, comm: NcclCommunicato
         comm.wait(timeout_s=30)
         want = reduce_arrays([y], dtype, op)
         assert (_download(cuda, buf, dtype.np_dtype, count).view(np.uint8) == want.view(np.uint8)).all()
+    with pytest.raises(GraphLifetimeError, match="nccl-1rank"):
+        cuda.free(buf)  # the collective's buffer belongs to the live graph
     cuda.graph_destroy(graph)
     cuda.free(buf)
 

@@ -196,3 +196,8 @@ def check_span(backend: object, name: str, ptr: DevicePtr, nbytes: int) -> None:
             f"{name}: the collective needs {nbytes} bytes at 0x{ptr.addr:x} but its allocation "
             f"has only {avail} bytes from there"
         )
+    # Inside a capture the collective becomes a graph node: its buffers join the graph's lifetime
+    # set, so freeing one while the graph lives is refused like any kernel argument.
+    touch = getattr(backend, "touch", None)
+    if touch is not None:
+        touch(ptr, nbytes)
