@@ -116,3 +116,19 @@ __device__ __forceinline__ float rms_divisor(const uint16_t* __restrict__ x, uin
     ss = block_sum(ss, scratch);
     return sqrtf(ss / (float)n + eps);
 }
+
+// acc += dot(16 E4M3 weights in w, 16 BF16 values of x in xa, xb), in element order.
+__device__ __forceinline__ float dot16_fp8(uint4 w, uint4 xa, uint4 xb, float acc) {
+    const uint32_t ww[4] = {w.x, w.y, w.z, w.w};
+    const uint32_t xx[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        float f[4];
+        fp8x4_to_f32(ww[q], f);
+        acc = fmaf(f[0], bf16_lo(xx[2 * q]), acc);
+        acc = fmaf(f[1], bf16_hi(xx[2 * q]), acc);
+        acc = fmaf(f[2], bf16_lo(xx[2 * q + 1]), acc);
+        acc = fmaf(f[3], bf16_hi(xx[2 * q + 1]), acc);
+    }
+    return acc;
+}

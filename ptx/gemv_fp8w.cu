@@ -48,22 +48,6 @@ constexpr int ROWS = GEMV_ROWS;
 template <int M>
 __host__ __device__ constexpr int unroll_for() { return M == 1 ? GEMV_UNROLL1 : (M <= 4 ? 2 : 1); }
 
-// acc += dot(16 weights of chunk w, 16 x values in xa (8 bf16 pairs as two uint4)).
-__device__ __forceinline__ float dot16(uint4 w, uint4 xa, uint4 xb, float acc) {
-    const uint32_t ww[4] = {w.x, w.y, w.z, w.w};
-    const uint32_t xx[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-        float f[4];
-        fp8x4_to_f32(ww[q], f);
-        acc = fmaf(f[0], bf16_lo(xx[2 * q]), acc);
-        acc = fmaf(f[1], bf16_hi(xx[2 * q]), acc);
-        acc = fmaf(f[2], bf16_lo(xx[2 * q + 1]), acc);
-        acc = fmaf(f[3], bf16_hi(xx[2 * q + 1]), acc);
-    }
-    return acc;
-}
-
 template <int M>
 __device__ __forceinline__ void store_rows(float (&acc)[M][ROWS], const float* __restrict__ scale, uint16_t* y,
                                            uint32_t row0, uint32_t n) {
@@ -113,7 +97,7 @@ __device__ __forceinline__ void gemv_vec(const uint8_t* __restrict__ W, const fl
                 const uint4* xc = xv + (size_t)mi * (k / 8u) + 2u * (c + 32u * u);
                 const uint4 xa = __ldg(xc), xb = __ldg(xc + 1);
 #pragma unroll
-                for (int r = 0; r < ROWS; ++r) acc[mi][r] = dot16(w[r][u], xa, xb, acc[mi][r]);
+                for (int r = 0; r < ROWS; ++r) acc[mi][r] = dot16_fp8(w[r][u], xa, xb, acc[mi][r]);
             }
     }
     for (; c < kc; c += 32u) {
@@ -125,7 +109,7 @@ __device__ __forceinline__ void gemv_vec(const uint8_t* __restrict__ W, const fl
             const uint4* xc = xv + (size_t)mi * (k / 8u) + 2u * c;
             const uint4 xa = __ldg(xc), xb = __ldg(xc + 1);
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) acc[mi][r] = dot16(w[r], xa, xb, acc[mi][r]);
+            for (int r = 0; r < ROWS; ++r) acc[mi][r] = dot16_fp8(w[r], xa, xb, acc[mi][r]);
         }
     }
     store_rows<M>(acc, scale, y, row0, n);
