@@ -336,6 +336,19 @@ def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None =
                                 row["eager_wall_ms"] = wall
                         finally:
                             prop.free_state(st)
+                    if getattr(gpu, "pdl", False):
+                        # The same graph captured with every kernel launched plainly: what
+                        # programmatic dependent launch is worth, and that it changes no draft.
+                        arms.set(fp8=fp8, graphs=True)
+                        st = prop.alloc_state()
+                        gpu.pdl = False
+                        try:
+                            fill_context(prop, st, ctx, rng)
+                            time_propose(prop, st, hidden, ctx, k, 3, rng)
+                            row["graph_nopdl_device_ms"] = time_graph(prop, st, k, args.iters)
+                        finally:
+                            gpu.pdl = True
+                            prop.free_state(st)
                     row["graph_over_floor"] = row["graph_device_ms"] / row["floor_ms"]
                     rows.append(row)
                     log(f"ctx {ctx:>5} head {row['head']:>4} k {k}: floor {row['floor_ms']:.3f} ms, "
@@ -359,21 +372,27 @@ def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None =
                 log(f"arm head {'fp8' if fp8 else 'bf16'} skip_block={skip_block} skip_head={skip_head}: "
                     f"{ms:.3f} ms", flush=True)
         res["arms"] = arms_out
-        # Same inputs, eager vs graph: identical drafts (deterministic kernels).
+        # Same inputs, eager vs graph, PDL on and off: identical drafts (deterministic kernels).
         same = True
+        pdl_modes = (True, False) if getattr(gpu, "pdl", False) else (False,)
         for fp8 in (True, False):
             outs = []
             for graphs in (False, True):
-                arms.set(fp8=fp8, graphs=graphs)
-                st = prop.alloc_state()
-                try:
-                    fill_context(prop, st, contexts[0], np.random.default_rng(7))
-                    outs.append(prop.propose(st, 12345 % cfg.vocab_size, hidden, contexts[0], 3))
-                finally:
-                    prop.free_state(st)
-            same &= outs[0] == outs[1]
+                for pdl in pdl_modes:
+                    arms.set(fp8=fp8, graphs=graphs)
+                    st = prop.alloc_state()
+                    if hasattr(gpu, "pdl"):
+                        gpu.pdl = pdl
+                    try:
+                        fill_context(prop, st, contexts[0], np.random.default_rng(7))
+                        outs.append(prop.propose(st, 12345 % cfg.vocab_size, hidden, contexts[0], 3))
+                    finally:
+                        if hasattr(gpu, "pdl"):
+                            gpu.pdl = pdl_modes[0]
+                        prop.free_state(st)
+            same &= all(o == outs[0] for o in outs)
         res["eager_equals_graph"] = same
-        log(f"eager and graph drafts identical on the same inputs: {same}", flush=True)
+        log(f"eager and graph drafts, PDL on and off, identical on the same inputs: {same}", flush=True)
         arms.set(fp8=True, graphs=False)
         st = prop.alloc_state()
         try:
@@ -424,8 +443,8 @@ def table(res: dict[str, Any]) -> str:
         f"Measured copy bandwidth {bw / 1e3:.3f} TB/s (bytes read + written). Date {res['date']}.",
         f"Command: `{res['command']}`",
         "",
-        "| context | head | k | MB/draft | floor ms | graph ms (device) | x floor | propose wall ms | host us | eager ms | torch graph ms | torch eager ms | torch graph / ours |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| context | head | k | MB/draft | floor ms | graph ms (device) | x floor | graph ms without PDL | propose wall ms | host us | eager ms | torch graph ms | torch eager ms | torch graph / ours |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     torch = res.get("torch", {})
     for r in res["rows"]:
@@ -433,7 +452,8 @@ def table(res: dict[str, Any]) -> str:
         tg, te = t.get("graph_ms", float("nan")), t.get("eager_ms", float("nan"))
         lines.append(
             f"| {r['context']} | {r['head']} | {r['k']} | {r['bytes_per_draft'] / 1e6:.0f} | {r['floor_ms']:.3f} | "
-            f"{r['graph_device_ms']:.3f} | {r['graph_over_floor']:.2f} | {r['graph_wall_ms']:.3f} | "
+            f"{r['graph_device_ms']:.3f} | {r['graph_over_floor']:.2f} | {r.get('graph_nopdl_device_ms', float('nan')):.3f} | "
+            f"{r['graph_wall_ms']:.3f} | "
             f"{r['host_us']:.0f} | {r['eager_wall_ms']:.3f} | {tg:.3f} | {te:.3f} | "
             f"{tg / r['graph_device_ms']:.2f} |")
     if "skipped" in torch:
@@ -447,7 +467,8 @@ def table(res: dict[str, Any]) -> str:
     if b:
         lines += ["", "Bytes per draft at context 4096 (FP8 head): " +
                   ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in b.items())]
-    lines.append(f"\nEager and graph drafts identical on the same inputs: {res.get('eager_equals_graph')}")
+    lines.append(f"\nEager and graph drafts (PDL on and off) identical on the same inputs: "
+                 f"{res.get('eager_equals_graph')}")
     if res.get("profile"):
         lines += ["", profile_text(res["profile"])]
     return "\n".join(lines)

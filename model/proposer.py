@@ -101,9 +101,8 @@ class ProposerState:
     am_idx: DevicePtr
     am_val: DevicePtr
     key: DevicePtr
-    token: DevicePtr
+    step: DevicePtr  # u32 [row, token]: the step's scalars, one host-to-device copy per propose
     drafts: DevicePtr
-    row: DevicePtr
     ctx_tokens: DevicePtr
     head_counter: DevicePtr  # u32, zero between launches (head_argmax's last-block handshake)
     step_host: np.ndarray  # pinned: [row, token] u32
@@ -115,6 +114,16 @@ class ProposerState:
     @property
     def rows(self) -> int:
         return self.dsa.length
+
+    @property
+    def row(self) -> DevicePtr:
+        """The first draft row (kernels add the draft index)."""
+        return self.step
+
+    @property
+    def token(self) -> DevicePtr:
+        """The token the next draft embeds; each draft's head overwrites it with its argmax."""
+        return self.step.offset(4)
 
 
 class TensorLookup:
@@ -263,8 +272,8 @@ class MtpProposer:
             st = ProposerState(
                 slot=self._slots_free[-1], dsa=dsa, scratch=scratch, arena=arena,
                 concat=z(ch * 2 * H * 2), x=z(ch * H * 2), xn=z(H * 2), hidden_in=z(H * 2),
-                logits=z(self.head_n * 2), am_idx=z(4), am_val=z(4), key=z(8), token=z(4),
-                drafts=z(self.opt.max_draft_tokens * 4), row=z(4), ctx_tokens=z(ch * 4),
+                logits=z(self.head_n * 2), am_idx=z(4), am_val=z(4), key=z(8), step=z(8),
+                drafts=z(self.opt.max_draft_tokens * 4), ctx_tokens=z(ch * 4),
                 head_counter=z(4),
                 step_host=gpu.alloc_host(8).view(np.uint32),
                 drafts_host=gpu.alloc_host(self.opt.max_draft_tokens * 4).view(np.uint32),
@@ -362,7 +371,8 @@ class MtpProposer:
         self._live(st)
         if not 1 <= k <= self.opt.max_draft_tokens:
             raise ProposerError(f"k={k} outside 1..{self.opt.max_draft_tokens} (max_draft_tokens)")
-        self._check_tokens([last_token])
+        if not 0 <= int(last_token) < self.cfg.vocab_size:  # one token: no array round trip
+            self._check_tokens([last_token])
         if position < 0 or position + k > self.rows_cap:
             raise ProposerError(
                 f"propose at position {position} with k={k} runs past the {self.rows_cap} rows "
@@ -377,9 +387,10 @@ class MtpProposer:
         if st.rows > position:
             st.dsa.rewind_to(position)
         gpu, s = self.gpu, self.stream
+        # Read by the step's first copy, inside the graph when there is one: the host writes two
+        # words of pinned memory instead of issuing two copies (the previous step has finished,
+        # since propose waits for its drafts).
         st.step_host[0], st.step_host[1] = position, last_token
-        gpu.copy_h2d(st.row, st.step_host[:1], s)
-        gpu.copy_h2d(st.token, st.step_host[1:2], s)
         gpu.copy_d2d(st.hidden_in, target_hidden, self.cfg.hidden_size * 2, s)
         if self.opt.use_graphs:
             g = st.graphs.get(k)
@@ -400,6 +411,7 @@ class MtpProposer:
         return [int(t) for t in st.drafts_host[:k]]
 
     def _enqueue_drafts(self, st: ProposerState, k: int) -> None:
+        self.gpu.copy_h2d(st.step, st.step_host, self.stream)
         for i in range(k):
             self._draft_step(st, i)
         self.gpu.copy_d2h(st.drafts_host[:k], st.drafts, self.stream)

@@ -12,13 +12,19 @@
 namespace {
 constexpr int WARPS = 8;
 
+// PDL: the first weight batch is in flight before the wait (warp_gemv_bf16 WAIT_FIRST); a warp
+// without rows waits before it exits.
 template <bool OUT_F32, int ROWS, int UNROLL>
 __device__ __forceinline__ void bgemv_body(const uint16_t* __restrict__ w, const uint16_t* __restrict__ x,
                                            void* __restrict__ y, uint32_t batch, uint32_t n, uint32_t k) {
     const uint32_t b = blockIdx.y;
     const uint32_t lane = threadIdx.x & 31;
     const uint32_t row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
-    if (b >= batch || row0 >= n) return;
+    launch_dependents();
+    if (b >= batch || row0 >= n) {
+        grid_dependency_wait();
+        return;
+    }
     const uint16_t* wb = w + (size_t)b * n * k;
     const uint16_t* xb = x + (size_t)b * k;
     const bool vec = (k % 8u == 0) && aligned16(w) && aligned16(x);
@@ -28,7 +34,7 @@ __device__ __forceinline__ void bgemv_body(const uint16_t* __restrict__ w, const
     float acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
-    warp_gemv_bf16<ROWS, UNROLL>(wr, xb, k, vec, acc);
+    warp_gemv_bf16<ROWS, UNROLL, true>(wr, xb, k, vec, acc);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const float v = warp_sum(acc[r]);
@@ -87,6 +93,8 @@ extern "C" __global__ void __launch_bounds__(1024) sum_rows_residual_rmsnorm(
     const float* __restrict__ parts, const uint16_t* residual, const uint16_t* __restrict__ norm_w,
     uint16_t* out, uint16_t* __restrict__ normed, uint32_t rows, uint32_t n, float eps) {
     __shared__ float scratch[32];
+    launch_dependents();
+    grid_dependency_wait();
     if (rows == 0) return;
     constexpr int RL = 8;
     float ss = 0.0f;

@@ -33,6 +33,19 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
     return r;
 }
 
+// ---- programmatic dependent launch (sm_90 griddepcontrol) ----------------------------------------
+//
+// A kernel declared with pdl=True (runtime/kernel.py) is launched with programmatic stream
+// serialisation: it may start while the kernel before it on the stream is still running, once that
+// kernel's blocks have all called launch_dependents(). Before grid_dependency_wait() such a kernel may
+// only read weights (memory no kernel of the step writes); every thread calls the wait on every path
+// before its first global store and before it exits, so that a grid cannot complete ahead of its
+// predecessor and "my predecessor completed" keeps implying "every earlier kernel completed".
+// Launched without the attribute both instructions are no-ops. tests/test_pdl_ptx.py checks the PTX
+// of every pdl kernel for the wait and for stores ahead of it.
+__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, o);

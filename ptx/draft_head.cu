@@ -23,30 +23,43 @@ constexpr int ROWS_BF16 = 2;
 constexpr int ROWS_FP8 = 2;
 constexpr int U_FP8 = 4;  // 16-byte loads per row per lane in flight (gemv_fp8w_m2's UNROLL1)
 
+// acc[r] += the dots of one batch of U chunks per row (chunk c + 32u) against the staged x.
+template <int ROWS, int U>
+__device__ __forceinline__ void fp8_xs_batch(const uint4 (&wv)[ROWS][U], uint32_t c, uint32_t kc, float (&acc)[ROWS]) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        float4 xf[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) xf[q] = x_smem[q * kc + c + 32u * u];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) acc[r] = dot16s(wv[r][u], xf, acc[r]);
+    }
+}
+
 // ROWS dot products of FP8 rows with the x staged in shared memory (stage_x, m = 1): gemv_fp8w_m2's
 // loop and arithmetic order (lane-strided chunks, f32 x, fmaf per weight), k % 16 == 0.
-template <int ROWS, int U>
-__device__ __forceinline__ void warp_gemv_fp8_xs(const uint8_t* const (&w)[ROWS], uint32_t k, float (&acc)[ROWS]) {
+// With PRE, the first batch (chunks lane + 32u, u < U; the caller checked kc >= 32 U) is `pre`,
+// loaded by the caller before the grid dependency wait and the x staging.
+template <int ROWS, int U, bool PRE>
+__device__ __forceinline__ void warp_gemv_fp8_xs(const uint8_t* const (&w)[ROWS], uint32_t k, float (&acc)[ROWS],
+                                                 const uint4 (&pre)[ROWS][U]) {
     const uint32_t lane = threadIdx.x & 31;
     const uint32_t kc = k >> 4;
     const uint4* wr[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) wr[r] = reinterpret_cast<const uint4*>(w[r]);
     uint32_t c = lane;
+    if (PRE) {
+        fp8_xs_batch<ROWS, U>(pre, c, kc, acc);
+        c += 32u * U;
+    }
     for (; c + 32u * (U - 1) < kc; c += 32u * U) {
         uint4 wv[ROWS][U];
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) wv[r][u] = ld_stream16(wr[r] + c + 32u * u);
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            float4 xf[4];
-#pragma unroll
-            for (int q = 0; q < 4; ++q) xf[q] = x_smem[q * kc + c + 32u * u];
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r) acc[r] = dot16s(wv[r][u], xf, acc[r]);
-        }
+        fp8_xs_batch<ROWS, U>(wv, c, kc, acc);
     }
     for (; c < kc; c += 32u) {
         uint4 wv[ROWS];
@@ -129,19 +142,21 @@ extern "C" __global__ void __launch_bounds__(256) head_argmax_bf16(
     const uint32_t lane = threadIdx.x & 31;
     const uint32_t row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
     unsigned long long cand = 0ull;
+    launch_dependents();
     if (row0 < n) {
         const bool vec = (k % 8u == 0) && aligned16(w) && aligned16(x);
         const uint16_t* wr[ROWS];
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) wr[r] = w + (size_t)min(row0 + r, n - 1) * k;
         float acc[ROWS] = {0.0f, 0.0f};
-        warp_gemv_bf16<ROWS, 4>(wr, x, k, vec, acc);
+        warp_gemv_bf16<ROWS, 4, true>(wr, x, k, vec, acc);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             const float v = warp_sum(acc[r]);
             if (lane == (uint32_t)r && row0 + r < n) cand = store_logit(v, row0 + r, logits);
         }
     }
+    grid_dependency_wait();  // a warp without rows never reached the wait in warp_gemv_bf16
     argmax_commit(cand, key, counter, token, drafts, slot);
 }
 
@@ -154,6 +169,40 @@ extern "C" __global__ void __launch_bounds__(256) head_argmax_bf16(
 // happen once per resident block instead of once per 16 rows (9680 times for the 154880-row head).
 // __launch_bounds__(256, 4): 64 registers (ptxas -v, nvcc 13.0, no spills), 4 blocks per SM, the
 // residency the launch helper's grid assumes.
+namespace {
+// One 16-row group of the FP8 head: ROWS logits per warp into `logits`, the best key into cand.
+// PRE: the warp's first weight batch is `pre` (warp_gemv_fp8_xs). Returns false when the warp has
+// no rows in this group (nor in any later one).
+template <bool PRE>
+__device__ __forceinline__ bool head_fp8_group(const uint8_t* __restrict__ wq, const float* __restrict__ scale,
+                                               const uint16_t* __restrict__ x, uint16_t* __restrict__ logits,
+                                               uint32_t g, uint32_t n, uint32_t k, bool vec, bool smem,
+                                               const uint4 (&pre)[ROWS_FP8][U_FP8], unsigned long long& cand) {
+    constexpr int ROWS = ROWS_FP8;
+    const uint32_t lane = threadIdx.x & 31;
+    const uint32_t row0 = (g * WARPS + (threadIdx.x >> 5)) * ROWS;
+    if (row0 >= n) return false;  // warp-uniform; later groups only have larger rows
+    const uint8_t* wr[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) wr[r] = wq + (size_t)min(row0 + r, n - 1) * k;
+    // Lane r's row scale, loaded under the weight stream instead of after the reduction.
+    const float sc = (lane < (uint32_t)ROWS && row0 + lane < n) ? scale[row0 + lane] : 0.0f;
+    float acc[ROWS] = {0.0f, 0.0f};
+    if (PRE) warp_gemv_fp8_xs<ROWS, U_FP8, true>(wr, k, acc, pre);
+    else if (smem) warp_gemv_fp8_xs<ROWS, U_FP8, false>(wr, k, acc, pre);
+    else warp_gemv_fp8<ROWS, U_FP8>(wr, x, k, vec, acc);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const float v = warp_sum(acc[r]);
+        if (lane == (uint32_t)r && row0 + r < n) {
+            const unsigned long long c = store_logit(__fmul_rn(sc, v), row0 + r, logits);
+            cand = c > cand ? c : cand;
+        }
+    }
+    return true;
+}
+}  // namespace
+
 extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_fp8(
     const uint8_t* __restrict__ wq, const float* __restrict__ scale, const uint16_t* __restrict__ x,
     uint16_t* __restrict__ logits, unsigned long long* key, uint32_t* counter, uint32_t* __restrict__ token,
@@ -162,28 +211,30 @@ extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_fp8(
     const uint32_t lane = threadIdx.x & 31;
     const bool vec = (k % 16u == 0) && aligned16(wq) && aligned16(x);
     const bool smem = vec && (size_t)k * 4u <= dynamic_smem_bytes();
-    if (smem) stage_x(x, 1, k);  // every thread of the block
     const uint32_t groups = (n + WARPS * ROWS - 1) / (WARPS * ROWS);
-    unsigned long long cand = 0ull;
-    for (uint32_t g = blockIdx.x; g < groups; g += gridDim.x) {
-        const uint32_t row0 = (g * WARPS + (threadIdx.x >> 5)) * ROWS;
-        if (row0 >= n) break;  // warp-uniform; later groups only have larger rows
-        const uint8_t* wr[ROWS];
+    launch_dependents();
+    // The first group's first weight batch is loaded before the wait for the previous kernel (x is
+    // its output): with PDL the head's stream starts under the tail of the kernel before it.
+    const uint32_t first_row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
+    const bool pre_ok = smem && (k >> 4) >= 32u * U_FP8 && blockIdx.x < groups && first_row0 < n;
+    uint4 pre[ROWS][U_FP8];
+    if (pre_ok) {
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) wr[r] = wq + (size_t)min(row0 + r, n - 1) * k;
-        // Lane r's row scale, loaded under the weight stream instead of after the reduction.
-        const float sc = (lane < (uint32_t)ROWS && row0 + lane < n) ? scale[row0 + lane] : 0.0f;
-        float acc[ROWS] = {0.0f, 0.0f};
-        if (smem) warp_gemv_fp8_xs<ROWS, U_FP8>(wr, k, acc);
-        else warp_gemv_fp8<ROWS, U_FP8>(wr, x, k, vec, acc);
+        for (int u = 0; u < U_FP8; ++u)
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            const float v = warp_sum(acc[r]);
-            if (lane == (uint32_t)r && row0 + r < n) {
-                const unsigned long long c = store_logit(__fmul_rn(sc, v), row0 + r, logits);
-                cand = c > cand ? c : cand;
-            }
-        }
+            for (int r = 0; r < ROWS; ++r)
+                pre[r][u] = ld_stream16(reinterpret_cast<const uint4*>(wq + (size_t)min(first_row0 + r, n - 1) * k) +
+                                        lane + 32u * u);
     }
+    grid_dependency_wait();
+    if (smem) stage_x(x, 1, k);  // every thread of the block
+    unsigned long long cand = 0ull;
+    uint32_t g = blockIdx.x;
+    if (pre_ok) {
+        head_fp8_group<true>(wq, scale, x, logits, g, n, k, vec, smem, pre, cand);
+        g += gridDim.x;
+    }
+    for (; g < groups; g += gridDim.x)
+        if (!head_fp8_group<false>(wq, scale, x, logits, g, n, k, vec, smem, pre, cand)) break;
     argmax_commit(cand, key, counter, token, drafts, slot);
 }

@@ -40,14 +40,19 @@ __device__ __forceinline__ float numpy_sum_f32(const float* a, uint32_t n) {
 
 // scores[row] = sigmoid(w[row] . y) for the rows of this warp (one row per warp, 16 loads of 16
 // bytes per lane in flight: a 4096-wide row is 16 chunks per lane, so one round trip).
+// PDL (WAIT): the router's weights are in flight before the wait; a warp without a row waits too.
+template <bool WAIT>
 __device__ __forceinline__ void router_rows(const uint16_t* __restrict__ w, const uint16_t* __restrict__ y,
                                             float* __restrict__ scores, uint32_t n, uint32_t h) {
     const uint32_t row = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (row >= n) return;
+    if (row >= n) {
+        if (WAIT) grid_dependency_wait();
+        return;
+    }
     const bool vec = (h % 8u == 0) && aligned16(w) && aligned16(y);
     const uint16_t* wr[1] = {w + (size_t)row * h};
     float acc[1] = {0.0f};
-    warp_gemv_bf16<1, 16>(wr, y, h, vec, acc);
+    warp_gemv_bf16<1, 16, WAIT>(wr, y, h, vec, acc);
     const float v = warp_sum(acc[0]);
     if ((threadIdx.x & 31) == 0) scores[row] = sigmoidf_(v);
 }
@@ -119,26 +124,32 @@ __device__ __forceinline__ void route_warp(const float* scores, const float* __r
 }
 
 // act[j][i] for slot j and intermediate index i (one warp): rows i and inter + i of expert e.
+// WAIT: the grid dependency wait follows the first weight batch (pdl kernels).
+template <bool WAIT>
 __device__ __forceinline__ void gate_up_one(const uint16_t* __restrict__ we, const uint16_t* __restrict__ y,
                                             uint16_t* __restrict__ act_j, uint32_t i, uint32_t inter, uint32_t h,
                                             float limit) {
     const bool vec = (h % 8u == 0) && aligned16(we) && aligned16(y);
     const uint16_t* wr[2] = {we + (size_t)i * h, we + (size_t)(inter + i) * h};
     float acc[2] = {0.0f, 0.0f};
-    warp_gemv_bf16<2, 8>(wr, y, h, vec, acc);
+    warp_gemv_bf16<2, 8, WAIT>(wr, y, h, vec, acc);
     const float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
     if ((threadIdx.x & 31) == 0) act_j[i] = f32_to_bf16_bits(clamped_swiglu(g, u, limit));
 }
 
-// parts[j][row0 .. row0 + 3] = wgt * (w_e[row] . act_j) (one warp, 4 rows x 4 loads of 16 bytes
+// parts[j][row0 .. row0 + 3] = *wgt * (w_e[row] . act_j) (one warp, 4 rows x 4 loads of 16 bytes
 // per lane in flight); zeros when we == null. 2 rows x 8 loads (twice the blocks, a smaller tail
-// wave) measured slower on the H200: 54.5 us per draft for 9 slots against 43.1 us.
+// wave) measured slower on the H200: 54.5 us per draft for 9 slots against 43.1 us. The routing
+// weight is read after the GEMV: with WAIT (pdl kernels) the weights stream before the grid
+// dependency wait, and *wgt is the router's output.
 constexpr int DOWN_ROWS = 4;
+template <bool WAIT>
 __device__ __forceinline__ void down_rows(const uint16_t* __restrict__ we, const uint16_t* __restrict__ act_j,
-                                          float wgt, float* __restrict__ parts_j, uint32_t row0, uint32_t h,
+                                          const float* wgt, float* __restrict__ parts_j, uint32_t row0, uint32_t h,
                                           uint32_t inter) {
     constexpr int R = DOWN_ROWS;
     const uint32_t lane = threadIdx.x & 31;
+    if (WAIT && (row0 >= h || we == nullptr)) grid_dependency_wait();
     if (row0 >= h) return;
     if (we == nullptr) {
         if (lane < (uint32_t)R && row0 + lane < h) parts_j[row0 + lane] = 0.0f;
@@ -149,11 +160,12 @@ __device__ __forceinline__ void down_rows(const uint16_t* __restrict__ we, const
 #pragma unroll
     for (int r = 0; r < R; ++r) wr[r] = we + (size_t)min(row0 + r, h - 1) * inter;
     float acc[R] = {0.0f, 0.0f, 0.0f, 0.0f};
-    warp_gemv_bf16<R, 4>(wr, act_j, inter, vec, acc);
+    warp_gemv_bf16<R, 4, WAIT>(wr, act_j, inter, vec, acc);
+    const float g = *wgt;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         const float v = warp_sum(acc[r]);
-        if (lane == (uint32_t)r && row0 + r < h) parts_j[row0 + r] = __fmul_rn(wgt, v);
+        if (lane == (uint32_t)r && row0 + r < h) parts_j[row0 + r] = __fmul_rn(g, v);
     }
 }
 
@@ -168,7 +180,7 @@ __device__ __forceinline__ const uint16_t* local_expert(const uint16_t* w, const
 extern "C" __global__ void __launch_bounds__(256) router_scores(const uint16_t* __restrict__ w,
                                                                 const uint16_t* __restrict__ y,
                                                                 float* __restrict__ scores, uint32_t n, uint32_t h) {
-    router_rows(w, y, scores, n, h);
+    router_rows<false>(w, y, scores, n, h);
 }
 
 // One block of 32 threads.
@@ -192,7 +204,8 @@ extern "C" __global__ void __launch_bounds__(256) router_fused(
     uint32_t n_experts, uint32_t h, uint32_t topk, uint32_t norm, float scale, uint32_t shared) {
     __shared__ uint32_t ids_s[128];
     __shared__ float wsel[128];
-    router_rows(w, y, scores, n_experts + (shared ? 1u : 0u), h);
+    launch_dependents();
+    router_rows<true>(w, y, scores, n_experts + (shared ? 1u : 0u), h);
     if (!last_block_done(counter)) return;
     if (threadIdx.x < 32 && n_experts <= 1024u && topk <= 128u && topk <= n_experts)
         route_warp(scores, bias, ids, weights, n_experts, topk, norm, scale, shared, ids_s, wsel);
@@ -208,7 +221,7 @@ extern "C" __global__ void __launch_bounds__(256) expert_gate_up(
     if (blockIdx.y >= nslots || i >= inter) return;
     const uint16_t* we = local_expert(w, ids, j, expert_base, n_local, (size_t)2 * inter * h);
     if (we == nullptr) return;  // not this rank's expert: act is not written, as in the twin
-    gate_up_one(we, y, act + (size_t)j * inter, i, inter, h, limit);
+    gate_up_one<false>(we, y, act + (size_t)j * inter, i, inter, h, limit);
 }
 
 // Grid (ceil(h / 32), nslots), block 256: warp w of block x computes parts[j][32x + 4w .. + 3].
@@ -220,7 +233,7 @@ extern "C" __global__ void __launch_bounds__(256) expert_down(
     if (blockIdx.y >= nslots) return;
     const uint16_t* we = local_expert(w, ids, j, expert_base, n_local, (size_t)h * inter);
     const uint32_t row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * DOWN_ROWS;
-    down_rows(we, act + (size_t)j * inter, we ? weights[j] : 0.0f, parts + (size_t)j * h, row0, h, inter);
+    down_rows<false>(we, act + (size_t)j * inter, weights + j, parts + (size_t)j * h, row0, h, inter);
 }
 
 // The routed experts of slots 0..ntopk-1 and the shared expert as slot ntopk in one launch
@@ -233,12 +246,17 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up(
     uint32_t n_local, uint32_t inter, uint32_t h, float limit, uint32_t shared) {
     const uint32_t j = blockIdx.y;
     const uint32_t i = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    launch_dependents();
+    // A routed slot's expert is the router's output: wait before reading ids. The shared slot's
+    // weights are known, so its first batch streams ahead of the wait (gate_up_one<true>).
+    const bool shared_here = j == ntopk && shared == 1u;
+    if (i >= inter || !shared_here) grid_dependency_wait();
     if (i >= inter) return;
     const uint16_t* we;
     if (j < ntopk) we = local_expert(w, ids, j, expert_base, n_local, (size_t)2 * inter * h);
-    else we = (j == ntopk && shared == 1u) ? w_shared : nullptr;
+    else we = shared_here ? w_shared : nullptr;
     if (we == nullptr) return;
-    gate_up_one(we, y, act + (size_t)j * inter, i, inter, h, limit);
+    gate_up_one<true>(we, y, act + (size_t)j * inter, i, inter, h, limit);
 }
 
 // expert_down for the routed slots and the shared slot in one launch; a shared slot this rank does
@@ -249,10 +267,13 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(
     const uint32_t* __restrict__ ids, const float* __restrict__ weights, float* __restrict__ parts, uint32_t ntopk,
     uint32_t expert_base, uint32_t n_local, uint32_t h, uint32_t inter, uint32_t shared) {
     const uint32_t j = blockIdx.y;
+    launch_dependents();
+    // As moe_gate_up: routed slots wait before reading ids, the shared slot after its first batch.
+    if (j != ntopk || shared != 1u) grid_dependency_wait();
     if (j > ntopk || (j == ntopk && shared == 0u)) return;
     const uint16_t* we;
     if (j < ntopk) we = local_expert(w, ids, j, expert_base, n_local, (size_t)h * inter);
     else we = shared == 1u ? w_shared : nullptr;
     const uint32_t row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * DOWN_ROWS;
-    down_rows(we, act + (size_t)j * inter, we ? weights[j] : 0.0f, parts + (size_t)j * h, row0, h, inter);
+    down_rows<true>(we, act + (size_t)j * inter, weights + j, parts + (size_t)j * h, row0, h, inter);
 }

@@ -119,6 +119,8 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_partial(
     const uint32_t* __restrict__ count, float* __restrict__ part, float* __restrict__ ml, uint32_t heads,
     uint32_t dim, uint32_t block_size, float scale) {
     extern __shared__ __align__(16) uint8_t smem[];
+    launch_dependents();
+    grid_dependency_wait();
     const uint32_t n = *count;
     const uint32_t j0 = blockIdx.x * MLA_RT, h0 = blockIdx.y * MLA_HT;
     if (j0 >= n || dim % 16u != 0 || dim > 64u * MLA_NTW) return;
@@ -318,6 +320,8 @@ extern "C" __global__ void __launch_bounds__(128) sparse_mla_combine(
     uint16_t* __restrict__ out, uint32_t heads, uint32_t dim) {
     __shared__ float wgt[MLA_MAX_SPLITS];
     __shared__ float scratch[32];
+    launch_dependents();
+    grid_dependency_wait();
     const uint32_t h = blockIdx.x;
     if (h >= heads) return;
     const uint32_t splits = min((*count + MLA_RT - 1u) / MLA_RT, (uint32_t)MLA_MAX_SPLITS);

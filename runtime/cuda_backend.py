@@ -135,12 +135,15 @@ class ArgPacker:
 class _Function:
     """A loaded CUfunction with its packer and its dynamic shared-memory opt-in state."""
 
-    __slots__ = ("owner", "func", "packer", "ptr_args", "dyn_smem", "static_smem", "ptx_path")
+    __slots__ = ("owner", "func", "packer", "ptr_args", "dyn_smem", "static_smem", "ptx_path", "pdl_config")
 
     def __init__(self, owner: "CudaBackend", func: Any, decl: KernelDecl, ptx_path: Path) -> None:
         self.owner = owner
         self.func = func
         self.packer = ArgPacker(decl)
+        # One reusable cuLaunchKernelEx config for kernels launched with programmatic stream
+        # serialisation (its fields are rewritten per launch; the driver copies them at the call).
+        self.pdl_config = _pdl_launch_config() if decl.pdl and owner.pdl_supported else None
         self.ptr_args = tuple(i for i, (_, t) in enumerate(decl.args) if t is Arg.PTR)
         self.dyn_smem = _STATIC_SMEM_LIMIT
         self.static_smem = int(
@@ -152,10 +155,24 @@ class _Function:
         self.ptx_path = ptx_path
 
 
+def _pdl_launch_config() -> Any:
+    attr = driver.CUlaunchAttribute()
+    attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    cfg = driver.CUlaunchConfig()
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    return cfg
+
+
 class CudaBackend:
+    """``pdl``: launch kernels declared ``pdl=True`` with programmatic stream serialisation
+    (sm_90+), so each may start while the kernel before it finishes (KernelDecl.pdl). False
+    launches every kernel plainly (the comparison arm of the benchmarks)."""
+
     name = "cuda"
 
-    def __init__(self, device: int = 0, ptx_dir: Path | str | None = None) -> None:
+    def __init__(self, device: int = 0, ptx_dir: Path | str | None = None, pdl: bool = True) -> None:
         self.ptx_dir = Path(ptx_dir) if ptx_dir is not None else PTX_DIR
         self._closed = True
         check(driver.cuInit(0), "cuInit")
@@ -175,6 +192,10 @@ class CudaBackend:
         self.max_smem_optin = int(
             check(driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN, self._dev))
         )
+        # griddepcontrol is an sm_90 instruction; the attribute is refused below that. ``pdl`` may
+        # be switched between launches (a graph keeps the launches it captured).
+        self.pdl_supported = self.compute_capability >= (9, 0)
+        self.pdl = bool(pdl) and self.pdl_supported
 
         self._table = AllocationTable()
         self._owned: set[int] = set()
@@ -541,12 +562,22 @@ class CudaBackend:
             self._opt_in_smem(fn, kernel, smem)
         s = self._default_cu if stream is None else self._stream(stream)
         params = fn.packer.pack(args)
-        err, = driver.cuLaunchKernel(
-            fn.func, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, s, params, 0
-        )
+        cfg = fn.pdl_config if self.pdl else None
+        if cfg is None:
+            err, = driver.cuLaunchKernel(
+                fn.func, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, s, params, 0
+            )
+            what = "cuLaunchKernel"
+        else:
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
+            cfg.sharedMemBytes = smem
+            cfg.hStream = s
+            err, = driver.cuLaunchKernelEx(cfg, fn.func, params, 0)
+            what = "cuLaunchKernelEx(programmatic stream serialization)"
         if err != _SUCCESS:
             raise CudaError(
-                f"cuLaunchKernel({kernel.name}, grid={tuple(grid)}, block={tuple(block)}, smem={smem}) "
+                f"{what}({kernel.name}, grid={tuple(grid)}, block={tuple(block)}, smem={smem}) "
                 f"failed: {_err_text(err)}"
             )
 

@@ -40,6 +40,10 @@ class KernelDecl:
     # Pointer arguments the kernel writes (for graph bookkeeping and poisoning in tests).
     writes: tuple[str, ...] = ()
     host: Callable[..., None] | None = field(default=None, compare=False, repr=False)
+    # Programmatic dependent launch: the kernel calls griddepcontrol.wait (ptx/common.cuh
+    # grid_dependency_wait) on every path before it reads a previous kernel's output, stores, or
+    # exits, so a backend may start it while the kernel before it is still running.
+    pdl: bool = False
 
     @property
     def key(self) -> tuple[str, str]:
@@ -59,11 +63,14 @@ def declare(
     args: list[tuple[str, Arg]],
     *,
     writes: tuple[str, ...] = (),
+    pdl: bool = False,
 ) -> Callable[[Callable[..., None]], KernelDecl]:
     """Decorator: declare a kernel and register the decorated function as its host twin.
 
     The host twin is called as ``host(mem, *args)`` where ``mem`` is the host heap
-    (``HostMemory``) and pointer arguments arrive as ``DevicePtr``.
+    (``HostMemory``) and pointer arguments arrive as ``DevicePtr``. ``pdl=True`` declares that the
+    CUDA function honours the programmatic-dependent-launch contract (``KernelDecl.pdl``); a test
+    checks its PTX for it.
     """
     names = [n for n, _ in args]
     for w in writes:
@@ -71,10 +78,10 @@ def declare(
             raise ValueError(f"{module}.{function}: writes names unknown argument {w!r}")
 
     def wrap(fn: Callable[..., None]) -> KernelDecl:
-        decl = KernelDecl(module, function, tuple(args), tuple(writes), fn)
+        decl = KernelDecl(module, function, tuple(args), tuple(writes), fn, pdl)
         old = _REGISTRY.get(decl.key)
-        if old is not None and old.args != decl.args:
-            raise ValueError(f"kernel {module}.{function} declared twice with different arguments")
+        if old is not None and (old.args != decl.args or old.pdl != decl.pdl):
+            raise ValueError(f"kernel {module}.{function} declared twice with different arguments or pdl flag")
         _REGISTRY[decl.key] = decl
         return decl
 

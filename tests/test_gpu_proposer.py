@@ -219,7 +219,7 @@ def test_bad_input(cuda):
         g = st.graphs[2]
         # freeing memory a live graph references is refused, and changes nothing
         with pytest.raises(GraphLifetimeError):
-            cuda.free(st.token)
+            cuda.free(st.step)
         assert propose(prop, st, world, 20, 2) == propose(prop, st, world, 20, 2)
         with pytest.raises(ProposerError, match="max_draft_tokens"):
             propose(prop, st, world, 20, 4)

@@ -24,12 +24,12 @@ def _bgemv(mem, w, x, batch, n, k):
     return np.einsum("bnk,bk->bn", wv, xv, dtype=np.float32)
 
 
-@declare("bgemv", "bgemv_bf16_f32", list(_ARGS), writes=("y",))
+@declare("bgemv", "bgemv_bf16_f32", list(_ARGS), writes=("y",), pdl=True)
 def BGEMV_F32(mem, w, x, y, batch, n, k):
     mem.write(y, _bgemv(mem, w, x, batch, n, k).astype(np.float32))
 
 
-@declare("bgemv", "bgemv_bf16_bf16", list(_ARGS), writes=("y",))
+@declare("bgemv", "bgemv_bf16_bf16", list(_ARGS), writes=("y",), pdl=True)
 def BGEMV_BF16(mem, w, x, y, batch, n, k):
     mem.write(y, _bgemv(mem, w, x, batch, n, k).astype(BF16))
 
@@ -56,6 +56,7 @@ def SUM_ROWS_RESIDUAL(mem, parts, residual, out, rows, n):
     [("parts", PTR), ("residual", PTR), ("norm_w", PTR), ("out", PTR), ("normed", PTR),
      ("rows", U32), ("n", U32), ("eps", F32)],
     writes=("out", "normed"),
+    pdl=True,
 )
 def SUM_ROWS_RESIDUAL_RMSNORM(mem, parts, residual, norm_w, out, normed, rows, n, eps):
     """sum_rows_residual into ``out``, then ``normed = rmsnorm(out) * norm_w`` of the BF16 result:
@@ -69,6 +70,7 @@ def SUM_ROWS_RESIDUAL_RMSNORM(mem, parts, residual, norm_w, out, normed, rows, n
     "rmsnorm_gemv",
     [("x", PTR), ("norm_w", PTR), ("w", PTR), ("y", PTR), ("n", U32), ("k", U32), ("eps", F32)],
     writes=("y",),
+    pdl=True,
 )
 def RMSNORM_GEMV(mem, x, norm_w, w, y, n, k, eps):
     """y = W @ (rmsnorm(x) * norm_w) for one row x [k]; W [n, k], y [n] BF16: the rmsnorm and

@@ -86,7 +86,7 @@ def _commit_argmax(mem, logits_bf16, logits, key, counter, token, drafts, slot):
     mem.write(counter, np.zeros(1, np.uint32))
 
 
-@declare("draft_head", "head_argmax_bf16", [("w", PTR), ("x", PTR), *_HEAD_TAIL], writes=_HEAD_WRITES)
+@declare("draft_head", "head_argmax_bf16", [("w", PTR), ("x", PTR), *_HEAD_TAIL], writes=_HEAD_WRITES, pdl=True)
 def HEAD_ARGMAX_BF16(mem, w, x, logits, key, counter, token, drafts, slot, n, k):
     """Single-rank head in one launch: logits = W x (BF16), draft = argmax (lowest index on ties,
     NaN never; 0xFFFFFFFF if every logit is NaN), *token = drafts[slot] = draft."""
@@ -95,7 +95,7 @@ def HEAD_ARGMAX_BF16(mem, w, x, logits, key, counter, token, drafts, slot, n, k)
 
 
 @declare("draft_head", "head_argmax_fp8", [("wq", PTR), ("scale", PTR), ("x", PTR), *_HEAD_TAIL],
-         writes=_HEAD_WRITES)
+         writes=_HEAD_WRITES, pdl=True)
 def HEAD_ARGMAX_FP8(mem, wq, scale, x, logits, key, counter, token, drafts, slot, n, k):
     """head_argmax_bf16 with the FP8 copy of the head (gemv_fp8w's arithmetic)."""
     y = gemv_fp8w_ref(mem.view(wq, FP8, (n, k)), mem.read(scale, np.float32, n), mem.read(x, BF16, (1, k)))[0]

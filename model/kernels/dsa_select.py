@@ -35,6 +35,7 @@ def selection_capacity(rows: int, topk_pools: int, kpool: int) -> int:
         ("w_scale", F32),
     ],
     writes=("scores",),
+    pdl=True,
 )
 def INDEXER_SCORES(mem, q, w, pool_keys, pool_scales, scores, row_ptr, row_add, heads, dim, kpool,
                    w_scale):
@@ -73,6 +74,7 @@ def select_rows_ref(scores: np.ndarray, row: int, topk_pools: int, kpool: int) -
         ("topk_pools", U32), ("kpool", U32),
     ],
     writes=("selected", "count"),
+    pdl=True,
 )
 def SELECT_TOPK_POOLS(mem, scores, selected, count, row_ptr, row_add, topk_pools, kpool):
     row = int(mem.scalar(row_ptr, np.uint32)) + row_add

@@ -122,6 +122,7 @@ def EXPERT_DOWN(mem, w, act, ids, weights, parts, slot0, nslots, expert_base, n_
         ("scale", F32), ("shared", U32),
     ],
     writes=("scores", "ids", "weights", "counter"),
+    pdl=True,
 )
 def ROUTER_FUSED(mem, w, y, bias, scores, ids, weights, counter, n_experts, h, topk, norm, scale,
                  shared):
@@ -144,6 +145,7 @@ SHARED_NONE, SHARED_HERE, SHARED_ELSEWHERE = 0, 1, 2
     [("w", PTR), ("w_shared", PTR), ("y", PTR), ("ids", PTR), ("act", PTR), *_MOE, ("inter", U32),
      ("h", U32), ("limit", F32), ("shared", U32)],
     writes=("act",),
+    pdl=True,
 )
 def MOE_GATE_UP(mem, w, w_shared, y, ids, act, ntopk, expert_base, n_local, inter, h, limit, shared):
     """expert_gate_up of the routed slots 0..ntopk-1 and, with shared == 1, of the shared expert
@@ -162,6 +164,7 @@ def MOE_GATE_UP(mem, w, w_shared, y, ids, act, ntopk, expert_base, n_local, inte
     [("w", PTR), ("w_shared", PTR), ("act", PTR), ("ids", PTR), ("weights", PTR), ("parts", PTR),
      *_MOE, ("h", U32), ("inter", U32), ("shared", U32)],
     writes=("parts",),
+    pdl=True,
 )
 def MOE_DOWN(mem, w, w_shared, act, ids, weights, parts, ntopk, expert_base, n_local, h, inter, shared):
     """expert_down of the routed slots and the shared slot in one launch (zeros for a shared slot

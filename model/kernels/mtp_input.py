@@ -46,6 +46,7 @@ def MTP_EMBED_NORM(mem, table, tokens, enorm, hidden, hnorm, out, rows, vocab, h
         ("y", PTR), ("vocab", U32), ("h", U32), ("n", U32), ("eps", F32),
     ],
     writes=("y",),
+    pdl=True,
 )
 def MTP_INPUT_GEMV(mem, table, token, enorm, hidden, hnorm, w, y, vocab, h, n, eps):
     """y = W @ [rmsnorm(table[*token]) * enorm ; rmsnorm(hidden) * hnorm] for one row (W [n, 2h]):

@@ -72,6 +72,7 @@ def _gather(mem, cache, scales, block_table, selected, count, dim, block_size):
         ("block_size", U32), ("scale", F32),
     ],
     writes=("part", "ml"),
+    pdl=True,
 )
 def SPARSE_MLA_PARTIAL(mem, q, cache, scales, block_table, selected, count, part, ml, heads, dim,
                        block_size, scale):
@@ -93,6 +94,7 @@ def SPARSE_MLA_PARTIAL(mem, q, cache, scales, block_table, selected, count, part
     "sparse_mla_combine",
     [("part", PTR), ("ml", PTR), ("count", PTR), ("out", PTR), ("heads", U32), ("dim", U32)],
     writes=("out",),
+    pdl=True,
 )
 def SPARSE_MLA_COMBINE(mem, part, ml, count, out, heads, dim):
     """out[h] = sum_s w_s part[s][h] / sum_s w_s l_s with w_s = exp(m_s - max_s m_s)."""

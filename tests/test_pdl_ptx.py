@@ -1,0 +1,76 @@
+"""The programmatic-dependent-launch contract (runtime.kernel.KernelDecl.pdl), checked on the
+committed PTX of every kernel declared ``pdl=True``: a backend starts such a kernel while the one
+before it still runs, so the kernel must wait (griddepcontrol.wait) before its first store to
+memory and before any return, and it must release its own successor (launch_dependents), or the
+overlap the flag asks for never happens. A kernel that stored before the wait would race with the
+kernels before it; one that could return before waiting could complete ahead of its predecessor and
+let its successor read stale data. These checks are textual over the PTX in program order, which
+is the order nvcc emits basic blocks in for these kernels (the early returns are forward branches
+to the end); the GPU tests (tests/test_gpu_pdl.py) check the results bit for bit with PDL on and off.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+import model.kernels  # noqa: F401  (declares the model's kernels)
+from runtime.kernel import registered
+
+PTX_DIR = Path(__file__).resolve().parent.parent / "ptx"
+PDL_DECLS = [d for d in registered() if d.pdl]
+
+# Stores that can reach global memory: st.global, generic st (no state space), atomics, reductions.
+_GLOBAL_STORE = re.compile(r"^\s*(@!?%p\d+\s+)?(st\.(global|(?!shared|local|param)[a-z0-9]+)|atom\.|red\.)",
+                           re.MULTILINE)
+_RET = re.compile(r"^\s*(@!?%p\d+\s+)?ret;", re.MULTILINE)
+
+
+def entry_body(module: str, function: str) -> str:
+    text = (PTX_DIR / f"{module}.ptx").read_text()
+    m = re.search(rf"\.entry {re.escape(function)}\(", text)
+    assert m, f"{module}.ptx has no .entry {function}"
+    start = text.index("{", m.end())
+    depth, i = 0, start
+    while True:
+        c = text[i]
+        depth += c == "{"
+        depth -= c == "}"
+        i += 1
+        if depth == 0:
+            return text[start:i]
+
+
+def test_the_drafter_step_kernels_are_pdl():
+    """The flag is on where the step spends its launches (a regression that drops it silently
+    costs the overlap, not correctness)."""
+    names = {d.function for d in PDL_DECLS}
+    assert {"mtp_input_gemv", "rmsnorm_gemv", "dsa_cache_write", "indexer_scores", "select_topk_pools",
+            "bgemv_bf16_f32", "sparse_mla_partial", "sparse_mla_combine", "router_fused", "moe_gate_up",
+            "moe_down", "sum_rows_residual_rmsnorm", "head_argmax_fp8", "head_argmax_bf16"} <= names
+
+
+@pytest.mark.parametrize("decl", PDL_DECLS, ids=lambda d: f"{d.module}.{d.function}")
+def test_pdl_kernel_waits_before_storing_or_returning(decl):
+    body = entry_body(decl.module, decl.function)
+    wait = body.find("griddepcontrol.wait")
+    assert wait >= 0, f"{decl.function} is declared pdl but never executes griddepcontrol.wait"
+    assert "griddepcontrol.launch_dependents" in body, (
+        f"{decl.function} is declared pdl but never releases its successor (launch_dependents)"
+    )
+    head = body[:wait]
+    store = _GLOBAL_STORE.search(head)
+    assert store is None, f"{decl.function} stores before griddepcontrol.wait: {store.group(0).strip()!r}"
+    ret = _RET.search(head)
+    assert ret is None, f"{decl.function} can return before griddepcontrol.wait"
+
+
+def test_the_store_pattern_finds_global_and_generic_stores():
+    """The check above would pass vacuously if its pattern never matched."""
+    for line in ("\tst.global.u32 \t[%rd4], %r3;", "\t@%p1 st.u16 \t[%rd2], %rs1;", "\tatom.global.add.u32 %r1, [%rd1], 1;",
+                 "\tred.global.max.u64 [%rd1], %rd2;"):
+        assert _GLOBAL_STORE.search(line), line
+    for line in ("\tst.shared.f32 \t[%r2], %f1;", "\tst.local.u32 [%rd1], %r1;", "\tld.global.u32 %r1, [%rd1];"):
+        assert not _GLOBAL_STORE.search(line), line
