@@ -274,7 +274,7 @@ def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None =
     if gpu is None:
         from runtime.cuda_backend import CudaBackend
 
-        gpu = CudaBackend()
+        gpu = CudaBackend(ptx_dir=getattr(args, "ptx_dir", None))
     cfg = cfg or glm5_flash()
     res: dict[str, Any] = {"date": DATE, "device": getattr(gpu, "device_name", gpu.name),
                            "sm_count": getattr(gpu, "sm_count", None),
@@ -306,16 +306,18 @@ def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None =
     hidden = gpu.alloc(hid.nbytes)
     gpu.copy_h2d(hidden, hid)
     arms = Arms(prop)
+    heads = tuple(h == "fp8" for h in getattr(args, "heads", ("fp8", "bf16")))
+    ks = getattr(args, "ks", KS)
     rows: list[dict[str, Any]] = []
     res["rows"] = rows
     res["bytes"] = {}
     try:
         for ctx in contexts:
-            for fp8 in (True, False):
+            for fp8 in heads:
                 b = draft_bytes(prop, ctx, fp8)
                 res["bytes"][f"{ctx}/{'fp8' if fp8 else 'bf16'}"] = b
                 per_draft = sum(b.values())
-                for k in KS:
+                for k in ks:
                     row = {"context": ctx, "head": "fp8" if fp8 else "bf16", "k": k,
                            "bytes_per_draft": per_draft}
                     # draft i reads row ctx + i's selection: count each draft's own cache bytes
@@ -355,6 +357,8 @@ def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None =
                         f"graph {row['graph_device_ms']:.3f} ms device ({row['graph_over_floor']:.2f}x floor), "
                         f"{row['graph_wall_ms']:.3f} ms wall (host {row['host_us']:.0f} us), "
                         f"eager {row['eager_wall_ms']:.3f} ms", flush=True)
+        if getattr(args, "rows_only", False):
+            return res
         # Arms that place a gap: the block alone, the head alone (context 4096, k = 3, graph).
         arms_out = []
         for fp8 in (True, False):
@@ -496,6 +500,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--notes", type=Path, help="markdown appended under the table in --update-md")
     ap.add_argument("--from-json", type=Path, help="render a previous run's results (no GPU needed)")
     ap.add_argument("--no-torch", dest="torch", action="store_false", help="skip the PyTorch rows")
+    ap.add_argument("--ptx-dir", type=Path, help="load the kernels' PTX from here (a variant build)")
+    ap.add_argument("--heads", type=lambda s: tuple(s.split(",")), default=("fp8", "bf16"),
+                    help="comma-separated heads to measure (fp8,bf16)")
+    ap.add_argument("--ks", type=lambda s: tuple(int(c) for c in s.split(",")), default=KS,
+                    help="comma-separated draft counts to measure")
+    ap.add_argument("--rows-only", action="store_true",
+                    help="only the timing rows: no arms, equality check, profile or PyTorch")
     ap.add_argument("--contexts", type=lambda s: tuple(int(c) for c in s.split(",")), default=CONTEXTS,
                     help="comma-separated contexts to measure (default 4096,16000; the arms and the "
                          "profile use the first)")

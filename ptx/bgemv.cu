@@ -12,15 +12,18 @@
 namespace {
 constexpr int WARPS = 8;
 
-// PDL: the first weight batch is in flight before the wait (warp_gemv_bf16 WAIT_FIRST); a warp
-// without rows waits before it exits.
-template <bool OUT_F32, int ROWS, int UNROLL>
+// PDL modes (runtime.kernel.Pdl). WAIT_FIRST: the first weight batch is in flight before the wait
+// (warp_gemv_bf16), a warp without rows waits before it exits. BESIDE: x comes from the kernel
+// before the previous one, so the whole GEMV runs without waiting and the wait comes last.
+enum PdlMode { WAIT_FIRST, BESIDE };
+
+template <bool OUT_F32, int ROWS, int UNROLL, PdlMode MODE>
 __device__ __forceinline__ void bgemv_body(const uint16_t* __restrict__ w, const uint16_t* __restrict__ x,
                                            void* __restrict__ y, uint32_t batch, uint32_t n, uint32_t k) {
     const uint32_t b = blockIdx.y;
     const uint32_t lane = threadIdx.x & 31;
     const uint32_t row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
-    launch_dependents();
+    if (MODE == WAIT_FIRST) launch_dependents();
     if (b >= batch || row0 >= n) {
         grid_dependency_wait();
         return;
@@ -34,7 +37,7 @@ __device__ __forceinline__ void bgemv_body(const uint16_t* __restrict__ w, const
     float acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
-    warp_gemv_bf16<ROWS, UNROLL, true>(wr, xb, k, vec, acc);
+    warp_gemv_bf16<ROWS, UNROLL, MODE == WAIT_FIRST>(wr, xb, k, vec, acc);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const float v = warp_sum(acc[r]);
@@ -43,15 +46,16 @@ __device__ __forceinline__ void bgemv_body(const uint16_t* __restrict__ w, const
             else reinterpret_cast<uint16_t*>(y)[(size_t)b * n + row0 + r] = f32_to_bf16_bits(v);
         }
     }
+    if (MODE == BESIDE) grid_dependency_wait();  // not complete before the kernel it ran beside
 }
 
 // Rows per warp by row length; must match model/kernels/bgemv.py rows_per_warp.
-template <bool OUT_F32>
+template <bool OUT_F32, PdlMode MODE>
 __device__ __forceinline__ void bgemv_dispatch(const uint16_t* w, const uint16_t* x, void* y, uint32_t batch,
                                                uint32_t n, uint32_t k) {
-    if (k <= 256u) bgemv_body<OUT_F32, 16, 1>(w, x, y, batch, n, k);
-    else if (k <= 512u) bgemv_body<OUT_F32, 8, 2>(w, x, y, batch, n, k);
-    else bgemv_body<OUT_F32, 4, 4>(w, x, y, batch, n, k);
+    if (k <= 256u) bgemv_body<OUT_F32, 16, 1, MODE>(w, x, y, batch, n, k);
+    else if (k <= 512u) bgemv_body<OUT_F32, 8, 2, MODE>(w, x, y, batch, n, k);
+    else bgemv_body<OUT_F32, 4, 4, MODE>(w, x, y, batch, n, k);
 }
 }  // namespace
 
@@ -59,14 +63,23 @@ extern "C" __global__ void __launch_bounds__(256) bgemv_bf16_f32(const uint16_t*
                                                                  const uint16_t* __restrict__ x,
                                                                  float* __restrict__ y, uint32_t batch,
                                                                  uint32_t n, uint32_t k) {
-    bgemv_dispatch<true>(w, x, y, batch, n, k);
+    bgemv_dispatch<true, WAIT_FIRST>(w, x, y, batch, n, k);
+}
+
+// bgemv_bf16_f32 that runs beside the kernel launched before it (Pdl.BESIDE): wk_t's q_abs beside
+// indexer_scores, both reading the q projection that completed before them.
+extern "C" __global__ void __launch_bounds__(256) bgemv_bf16_f32_beside(const uint16_t* __restrict__ w,
+                                                                        const uint16_t* __restrict__ x,
+                                                                        float* __restrict__ y, uint32_t batch,
+                                                                        uint32_t n, uint32_t k) {
+    bgemv_dispatch<true, BESIDE>(w, x, y, batch, n, k);
 }
 
 extern "C" __global__ void __launch_bounds__(256) bgemv_bf16_bf16(const uint16_t* __restrict__ w,
                                                                   const uint16_t* __restrict__ x,
                                                                   uint16_t* __restrict__ y, uint32_t batch,
                                                                   uint32_t n, uint32_t k) {
-    bgemv_dispatch<false>(w, x, y, batch, n, k);
+    bgemv_dispatch<false, WAIT_FIRST>(w, x, y, batch, n, k);
 }
 
 // out = bf16(residual + (((p0 + p1) + p2) + ...)): the host twin's order exactly (f32 adds in row

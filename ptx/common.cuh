@@ -43,8 +43,34 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
 // predecessor and "my predecessor completed" keeps implying "every earlier kernel completed".
 // Launched without the attribute both instructions are no-ops. tests/test_pdl_ptx.py checks the PTX
 // of every pdl kernel for the wait and for stores ahead of it.
-__device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
-__device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+// PDL_TRIGGER selects where a kernel releases its successor: 0 at its start (the successor's blocks
+// may become resident and stream their weights while this kernel runs), 1 right after its own wait
+// (at most one kernel ahead), 2 never explicitly (released when it exits). Measured on the H200,
+// propose k = 3 at context 4096 (bench/bench_propose.py --ptx-dir, one build per value, each run
+// against the same graph without PDL): FP8 head 1.380 / 1.297 / 1.288 ms against 1.30 without PDL,
+// BF16 head 1.819 / 1.786 / 1.769 against 1.78. Releasing early made the step slower, so the default
+// is 2: PDL then overlaps only the launch and the weight loads issued before the wait.
+#ifndef PDL_TRIGGER
+#define PDL_TRIGGER 2
+#endif
+__device__ __forceinline__ void launch_dependents() {
+#if PDL_TRIGGER == 0
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dependency_wait() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#if PDL_TRIGGER == 1
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// Unconditional release, for a kernel whose successor is built to run beside it: the successor's
+// input comes from the kernel before this one, so it works without waiting and waits only before
+// it exits (router_fused -> moe_gate_up's shared slot, indexer_scores -> bgemv_bf16_f32_beside).
+// Such a kernel is launched plainly (not pdl), so everything before it has completed when it starts.
+__device__ __forceinline__ void release_dependents() {
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

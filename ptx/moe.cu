@@ -204,8 +204,10 @@ extern "C" __global__ void __launch_bounds__(256) router_fused(
     uint32_t n_experts, uint32_t h, uint32_t topk, uint32_t norm, float scale, uint32_t shared) {
     __shared__ uint32_t ids_s[128];
     __shared__ float wsel[128];
-    launch_dependents();
-    router_rows<true>(w, y, scores, n_experts + (shared ? 1u : 0u), h);
+    // Launched plainly (y is complete when it starts); moe_gate_up's shared slot, which reads the
+    // same y, runs beside it.
+    release_dependents();
+    router_rows<false>(w, y, scores, n_experts + (shared ? 1u : 0u), h);
     if (!last_block_done(counter)) return;
     if (threadIdx.x < 32 && n_experts <= 1024u && topk <= 128u && topk <= n_experts)
         route_warp(scores, bias, ids, weights, n_experts, topk, norm, scale, shared, ids_s, wsel);
@@ -239,24 +241,25 @@ extern "C" __global__ void __launch_bounds__(256) expert_down(
 // The routed experts of slots 0..ntopk-1 and the shared expert as slot ntopk in one launch
 // (expert_gate_up twice -> once). shared: 0 no shared slot, 1 compute it from w_shared (one expert,
 // same intermediate size), 2 the slot exists but this rank does not hold it (act not written).
-// Grid (ceil(inter / 8), ntopk + (shared == 1)), block 256.
+// Grid (ceil(inter / 8), ntopk + (shared == 1)), block 256. blockIdx.y 0 is the shared slot when
+// there is one, so its blocks are dispatched first: they need only y, which was complete before the
+// router started, and stream the shared expert beside router_fused (Pdl.BESIDE); the routed
+// slots wait for the router's ids.
 extern "C" __global__ void __launch_bounds__(256) moe_gate_up(
     const uint16_t* __restrict__ w, const uint16_t* __restrict__ w_shared, const uint16_t* __restrict__ y,
     const uint32_t* __restrict__ ids, uint16_t* __restrict__ act, uint32_t ntopk, uint32_t expert_base,
     uint32_t n_local, uint32_t inter, uint32_t h, float limit, uint32_t shared) {
-    const uint32_t j = blockIdx.y;
+    const uint32_t j = (blockIdx.y + ntopk) % gridDim.y;  // blockIdx.y 0 -> the shared slot, if any
     const uint32_t i = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    launch_dependents();
-    // A routed slot's expert is the router's output: wait before reading ids. The shared slot's
-    // weights are known, so its first batch streams ahead of the wait (gate_up_one<true>).
     const bool shared_here = j == ntopk && shared == 1u;
-    if (i >= inter || !shared_here) grid_dependency_wait();
-    if (i >= inter) return;
-    const uint16_t* we;
-    if (j < ntopk) we = local_expert(w, ids, j, expert_base, n_local, (size_t)2 * inter * h);
-    else we = shared_here ? w_shared : nullptr;
-    if (we == nullptr) return;
-    gate_up_one<true>(we, y, act + (size_t)j * inter, i, inter, h, limit);
+    if (!shared_here) grid_dependency_wait();  // a routed slot's expert is the router's output
+    if (i < inter) {
+        const uint16_t* we;
+        if (j < ntopk) we = local_expert(w, ids, j, expert_base, n_local, (size_t)2 * inter * h);
+        else we = shared_here ? w_shared : nullptr;
+        if (we != nullptr) gate_up_one<false>(we, y, act + (size_t)j * inter, i, inter, h, limit);
+    }
+    if (shared_here) grid_dependency_wait();  // not complete before the router it ran beside
 }
 
 // expert_down for the routed slots and the shared slot in one launch; a shared slot this rank does

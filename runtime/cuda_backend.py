@@ -41,7 +41,7 @@ from .allocations import AllocationTable, AllocStats, Graph
 from .backend import Dim3, KernelHandle, NULL_KERNEL
 from .device_ptr import DevicePtr
 from .errors import CudaError, GraphLifetimeError, KernelNotFound, LaunchError, MemoryFault, OutOfMemoryError
-from .kernel import Arg, KernelDecl, lookup
+from .kernel import Arg, KernelDecl, Pdl, lookup
 from .launch import check_args
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,8 @@ class ArgPacker:
 class _Function:
     """A loaded CUfunction with its packer and its dynamic shared-memory opt-in state."""
 
-    __slots__ = ("owner", "func", "packer", "ptr_args", "dyn_smem", "static_smem", "ptx_path", "pdl_config")
+    __slots__ = ("owner", "func", "packer", "ptr_args", "dyn_smem", "static_smem", "ptx_path", "pdl_config",
+                 "beside", "releases")
 
     def __init__(self, owner: "CudaBackend", func: Any, decl: KernelDecl, ptx_path: Path) -> None:
         self.owner = owner
@@ -144,6 +145,8 @@ class _Function:
         # One reusable cuLaunchKernelEx config for kernels launched with programmatic stream
         # serialisation (its fields are rewritten per launch; the driver copies them at the call).
         self.pdl_config = _pdl_launch_config() if decl.pdl and owner.pdl_supported else None
+        self.beside = decl.pdl is Pdl.BESIDE
+        self.releases = decl.releases
         self.ptr_args = tuple(i for i, (_, t) in enumerate(decl.args) if t is Arg.PTR)
         self.dyn_smem = _STATIC_SMEM_LIMIT
         self.static_smem = int(
@@ -166,8 +169,8 @@ def _pdl_launch_config() -> Any:
 
 
 class CudaBackend:
-    """``pdl``: launch kernels declared ``pdl=True`` with programmatic stream serialisation
-    (sm_90+), so each may start while the kernel before it finishes (KernelDecl.pdl). False
+    """``pdl``: launch kernels declared with a ``Pdl`` mode with programmatic stream serialisation
+    (sm_90+), so each may start while the kernel before it finishes (runtime.kernel.Pdl). False
     launches every kernel plainly (the comparison arm of the benchmarks)."""
 
     name = "cuda"
@@ -196,6 +199,10 @@ class CudaBackend:
         # be switched between launches (a graph keeps the launches it captured).
         self.pdl_supported = self.compute_capability >= (9, 0)
         self.pdl = bool(pdl) and self.pdl_supported
+        # Streams whose last operation is a launch of a kernel that releases its dependents: only
+        # there may a Pdl.BESIDE kernel overlap its predecessor. Every other stream operation
+        # (copy, memset, event, graph, a collective through touch) takes its stream out.
+        self._after_release: set[int] = set()
 
         self._table = AllocationTable()
         self._owned: set[int] = set()
@@ -307,6 +314,7 @@ class CudaBackend:
         checked against the allocation table now, and recorded in an open capture, so the graph's
         lifetime set covers the collective's buffers too."""
         self._touch(ptr, nbytes)
+        self._after_release.clear()  # the collective's stream is not known here
 
     def _touch(self, ptr: DevicePtr, nbytes: int) -> None:
         if not isinstance(ptr, DevicePtr):
@@ -316,6 +324,7 @@ class CudaBackend:
             self._capture_touches.add(base)
 
     def memset(self, ptr: DevicePtr, byte: int, nbytes: int, stream: int | None = None) -> None:
+        self._after_release.discard(self._default if stream is None else stream)
         self._alive()
         nbytes = int(nbytes)
         if nbytes <= 0:
@@ -324,6 +333,7 @@ class CudaBackend:
         check(driver.cuMemsetD8Async(ptr.addr, int(byte) & 0xFF, nbytes, self._stream(stream)), "cuMemsetD8Async")
 
     def copy_h2d(self, dst: DevicePtr, src: np.ndarray | bytes, stream: int | None = None) -> None:
+        self._after_release.discard(self._default if stream is None else stream)
         self._alive()
         data = np.frombuffer(bytes(src), np.uint8) if isinstance(src, (bytes, bytearray)) else np.ascontiguousarray(src)
         n = data.nbytes
@@ -345,6 +355,7 @@ class CudaBackend:
         check(driver.cuMemcpyHtoDAsync(dst.addr, data.ctypes.data, n, s), "cuMemcpyHtoDAsync")
 
     def copy_d2h(self, dst: np.ndarray, src: DevicePtr, stream: int | None = None) -> None:
+        self._after_release.discard(self._default if stream is None else stream)
         self._alive()
         if not isinstance(dst, np.ndarray) or not dst.flags.c_contiguous or not dst.flags.writeable:
             raise ValueError("copy_d2h destination must be a writable C-contiguous numpy array")
@@ -367,6 +378,7 @@ class CudaBackend:
         check(driver.cuMemcpyDtoHAsync(dst.ctypes.data, src.addr, n, s), "cuMemcpyDtoHAsync")
 
     def copy_d2d(self, dst: DevicePtr, src: DevicePtr, nbytes: int, stream: int | None = None) -> None:
+        self._after_release.discard(self._default if stream is None else stream)
         self._alive()
         nbytes = int(nbytes)
         if nbytes <= 0:
@@ -468,6 +480,7 @@ class CudaBackend:
         return ev
 
     def event_record(self, event: Any, stream: int | None = None) -> None:
+        self._after_release.discard(self._default if stream is None else stream)
         check(driver.cuEventRecord(event, self._stream(stream)), "cuEventRecord")
 
     def event_elapsed_ms(self, start: Any, end: Any) -> float:
@@ -562,7 +575,10 @@ class CudaBackend:
             self._opt_in_smem(fn, kernel, smem)
         s = self._default_cu if stream is None else self._stream(stream)
         params = fn.packer.pack(args)
+        key = self._default if stream is None else stream
         cfg = fn.pdl_config if self.pdl else None
+        if fn.beside and key not in self._after_release:
+            cfg = None  # its predecessor may still be writing its input: a plain launch
         if cfg is None:
             err, = driver.cuLaunchKernel(
                 fn.func, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, s, params, 0
@@ -575,6 +591,10 @@ class CudaBackend:
             cfg.hStream = s
             err, = driver.cuLaunchKernelEx(cfg, fn.func, params, 0)
             what = "cuLaunchKernelEx(programmatic stream serialization)"
+        if fn.releases:
+            self._after_release.add(key)
+        else:
+            self._after_release.discard(key)
         if err != _SUCCESS:
             raise CudaError(
                 f"{what}({kernel.name}, grid={tuple(grid)}, block={tuple(block)}, smem={smem}) "
@@ -644,6 +664,7 @@ class CudaBackend:
         return self._capture_stream is not None
 
     def graph_launch(self, graph: Graph, stream: int | None = None) -> None:
+        self._after_release.discard(self._default if stream is None else stream)
         self._alive()
         self._table.check_graph_live(graph)
         if self._capture_stream is not None:

@@ -32,6 +32,28 @@ class Arg(Enum):
 PTR, U32, I32, U64, F32 = Arg.PTR, Arg.U32, Arg.I32, Arg.U64, Arg.F32
 
 
+class Pdl(Enum):
+    """How a kernel takes part in programmatic dependent launch (sm_90 griddepcontrol).
+
+    NONE: launched plainly; it starts when everything before it on the stream has completed.
+    WAIT: it calls griddepcontrol.wait on every path before it reads a previous kernel's output,
+      stores, or exits (only weights are read before), so it may start while the kernel before it
+      finishes.
+    BESIDE: its inputs come from the kernel two launches back, so it works without waiting and
+      calls the wait only before it exits (keeping "my predecessor completed" transitive). It may
+      overlap its predecessor only when that predecessor was launched plainly and releases its
+      dependents (``releases=True``); the backend checks this at each launch and otherwise launches
+      it plainly.
+    """
+
+    NONE = "none"
+    WAIT = "wait"
+    BESIDE = "beside"
+
+    def __bool__(self) -> bool:
+        return self is not Pdl.NONE
+
+
 @dataclass(frozen=True)
 class KernelDecl:
     module: str
@@ -40,10 +62,10 @@ class KernelDecl:
     # Pointer arguments the kernel writes (for graph bookkeeping and poisoning in tests).
     writes: tuple[str, ...] = ()
     host: Callable[..., None] | None = field(default=None, compare=False, repr=False)
-    # Programmatic dependent launch: the kernel calls griddepcontrol.wait (ptx/common.cuh
-    # grid_dependency_wait) on every path before it reads a previous kernel's output, stores, or
-    # exits, so a backend may start it while the kernel before it is still running.
-    pdl: bool = False
+    # Programmatic dependent launch (Pdl), and whether the kernel releases its dependents at its
+    # start (griddepcontrol.launch_dependents; what a BESIDE successor needs to overlap it).
+    pdl: Pdl = Pdl.NONE
+    releases: bool = False
 
     @property
     def key(self) -> tuple[str, str]:
@@ -63,25 +85,33 @@ def declare(
     args: list[tuple[str, Arg]],
     *,
     writes: tuple[str, ...] = (),
-    pdl: bool = False,
+    pdl: Pdl | bool = Pdl.NONE,
+    releases: bool = False,
 ) -> Callable[[Callable[..., None]], KernelDecl]:
     """Decorator: declare a kernel and register the decorated function as its host twin.
 
     The host twin is called as ``host(mem, *args)`` where ``mem`` is the host heap
-    (``HostMemory``) and pointer arguments arrive as ``DevicePtr``. ``pdl=True`` declares that the
-    CUDA function honours the programmatic-dependent-launch contract (``KernelDecl.pdl``); a test
-    checks its PTX for it.
+    (``HostMemory``) and pointer arguments arrive as ``DevicePtr``. ``pdl`` declares the
+    programmatic-dependent-launch contract the CUDA function honours (``Pdl``; True means
+    ``Pdl.WAIT``); tests/test_pdl_ptx.py checks its PTX for it.
     """
+    mode = pdl if isinstance(pdl, Pdl) else (Pdl.WAIT if pdl else Pdl.NONE)
+    if releases and mode:
+        # A BESIDE successor reads what was complete when this kernel started: only true when
+        # this kernel itself waited for everything before it, i.e. was launched plainly.
+        raise ValueError(f"{module}.{function}: a kernel that releases its dependents must be Pdl.NONE")
     names = [n for n, _ in args]
     for w in writes:
         if w not in names:
             raise ValueError(f"{module}.{function}: writes names unknown argument {w!r}")
 
     def wrap(fn: Callable[..., None]) -> KernelDecl:
-        decl = KernelDecl(module, function, tuple(args), tuple(writes), fn, pdl)
+        decl = KernelDecl(module, function, tuple(args), tuple(writes), fn, mode, releases)
         old = _REGISTRY.get(decl.key)
-        if old is not None and (old.args != decl.args or old.pdl != decl.pdl):
-            raise ValueError(f"kernel {module}.{function} declared twice with different arguments or pdl flag")
+        if old is not None and (old.args, old.pdl, old.releases) != (decl.args, decl.pdl, decl.releases):
+            raise ValueError(
+                f"kernel {module}.{function} declared twice with different arguments or launch flags"
+            )
         _REGISTRY[decl.key] = decl
         return decl
 

@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 
 import model.kernels  # noqa: F401  (declares the model's kernels)
-from runtime.kernel import registered
+from runtime.kernel import PTR, Pdl, declare, registered
 
 PTX_DIR = Path(__file__).resolve().parent.parent / "ptx"
 PDL_DECLS = [d for d in registered() if d.pdl]
+RELEASING = [d for d in registered() if d.releases]
 
 # Stores that can reach global memory: st.global, generic st (no state space), atomics, reductions.
 _GLOBAL_STORE = re.compile(r"^\s*(@!?%p\d+\s+)?(st\.(global|(?!shared|local|param)[a-z0-9]+)|atom\.|red\.)",
@@ -43,28 +44,48 @@ def entry_body(module: str, function: str) -> str:
             return text[start:i]
 
 
-def test_the_drafter_step_kernels_are_pdl():
-    """The flag is on where the step spends its launches (a regression that drops it silently
+def test_the_drafter_step_kernels_take_part():
+    """The flags are on where the step spends its launches (a regression that drops one silently
     costs the overlap, not correctness)."""
-    names = {d.function for d in PDL_DECLS}
-    assert {"mtp_input_gemv", "rmsnorm_gemv", "dsa_cache_write", "indexer_scores", "select_topk_pools",
-            "bgemv_bf16_f32", "sparse_mla_partial", "sparse_mla_combine", "router_fused", "moe_gate_up",
-            "moe_down", "sum_rows_residual_rmsnorm", "head_argmax_fp8", "head_argmax_bf16"} <= names
+    modes = {d.function: d.pdl for d in PDL_DECLS}
+    assert {"mtp_input_gemv", "rmsnorm_gemv", "dsa_cache_write", "select_topk_pools", "bgemv_bf16_f32",
+            "sparse_mla_partial", "sparse_mla_combine", "moe_down", "sum_rows_residual_rmsnorm",
+            "head_argmax_fp8", "head_argmax_bf16"} <= {f for f, m in modes.items() if m is Pdl.WAIT}
+    assert {f for f, m in modes.items() if m is Pdl.BESIDE} == {"bgemv_bf16_f32_beside", "moe_gate_up"}
+    assert {d.function for d in RELEASING} == {"indexer_scores", "router_fused"}
 
 
 @pytest.mark.parametrize("decl", PDL_DECLS, ids=lambda d: f"{d.module}.{d.function}")
-def test_pdl_kernel_waits_before_storing_or_returning(decl):
+def test_pdl_kernel_waits_before_returning(decl):
+    """Every mode: the wait exists and no return comes ahead of it (a grid that could complete
+    before its predecessor would break "my predecessor completed" for the kernel after it)."""
     body = entry_body(decl.module, decl.function)
     wait = body.find("griddepcontrol.wait")
-    assert wait >= 0, f"{decl.function} is declared pdl but never executes griddepcontrol.wait"
-    assert "griddepcontrol.launch_dependents" in body, (
-        f"{decl.function} is declared pdl but never releases its successor (launch_dependents)"
-    )
-    head = body[:wait]
+    assert wait >= 0, f"{decl.function} is declared {decl.pdl} but never executes griddepcontrol.wait"
+    assert _RET.search(body[:wait]) is None, f"{decl.function} can return before griddepcontrol.wait"
+
+
+@pytest.mark.parametrize("decl", [d for d in PDL_DECLS if d.pdl is Pdl.WAIT],
+                         ids=lambda d: f"{d.module}.{d.function}")
+def test_wait_kernel_stores_nothing_before_its_wait(decl):
+    body = entry_body(decl.module, decl.function)
+    head = body[:body.find("griddepcontrol.wait")]
     store = _GLOBAL_STORE.search(head)
     assert store is None, f"{decl.function} stores before griddepcontrol.wait: {store.group(0).strip()!r}"
-    ret = _RET.search(head)
-    assert ret is None, f"{decl.function} can return before griddepcontrol.wait"
+
+
+@pytest.mark.parametrize("decl", RELEASING, ids=lambda d: f"{d.module}.{d.function}")
+def test_releasing_kernel_releases_at_its_start_and_is_launched_plainly(decl):
+    body = entry_body(decl.module, decl.function)
+    rel = body.find("griddepcontrol.launch_dependents")
+    assert rel >= 0, f"{decl.function} is declared releases=True but never executes launch_dependents"
+    assert _GLOBAL_STORE.search(body[:rel]) is None and _RET.search(body[:rel]) is None
+    assert decl.pdl is Pdl.NONE
+
+
+def test_a_releasing_kernel_cannot_be_declared_pdl():
+    with pytest.raises(ValueError, match="releases its dependents must be Pdl.NONE"):
+        declare("test_pdl", "bad", [("x", PTR)], pdl=True, releases=True)(lambda mem, x: None)
 
 
 def test_the_store_pattern_finds_global_and_generic_stores():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.dtypes import BF16
-from runtime.kernel import F32, PTR, U32, declare
+from runtime.kernel import F32, PTR, U32, Pdl, declare
 from runtime.kernels.gemv_bf16 import gemv_bf16_ref
 from runtime.kernels.rmsnorm import rmsnorm_ref
 from runtime.launch import launch
@@ -27,6 +27,12 @@ def _bgemv(mem, w, x, batch, n, k):
 @declare("bgemv", "bgemv_bf16_f32", list(_ARGS), writes=("y",), pdl=True)
 def BGEMV_F32(mem, w, x, y, batch, n, k):
     mem.write(y, _bgemv(mem, w, x, batch, n, k).astype(np.float32))
+
+
+@declare("bgemv", "bgemv_bf16_f32_beside", list(_ARGS), writes=("y",), pdl=Pdl.BESIDE)
+def BGEMV_F32_BESIDE(mem, w, x, y, batch, n, k):
+    """bgemv_bf16_f32 that may run beside the kernel launched before it (x is older than that)."""
+    BGEMV_F32.host(mem, w, x, y, batch, n, k)
 
 
 @declare("bgemv", "bgemv_bf16_bf16", list(_ARGS), writes=("y",), pdl=True)
@@ -84,8 +90,12 @@ def rows_per_warp(k: int) -> int:
     return 16 if k <= 256 else 8 if k <= 512 else 4
 
 
-def bgemv(gpu, w, x, y, batch, n, k, *, out_f32: bool, stream=None):
-    decl = BGEMV_F32 if out_f32 else BGEMV_BF16
+def bgemv(gpu, w, x, y, batch, n, k, *, out_f32: bool, beside: bool = False, stream=None):
+    """``beside``: x was produced before the previous launch on the stream, so the GEMV may run
+    beside that launch (f32 output only; runtime.kernel.Pdl.BESIDE)."""
+    if beside and not out_f32:
+        raise ValueError("the beside variant of bgemv writes f32 only")
+    decl = BGEMV_F32_BESIDE if beside else BGEMV_F32 if out_f32 else BGEMV_BF16
     per_block = 8 * rows_per_warp(k)  # 8 warps
     launch(gpu, gpu.kernel(*decl.key), (-(-n // per_block), batch), 256, w, x, y, batch, n, k,
            stream=stream)

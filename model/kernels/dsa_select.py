@@ -35,7 +35,7 @@ def selection_capacity(rows: int, topk_pools: int, kpool: int) -> int:
         ("w_scale", F32),
     ],
     writes=("scores",),
-    pdl=True,
+    releases=True,  # the q_abs GEMV (bgemv_bf16_f32_beside) runs beside it
 )
 def INDEXER_SCORES(mem, q, w, pool_keys, pool_scales, scores, row_ptr, row_add, heads, dim, kpool,
                    w_scale):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.dtypes import BF16
-from runtime.kernel import F32, PTR, U32, declare
+from runtime.kernel import F32, PTR, U32, Pdl, declare
 from runtime.launch import launch
 
 
@@ -122,7 +122,7 @@ def EXPERT_DOWN(mem, w, act, ids, weights, parts, slot0, nslots, expert_base, n_
         ("scale", F32), ("shared", U32),
     ],
     writes=("scores", "ids", "weights", "counter"),
-    pdl=True,
+    releases=True,  # moe_gate_up's shared slot runs beside it
 )
 def ROUTER_FUSED(mem, w, y, bias, scores, ids, weights, counter, n_experts, h, topk, norm, scale,
                  shared):
@@ -145,7 +145,7 @@ SHARED_NONE, SHARED_HERE, SHARED_ELSEWHERE = 0, 1, 2
     [("w", PTR), ("w_shared", PTR), ("y", PTR), ("ids", PTR), ("act", PTR), *_MOE, ("inter", U32),
      ("h", U32), ("limit", F32), ("shared", U32)],
     writes=("act",),
-    pdl=True,
+    pdl=Pdl.BESIDE,  # the shared slot beside router_fused; the routed slots wait for its ids
 )
 def MOE_GATE_UP(mem, w, w_shared, y, ids, act, ntopk, expert_base, n_local, inter, h, limit, shared):
     """expert_gate_up of the routed slots 0..ntopk-1 and, with shared == 1, of the shared expert
