@@ -13,7 +13,8 @@ One run measures, on the device it finds:
 - propose(k = 1 and 3) at contexts 4096 and 16000, eager and graph, BF16 and FP8 head: the graph's
   device time (CUDA events around back-to-back replays of the captured k-draft graph, median) and
   the wall time of ``propose()`` (time.perf_counter around the call, median); their difference is
-  the host's time per graph-replayed propose, the copy of the drafts back included;
+  the host's time per graph-replayed propose, the copy of the drafts back included; and the same
+  graph captured with programmatic dependent launch off (every kernel launched plainly);
 - timing arms that skip the block or the head (ProposerOptions.skip_block / skip_head), to place a
   gap;
 - the same step in plain PyTorch, eager and CUDA graph (bench/torch_step.py ``run``; skipped with a
