@@ -137,8 +137,8 @@ def sparse_mla_split(gpu, q, cache, scales, block_table, selected, count, part, 
     launch(gpu, gpu.kernel(*SPARSE_MLA_PARTIAL.key), (splits, -(-heads // HEAD_TILE)), 256, q, cache,
            scales, block_table, selected, count, part, ml, heads, dim, block_size, scale,
            smem=partial_smem(dim), stream=stream)
-    launch(gpu, gpu.kernel(*SPARSE_MLA_COMBINE.key), heads, 128, part, ml, count, out, heads, dim,
-           stream=stream)
+    launch(gpu, gpu.kernel(*SPARSE_MLA_COMBINE.key), (heads, -(-dim // 128)), 256, part, ml, count, out,
+           heads, dim, stream=stream)
 
 
 def sparse_mla_attend(gpu, q, cache, scales, block_table, selected, count, out, heads, dim,
