@@ -280,53 +280,60 @@ __device__ __forceinline__ void block_sum2(float& a, float& b, float* scratch) {
     __syncthreads();
 }
 
-// Up to RMS_REGS sixteen-byte chunks of a row (and of its norm weights) per thread in registers:
-// the whole row is loaded in one round trip, its sum of squares taken, and the normalised values
-// written from the registers (rms_divisor + rms_apply read the row twice, in block-strided turns).
-#define RMS_REGS 4
-struct RowChunks {
-    uint4 x[RMS_REGS], w[RMS_REGS];
-    __device__ __forceinline__ void load(const uint16_t* xr, const uint16_t* wr, uint32_t n) {
+// A row normalised in place in shared memory: stage_row_sumsq copies the row's 16-byte chunks to
+// their place in `dst` as they arrive (thread-strided, two loads in flight per thread) and sums
+// their squares (fmaf per element, in element order within a chunk, chunks in the thread's order);
+// after the block reduction, scale_staged_row rewrites each thread's own chunks as
+// bf16((x / d) * w) (the thread reads back only what it wrote, so no barrier in between). The
+// previous version held the whole row and its norm weights in registers (RowChunks, four chunks
+// each per thread): the same bits, but 64 registers live through the prologue, which capped
+// mtp_input_gemv at 120 registers and 2 blocks per SM. Needs n % 8 == 0 and 16-byte alignment.
+__device__ __forceinline__ float sumsq8(uint4 v, float ss) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-        for (int j = 0; j < RMS_REGS; ++j) {
-            const uint32_t c = threadIdx.x + blockDim.x * j;
-            const bool in = c < n / 8u;
-            x[j] = in ? __ldg(reinterpret_cast<const uint4*>(xr) + c) : make_uint4(0, 0, 0, 0);
-            w[j] = in ? __ldg(reinterpret_cast<const uint4*>(wr) + c) : make_uint4(0, 0, 0, 0);
-        }
+    for (int q = 0; q < 4; ++q) {
+        const float a = bf16_lo(w[q]), b = bf16_hi(w[q]);
+        ss = fmaf(a, a, ss);
+        ss = fmaf(b, b, ss);
     }
-    __device__ __forceinline__ float sumsq() const {
-        float ss = 0.0f;
-#pragma unroll
-        for (int j = 0; j < RMS_REGS; ++j) {
-            const uint32_t v[4] = {x[j].x, x[j].y, x[j].z, x[j].w};
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                const float a = bf16_lo(v[q]), b = bf16_hi(v[q]);
-                ss = fmaf(a, a, ss);
-                ss = fmaf(b, b, ss);
-            }
-        }
-        return ss;
-    }
-    // out[c] = bf16((x / d) * w) for this thread's chunks.
-    __device__ __forceinline__ void apply(uint16_t* out, uint32_t n, float d) const {
-#pragma unroll
-        for (int j = 0; j < RMS_REGS; ++j) {
-            const uint32_t c = threadIdx.x + blockDim.x * j;
-            if (c >= n / 8u) continue;
-            const uint32_t xv[4] = {x[j].x, x[j].y, x[j].z, x[j].w}, wv[4] = {w[j].x, w[j].y, w[j].z, w[j].w};
-            uint32_t o[4];
-#pragma unroll
-            for (int q = 0; q < 4; ++q)
-                o[q] = pack_bf16x2(__fmul_rn(bf16_lo(xv[q]) / d, bf16_lo(wv[q])), __fmul_rn(bf16_hi(xv[q]) / d, bf16_hi(wv[q])));
-            reinterpret_cast<uint4*>(out)[c] = make_uint4(o[0], o[1], o[2], o[3]);
-        }
-    }
-};
+    return ss;
+}
 
-__device__ __forceinline__ bool rms_regs_ok(const uint16_t* x, const uint16_t* w, uint32_t n) {
-    return n % 8u == 0 && n / 8u <= RMS_REGS * blockDim.x && aligned16(x) && aligned16(w);
+__device__ __forceinline__ float stage_row_sumsq(const uint16_t* __restrict__ x, uint16_t* dst, uint32_t n) {
+    const uint32_t nc = n / 8u;
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    uint4* dv = reinterpret_cast<uint4*>(dst);
+    float ss = 0.0f;
+    for (uint32_t c0 = threadIdx.x; c0 < nc; c0 += 2u * blockDim.x) {
+        const uint32_t c1 = c0 + blockDim.x;
+        const uint4 v0 = __ldg(xv + c0);
+        const uint4 v1 = c1 < nc ? __ldg(xv + c1) : make_uint4(0, 0, 0, 0);
+        dv[c0] = v0;
+        ss = sumsq8(v0, ss);
+        if (c1 < nc) {
+            dv[c1] = v1;
+            ss = sumsq8(v1, ss);
+        }
+    }
+    return ss;
+}
+
+__device__ __forceinline__ void scale_staged_row(uint16_t* dst, const uint16_t* __restrict__ w, uint32_t n, float d) {
+    uint4* dv = reinterpret_cast<uint4*>(dst);
+    const uint4* wv4 = reinterpret_cast<const uint4*>(w);
+    for (uint32_t c = threadIdx.x; c < n / 8u; c += blockDim.x) {
+        const uint4 xc = dv[c], wc = __ldg(wv4 + c);
+        const uint32_t xv[4] = {xc.x, xc.y, xc.z, xc.w}, wv[4] = {wc.x, wc.y, wc.z, wc.w};
+        uint32_t o[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+            o[q] = pack_bf16x2(__fmul_rn(bf16_lo(xv[q]) / d, bf16_lo(wv[q])), __fmul_rn(bf16_hi(xv[q]) / d, bf16_hi(wv[q])));
+        dv[c] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+}
+
+__device__ __forceinline__ bool rms_stage_ok(const uint16_t* x, const uint16_t* w, const uint16_t* dst, uint32_t n) {
+    return n % 8u == 0 && aligned16(x) && aligned16(w) && aligned16(dst);
 }
 
 // Prologue: xs[0..n) = bf16((x / r) * w), r the RMS divisor of x (rmsnorm.cu's arithmetic).
@@ -337,12 +344,10 @@ struct RmsNormToSmem {
     float eps;
     float* scratch;  // 64 floats
     __device__ __forceinline__ void operator()(uint16_t* xs) const {
-        if (rms_regs_ok(x, w, n)) {
-            RowChunks r;
-            r.load(x, w, n);
-            float ss = r.sumsq(), unused = 0.0f;
+        if (rms_stage_ok(x, w, xs, n)) {
+            float ss = stage_row_sumsq(x, xs, n), unused = 0.0f;
             block_sum2(ss, unused, scratch);
-            r.apply(xs, n, sqrtf(ss / (float)n + eps));
+            scale_staged_row(xs, w, n, sqrtf(ss / (float)n + eps));
         } else {
             const float d = rms_divisor(x, n, eps, scratch);
             rms_apply(x, w, xs, n, d);

@@ -72,12 +72,17 @@ __device__ __forceinline__ void route_warp_n(const float* scores, const float* _
     constexpr int ROUTE_MAX_PER_LANE = NPL;
     const uint32_t lane = threadIdx.x & 31;
     unsigned long long key[ROUTE_MAX_PER_LANE];
+    float raw[ROUTE_MAX_PER_LANE];  // the sigmoid scores themselves: the winner's lane records its
+                                    // weight, instead of a second L2 round trip per chosen expert
+    const float shared_gate = (shared && lane == 0) ? __ldcg(scores + n_experts) : 0.0f;
 #pragma unroll
     for (int c = 0; c < ROUTE_MAX_PER_LANE; ++c) {
         const uint32_t i = lane + 32u * c;
         key[c] = 0ull;
+        raw[c] = 0.0f;
         if (i < n_experts) {
-            const float sel = __fadd_rn(__ldcg(scores + i), bias[i]);
+            raw[c] = __ldcg(scores + i);
+            const float sel = __fadd_rn(raw[c], bias[i]);
             key[c] = ((unsigned long long)ordered_key(sel) << 32) | (0xFFFFFFFFu - i);
         }
     }
@@ -92,15 +97,14 @@ __device__ __forceinline__ void route_warp_n(const float* scores, const float* _
         }
 #pragma unroll
         for (int c = 0; c < ROUTE_MAX_PER_LANE; ++c)
-            if (key[c] == best) key[c] = 0ull;  // keys are unique (the index is in them)
-        if (lane == 0) ids_s[r] = 0xFFFFFFFFu - (uint32_t)(best & 0xFFFFFFFFull);
+            if (key[c] == best) {  // keys are unique (the index is in them): one lane, one slot
+                key[c] = 0ull;
+                ids_s[r] = 0xFFFFFFFFu - (uint32_t)(best & 0xFFFFFFFFull);
+                wsel[r] = raw[c];
+            }
     }
     __syncwarp();
-    for (uint32_t r = lane; r < topk; r += 32u) {
-        ids[r] = ids_s[r];
-        wsel[r] = __ldcg(scores + ids_s[r]);
-    }
-    __syncwarp();
+    for (uint32_t r = lane; r < topk; r += 32u) ids[r] = ids_s[r];
     if (lane == 0) {
         const float sum = norm ? numpy_sum_f32(wsel, topk) : 1.0f;
         for (uint32_t r = 0; r < topk; ++r) {
@@ -109,7 +113,7 @@ __device__ __forceinline__ void route_warp_n(const float* scores, const float* _
         }
         if (shared) {
             ids[topk] = 0u;
-            weights[topk] = __ldcg(scores + n_experts);
+            weights[topk] = shared_gate;
         }
     }
 }

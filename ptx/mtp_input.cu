@@ -33,9 +33,9 @@ extern "C" __global__ void __launch_bounds__(256) mtp_embed_norm(
 
 namespace {
 // Prologue of mtp_input_gemv: xs = [rmsnorm(table[*token]) * enorm ; rmsnorm(hidden) * hnorm],
-// the half of an out-of-vocabulary token NaN, as mtp_embed_norm writes it. The hidden row's loads
-// are issued before the token is read, both rows are held in registers, and their two sums of
-// squares share one block reduction.
+// the half of an out-of-vocabulary token NaN, as mtp_embed_norm writes it. Both rows are staged in
+// place in xs (stage_row_sumsq; the hidden row's loads go out before the token is known to be in
+// range) and their two sums of squares share one block reduction.
 struct MtpConcatToSmem {
     const uint16_t* table;
     const uint32_t* token;
@@ -47,21 +47,19 @@ struct MtpConcatToSmem {
     float* scratch;  // 64 floats
     __device__ __forceinline__ void operator()(uint16_t* xs) const {
         const uint32_t t = *token;
-        const bool fast = rms_regs_ok(hidden, hnorm, h) && rms_regs_ok(table, enorm, h);
+        const bool valid = t < vocab;
+        const uint16_t* e = table + (size_t)(valid ? t : 0u) * h;
+        const bool fast = rms_stage_ok(hidden, hnorm, xs + h, h) && rms_stage_ok(e, enorm, xs, h);
         if (fast) {
-            RowChunks hr, er;
-            hr.load(hidden, hnorm, h);
-            const bool valid = t < vocab;
-            if (valid) er.load(table + (size_t)t * h, enorm, h);
-            float se = valid ? er.sumsq() : 0.0f, sh = hr.sumsq();
+            float sh = stage_row_sumsq(hidden, xs + h, h);
+            float se = valid ? stage_row_sumsq(e, xs, h) : 0.0f;
             block_sum2(se, sh, scratch);
-            if (valid) er.apply(xs, h, sqrtf(se / (float)h + eps));
-            hr.apply(xs + h, h, sqrtf(sh / (float)h + eps));
+            if (valid) scale_staged_row(xs, enorm, h, sqrtf(se / (float)h + eps));
+            scale_staged_row(xs + h, hnorm, h, sqrtf(sh / (float)h + eps));
             if (!valid)
                 for (uint32_t i = threadIdx.x; i < h; i += blockDim.x) xs[i] = (uint16_t)BF16_QNAN_BITS;
         } else {
-            if (t < vocab) {
-                const uint16_t* e = table + (size_t)t * h;
+            if (valid) {
                 rms_apply(e, enorm, xs, h, rms_divisor(e, h, eps, scratch));
             } else {
                 for (uint32_t i = threadIdx.x; i < h; i += blockDim.x) xs[i] = (uint16_t)BF16_QNAN_BITS;
@@ -75,10 +73,10 @@ struct MtpConcatToSmem {
 
 // x = eh_proj @ [rmsnorm(embed[*token]) * enorm ; rmsnorm(hidden) * hnorm] for one row: the two
 // norms are the prologue of every block (smem_x_gemv), so the concatenated input never goes
-// through device memory and one launch replaces two. Grid min(ceil(n / 8), 2 blocks per SM),
-// block 256 (120 registers: both rows are held in registers through the prologue), dynamic smem
-// 2 * h * 2 bytes.
-extern "C" __global__ void __launch_bounds__(256, 2) mtp_input_gemv(
+// through device memory and one launch replaces two. Grid min(ceil(n / 8), the blocks resident at
+// once), block 256, dynamic smem 2 * h * 2 bytes; __launch_bounds__(256, 4): 62 registers (nvcc
+// 13.0, no spills), 4 blocks per SM (the register-held prologue needed 120 and allowed 2).
+extern "C" __global__ void __launch_bounds__(256, 4) mtp_input_gemv(
     const uint16_t* __restrict__ table, const uint32_t* __restrict__ token, const uint16_t* __restrict__ enorm,
     const uint16_t* __restrict__ hidden, const uint16_t* __restrict__ hnorm, const uint16_t* __restrict__ w,
     uint16_t* __restrict__ y, uint32_t vocab, uint32_t h, uint32_t n, float eps) {

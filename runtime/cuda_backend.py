@@ -136,7 +136,7 @@ class _Function:
     """A loaded CUfunction with its packer and its dynamic shared-memory opt-in state."""
 
     __slots__ = ("owner", "func", "packer", "ptr_args", "dyn_smem", "static_smem", "ptx_path", "pdl_config",
-                 "beside", "releases")
+                 "beside", "releases", "resident")
 
     def __init__(self, owner: "CudaBackend", func: Any, decl: KernelDecl, ptx_path: Path) -> None:
         self.owner = owner
@@ -147,6 +147,7 @@ class _Function:
         self.pdl_config = _pdl_launch_config() if decl.pdl and owner.pdl_supported else None
         self.beside = decl.pdl is Pdl.BESIDE
         self.releases = decl.releases
+        self.resident: dict[tuple[int, int], int] = {}  # (block, smem) -> blocks resident at once
         self.ptr_args = tuple(i for i, (_, t) in enumerate(decl.args) if t is Arg.PTR)
         self.dyn_smem = _STATIC_SMEM_LIMIT
         self.static_smem = int(
@@ -545,6 +546,27 @@ class CudaBackend:
             return self.kernel(module, function)
         except KernelNotFound:
             return NULL_KERNEL
+
+    def resident_blocks(self, kernel: KernelHandle, block: int, smem: int = 0) -> int:
+        """Blocks of ``kernel`` the device holds at once with ``block`` threads and ``smem`` bytes of
+        dynamic shared memory (the occupancy calculator's blocks per SM x SMs): the grid of a
+        grid-stride kernel that is meant to run as one wave. Derived from the loaded PTX, so a
+        kernel whose register count changes keeps a one-wave grid without a constant to update."""
+        fn = kernel.native
+        if not isinstance(fn, _Function) or fn.owner is not self:
+            raise LaunchError(f"{kernel.name}: the handle was not loaded by this CudaBackend")
+        key = (block, smem)
+        hit = fn.resident.get(key)
+        if hit is None:
+            if smem > fn.dyn_smem:
+                self._opt_in_smem(fn, kernel, smem)
+            per_sm = int(check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn.func, block, smem),
+                               f"cuOccupancyMaxActiveBlocksPerMultiprocessor({kernel.name})"))
+            if per_sm < 1:
+                raise LaunchError(f"{kernel.name}: no block of {block} threads with {smem} bytes of "
+                                  "dynamic shared memory fits on an SM")
+            hit = fn.resident[key] = per_sm * self.sm_count
+        return hit
 
     def launch(
         self,

@@ -215,6 +215,15 @@ class HostBackend:
         except KernelNotFound:
             return NULL_KERNEL
 
+    # What resident_blocks answers: an H200's 132 SMs at 4 blocks each. The host runs a kernel's
+    # twin once whatever the grid, so the figure only keeps grid arithmetic the same as on a GPU.
+    NOTIONAL_RESIDENT_BLOCKS = 132 * 4
+
+    def resident_blocks(self, kernel: KernelHandle, block: int, smem: int = 0) -> int:
+        if kernel.is_null:
+            raise LaunchError("resident_blocks of the null kernel")
+        return self.NOTIONAL_RESIDENT_BLOCKS
+
     def launch(
         self,
         kernel: KernelHandle,

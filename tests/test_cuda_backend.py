@@ -299,3 +299,19 @@ def test_close_frees_everything(cuda):
         gpu.alloc(16)
     gpu.close()  # idempotent
     assert_usable(cuda)
+
+
+def test_resident_blocks_follow_the_kernels_occupancy(cuda):
+    """The grid of a one-wave grid-stride kernel comes from the occupancy calculator: the FP8 head
+    is bounded to 4 blocks of 256 per SM; a 1024-thread block fits twice in an SM's 2048 threads."""
+    import model.kernels  # noqa: F401
+
+    head = cuda.kernel("draft_head", "head_argmax_fp8")
+    assert cuda.resident_blocks(head, 256, 16384) == 4 * cuda.sm_count
+    norm = cuda.kernel("bgemv", "sum_rows_residual_rmsnorm")
+    assert cuda.resident_blocks(norm, 1024) == 2 * cuda.sm_count
+    # More dynamic shared memory than half an SM holds: one block per SM (opted in first).
+    big = cuda.max_smem_optin - 1024
+    assert cuda.resident_blocks(cuda.kernel("mtp_input", "mtp_input_gemv"), 256, big) == cuda.sm_count
+    with pytest.raises(LaunchError):
+        cuda.resident_blocks(NULL_KERNEL, 256)

@@ -117,3 +117,12 @@ def test_graph_records_replays_and_guards_lifetime(host):
         host.graph_launch(g, s)
     for p in (px, pw, po):
         host.free(p)
+
+
+def test_resident_blocks_is_notional_and_refuses_the_null_kernel(host):
+    from runtime import NULL_KERNEL
+
+    k = host.kernel(*RMSNORM.key)
+    assert host.resident_blocks(k, 256) == host.resident_blocks(k, 1024, 4096) == HostBackend.NOTIONAL_RESIDENT_BLOCKS
+    with pytest.raises(LaunchError):
+        host.resident_blocks(NULL_KERNEL, 256)

@@ -112,13 +112,12 @@ def sum_rows_residual_rmsnorm(gpu, parts, residual, norm_w, out, normed, rows, n
            normed, rows, n, eps, stream=stream)
 
 
-# ptx/bgemv.cu rmsnorm_gemv: one row per warp, 8 warps per block, grid-stride; the grid is what
-# fits on an H200 at once (132 SMs x 3 blocks, __launch_bounds__(256, 3)), so every block pays
-# its norm prologue once. The normalised x lives in dynamic smem.
-NORM_GEMV_MAX_GRID = 132 * 3
+# ptx/bgemv.cu rmsnorm_gemv: one row per warp, 8 warps per block, grid-stride with the blocks the
+# device holds at once (gpu.resident_blocks), so every block pays its norm prologue once. The
+# normalised x lives in dynamic smem.
 
 
 def rmsnorm_gemv(gpu, x, norm_w, w, y, n, k, eps, stream=None):
-    grid = max(1, min(-(-n // 8), NORM_GEMV_MAX_GRID))
-    launch(gpu, gpu.kernel(*RMSNORM_GEMV.key), grid, 256, x, norm_w, w, y, n, k, eps, smem=2 * k,
-           stream=stream)
+    kernel = gpu.kernel(*RMSNORM_GEMV.key)
+    grid = max(1, min(-(-n // 8), gpu.resident_blocks(kernel, 256, 2 * k)))
+    launch(gpu, kernel, grid, 256, x, norm_w, w, y, n, k, eps, smem=2 * k, stream=stream)

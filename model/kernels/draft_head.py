@@ -105,18 +105,18 @@ def HEAD_ARGMAX_FP8(mem, wq, scale, x, logits, key, counter, token, drafts, slot
 # ptx/draft_head.cu: 8 warps x 2 rows per block (per 16-row group for the FP8 head) for both heads.
 HEAD_ROWS_PER_BLOCK_BF16 = 16
 HEAD_ROWS_PER_BLOCK_FP8 = 16
-# The FP8 head grid-strides over its 16-row groups with the blocks that fit on the chip at once
-# (__launch_bounds__(256, 4): 4 blocks of 256 per SM), and stages x in shared memory as f32 when it
-# gets k * 4 bytes (kept under the 48 KB that needs no opt-in, as gemv_fp8w does).
-HEAD_FP8_BLOCKS_PER_SM = 4
+# The FP8 head grid-strides over its 16-row groups with the blocks the device holds at once
+# (gpu.resident_blocks; __launch_bounds__(256, 4) makes that 4 per SM), and stages x in shared
+# memory as f32 when it gets k * 4 bytes (kept under the 48 KB that needs no opt-in, as gemv_fp8w
+# does).
 HEAD_FP8_X_SMEM_MAX = 48 * 1024
 
 
 def head_fp8_launch(gpu, n: int, k: int) -> tuple[int, int]:
     """(grid, dynamic shared bytes) of head_argmax_fp8."""
-    sms = int(getattr(gpu, "sm_count", 132) or 132)
-    grid = max(1, min(-(-n // HEAD_ROWS_PER_BLOCK_FP8), sms * HEAD_FP8_BLOCKS_PER_SM))
     smem = 4 * k if k % 16 == 0 and 4 * k <= HEAD_FP8_X_SMEM_MAX else 0
+    resident = gpu.resident_blocks(gpu.kernel(*HEAD_ARGMAX_FP8.key), 256, smem)
+    grid = max(1, min(-(-n // HEAD_ROWS_PER_BLOCK_FP8), resident))
     return grid, smem
 
 

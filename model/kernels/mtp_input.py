@@ -61,16 +61,16 @@ def MTP_INPUT_GEMV(mem, table, token, enorm, hidden, hnorm, w, y, vocab, h, n, e
     mem.write(y, gemv_bf16_ref(mem.view(w, BF16, (n, 2 * h)), x[None])[0])
 
 
-# ptx/mtp_input.cu mtp_input_gemv: one row per warp, 8 warps per block, grid-stride over the rows;
-# the grid is what fits on an H200 at once (132 SMs x 2 blocks, __launch_bounds__(256, 2)). The
-# 2h-wide input lives in dynamic smem.
-INPUT_GEMV_MAX_GRID = 132 * 2
+# ptx/mtp_input.cu mtp_input_gemv: one row per warp, 8 warps per block, grid-stride over the rows
+# with the blocks the device holds at once (gpu.resident_blocks), so that every block computes the
+# norm prologue once. The 2h-wide input lives in dynamic smem.
 
 
 def mtp_input_gemv(gpu, table, token, enorm, hidden, hnorm, w, y, vocab, h, n, eps, stream=None):
-    grid = max(1, min(-(-n // 8), INPUT_GEMV_MAX_GRID))
-    launch(gpu, gpu.kernel(*MTP_INPUT_GEMV.key), grid, 256, table, token, enorm, hidden, hnorm, w, y,
-           vocab, h, n, eps, smem=4 * h, stream=stream)
+    kernel = gpu.kernel(*MTP_INPUT_GEMV.key)
+    grid = max(1, min(-(-n // 8), gpu.resident_blocks(kernel, 256, 4 * h)))
+    launch(gpu, kernel, grid, 256, table, token, enorm, hidden, hnorm, w, y, vocab, h, n, eps,
+           smem=4 * h, stream=stream)
 
 
 def mtp_embed_norm(gpu, table, tokens, enorm, hidden, hnorm, out, rows, vocab, h, eps, stream=None):
