@@ -13,7 +13,9 @@ One run measures, on the device it finds:
 - propose(k = 1 and 3) at contexts 4096 and 16000, eager and graph, BF16 and FP8 head: the graph's
   device time (CUDA events around back-to-back replays of the captured k-draft graph, median) and
   the wall time of ``propose()`` (time.perf_counter around the call, median); their difference is
-  the host's time per graph-replayed propose, the copy of the drafts back included; and the same
+  the host's time per graph-replayed propose, the copy of the drafts back included, device-side
+  latencies of the launch and the copies too; "host CPU us" is the proposer's own account of the
+  time it spent outside the wait for the device (``ProposerState.last_host_s``); and the same
   graph captured with programmatic dependent launch off (every kernel launched plainly);
 - timing arms that skip the block or the head (ProposerOptions.skip_block / skip_head), to place a
   gap;
@@ -147,8 +149,9 @@ def _median_ms(xs: list[float]) -> float:
 
 
 def time_propose(prop: Any, st: Any, hidden: Any, context: int, k: int, iters: int,
-                 rng: np.random.Generator) -> tuple[float, list[int]]:
-    """Median wall milliseconds of ``propose`` (perf_counter around the call) and the last drafts."""
+                 rng: np.random.Generator, host: list[float] | None = None) -> tuple[float, list[int]]:
+    """Median wall milliseconds of ``propose`` (perf_counter around the call) and the last drafts;
+    ``host`` collects each call's host time without the device wait (``st.last_host_s``)."""
     vocab = prop.cfg.vocab_size
     drafts = prop.propose(st, int(rng.integers(0, vocab)), hidden, context, k)  # warm-up / capture
     times = []
@@ -157,6 +160,8 @@ def time_propose(prop: Any, st: Any, hidden: Any, context: int, k: int, iters: i
         t0 = time.perf_counter()
         drafts = prop.propose(st, tok, hidden, context, k)
         times.append(time.perf_counter() - t0)
+        if host is not None:
+            host.append(st.last_host_s)
     return _median_ms(times), drafts
 
 
@@ -329,12 +334,14 @@ def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None =
                         st = prop.alloc_state()
                         try:
                             fill_context(prop, st, ctx, rng)
-                            wall, drafts = time_propose(prop, st, hidden, ctx, k, args.iters, rng)
+                            host: list[float] = []
+                            wall, drafts = time_propose(prop, st, hidden, ctx, k, args.iters, rng, host)
                             assert all(0 <= t < cfg.vocab_size for t in drafts), drafts
                             if graphs:
                                 row["graph_wall_ms"] = wall
                                 row["graph_device_ms"] = time_graph(prop, st, k, args.iters)
                                 row["host_us"] = (wall - row["graph_device_ms"]) * 1e3
+                                row["host_cpu_us"] = statistics.median(host) * 1e6
                             else:
                                 row["eager_wall_ms"] = wall
                         finally:
@@ -356,7 +363,7 @@ def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None =
                     rows.append(row)
                     log(f"ctx {ctx:>5} head {row['head']:>4} k {k}: floor {row['floor_ms']:.3f} ms, "
                         f"graph {row['graph_device_ms']:.3f} ms device ({row['graph_over_floor']:.2f}x floor), "
-                        f"{row['graph_wall_ms']:.3f} ms wall (host {row['host_us']:.0f} us), "
+                        f"{row['graph_wall_ms']:.3f} ms wall (host {row['host_us']:.0f} us, CPU {row['host_cpu_us']:.0f} us), "
                         f"eager {row['eager_wall_ms']:.3f} ms", flush=True)
         if getattr(args, "rows_only", False):
             return res
@@ -448,8 +455,8 @@ def table(res: dict[str, Any]) -> str:
         f"Measured copy bandwidth {bw / 1e3:.3f} TB/s (bytes read + written). Date {res['date']}.",
         f"Command: `{res['command']}`",
         "",
-        "| context | head | k | MB/draft | floor ms | graph ms (device) | x floor | graph ms without PDL | propose wall ms | host us | eager ms | torch graph ms | torch eager ms | torch graph / ours |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| context | head | k | MB/draft | floor ms | graph ms (device) | x floor | graph ms without PDL | propose wall ms | wall - device us | host CPU us | eager ms | torch graph ms | torch eager ms | torch graph / ours |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     torch = res.get("torch", {})
     for r in res["rows"]:
@@ -459,7 +466,7 @@ def table(res: dict[str, Any]) -> str:
             f"| {r['context']} | {r['head']} | {r['k']} | {r['bytes_per_draft'] / 1e6:.0f} | {r['floor_ms']:.3f} | "
             f"{r['graph_device_ms']:.3f} | {r['graph_over_floor']:.2f} | {r.get('graph_nopdl_device_ms', float('nan')):.3f} | "
             f"{r['graph_wall_ms']:.3f} | "
-            f"{r['host_us']:.0f} | {r['eager_wall_ms']:.3f} | {tg:.3f} | {te:.3f} | "
+            f"{r['host_us']:.0f} | {r.get('host_cpu_us', float('nan')):.0f} | {r['eager_wall_ms']:.3f} | {tg:.3f} | {te:.3f} | "
             f"{tg / r['graph_device_ms']:.2f} |")
     if "skipped" in torch:
         lines.append(f"\nPyTorch rows skipped: {torch['skipped']}")

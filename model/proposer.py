@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -108,6 +109,9 @@ class ProposerState:
     step_host: np.ndarray  # pinned: [row, token] u32
     drafts_host: np.ndarray  # pinned: [max_draft_tokens] u32
     last_drafted: int = 0
+    # Host time of the last propose, the wait for the device excluded: checks, the copy of the
+    # target's hidden, the graph launch (or the eager launches), and reading the drafts back.
+    last_host_s: float = 0.0
     released: bool = False
     graphs: dict[int, Graph] = field(default_factory=dict)
 
@@ -368,6 +372,7 @@ class MtpProposer:
     def propose(self, st: ProposerState, last_token: int, target_hidden: DevicePtr, position: int,
                 k: int) -> list[int]:
         """k drafts. Draft 1 consumes the target's hidden, drafts 2..k the drafter's own output."""
+        t_enter = time.perf_counter()
         self._live(st)
         if not 1 <= k <= self.opt.max_draft_tokens:
             raise ProposerError(f"k={k} outside 1..{self.opt.max_draft_tokens} (max_draft_tokens)")
@@ -405,10 +410,14 @@ class MtpProposer:
             gpu.graph_launch(g, s)
         else:
             self._enqueue_drafts(st, k)
+        t_wait = time.perf_counter()
         self._wait(s)
+        t_done = time.perf_counter()
         st.dsa.length = position + k
         st.last_drafted = k
-        return [int(t) for t in st.drafts_host[:k]]
+        drafts = [int(t) for t in st.drafts_host[:k]]
+        st.last_host_s = (t_wait - t_enter) + (time.perf_counter() - t_done)
+        return drafts
 
     def _enqueue_drafts(self, st: ProposerState, k: int) -> None:
         self.gpu.copy_h2d(st.step, st.step_host, self.stream)

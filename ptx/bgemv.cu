@@ -23,7 +23,7 @@ __device__ __forceinline__ void bgemv_body(const uint16_t* __restrict__ w, const
     const uint32_t b = blockIdx.y;
     const uint32_t lane = threadIdx.x & 31;
     const uint32_t row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
-    if (MODE == WAIT_FIRST) launch_dependents();
+    if (MODE == WAIT_FIRST) launch_dependents_multiwave();  // o_proj: 1024 blocks, several waves
     if (b >= batch || row0 >= n) {
         grid_dependency_wait();
         return;

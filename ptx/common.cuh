@@ -64,6 +64,21 @@ __device__ __forceinline__ void grid_dependency_wait() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+// PDL_TRIGGER 3 releases late instead: a grid of several waves at its start (the release then takes
+// effect once its last wave has started), a one-wave grid-stride kernel when a block begins its last
+// iteration; the small latency-bound kernels at exit. Measured in the same way against 2: FP8 head
+// 1.267 / 1.268 ms against 1.263 / 1.264, BF16 1.751 / 1.753 against 1.747 / 1.745 (two runs
+// each), so 2 stays the default.
+__device__ __forceinline__ void launch_dependents_multiwave() {
+#if PDL_TRIGGER == 0 || PDL_TRIGGER == 3
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void launch_dependents_last_iteration() {
+#if PDL_TRIGGER == 3
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 // Unconditional release, for a kernel whose successor is built to run beside it: the successor's
 // input comes from the kernel before this one, so it works without waiting and waits only before
 // it exits (router_fused -> moe_gate_up's shared slot, indexer_scores -> bgemv_bf16_f32_beside).

@@ -142,7 +142,7 @@ extern "C" __global__ void __launch_bounds__(256) head_argmax_bf16(
     const uint32_t lane = threadIdx.x & 31;
     const uint32_t row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
     unsigned long long cand = 0ull;
-    launch_dependents();
+    launch_dependents_multiwave();
     if (row0 < n) {
         const bool vec = (k % 8u == 0) && aligned16(w) && aligned16(x);
         const uint16_t* wr[ROWS];
@@ -231,10 +231,13 @@ extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_fp8(
     unsigned long long cand = 0ull;
     uint32_t g = blockIdx.x;
     if (pre_ok) {
+        if (g + gridDim.x >= groups) launch_dependents_last_iteration();
         head_fp8_group<true>(wq, scale, x, logits, g, n, k, vec, smem, pre, cand);
         g += gridDim.x;
     }
-    for (; g < groups; g += gridDim.x)
+    for (; g < groups; g += gridDim.x) {
+        if (g + gridDim.x >= groups) launch_dependents_last_iteration();
         if (!head_fp8_group<false>(wq, scale, x, logits, g, n, k, vec, smem, pre, cand)) break;
+    }
     argmax_commit(cand, key, counter, token, drafts, slot);
 }

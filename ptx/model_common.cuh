@@ -242,6 +242,7 @@ __device__ __forceinline__ void smem_x_gemv(const uint16_t* __restrict__ W, uint
     prologue(xs);
     const uint4* xv = reinterpret_cast<const uint4*>(xs);
     for (bool first = true; row < n; row += warps, first = false) {
+        if (row + warps >= n) launch_dependents_last_iteration();
         const uint16_t* wr = W + (size_t)row * k;
         float acc = 0.0f;
         if (vec) {

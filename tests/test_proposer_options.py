@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -103,3 +104,25 @@ def test_shared_tables_of_another_vocabulary_are_refused():
         make_proposer(CFG, W, gpu=gpu, tables=SharedTables(emb, emb, other.vocab_size, other.hidden_size))
     gpu.free(emb)
     assert gpu.stats().live_bytes == 0
+
+
+class SlowSync(HostBackend):
+    """A device whose every wait takes 50 ms."""
+
+    WAIT_S = 0.05
+
+    def synchronize(self, stream=None):
+        time.sleep(self.WAIT_S)
+        super().synchronize(stream)
+
+
+def test_host_time_of_a_propose_excludes_the_wait_for_the_device():
+    gpu = SlowSync()
+    prop = make_proposer(CFG, W, gpu=gpu, use_graphs=True)
+    st, _ = _history(prop, gpu)  # captures the k=3 graph
+    h = upload_rows(gpu, np.zeros((1, CFG.hidden_size)))
+    t0 = time.perf_counter()
+    prop.propose(st, 5, h, 14, 3)
+    wall = time.perf_counter() - t0
+    gpu.free(h)
+    assert 0.0 < st.last_host_s < wall - SlowSync.WAIT_S, (st.last_host_s, wall)
