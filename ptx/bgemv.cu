@@ -180,23 +180,5 @@ extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_gemv(const uint16_t
                                                                float eps) {
     extern __shared__ __align__(16) uint16_t xs[];
     __shared__ float scratch[64];
-    smem_x_gemv<8>(w, y, n, k, xs, RmsNormToSmem{x, norm_w, k, eps, scratch});
-}
-
-#ifndef RMSNORM_WIDE_U
-#define RMSNORM_WIDE_U 16
-#endif
-// rmsnorm_gemv with 16 loads per lane in flight: a row of up to 4096 BF16 (fused_in's) is one batch,
-// issued in full before the norm prologue, so a warp with one row waits for memory once instead of
-// twice. Blocks of 4 warps, __launch_bounds__(128, 5): up to 102 registers without spilling and 20
-// warps per SM, 2640 on the H200, one per row of fused_in's 2336. The launch helper takes it for
-// 2048 < k <= 4096.
-extern "C" __global__ void __launch_bounds__(128, 5) rmsnorm_gemv_u16(const uint16_t* __restrict__ x,
-                                                                   const uint16_t* __restrict__ norm_w,
-                                                                   const uint16_t* __restrict__ w,
-                                                                   uint16_t* __restrict__ y, uint32_t n,
-                                                                   uint32_t k, float eps) {
-    extern __shared__ __align__(16) uint16_t xs[];
-    __shared__ float scratch[64];
-    smem_x_gemv<RMSNORM_WIDE_U>(w, y, n, k, xs, RmsNormToSmem{x, norm_w, k, eps, scratch});
+    smem_x_gemv(w, y, n, k, xs, RmsNormToSmem{x, norm_w, k, eps, scratch});
 }

@@ -215,15 +215,16 @@ __device__ __forceinline__ bool last_block_done(uint32_t* counter) {
 // y[row] = bf16(W[row] . xs) over the rows of W, where xs (k BF16 values in shared memory) is
 // produced by `prologue(xs)`, a block-wide step that ends with a barrier (every block recomputes it:
 // a normalisation of a few KB from L2, instead of a separate single-block launch). One row per
-// warp with U sixteen-byte loads per lane in flight, grid-stride over the rows: the launch
+// warp with U = 8 sixteen-byte loads per lane in flight, grid-stride over the rows: the launch
 // helper caps the grid at the blocks that fit on the chip at once, so that a block computes its
 // prologue once for several rows per warp instead of once per 16 rows. The first row's first U loads are issued before the
 // prologue (and, launched with PDL, before the wait for the previous kernel), so their latency
 // overlaps the start of the weight stream. On the H200 the per-16-rows
 // version spent 18.3 us on the 19 MB fused_in projection (146 blocks, 8 KB in flight per warp).
-template <int U, typename Prologue>
+template <typename Prologue>
 __device__ __forceinline__ void smem_x_gemv(const uint16_t* __restrict__ W, uint16_t* __restrict__ y, uint32_t n,
                                             uint32_t k, uint16_t* xs, Prologue prologue) {
+    constexpr int U = 8;
     launch_dependents();
     const uint32_t lane = threadIdx.x & 31;
     const uint32_t warps = gridDim.x * (blockDim.x >> 5);

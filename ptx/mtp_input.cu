@@ -31,11 +31,6 @@ extern "C" __global__ void __launch_bounds__(256) mtp_embed_norm(
     rms_apply(x, w, o, h, d);
 }
 
-// Sixteen-byte loads per lane in flight in mtp_input_gemv's weight stream (smem_x_gemv).
-#ifndef MTP_INPUT_U
-#define MTP_INPUT_U 8
-#endif
-
 namespace {
 // Prologue of mtp_input_gemv: xs = [rmsnorm(table[*token]) * enorm ; rmsnorm(hidden) * hnorm],
 // the half of an out-of-vocabulary token NaN, as mtp_embed_norm writes it. Both rows are staged in
@@ -87,5 +82,5 @@ extern "C" __global__ void __launch_bounds__(256, 4) mtp_input_gemv(
     uint16_t* __restrict__ y, uint32_t vocab, uint32_t h, uint32_t n, float eps) {
     extern __shared__ __align__(16) uint16_t xs[];
     __shared__ float scratch[64];
-    smem_x_gemv<MTP_INPUT_U>(w, y, n, 2u * h, xs, MtpConcatToSmem{table, token, enorm, hidden, hnorm, vocab, h, eps, scratch});
+    smem_x_gemv(w, y, n, 2u * h, xs, MtpConcatToSmem{table, token, enorm, hidden, hnorm, vocab, h, eps, scratch});
 }

@@ -85,18 +85,6 @@ def RMSNORM_GEMV(mem, x, norm_w, w, y, n, k, eps):
     mem.write(y, gemv_bf16_ref(mem.view(w, BF16, (n, k)), xn[None])[0])
 
 
-@declare(
-    "bgemv",
-    "rmsnorm_gemv_u16",
-    [("x", PTR), ("norm_w", PTR), ("w", PTR), ("y", PTR), ("n", U32), ("k", U32), ("eps", F32)],
-    writes=("y",),
-    pdl=True,
-)
-def RMSNORM_GEMV_U16(mem, x, norm_w, w, y, n, k, eps):
-    """rmsnorm_gemv with a whole row of up to 4096 in flight per warp (blocks of 4 warps)."""
-    RMSNORM_GEMV.host(mem, x, norm_w, w, y, n, k, eps)
-
-
 def rows_per_warp(k: int) -> int:
     """ptx/bgemv.cu bgemv_dispatch: short rows get more rows per warp (16 loads per lane in flight)."""
     return 16 if k <= 256 else 8 if k <= 512 else 4
@@ -130,10 +118,6 @@ def sum_rows_residual_rmsnorm(gpu, parts, residual, norm_w, out, normed, rows, n
 
 
 def rmsnorm_gemv(gpu, x, norm_w, w, y, n, k, eps, stream=None):
-    # Rows of 2049..4096 (fused_in's 4096): the 16-load variant holds the whole row in flight; a
-    # row of up to 2048 is already one batch of the 8-load kernel.
-    wide = 2048 < k <= 4096 and k % 8 == 0
-    kernel = gpu.kernel(*(RMSNORM_GEMV_U16 if wide else RMSNORM_GEMV).key)
-    block = 128 if wide else 256
-    grid = max(1, min(-(-n // (block // 32)), gpu.resident_blocks(kernel, block, 2 * k)))
-    launch(gpu, kernel, grid, block, x, norm_w, w, y, n, k, eps, smem=2 * k, stream=stream)
+    kernel = gpu.kernel(*RMSNORM_GEMV.key)
+    grid = max(1, min(-(-n // 8), gpu.resident_blocks(kernel, 256, 2 * k)))
+    launch(gpu, kernel, grid, 256, x, norm_w, w, y, n, k, eps, smem=2 * k, stream=stream)
