@@ -35,14 +35,15 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
 
 // ---- programmatic dependent launch (sm_90 griddepcontrol) ----------------------------------------
 //
-// A kernel declared with pdl=True (runtime/kernel.py) is launched with programmatic stream
+// A kernel declared Pdl.WAIT (runtime/kernel.py) is launched with programmatic stream
 // serialisation: it may start while the kernel before it on the stream is still running, once that
-// kernel's blocks have all called launch_dependents(). Before grid_dependency_wait() such a kernel may
+// kernel's blocks have all released it (or exited). Before grid_dependency_wait() such a kernel may
 // only read weights (memory no kernel of the step writes); every thread calls the wait on every path
 // before its first global store and before it exits, so that a grid cannot complete ahead of its
 // predecessor and "my predecessor completed" keeps implying "every earlier kernel completed".
-// Launched without the attribute both instructions are no-ops. tests/test_pdl_ptx.py checks the PTX
-// of every pdl kernel for the wait and for stores ahead of it.
+// Pdl.BESIDE kernels are described at release_dependents below. Launched without the attribute both
+// instructions are no-ops. tests/test_pdl_ptx.py checks the PTX of every pdl kernel for the wait
+// and for stores and returns ahead of it.
 // PDL_TRIGGER selects where a kernel releases its successor: 0 at its start (the successor's blocks
 // may become resident and stream their weights while this kernel runs), 1 right after its own wait
 // (at most one kernel ahead), 2 never explicitly (released when it exits). Measured on the H200,
