@@ -35,6 +35,7 @@ so that no graph captured under one arm replays under another.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -42,7 +43,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -163,6 +164,20 @@ def time_propose(prop: Any, st: Any, hidden: Any, context: int, k: int, iters: i
         if host is not None:
             host.append(st.last_host_s)
     return _median_ms(times), drafts
+
+
+@contextlib.contextmanager
+def pdl_set(gpu: Any, on: bool) -> Iterator[None]:
+    """Programmatic dependent launch on or off for the block (a graph captured inside keeps it);
+    a backend without the switch (the host's) runs the block unchanged."""
+    old = getattr(gpu, "pdl", None)
+    if old is not None:
+        gpu.pdl = on
+    try:
+        yield
+    finally:
+        if old is not None:
+            gpu.pdl = old
 
 
 def time_graph(prop: Any, st: Any, k: int, iters: int) -> float:
@@ -348,16 +363,15 @@ def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None =
                             prop.free_state(st)
                     if getattr(gpu, "pdl", False):
                         # The same graph captured with every kernel launched plainly: what
-                        # programmatic dependent launch is worth, and that it changes no draft.
+                        # programmatic dependent launch is worth.
                         arms.set(fp8=fp8, graphs=True)
                         st = prop.alloc_state()
-                        gpu.pdl = False
                         try:
-                            fill_context(prop, st, ctx, rng)
-                            time_propose(prop, st, hidden, ctx, k, 3, rng)
+                            with pdl_set(gpu, False):
+                                fill_context(prop, st, ctx, rng)
+                                time_propose(prop, st, hidden, ctx, k, 3, rng)
                             row["graph_nopdl_device_ms"] = time_graph(prop, st, k, args.iters)
                         finally:
-                            gpu.pdl = True
                             prop.free_state(st)
                     row["graph_over_floor"] = row["graph_device_ms"] / row["floor_ms"]
                     rows.append(row)
@@ -393,14 +407,11 @@ def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None =
                 for pdl in pdl_modes:
                     arms.set(fp8=fp8, graphs=graphs)
                     st = prop.alloc_state()
-                    if hasattr(gpu, "pdl"):
-                        gpu.pdl = pdl
                     try:
-                        fill_context(prop, st, contexts[0], np.random.default_rng(7))
-                        outs.append(prop.propose(st, 12345 % cfg.vocab_size, hidden, contexts[0], 3))
+                        with pdl_set(gpu, pdl):
+                            fill_context(prop, st, contexts[0], np.random.default_rng(7))
+                            outs.append(prop.propose(st, 12345 % cfg.vocab_size, hidden, contexts[0], 3))
                     finally:
-                        if hasattr(gpu, "pdl"):
-                            gpu.pdl = pdl_modes[0]
                         prop.free_state(st)
             same &= all(o == outs[0] for o in outs)
         res["eager_equals_graph"] = same

@@ -40,19 +40,14 @@ __device__ __forceinline__ float numpy_sum_f32(const float* a, uint32_t n) {
 
 // scores[row] = sigmoid(w[row] . y) for the rows of this warp (one row per warp, 16 loads of 16
 // bytes per lane in flight: a 4096-wide row is 16 chunks per lane, so one round trip).
-// PDL (WAIT): the router's weights are in flight before the wait; a warp without a row waits too.
-template <bool WAIT>
 __device__ __forceinline__ void router_rows(const uint16_t* __restrict__ w, const uint16_t* __restrict__ y,
                                             float* __restrict__ scores, uint32_t n, uint32_t h) {
     const uint32_t row = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (row >= n) {
-        if (WAIT) grid_dependency_wait();
-        return;
-    }
+    if (row >= n) return;
     const bool vec = (h % 8u == 0) && aligned16(w) && aligned16(y);
     const uint16_t* wr[1] = {w + (size_t)row * h};
     float acc[1] = {0.0f};
-    warp_gemv_bf16<1, 16, WAIT>(wr, y, h, vec, acc);
+    warp_gemv_bf16<1, 16>(wr, y, h, vec, acc);
     const float v = warp_sum(acc[0]);
     if ((threadIdx.x & 31) == 0) scores[row] = sigmoidf_(v);
 }
@@ -128,15 +123,13 @@ __device__ __forceinline__ void route_warp(const float* scores, const float* __r
 }
 
 // act[j][i] for slot j and intermediate index i (one warp): rows i and inter + i of expert e.
-// WAIT: the grid dependency wait follows the first weight batch (pdl kernels).
-template <bool WAIT>
 __device__ __forceinline__ void gate_up_one(const uint16_t* __restrict__ we, const uint16_t* __restrict__ y,
                                             uint16_t* __restrict__ act_j, uint32_t i, uint32_t inter, uint32_t h,
                                             float limit) {
     const bool vec = (h % 8u == 0) && aligned16(we) && aligned16(y);
     const uint16_t* wr[2] = {we + (size_t)i * h, we + (size_t)(inter + i) * h};
     float acc[2] = {0.0f, 0.0f};
-    warp_gemv_bf16<2, 8, WAIT>(wr, y, h, vec, acc);
+    warp_gemv_bf16<2, 8>(wr, y, h, vec, acc);
     const float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
     if ((threadIdx.x & 31) == 0) act_j[i] = f32_to_bf16_bits(clamped_swiglu(g, u, limit));
 }
@@ -184,7 +177,7 @@ __device__ __forceinline__ const uint16_t* local_expert(const uint16_t* w, const
 extern "C" __global__ void __launch_bounds__(256) router_scores(const uint16_t* __restrict__ w,
                                                                 const uint16_t* __restrict__ y,
                                                                 float* __restrict__ scores, uint32_t n, uint32_t h) {
-    router_rows<false>(w, y, scores, n, h);
+    router_rows(w, y, scores, n, h);
 }
 
 // One block of 32 threads.
@@ -211,7 +204,7 @@ extern "C" __global__ void __launch_bounds__(256) router_fused(
     // Launched plainly (y is complete when it starts); moe_gate_up's shared slot, which reads the
     // same y, runs beside it.
     release_dependents();
-    router_rows<false>(w, y, scores, n_experts + (shared ? 1u : 0u), h);
+    router_rows(w, y, scores, n_experts + (shared ? 1u : 0u), h);
     if (!last_block_done(counter)) return;
     if (threadIdx.x < 32 && n_experts <= 1024u && topk <= 128u && topk <= n_experts)
         route_warp(scores, bias, ids, weights, n_experts, topk, norm, scale, shared, ids_s, wsel);
@@ -227,7 +220,7 @@ extern "C" __global__ void __launch_bounds__(256) expert_gate_up(
     if (blockIdx.y >= nslots || i >= inter) return;
     const uint16_t* we = local_expert(w, ids, j, expert_base, n_local, (size_t)2 * inter * h);
     if (we == nullptr) return;  // not this rank's expert: act is not written, as in the twin
-    gate_up_one<false>(we, y, act + (size_t)j * inter, i, inter, h, limit);
+    gate_up_one(we, y, act + (size_t)j * inter, i, inter, h, limit);
 }
 
 // Grid (ceil(h / 32), nslots), block 256: warp w of block x computes parts[j][32x + 4w .. + 3].
@@ -262,7 +255,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up(
         const uint16_t* we;
         if (j < ntopk) we = local_expert(w, ids, j, expert_base, n_local, (size_t)2 * inter * h);
         else we = shared_here ? w_shared : nullptr;
-        if (we != nullptr) gate_up_one<false>(we, y, act + (size_t)j * inter, i, inter, h, limit);
+        if (we != nullptr) gate_up_one(we, y, act + (size_t)j * inter, i, inter, h, limit);
     }
     if (shared_here) grid_dependency_wait();  // not complete before the router it ran beside
 }

@@ -325,7 +325,7 @@ class CudaBackend:
             self._capture_touches.add(base)
 
     def memset(self, ptr: DevicePtr, byte: int, nbytes: int, stream: int | None = None) -> None:
-        self._after_release.discard(self._default if stream is None else stream)
+        self._after_release.discard(self._key(stream))
         self._alive()
         nbytes = int(nbytes)
         if nbytes <= 0:
@@ -334,7 +334,7 @@ class CudaBackend:
         check(driver.cuMemsetD8Async(ptr.addr, int(byte) & 0xFF, nbytes, self._stream(stream)), "cuMemsetD8Async")
 
     def copy_h2d(self, dst: DevicePtr, src: np.ndarray | bytes, stream: int | None = None) -> None:
-        self._after_release.discard(self._default if stream is None else stream)
+        self._after_release.discard(self._key(stream))
         self._alive()
         data = np.frombuffer(bytes(src), np.uint8) if isinstance(src, (bytes, bytearray)) else np.ascontiguousarray(src)
         n = data.nbytes
@@ -356,7 +356,7 @@ class CudaBackend:
         check(driver.cuMemcpyHtoDAsync(dst.addr, data.ctypes.data, n, s), "cuMemcpyHtoDAsync")
 
     def copy_d2h(self, dst: np.ndarray, src: DevicePtr, stream: int | None = None) -> None:
-        self._after_release.discard(self._default if stream is None else stream)
+        self._after_release.discard(self._key(stream))
         self._alive()
         if not isinstance(dst, np.ndarray) or not dst.flags.c_contiguous or not dst.flags.writeable:
             raise ValueError("copy_d2h destination must be a writable C-contiguous numpy array")
@@ -379,7 +379,7 @@ class CudaBackend:
         check(driver.cuMemcpyDtoHAsync(dst.ctypes.data, src.addr, n, s), "cuMemcpyDtoHAsync")
 
     def copy_d2d(self, dst: DevicePtr, src: DevicePtr, nbytes: int, stream: int | None = None) -> None:
-        self._after_release.discard(self._default if stream is None else stream)
+        self._after_release.discard(self._key(stream))
         self._alive()
         nbytes = int(nbytes)
         if nbytes <= 0:
@@ -437,6 +437,9 @@ class CudaBackend:
     def default_stream(self) -> int:
         return self._default
 
+    def _key(self, stream: int | None) -> int:
+        return self._default if stream is None else stream
+
     def _stream(self, stream: int | None) -> Any:
         if stream is None:
             return self._default_cu
@@ -481,7 +484,7 @@ class CudaBackend:
         return ev
 
     def event_record(self, event: Any, stream: int | None = None) -> None:
-        self._after_release.discard(self._default if stream is None else stream)
+        self._after_release.discard(self._key(stream))
         check(driver.cuEventRecord(event, self._stream(stream)), "cuEventRecord")
 
     def event_elapsed_ms(self, start: Any, end: Any) -> float:
@@ -547,14 +550,18 @@ class CudaBackend:
         except KernelNotFound:
             return NULL_KERNEL
 
+    def _function(self, kernel: KernelHandle) -> _Function:
+        fn = kernel.native
+        if not isinstance(fn, _Function) or fn.owner is not self:
+            raise LaunchError(f"{kernel.name}: the handle was not loaded by this CudaBackend")
+        return fn
+
     def resident_blocks(self, kernel: KernelHandle, block: int, smem: int = 0) -> int:
         """Blocks of ``kernel`` the device holds at once with ``block`` threads and ``smem`` bytes of
         dynamic shared memory (the occupancy calculator's blocks per SM x SMs): the grid of a
         grid-stride kernel that is meant to run as one wave. Derived from the loaded PTX, so a
         kernel whose register count changes keeps a one-wave grid without a constant to update."""
-        fn = kernel.native
-        if not isinstance(fn, _Function) or fn.owner is not self:
-            raise LaunchError(f"{kernel.name}: the handle was not loaded by this CudaBackend")
+        fn = self._function(kernel)
         key = (block, smem)
         hit = fn.resident.get(key)
         if hit is None:
@@ -580,9 +587,7 @@ class CudaBackend:
         if self._closed:
             self._alive()
         args = check_args(kernel, args)
-        fn = kernel.native
-        if not isinstance(fn, _Function) or fn.owner is not self:
-            raise LaunchError(f"{kernel.name}: the handle was not loaded by this CudaBackend")
+        fn = self._function(kernel)
         capturing = self._capture_stream is not None
         find = self._table.find
         for i in fn.ptr_args:
@@ -597,7 +602,7 @@ class CudaBackend:
             self._opt_in_smem(fn, kernel, smem)
         s = self._default_cu if stream is None else self._stream(stream)
         params = fn.packer.pack(args)
-        key = self._default if stream is None else stream
+        key = self._key(stream)
         cfg = fn.pdl_config if self.pdl else None
         if fn.beside and key not in self._after_release:
             cfg = None  # its predecessor may still be writing its input: a plain launch
@@ -686,7 +691,7 @@ class CudaBackend:
         return self._capture_stream is not None
 
     def graph_launch(self, graph: Graph, stream: int | None = None) -> None:
-        self._after_release.discard(self._default if stream is None else stream)
+        self._after_release.discard(self._key(stream))
         self._alive()
         self._table.check_graph_live(graph)
         if self._capture_stream is not None:
