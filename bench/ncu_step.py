@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--bf16-head", action="store_true")
+    ap.add_argument("--ptx-dir", default=None, help="load the kernels' PTX from here (a variant build)")
     args = ap.parse_args(argv)
 
     from cuda.bindings import driver
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.cuda_backend import CudaBackend, check
 
     cfg = glm5_flash()
-    gpu = CudaBackend()
+    gpu = CudaBackend(ptx_dir=args.ptx_dir)
     prop = MtpProposer(gpu, cfg, random_weights(cfg),
                        ProposerOptions(served_max_seq_len=args.context + args.k, max_draft_tokens=args.k,
                                        max_sequences=1, fp8_head=not args.bf16_head))

@@ -56,7 +56,8 @@ __device__ __forceinline__ void router_rows(const uint16_t* __restrict__ w, cons
 // keys (order-preserving bits << 32 | ~index) of experts lane, lane + 32, ... in registers, loaded
 // once, so the topk rounds are a register max and a warp reduction each, with no memory latency
 // between them; NaN sorts last, as in NumPy's argsort. Scores are read through L2 (__ldcg): in
-// router_fused they were written by other blocks of the same launch. n_experts <= 1024.
+// router_fused they were written by other blocks of the same launch (which also passes `bias` as
+// a copy in shared memory, loaded beside its weight rows). n_experts <= 1024.
 // NPL keys per lane (a template parameter: each round's register scan is NPL long, so 288 experts
 // cost 10 compare-selects per round, not 32).
 template <int NPL>
@@ -85,11 +86,11 @@ __device__ __forceinline__ void route_warp_n(const float* scores, const float* _
         unsigned long long best = 0ull;
 #pragma unroll
         for (int c = 0; c < ROUTE_MAX_PER_LANE; ++c) best = key[c] > best ? key[c] : best;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const unsigned long long other = __shfl_xor_sync(0xFFFFFFFFu, best, o);
-            best = other > best ? other : best;
-        }
+        // The warp's largest 64-bit key as two 32-bit reductions (redux.sync): the high words, then
+        // the low words of the lanes holding that high word; five 64-bit shuffle rounds before.
+        const uint32_t hi = __reduce_max_sync(0xFFFFFFFFu, (uint32_t)(best >> 32));
+        const uint32_t lo = __reduce_max_sync(0xFFFFFFFFu, (uint32_t)(best >> 32) == hi ? (uint32_t)best : 0u);
+        best = ((unsigned long long)hi << 32) | lo;
 #pragma unroll
         for (int c = 0; c < ROUTE_MAX_PER_LANE; ++c)
             if (key[c] == best) {  // keys are unique (the index is in them): one lane, one slot
@@ -201,13 +202,17 @@ extern "C" __global__ void __launch_bounds__(256) router_fused(
     uint32_t n_experts, uint32_t h, uint32_t topk, uint32_t norm, float scale, uint32_t shared) {
     __shared__ uint32_t ids_s[128];
     __shared__ float wsel[128];
+    __shared__ float bias_s[1024];
     // Launched plainly (y is complete when it starts); moe_gate_up's shared slot, which reads the
     // same y, runs beside it.
     release_dependents();
+    // Every block copies the bias while its rows load (which block routes is known only at the
+    // end); last_block_done's barrier orders the copy before the top-k reads it.
+    for (uint32_t i = threadIdx.x; i < min(n_experts, 1024u); i += blockDim.x) bias_s[i] = bias[i];
     router_rows(w, y, scores, n_experts + (shared ? 1u : 0u), h);
     if (!last_block_done(counter)) return;
     if (threadIdx.x < 32 && n_experts <= 1024u && topk <= 128u && topk <= n_experts)
-        route_warp(scores, bias, ids, weights, n_experts, topk, norm, scale, shared, ids_s, wsel);
+        route_warp(scores, bias_s, ids, weights, n_experts, topk, norm, scale, shared, ids_s, wsel);
 }
 
 // Grid (ceil(inter / 8), nslots), block 256: warp w of block x computes act[j][8x + w].

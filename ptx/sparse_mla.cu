@@ -113,15 +113,18 @@ __device__ __forceinline__ uint16_t bf16_lo_part(float v, uint16_t hi) {
 __device__ __forceinline__ uint32_t ld_u32(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(256) sparse_mla_partial(
+namespace {
+// The tile's work for latent width DIM (0: the runtime `dim_arg`). The kernel is bound by the
+// latency of each warp's own instruction chain (8 warps per SM): with the width a runtime value the
+// index arithmetic of the q and gather loops was integer division, the largest share of its
+// instructions in Nsight Compute's samples; the GLM width 512 gets a build where it is shifts.
+template <uint32_t DIM>
+__device__ __forceinline__ void mla_partial_tile(
     const float* __restrict__ q, const uint8_t* __restrict__ cache, const float* __restrict__ scales,
-    const uint32_t* __restrict__ block_table, const uint32_t* __restrict__ selected,
-    const uint32_t* __restrict__ count, float* __restrict__ part, float* __restrict__ ml, uint32_t heads,
-    uint32_t dim, uint32_t block_size, float scale) {
-    extern __shared__ __align__(16) uint8_t smem[];
-    launch_dependents();
-    grid_dependency_wait();
-    const uint32_t n = *count;
+    const uint32_t* __restrict__ block_table, const uint32_t* __restrict__ selected, uint32_t n,
+    float* __restrict__ part, float* __restrict__ ml, uint32_t heads, uint32_t dim_arg, uint32_t block_size,
+    float scale, uint8_t* smem) {
+    const uint32_t dim = DIM ? DIM : dim_arg;
     const uint32_t j0 = blockIdx.x * MLA_RT, h0 = blockIdx.y * MLA_HT;
     if (j0 >= n || dim % 16u != 0 || dim > 64u * MLA_NTW) return;
     const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -308,6 +311,22 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_partial(
         ml[((size_t)split * heads + h0 + tid) * 2u] = m_s[tid];
         ml[((size_t)split * heads + h0 + tid) * 2u + 1u] = l_s[tid];
     }
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(256) sparse_mla_partial(
+    const float* __restrict__ q, const uint8_t* __restrict__ cache, const float* __restrict__ scales,
+    const uint32_t* __restrict__ block_table, const uint32_t* __restrict__ selected,
+    const uint32_t* __restrict__ count, float* __restrict__ part, float* __restrict__ ml, uint32_t heads,
+    uint32_t dim, uint32_t block_size, float scale) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    launch_dependents();
+    grid_dependency_wait();
+    const uint32_t n = *count;
+    if (dim == 512u)
+        mla_partial_tile<512>(q, cache, scales, block_table, selected, n, part, ml, heads, dim, block_size, scale, smem);
+    else
+        mla_partial_tile<0>(q, cache, scales, block_table, selected, n, part, ml, heads, dim, block_size, scale, smem);
 }
 
 // out[h] = sum_s exp(m_s - M) part_s[h] / sum_s exp(m_s - M) l_s, M = max_s m_s, over the
