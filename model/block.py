@@ -158,7 +158,9 @@ class DecoderLayer:
         self._write_caches(s, s.fused, w.fused_rows, st, kv, row_ptr, row_add, 1, stream)
         q_a = s.fused.offset(self.ctx_rows * 2)
         nq = hl * a.qk_head_dim + ih * idim
-        bg.rmsnorm_gemv(gpu, q_a, w.q_a_norm, w.q_fused, s.q_fused, nq, a.q_lora_rank, eps, stream)
+        # The q projection reads the same fused rows as the cache write, so it runs beside it.
+        bg.rmsnorm_gemv(gpu, q_a, w.q_a_norm, w.q_fused, s.q_fused, nq, a.q_lora_rank, eps, stream,
+                        beside=True)
         iw = q_a.offset(a.q_lora_rank * 2)  # weights_proj y
         dsa_select.indexer_scores(gpu, s.q_fused.offset(hl * a.qk_head_dim * 2), iw, st.pool_keys,
                                   st.pool_scales, s.iscores, row_ptr, row_add, ih, idim,

@@ -182,3 +182,15 @@ extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_gemv(const uint16_t
     __shared__ float scratch[64];
     smem_x_gemv(w, y, n, k, xs, RmsNormToSmem{x, norm_w, k, eps, scratch});
 }
+
+// rmsnorm_gemv beside the kernel launched before it (Pdl.BESIDE): the q projection beside
+// dsa_cache_write, both reading the fused_in projection that completed before them.
+extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_gemv_beside(const uint16_t* __restrict__ x,
+                                                                      const uint16_t* __restrict__ norm_w,
+                                                                      const uint16_t* __restrict__ w,
+                                                                      uint16_t* __restrict__ y, uint32_t n,
+                                                                      uint32_t k, float eps) {
+    extern __shared__ __align__(16) uint16_t xs[];
+    __shared__ float scratch[64];
+    smem_x_gemv<true>(w, y, n, k, xs, RmsNormToSmem{x, norm_w, k, eps, scratch});
+}

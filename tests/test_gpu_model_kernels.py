@@ -184,12 +184,14 @@ def test_mtp_input_gemv(cuda, n, h, token):
     assert_dot_close(gy, ref, _norm_gemv_bound(xn, bufs["w"], ref, 2 * h), f"mtp_input_gemv n={n} h={h}")
 
 
+@pytest.mark.parametrize("beside", [False, True], ids=["wait", "beside"])
 @pytest.mark.parametrize("n,k,mis", [(2336, HIDDEN, 0), (20480, 1536, 0), (37, 29, 0), (100, 48, 2)])
-def test_rmsnorm_gemv(cuda, n, k, mis):
-    """fused_in (2336 x 4096) and q_fused (20480 x 1536) with their input norms as the prologue."""
+def test_rmsnorm_gemv(cuda, n, k, mis, beside):
+    """fused_in (2336 x 4096) and q_fused (20480 x 1536) with their input norms as the prologue;
+    the beside variant computes the same (it differs only in where it waits)."""
     rng = np.random.default_rng()
     x, nw, w = random_bf16(rng, k), random_bf16(rng, k, exp_lo=-1), random_bf16(rng, (n, k), exp_lo=-8)
-    g, h = both(cuda, lambda gpu, x, nw, w, y: bg.rmsnorm_gemv(gpu, x, nw, w, y, n, k, 1e-5),
+    g, h = both(cuda, lambda gpu, x, nw, w, y: bg.rmsnorm_gemv(gpu, x, nw, w, y, n, k, 1e-5, beside=beside),
                 {"x": x, "nw": nw, "w": w, "y": 2 * n}, {"x": mis})
     ref = as_(h["y"], BF16).astype(np.float64)
     xn = rmsnorm_ref(x, nw, 1e-5)

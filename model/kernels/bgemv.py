@@ -85,6 +85,18 @@ def RMSNORM_GEMV(mem, x, norm_w, w, y, n, k, eps):
     mem.write(y, gemv_bf16_ref(mem.view(w, BF16, (n, k)), xn[None])[0])
 
 
+@declare(
+    "bgemv",
+    "rmsnorm_gemv_beside",
+    [("x", PTR), ("norm_w", PTR), ("w", PTR), ("y", PTR), ("n", U32), ("k", U32), ("eps", F32)],
+    writes=("y",),
+    pdl=Pdl.BESIDE,
+)
+def RMSNORM_GEMV_BESIDE(mem, x, norm_w, w, y, n, k, eps):
+    """rmsnorm_gemv that may run beside the kernel launched before it (x is older than that)."""
+    RMSNORM_GEMV.host(mem, x, norm_w, w, y, n, k, eps)
+
+
 def rows_per_warp(k: int) -> int:
     """ptx/bgemv.cu bgemv_dispatch: short rows get more rows per warp (16 loads per lane in flight)."""
     return 16 if k <= 256 else 8 if k <= 512 else 4
@@ -117,7 +129,9 @@ def sum_rows_residual_rmsnorm(gpu, parts, residual, norm_w, out, normed, rows, n
 # normalised x lives in dynamic smem.
 
 
-def rmsnorm_gemv(gpu, x, norm_w, w, y, n, k, eps, stream=None):
-    kernel = gpu.kernel(*RMSNORM_GEMV.key)
+def rmsnorm_gemv(gpu, x, norm_w, w, y, n, k, eps, stream=None, *, beside: bool = False):
+    """``beside``: x was produced before the previous launch on the stream, so the GEMV may run
+    beside that launch (runtime.kernel.Pdl.BESIDE)."""
+    kernel = gpu.kernel(*(RMSNORM_GEMV_BESIDE if beside else RMSNORM_GEMV).key)
     grid = max(1, min(-(-n // 8), gpu.resident_blocks(kernel, 256, 2 * k)))
     launch(gpu, kernel, grid, 256, x, norm_w, w, y, n, k, eps, smem=2 * k, stream=stream)
