@@ -96,6 +96,41 @@ extern "C" __global__ void __launch_bounds__(256) sum_rows_residual(const float*
     out[i] = f32_to_bf16_bits(__fadd_rn(bf16_bits_to_f32(residual[i]), acc));
 }
 
+namespace {
+// Elements 4c .. 4c + 3 of sum_rows_residual_rmsnorm's row: the part rows added in row order with
+// RL float4 loads in flight, the residual added, the BF16 result stored (and returned packed in
+// o01 / o23), and its squares added to ss.
+template <int RL>
+__device__ __forceinline__ void sum_chunk_rows(const float* __restrict__ parts, const uint16_t* residual,
+                                               uint16_t* out, uint32_t rows, uint32_t n4, uint32_t c,
+                                               uint32_t& o01, uint32_t& o23, float& ss) {
+    const float4* p4 = reinterpret_cast<const float4*>(parts);
+    float4 acc = __ldg(p4 + c);
+    const uint2 res = *reinterpret_cast<const uint2*>(residual + 4u * c);
+    for (uint32_t r0 = 1; r0 < rows; r0 += RL) {
+        float4 v[RL];
+#pragma unroll
+        for (int u = 0; u < RL; ++u)
+            v[u] = r0 + u < rows ? __ldg(p4 + (size_t)(r0 + u) * n4 + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int u = 0; u < RL; ++u) {
+            if (r0 + u < rows) {
+                acc.x = __fadd_rn(acc.x, v[u].x);
+                acc.y = __fadd_rn(acc.y, v[u].y);
+                acc.z = __fadd_rn(acc.z, v[u].z);
+                acc.w = __fadd_rn(acc.w, v[u].w);
+            }
+        }
+    }
+    o01 = pack_bf16x2(__fadd_rn(bf16_lo(res.x), acc.x), __fadd_rn(bf16_hi(res.x), acc.y));
+    o23 = pack_bf16x2(__fadd_rn(bf16_lo(res.y), acc.z), __fadd_rn(bf16_hi(res.y), acc.w));
+    *reinterpret_cast<uint2*>(out + 4u * c) = make_uint2(o01, o23);
+    const float f[4] = {bf16_lo(o01), bf16_hi(o01), bf16_lo(o23), bf16_hi(o23)};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ss = fmaf(f[e], f[e], ss);
+}
+}  // namespace
+
 // sum_rows_residual, then the next layer's RMSNorm of its BF16 result in the same launch:
 // normed = bf16((out / r) * w), r = sqrt(mean(out^2) + eps). One block of 1024 threads owns the
 // whole row (the norm needs all of it). Each thread takes 4 consecutive elements and keeps 8 part
@@ -107,39 +142,37 @@ extern "C" __global__ void __launch_bounds__(1024) sum_rows_residual_rmsnorm(
     uint16_t* out, uint16_t* __restrict__ normed, uint32_t rows, uint32_t n, float eps) {
     __shared__ float scratch[32];
     launch_dependents();
+    const bool vec = (n % 4u == 0) && aligned16(parts) && ((uintptr_t)residual & 7u) == 0 &&
+                     ((uintptr_t)out & 7u) == 0 && ((uintptr_t)normed & 7u) == 0 && ((uintptr_t)norm_w & 7u) == 0;
+    // A row of at most 4 * blockDim elements (the GLM hidden 4096): one float4 per thread, the norm
+    // weight loaded before the wait (it is a weight) and the sum kept in registers for the norm, so
+    // the launch costs one round trip for its inputs instead of two.
+    const bool one_chunk = vec && n / 4u <= blockDim.x;
+    uint2 w1 = make_uint2(0u, 0u);
+    if (one_chunk && threadIdx.x < n / 4u) w1 = __ldg(reinterpret_cast<const uint2*>(norm_w) + threadIdx.x);
     grid_dependency_wait();
     if (rows == 0) return;
     constexpr int RL = 8;
     float ss = 0.0f;
-    const bool vec = (n % 4u == 0) && aligned16(parts) && ((uintptr_t)residual & 7u) == 0 &&
-                     ((uintptr_t)out & 7u) == 0 && ((uintptr_t)normed & 7u) == 0 && ((uintptr_t)norm_w & 7u) == 0;
+    if (one_chunk) {
+        const uint32_t c = threadIdx.x;
+        uint32_t o01 = 0u, o23 = 0u;
+        if (c < n / 4u) {
+            sum_chunk_rows<RL>(parts, residual, out, rows, n / 4u, c, o01, o23, ss);
+        }
+        ss = block_sum(ss, scratch);
+        const float d = sqrtf(ss / (float)n + eps);
+        if (c < n / 4u)
+            *reinterpret_cast<uint2*>(normed + 4u * c) = make_uint2(
+                pack_bf16x2(__fmul_rn(bf16_lo(o01) / d, bf16_lo(w1.x)), __fmul_rn(bf16_hi(o01) / d, bf16_hi(w1.x))),
+                pack_bf16x2(__fmul_rn(bf16_lo(o23) / d, bf16_lo(w1.y)), __fmul_rn(bf16_hi(o23) / d, bf16_hi(w1.y))));
+        return;
+    }
     if (vec) {
         const uint32_t n4 = n / 4u;
-        const float4* p4 = reinterpret_cast<const float4*>(parts);
         for (uint32_t c = threadIdx.x; c < n4; c += blockDim.x) {
-            float4 acc = __ldg(p4 + c);
-            const uint2 res = *reinterpret_cast<const uint2*>(residual + 4u * c);
-            for (uint32_t r0 = 1; r0 < rows; r0 += RL) {
-                float4 v[RL];
-#pragma unroll
-                for (int u = 0; u < RL; ++u)
-                    v[u] = r0 + u < rows ? __ldg(p4 + (size_t)(r0 + u) * n4 + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-                for (int u = 0; u < RL; ++u) {
-                    if (r0 + u < rows) {
-                        acc.x = __fadd_rn(acc.x, v[u].x);
-                        acc.y = __fadd_rn(acc.y, v[u].y);
-                        acc.z = __fadd_rn(acc.z, v[u].z);
-                        acc.w = __fadd_rn(acc.w, v[u].w);
-                    }
-                }
-            }
-            const uint32_t o01 = pack_bf16x2(__fadd_rn(bf16_lo(res.x), acc.x), __fadd_rn(bf16_hi(res.x), acc.y));
-            const uint32_t o23 = pack_bf16x2(__fadd_rn(bf16_lo(res.y), acc.z), __fadd_rn(bf16_hi(res.y), acc.w));
-            *reinterpret_cast<uint2*>(out + 4u * c) = make_uint2(o01, o23);
-            const float f[4] = {bf16_lo(o01), bf16_hi(o01), bf16_lo(o23), bf16_hi(o23)};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) ss = fmaf(f[e], f[e], ss);
+            uint32_t o01, o23;
+            sum_chunk_rows<RL>(parts, residual, out, rows, n4, c, o01, o23, ss);
         }
     } else {
         for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) {
