@@ -166,12 +166,12 @@ class DecoderLayer:
                                   st.pool_scales, s.iscores, row_ptr, row_add, ih, idim,
                                   d.index_kpool, 1.0 / ih ** 0.5,
                                   max(rows_capacity // d.index_kpool, 1), stream)
-        # The absorbed query reads the same q projection as the indexer, so it runs beside it
-        # (launched between the indexer and the selection that consumes the indexer's scores).
-        bg.bgemv(gpu, w.wk_t, s.q_fused, s.q_abs, hl, C, a.qk_nope_head_dim, out_f32=True,
-                 beside=True, stream=stream)
         dsa_select.select_topk_pools(gpu, s.iscores, s.selected, s.count, row_ptr, row_add,
                                      d.topk_pools, d.index_kpool, stream)
+        # The absorbed query needs only the q projection, so it streams wk_t beside the selection
+        # (one block on one SM) instead of after it.
+        bg.bgemv(gpu, w.wk_t, s.q_fused, s.q_abs, hl, C, a.qk_nope_head_dim, out_f32=True,
+                 beside=True, stream=stream)
         sel_cap = selection_rows(d, rows_capacity)
         if sparse_mla.split_supported(C, sel_cap):
             sparse_mla.sparse_mla_split(gpu, s.q_abs, kv.data[self.kv_layer], kv.scales[self.kv_layer],

@@ -67,7 +67,8 @@ extern "C" __global__ void __launch_bounds__(256) bgemv_bf16_f32(const uint16_t*
 }
 
 // bgemv_bf16_f32 that runs beside the kernel launched before it (Pdl.BESIDE): wk_t's q_abs beside
-// indexer_scores, both reading the q projection that completed before them.
+// select_topk_pools (the selection reads the indexer's scores; q_abs only the q projection, which
+// completed before both).
 extern "C" __global__ void __launch_bounds__(256) bgemv_bf16_f32_beside(const uint16_t* __restrict__ w,
                                                                         const uint16_t* __restrict__ x,
                                                                         float* __restrict__ y, uint32_t batch,

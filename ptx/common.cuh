@@ -82,10 +82,16 @@ __device__ __forceinline__ void launch_dependents_last_iteration() {
 }
 // Unconditional release, for a kernel whose successor is built to run beside it: the successor's
 // input comes from the kernel before this one, so it works without waiting and waits only before
-// it exits (router_fused -> moe_gate_up's shared slot, indexer_scores -> bgemv_bf16_f32_beside).
-// Such a kernel is launched plainly (not pdl), so everything before it has completed when it starts.
+// it exits (router_fused -> moe_gate_up's shared slot, select_topk_pools -> bgemv_bf16_f32_beside,
+// dsa_cache_write -> rmsnorm_gemv_beside). Called once everything before this kernel has completed:
+// right after its own wait (these are Pdl.WAIT kernels; launched plainly the wait is a no-op and
+// that holds at the start).
 __device__ __forceinline__ void release_dependents() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+__device__ __forceinline__ void wait_then_release() {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    release_dependents();
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -162,9 +162,9 @@ extern "C" __global__ void __launch_bounds__(128) dsa_cache_write(
     __shared__ float key_buf[DSA_MAX_DIM];
     __shared__ float mu_s[DSA_MAX_KPOOL], den_s[DSA_MAX_KPOOL];
     __shared__ const uint16_t* kg_rows[DSA_MAX_KPOOL];
-    // Launched plainly (its input is complete when it starts); the drafter's q projection, which
-    // reads the same fused rows, runs beside it (rmsnorm_gemv_beside).
-    release_dependents();
+    // The drafter's q projection, which reads the same fused rows, runs beside it
+    // (rmsnorm_gemv_beside), released once those rows have completed.
+    wait_then_release();
     const uint32_t r = blockIdx.x;
     if (r >= rows) return;
     const uint32_t base = *row_ptr + row_add;

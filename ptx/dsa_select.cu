@@ -21,9 +21,8 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores(
     const float* __restrict__ pool_scales, float* __restrict__ scores, const uint32_t* __restrict__ row_ptr,
     uint32_t row_add, uint32_t heads, uint32_t dim, uint32_t kpool, float w_scale) {
     extern __shared__ __align__(16) float sm[];
-    // Launched plainly (everything before it has completed); the q_abs GEMV after it reads the same
-    // q projection and runs beside it (bgemv_bf16_f32_beside).
-    release_dependents();
+    launch_dependents();
+    grid_dependency_wait();
     const uint32_t row = *row_ptr + row_add;
     const uint32_t npools = (row + 1u) / kpool;
     const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -114,8 +113,9 @@ extern "C" __global__ void __launch_bounds__(1024) select_topk_pools(
     __shared__ uint32_t scan_scratch[32];
     __shared__ uint32_t s_digit, s_remaining;
     const uint32_t tid = threadIdx.x, nt = blockDim.x;
-    launch_dependents();
-    grid_dependency_wait();
+    // One block on one SM: the q_abs GEMV, which needs only the q projection, runs beside it
+    // (bgemv_bf16_f32_beside), released once the indexer's scores have completed.
+    wait_then_release();
     const uint32_t row = *row_ptr + row_add;
     const uint32_t npools = (row + 1u) / kpool;
     if (npools <= topk_pools) {

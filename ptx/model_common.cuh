@@ -123,15 +123,16 @@ __device__ __forceinline__ void load_x_chunks(const uint4* __restrict__ xv, uint
 }
 
 // WAIT_FIRST (pdl kernels): the first batch of weight loads is issued, then grid_dependency_wait(),
-// then x is read: the weight stream starts while the previous kernel finishes.
-template <int ROWS, int U, bool WAIT_FIRST = false>
+// then x is read: the weight stream starts while the previous kernel finishes. RELEASE: the kernel
+// releases its dependents right after that wait (release_dependents).
+template <int ROWS, int U, bool WAIT_FIRST = false, bool RELEASE = false>
 __device__ __forceinline__ void warp_gemv_bf16(const uint16_t* const (&w)[ROWS], const uint16_t* __restrict__ x,
                                                uint32_t k, bool vec, float (&acc)[ROWS]) {
     const uint32_t lane = threadIdx.x & 31;
     if (vec) {
         const uint32_t kc = k >> 3;
         const uint4* xv = reinterpret_cast<const uint4*>(x);
-        if (WAIT_FIRST && kc == 0) grid_dependency_wait();
+        if (WAIT_FIRST && kc == 0) RELEASE ? wait_then_release() : grid_dependency_wait();
         for (uint32_t c0 = 0; c0 < kc; c0 += 32u * U) {
             uint4 wv[ROWS][U];
 #pragma unroll
@@ -141,7 +142,7 @@ __device__ __forceinline__ void warp_gemv_bf16(const uint16_t* const (&w)[ROWS],
                 for (int r = 0; r < ROWS; ++r)
                     wv[r][u] = c < kc ? ld_stream16(reinterpret_cast<const uint4*>(w[r]) + c) : make_uint4(0, 0, 0, 0);
             }
-            if (WAIT_FIRST && c0 == 0) grid_dependency_wait();
+            if (WAIT_FIRST && c0 == 0) RELEASE ? wait_then_release() : grid_dependency_wait();
             uint4 xs[U];
             load_x_chunks<U>(xv, c0 + lane, kc, xs);
 #pragma unroll
@@ -153,7 +154,7 @@ __device__ __forceinline__ void warp_gemv_bf16(const uint16_t* const (&w)[ROWS],
             }
         }
     } else {
-        if (WAIT_FIRST) grid_dependency_wait();
+        if (WAIT_FIRST) RELEASE ? wait_then_release() : grid_dependency_wait();
         for (uint32_t i = lane; i < k; i += 32u) {
             const float xi = bf16_bits_to_f32(x[i]);
 #pragma unroll

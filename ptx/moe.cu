@@ -40,14 +40,20 @@ __device__ __forceinline__ float numpy_sum_f32(const float* a, uint32_t n) {
 
 // scores[row] = sigmoid(w[row] . y) for the rows of this warp (one row per warp, 16 loads of 16
 // bytes per lane in flight: a 4096-wide row is 16 chunks per lane, so one round trip).
+// PDL: the weights' first batch is issued before the wait, and the kernel releases its dependents
+// right after it (router_fused).
+template <bool PDL>
 __device__ __forceinline__ void router_rows(const uint16_t* __restrict__ w, const uint16_t* __restrict__ y,
                                             float* __restrict__ scores, uint32_t n, uint32_t h) {
     const uint32_t row = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (row >= n) return;
+    if (row >= n) {
+        if (PDL) wait_then_release();
+        return;
+    }
     const bool vec = (h % 8u == 0) && aligned16(w) && aligned16(y);
     const uint16_t* wr[1] = {w + (size_t)row * h};
     float acc[1] = {0.0f};
-    warp_gemv_bf16<1, 16>(wr, y, h, vec, acc);
+    warp_gemv_bf16<1, 16, PDL, PDL>(wr, y, h, vec, acc);
     const float v = warp_sum(acc[0]);
     if ((threadIdx.x & 31) == 0) scores[row] = sigmoidf_(v);
 }
@@ -178,7 +184,7 @@ __device__ __forceinline__ const uint16_t* local_expert(const uint16_t* w, const
 extern "C" __global__ void __launch_bounds__(256) router_scores(const uint16_t* __restrict__ w,
                                                                 const uint16_t* __restrict__ y,
                                                                 float* __restrict__ scores, uint32_t n, uint32_t h) {
-    router_rows(w, y, scores, n, h);
+    router_rows<false>(w, y, scores, n, h);
 }
 
 // One block of 32 threads.
@@ -203,13 +209,12 @@ extern "C" __global__ void __launch_bounds__(256) router_fused(
     __shared__ uint32_t ids_s[128];
     __shared__ float wsel[128];
     __shared__ float bias_s[1024];
-    // Launched plainly (y is complete when it starts); moe_gate_up's shared slot, which reads the
-    // same y, runs beside it.
-    release_dependents();
+    // moe_gate_up's shared slot, which reads the same y, runs beside it: released right after the
+    // wait for y (inside router_rows, after the first weight batch is in flight).
     // Every block copies the bias while its rows load (which block routes is known only at the
     // end); last_block_done's barrier orders the copy before the top-k reads it.
     for (uint32_t i = threadIdx.x; i < min(n_experts, 1024u); i += blockDim.x) bias_s[i] = bias[i];
-    router_rows(w, y, scores, n_experts + (shared ? 1u : 0u), h);
+    router_rows<true>(w, y, scores, n_experts + (shared ? 1u : 0u), h);
     if (!last_block_done(counter)) return;
     if (threadIdx.x < 32 && n_experts <= 1024u && topk <= 128u && topk <= n_experts)
         route_warp(scores, bias_s, ids, weights, n_experts, topk, norm, scale, shared, ids_s, wsel);

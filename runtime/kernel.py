@@ -41,9 +41,12 @@ class Pdl(Enum):
       finishes.
     BESIDE: its inputs come from the kernel two launches back, so it works without waiting and
       calls the wait only before it exits (keeping "my predecessor completed" transitive). It may
-      overlap its predecessor only when that predecessor was launched plainly and releases its
-      dependents (``releases=True``); the backend checks this at each launch and otherwise launches
-      it plainly.
+      overlap its predecessor only when that predecessor releases its dependents
+      (``releases=True``); the backend checks this at each launch and otherwise launches it plainly.
+
+    A releasing kernel calls griddepcontrol.launch_dependents once everything launched before it
+    has completed: at its start when it is NONE (launched plainly), right after its own wait when it
+    is WAIT. A BESIDE kernel cannot release: its predecessor may still be running.
     """
 
     NONE = "none"
@@ -62,8 +65,9 @@ class KernelDecl:
     # Pointer arguments the kernel writes (for graph bookkeeping and poisoning in tests).
     writes: tuple[str, ...] = ()
     host: Callable[..., None] | None = field(default=None, compare=False, repr=False)
-    # Programmatic dependent launch (Pdl), and whether the kernel releases its dependents at its
-    # start (griddepcontrol.launch_dependents; what a BESIDE successor needs to overlap it).
+    # Programmatic dependent launch (Pdl), and whether the kernel releases its dependents as soon as
+    # everything before it has completed (griddepcontrol.launch_dependents; what a BESIDE successor
+    # needs to overlap it).
     pdl: Pdl = Pdl.NONE
     releases: bool = False
 
@@ -96,10 +100,10 @@ def declare(
     ``Pdl.WAIT``); tests/test_pdl_ptx.py checks its PTX for it.
     """
     mode = pdl if isinstance(pdl, Pdl) else (Pdl.WAIT if pdl else Pdl.NONE)
-    if releases and mode:
-        # A BESIDE successor reads what was complete when this kernel started: only true when
-        # this kernel itself waited for everything before it, i.e. was launched plainly.
-        raise ValueError(f"{module}.{function}: a kernel that releases its dependents must be Pdl.NONE")
+    if releases and mode is Pdl.BESIDE:
+        # A BESIDE successor reads what was complete before this kernel: a BESIDE kernel has not
+        # waited for its own predecessor when it could release, so it cannot give that guarantee.
+        raise ValueError(f"{module}.{function}: a kernel that releases its dependents cannot be Pdl.BESIDE")
     names = [n for n, _ in args]
     for w in writes:
         if w not in names:

@@ -120,7 +120,8 @@ def INDEXER_COMPRESS_POOLS(mem, keys, gates, ape, pool_keys, pool_scales, row_pt
         ("eps", F32), ("ln_eps", F32),
     ],
     writes=("cache", "scales", "keys", "gates", "pool_keys", "pool_scales"),
-    releases=True,
+    pdl=True,
+    releases=True,  # the q projection (rmsnorm_gemv_beside) runs beside it
 )
 def DSA_CACHE_WRITE(mem, fused, stride, kv_norm_w, cache, scales, block_table, knorm_w, knorm_b, keys,
                     gates, ape, pool_keys, pool_scales, row_ptr, row_add, rows, C, idim, block_size,

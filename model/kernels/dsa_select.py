@@ -35,7 +35,7 @@ def selection_capacity(rows: int, topk_pools: int, kpool: int) -> int:
         ("w_scale", F32),
     ],
     writes=("scores",),
-    releases=True,  # the q_abs GEMV (bgemv_bf16_f32_beside) runs beside it
+    pdl=True,
 )
 def INDEXER_SCORES(mem, q, w, pool_keys, pool_scales, scores, row_ptr, row_add, heads, dim, kpool,
                    w_scale):
@@ -75,6 +75,7 @@ def select_rows_ref(scores: np.ndarray, row: int, topk_pools: int, kpool: int) -
     ],
     writes=("selected", "count"),
     pdl=True,
+    releases=True,  # the q_abs GEMV (bgemv_bf16_f32_beside) runs beside it
 )
 def SELECT_TOPK_POOLS(mem, scores, selected, count, row_ptr, row_add, topk_pools, kpool):
     row = int(mem.scalar(row_ptr, np.uint32)) + row_add

@@ -122,6 +122,7 @@ def EXPERT_DOWN(mem, w, act, ids, weights, parts, slot0, nslots, expert_base, n_
         ("scale", F32), ("shared", U32),
     ],
     writes=("scores", "ids", "weights", "counter"),
+    pdl=True,
     releases=True,  # moe_gate_up's shared slot runs beside it
 )
 def ROUTER_FUSED(mem, w, y, bias, scores, ids, weights, counter, n_experts, h, topk, norm, scale,
