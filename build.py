@@ -130,6 +130,9 @@ def canonical_ptx(text: str) -> str:
     return _PATH_HASH.sub(lambda m: m.group(1) + "00000000", text)
 
 
+FRESH_COMPILES = 4
+
+
 def compile_body(nvcc: str, cu: Path, out_dir: Path) -> str:
     out = out_dir / (cu.stem + ".ptx")
     cmd = [nvcc, *NVCC_FLAGS, str(cu), "-o", str(out)]
@@ -198,6 +201,14 @@ def check(ptx_dir: Path, nvcc: str | None) -> list[str]:
                 continue
             try:
                 fresh = compile_body(nvcc, cu, Path(tmp))
+                # nvcc 13.0 now and then numbers the virtual registers of the same source
+                # differently (gemv_bf16.cu: two cvta.to.global operands swapped, 1 in about 25
+                # checks while other compiles ran): a .ptx is current when any of a few fresh
+                # compiles equals it. A hand edit matches none of them.
+                for _ in range(FRESH_COMPILES - 1):
+                    if fresh == body:
+                        break
+                    fresh = compile_body(nvcc, cu, Path(tmp))
             except RuntimeError as e:
                 problems.append(f"{rel}: source no longer compiles: {e}")
                 continue
