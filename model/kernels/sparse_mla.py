@@ -19,6 +19,18 @@ from runtime.kernel import F32, PTR, U32, declare
 from runtime.launch import launch
 
 
+def _gather(mem, cache, scales, block_table, selected, count, dim, block_size):
+    """(count, the selected rows' FP8 latents widened to f32 and times their row scales)."""
+    n = int(mem.scalar(count, np.uint32))
+    rows = mem.read(selected, np.uint32, n).astype(np.int64)
+    blocks = mem.read(block_table, np.uint32, int(rows.max()) // block_size + 1).astype(np.int64)
+    slots = blocks[rows // block_size] * block_size + rows % block_size
+    nslots = int(slots.max()) + 1
+    c = mem.read(cache, FP8, (nslots, dim))[slots].astype(np.float32)
+    c *= mem.read(scales, np.float32, nslots)[slots][:, None]
+    return n, c
+
+
 @declare(
     "sparse_mla",
     "sparse_mla_attend",
@@ -31,13 +43,7 @@ from runtime.launch import launch
 )
 def SPARSE_MLA_ATTEND(mem, q, cache, scales, block_table, selected, count, out, heads, dim,
                       block_size, scale):
-    n = int(mem.scalar(count, np.uint32))
-    rows = mem.read(selected, np.uint32, n).astype(np.int64)
-    blocks = mem.read(block_table, np.uint32, int(rows.max()) // block_size + 1).astype(np.int64)
-    slots = blocks[rows // block_size] * block_size + rows % block_size
-    nslots = int(slots.max()) + 1
-    c = mem.read(cache, FP8, (nslots, dim))[slots].astype(np.float32)
-    c *= mem.read(scales, np.float32, nslots)[slots][:, None]
+    _, c = _gather(mem, cache, scales, block_table, selected, count, dim, block_size)
     qv = mem.read(q, np.float32, (heads, dim))
     s = (qv @ c.T) * np.float32(scale)
     s -= s.max(1, keepdims=True)
@@ -50,17 +56,6 @@ def SPARSE_MLA_ATTEND(mem, q, cache, scales, block_table, selected, count, out, 
 SPLIT_ROWS = 64
 HEAD_TILE = 16
 MAX_SPLITS = 1024
-
-
-def _gather(mem, cache, scales, block_table, selected, count, dim, block_size):
-    n = int(mem.scalar(count, np.uint32))
-    rows = mem.read(selected, np.uint32, n).astype(np.int64)
-    blocks = mem.read(block_table, np.uint32, int(rows.max()) // block_size + 1).astype(np.int64)
-    slots = blocks[rows // block_size] * block_size + rows % block_size
-    nslots = int(slots.max()) + 1
-    c = mem.read(cache, FP8, (nslots, dim))[slots].astype(np.float32)
-    c *= mem.read(scales, np.float32, nslots)[slots][:, None]
-    return n, c
 
 
 @declare(
