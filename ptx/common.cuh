@@ -82,8 +82,9 @@ __device__ __forceinline__ void launch_dependents_last_iteration() {
 }
 // Unconditional release, for a kernel whose successor is built to run beside it: the successor's
 // input comes from the kernel before this one, so it works without waiting and waits only before
-// it exits (router_fused -> moe_gate_up's shared slot, select_topk_pools -> bgemv_bf16_f32_beside,
-// dsa_cache_write -> rmsnorm_gemv_beside). Called once everything before this kernel has completed:
+// it exits or before it reads this kernel's output (router_fused -> moe_gate_up's shared slot,
+// select_topk_pools -> bgemv_bf16_f32_beside, dsa_cache_write -> rmsnorm_gemv_beside, the heads
+// head_argmax_{bf16,fp8} -> the next draft's mtp_input_gemv, whose token is the head's output). Called once everything before this kernel has completed:
 // right after its own wait (these are Pdl.WAIT kernels; launched plainly the wait is a no-op and
 // that holds at the start).
 __device__ __forceinline__ void release_dependents() {

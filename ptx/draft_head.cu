@@ -149,14 +149,14 @@ extern "C" __global__ void __launch_bounds__(256) head_argmax_bf16(
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) wr[r] = w + (size_t)min(row0 + r, n - 1) * k;
         float acc[ROWS] = {0.0f, 0.0f};
-        warp_gemv_bf16<ROWS, 4, true>(wr, x, k, vec, acc);
+        warp_gemv_bf16<ROWS, 4, true, true>(wr, x, k, vec, acc);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             const float v = warp_sum(acc[r]);
             if (lane == (uint32_t)r && row0 + r < n) cand = store_logit(v, row0 + r, logits);
         }
     }
-    grid_dependency_wait();  // a warp without rows never reached the wait in warp_gemv_bf16
+    wait_then_release();  // a warp without rows never reached the wait in warp_gemv_bf16
     argmax_commit(cand, key, counter, token, drafts, slot);
 }
 
@@ -226,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_fp8(
                 pre[r][u] = ld_stream16(reinterpret_cast<const uint4*>(wq + (size_t)min(first_row0 + r, n - 1) * k) +
                                         lane + 32u * u);
     }
-    grid_dependency_wait();
+    wait_then_release();
     if (smem) stage_x(x, 1, k);  // every thread of the block
     unsigned long long cand = 0ull;
     uint32_t g = blockIdx.x;

@@ -202,6 +202,7 @@ extern "C" __global__ void __launch_bounds__(32) router_topk(const float* __rest
 // router_scores + router_topk in one launch: the last block to finish its rows runs the top-k
 // (last_block_done; `counter` is a zeroed u32 the kernel leaves zeroed). Grid ceil((n_experts +
 // shared) / 8), block 256.
+constexpr int ROUTER_BIAS_PER_THREAD = 4;  // 1024 experts at most, over 256 threads
 extern "C" __global__ void __launch_bounds__(256) router_fused(
     const uint16_t* __restrict__ w, const uint16_t* __restrict__ y, const float* __restrict__ bias,
     float* scores, uint32_t* __restrict__ ids, float* __restrict__ weights, uint32_t* __restrict__ counter,
@@ -212,9 +213,22 @@ extern "C" __global__ void __launch_bounds__(256) router_fused(
     // moe_gate_up's shared slot, which reads the same y, runs beside it: released right after the
     // wait for y (inside router_rows, after the first weight batch is in flight).
     // Every block copies the bias while its rows load (which block routes is known only at the
-    // end); last_block_done's barrier orders the copy before the top-k reads it.
-    for (uint32_t i = threadIdx.x; i < min(n_experts, 1024u); i += blockDim.x) bias_s[i] = bias[i];
+    // end); last_block_done's barrier orders the copy before the top-k reads it. The loads go out
+    // first and the shared stores come after the rows: a store right after its load held the
+    // warp for one round trip before it issued its first weight load.
+    const uint32_t nb = min(n_experts, 1024u);
+    float bias_r[ROUTER_BIAS_PER_THREAD];
+#pragma unroll
+    for (int q = 0; q < ROUTER_BIAS_PER_THREAD; ++q) {
+        const uint32_t i = threadIdx.x + (uint32_t)q * blockDim.x;
+        bias_r[q] = i < nb ? __ldg(bias + i) : 0.0f;
+    }
     router_rows<true>(w, y, scores, n_experts + (shared ? 1u : 0u), h);
+#pragma unroll
+    for (int q = 0; q < ROUTER_BIAS_PER_THREAD; ++q) {
+        const uint32_t i = threadIdx.x + (uint32_t)q * blockDim.x;
+        if (i < nb) bias_s[i] = bias_r[q];
+    }
     if (!last_block_done(counter)) return;
     if (threadIdx.x < 32 && n_experts <= 1024u && topk <= 128u && topk <= n_experts)
         route_warp(scores, bias_s, ids, weights, n_experts, topk, norm, scale, shared, ids_s, wsel);

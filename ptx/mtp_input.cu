@@ -32,55 +32,104 @@ extern "C" __global__ void __launch_bounds__(256) mtp_embed_norm(
 }
 
 namespace {
-// Prologue of mtp_input_gemv: xs = [rmsnorm(table[*token]) * enorm ; rmsnorm(hidden) * hnorm],
-// the half of an out-of-vocabulary token NaN, as mtp_embed_norm writes it. Both rows are staged in
-// place in xs (stage_row_sumsq; the hidden row's loads go out before the token is known to be in
-// range) and their two sums of squares share one block reduction.
-struct MtpConcatToSmem {
-    const uint16_t* table;
-    const uint32_t* token;
-    const uint16_t* enorm;
-    const uint16_t* hidden;
-    const uint16_t* hnorm;
-    uint32_t vocab, h;
-    float eps;
-    float* scratch;  // 64 floats
-    __device__ __forceinline__ void operator()(uint16_t* xs) const {
-        const uint32_t t = *token;
-        const bool valid = t < vocab;
-        const uint16_t* e = table + (size_t)(valid ? t : 0u) * h;
-        const bool fast = rms_stage_ok(hidden, hnorm, xs + h, h) && rms_stage_ok(e, enorm, xs, h);
-        if (fast) {
-            float sh = stage_row_sumsq(hidden, xs + h, h);
-            float se = valid ? stage_row_sumsq(e, xs, h) : 0.0f;
-            block_sum2(se, sh, scratch);
-            if (valid) scale_staged_row(xs, enorm, h, sqrtf(se / (float)h + eps));
-            scale_staged_row(xs + h, hnorm, h, sqrtf(sh / (float)h + eps));
-            if (!valid)
-                for (uint32_t i = threadIdx.x; i < h; i += blockDim.x) xs[i] = (uint16_t)BF16_QNAN_BITS;
-        } else {
-            if (valid) {
-                rms_apply(e, enorm, xs, h, rms_divisor(e, h, eps, scratch));
-            } else {
-                for (uint32_t i = threadIdx.x; i < h; i += blockDim.x) xs[i] = (uint16_t)BF16_QNAN_BITS;
-            }
-            rms_apply(hidden, hnorm, xs + h, h, rms_divisor(hidden, h, eps, scratch));
-        }
-        __syncthreads();
+constexpr int EH_WARPS = 8;  // block 256 (model/kernels/mtp_input.py)
+constexpr int EH_U = 8;      // 16-byte weight loads per lane in flight
+// Rows a warp may own: the hidden half's partial sums wait in shared memory for the embedding
+// half. The launch helper keeps the grid at or above ceil(n / (8 * EH_ROWS_PER_WARP)).
+constexpr int EH_ROWS_PER_WARP = 4;
+
+__device__ __forceinline__ void eh_load_batch(const uint4* __restrict__ wr, uint32_t c0, uint32_t kc,
+                                              uint4 (&wv)[EH_U]) {
+    const uint32_t lane = threadIdx.x & 31;
+#pragma unroll
+    for (int u = 0; u < EH_U; ++u) {
+        const uint32_t c = c0 + lane + 32u * u;
+        wv[u] = c < kc ? ld_stream16(wr + c) : make_uint4(0, 0, 0, 0);
     }
-};
+}
+
+// This lane's share of W_half[row] . xs_half over kc 16-byte chunks; `wv` holds the first batch.
+__device__ __forceinline__ float eh_half_dot(const uint4* __restrict__ wr, const uint4* xv, uint32_t kc,
+                                             uint4 (&wv)[EH_U]) {
+    const uint32_t lane = threadIdx.x & 31;
+    float acc = 0.0f;
+    for (uint32_t c0 = 0; c0 < kc; c0 += 32u * EH_U) {
+        if (c0 > 0) eh_load_batch(wr, c0, kc, wv);
+#pragma unroll
+        for (int u = 0; u < EH_U; ++u) {
+            const uint32_t c = c0 + lane + 32u * u;
+            if (c < kc) acc = dot8_bf16(wv[u], xv[c], acc);
+        }
+    }
+    return acc;
+}
+
+// The scalar path for a half-row that is not 16-byte aligned or not a multiple of 8 wide.
+__device__ __forceinline__ float eh_half_dot_scalar(const uint16_t* __restrict__ wr, const uint16_t* xs, uint32_t h) {
+    float acc = 0.0f;
+    for (uint32_t i = threadIdx.x & 31; i < h; i += 32u) acc = fmaf(bf16_bits_to_f32(wr[i]), bf16_bits_to_f32(xs[i]), acc);
+    return acc;
+}
 }  // namespace
 
-// x = eh_proj @ [rmsnorm(embed[*token]) * enorm ; rmsnorm(hidden) * hnorm] for one row: the two
-// norms are the prologue of every block (smem_x_gemv), so the concatenated input never goes
-// through device memory and one launch replaces two. Grid min(ceil(n / 8), the blocks resident at
-// once), block 256, dynamic smem 2 * h * 2 bytes; __launch_bounds__(256, 4): 62 registers (nvcc
-// 13.0, no spills), 4 blocks per SM (the register-held prologue needed 120 and allowed 2).
+// x = eh_proj @ [rmsnorm(embed[*token]) * enorm ; rmsnorm(hidden) * hnorm] for one row, as two
+// half-row dot products: y[row] = bf16(W[row, :h] . e + W[row, h:] . hh), each half summed in f32.
+// Both norms are block prologues (a few KB from L2 per block), so the concatenated input never goes
+// through device memory.
+//
+// Pdl.BESIDE: the hidden row is the drafter's previous output, complete before the head that runs
+// before this kernel started (the head releases its dependents right after its own wait), while the
+// token is that head's output. So the hidden half is normalised and its whole 2h*n/2 bytes of
+// weights are streamed before griddepcontrol.wait, in the head's tail (its last blocks and its
+// argmax handshake); only the token, the embedding row's norm and the embedding half come after.
+// Launched plainly (draft 0, or after a kernel that does not release) the wait returns at once.
+//
+// One row per warp, grid-stride over the rows with at most EH_ROWS_PER_WARP rows per warp, grid
+// and block fixed by the launch helper; dynamic smem 2 * h * 2 bytes; __launch_bounds__(256, 4).
 extern "C" __global__ void __launch_bounds__(256, 4) mtp_input_gemv(
     const uint16_t* __restrict__ table, const uint32_t* __restrict__ token, const uint16_t* __restrict__ enorm,
     const uint16_t* __restrict__ hidden, const uint16_t* __restrict__ hnorm, const uint16_t* __restrict__ w,
     uint16_t* __restrict__ y, uint32_t vocab, uint32_t h, uint32_t n, float eps) {
-    extern __shared__ __align__(16) uint16_t xs[];
+    extern __shared__ __align__(16) uint16_t xs[];  // [normed embedding row ; normed hidden row]
     __shared__ float scratch[64];
-    smem_x_gemv(w, y, n, 2u * h, xs, MtpConcatToSmem{table, token, enorm, hidden, hnorm, vocab, h, eps, scratch});
+    __shared__ float part[EH_ROWS_PER_WARP * EH_WARPS];  // hidden-half sums, lane 0 of each warp
+    const uint32_t lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
+    const uint32_t warps = gridDim.x * EH_WARPS;
+    const uint32_t row0 = blockIdx.x * EH_WARPS + wib;
+    const size_t k = 2u * (size_t)h;
+    const bool vec = (h % 8u == 0) && aligned16(w);
+    const uint32_t hc = h >> 3;
+    uint4 wv[EH_U];
+
+    if (vec && row0 < n) eh_load_batch(reinterpret_cast<const uint4*>(w + row0 * k + h), 0, hc, wv);
+    RmsNormToSmem{hidden, hnorm, h, eps, scratch}(xs + h);
+    uint32_t i = 0;
+    for (uint32_t row = row0; row < n; row += warps, ++i) {
+        const uint16_t* wr = w + row * k + h;
+        if (vec && row != row0) eh_load_batch(reinterpret_cast<const uint4*>(wr), 0, hc, wv);
+        float acc = vec ? eh_half_dot(reinterpret_cast<const uint4*>(wr), reinterpret_cast<const uint4*>(xs + h), hc, wv)
+                        : eh_half_dot_scalar(wr, xs + h, h);
+        acc = warp_sum(acc);
+        if (lane == 0 && i < (uint32_t)EH_ROWS_PER_WARP) part[i * EH_WARPS + wib] = acc;
+    }
+
+    if (vec && row0 < n) eh_load_batch(reinterpret_cast<const uint4*>(w + row0 * k), 0, hc, wv);
+    grid_dependency_wait();  // the token is the previous kernel's output
+    const uint32_t t = *token;
+    if (t < vocab) {
+        RmsNormToSmem{table + (size_t)t * h, enorm, h, eps, scratch}(xs);
+    } else {
+        // NaN over the embedding half, as mtp_embed_norm writes it; never a read past the table.
+        for (uint32_t j = threadIdx.x; j < h; j += blockDim.x) xs[j] = (uint16_t)BF16_QNAN_BITS;
+        __syncthreads();
+    }
+    i = 0;
+    for (uint32_t row = row0; row < n; row += warps, ++i) {
+        const uint16_t* wr = w + row * k;
+        if (vec && row != row0) eh_load_batch(reinterpret_cast<const uint4*>(wr), 0, hc, wv);
+        float acc = vec ? eh_half_dot(reinterpret_cast<const uint4*>(wr), reinterpret_cast<const uint4*>(xs), hc, wv)
+                        : eh_half_dot_scalar(wr, xs, h);
+        acc = warp_sum(acc);
+        if (lane == 0 && i < (uint32_t)EH_ROWS_PER_WARP) y[row] = f32_to_bf16_bits(acc + part[i * EH_WARPS + wib]);
+    }
 }

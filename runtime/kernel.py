@@ -39,10 +39,11 @@ class Pdl(Enum):
     WAIT: it calls griddepcontrol.wait on every path before it reads a previous kernel's output,
       stores, or exits (only weights are read before), so it may start while the kernel before it
       finishes.
-    BESIDE: its inputs come from the kernel two launches back, so it works without waiting and
-      calls the wait only before it exits (keeping "my predecessor completed" transitive). It may
-      overlap its predecessor only when that predecessor releases its dependents
-      (``releases=True``); the backend checks this at each launch and otherwise launches it plainly.
+    BESIDE: before its wait it reads only inputs from two or more launches back, so it works
+      without waiting; it calls the wait before it exits (keeping "my predecessor completed"
+      transitive), and after the wait it may also read its predecessor's output. It may overlap its
+      predecessor only when that predecessor releases its dependents (``releases=True``); the
+      backend checks this at each launch and otherwise launches it plainly.
 
     A releasing kernel calls griddepcontrol.launch_dependents once everything launched before it
     has completed: at its start when it is NONE (launched plainly), right after its own wait when it

@@ -164,9 +164,11 @@ def _norm_gemv_bound(xn: np.ndarray, w: np.ndarray, ref: np.ndarray, k: int) -> 
     return dot_bound(absd, ref, k, roundings=2) + 2.0**-7 * absd
 
 
-@pytest.mark.parametrize("n,h,token", [(HIDDEN, HIDDEN, 5), (37, 40, 3), (19, 37, 1000), (33, 64, 2**32 - 1)])
+@pytest.mark.parametrize("n,h,token", [(HIDDEN, HIDDEN, 5), (37, 40, 3), (19, 37, 1000), (33, 64, 2**32 - 1),
+                                       (5000, 64, 7), (20000, 40, 11)])
 def test_mtp_input_gemv(cuda, n, h, token):
-    """eh_proj @ [norm(embed[t]) ; norm(hidden)] in one launch (the proposer's draft input)."""
+    """eh_proj @ [norm(embed[t]) ; norm(hidden)] in one launch (the proposer's draft input). The
+    last two shapes give a warp two rows, and four rows in a grid of more than one wave."""
     rng = np.random.default_rng()
     vocab = 1000
     bufs = {"table": random_bf16(rng, (vocab, h)), "tok": np.array([token], np.uint32),

@@ -12,13 +12,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from runtime import DevicePtr, KernelHandle, LaunchError, NULL_KERNEL
 from runtime.cuda_backend import ArgPacker, register_all_kernels
 from runtime.kernel import Arg, registered
 from runtime.kernels.gemv_fp8w import GEMV_FP8W
 from runtime.kernels.rmsnorm import RMSNORM
-from runtime.launch import Launch, check_args
+from runtime.launch import Launch, check_args, grid_stride_blocks
 
 PTX_DIR = Path(__file__).resolve().parent.parent / "ptx"
 
@@ -95,3 +97,35 @@ def test_declarations_match_committed_ptx_entries():
         assert got == want, f"{decl.module}.{decl.function}: declared {want}, PTX has {got}"
         checked += 1
     assert checked >= 7  # the runtime kernels at least
+
+
+@given(units=st.integers(1, 100_000), resident=st.integers(1, 2_000))
+def test_grid_stride_blocks_even_out_the_rounds(units, resident):
+    """A one-wave grid (never more blocks than resident), with the fewest rounds any such grid
+    allows, and no block more than one round behind another."""
+    grid = grid_stride_blocks(units, resident)
+    assert 1 <= grid <= min(units, resident)
+    rounds = -(-units // grid)
+    assert rounds == -(-units // resident)
+    assert units > (rounds - 1) * grid  # every block has work in every round but the last
+
+
+def test_grid_stride_blocks_of_the_fp8_head_and_bad_input():
+    assert grid_stride_blocks(9680, 528) == 510  # 154880 head rows in 16-row groups, 4 x 132 blocks
+    assert grid_stride_blocks(292, 528) == 292
+    for units, resident in ((0, 528), (10, 0), (-1, 5)):
+        with pytest.raises(LaunchError, match="positive"):
+            grid_stride_blocks(units, resident)
+
+
+@given(n=st.integers(1, 200_000), h=st.sampled_from([8, 40, 37, 4096]))
+def test_mtp_input_grid_keeps_the_rows_per_warp_it_has_room_for(n, h):
+    """mtp_input_gemv keeps MTP_INPUT_ROWS_PER_WARP hidden-half sums per warp: a grid that gave a
+    warp more rows would leave rows unwritten."""
+    from model.kernels.mtp_input import MTP_INPUT_ROWS_PER_WARP, mtp_input_grid
+    from runtime.host_backend import HostBackend
+
+    gpu = HostBackend()
+    grid = mtp_input_grid(gpu, n, h)
+    assert -(-n // (grid * 8)) <= MTP_INPUT_ROWS_PER_WARP
+    assert grid <= max(gpu.NOTIONAL_RESIDENT_BLOCKS, -(-n // (8 * MTP_INPUT_ROWS_PER_WARP)))

@@ -13,7 +13,7 @@ from runtime.dtypes import BF16
 from runtime.kernel import F32, PTR, U32, Pdl, declare
 from runtime.kernels.gemv_bf16 import gemv_bf16_ref
 from runtime.kernels.rmsnorm import rmsnorm_ref
-from runtime.launch import launch
+from runtime.launch import grid_stride_blocks, launch
 
 _ARGS = [("w", PTR), ("x", PTR), ("y", PTR), ("batch", U32), ("n", U32), ("k", U32)]
 
@@ -125,13 +125,14 @@ def sum_rows_residual_rmsnorm(gpu, parts, residual, norm_w, out, normed, rows, n
 
 
 # ptx/bgemv.cu rmsnorm_gemv: one row per warp, 8 warps per block, grid-stride with the blocks the
-# device holds at once (gpu.resident_blocks), so every block pays its norm prologue once. The
-# normalised x lives in dynamic smem.
+# device holds at once (gpu.resident_blocks, evened out by grid_stride_blocks: the 20480-row q
+# projection runs 5 rounds in 512 blocks rather than 4 or 5 in 528), so every block pays its norm
+# prologue once. The normalised x lives in dynamic smem.
 
 
 def rmsnorm_gemv(gpu, x, norm_w, w, y, n, k, eps, stream=None, *, beside: bool = False):
     """``beside``: x was produced before the previous launch on the stream, so the GEMV may run
     beside that launch (runtime.kernel.Pdl.BESIDE)."""
     kernel = gpu.kernel(*(RMSNORM_GEMV_BESIDE if beside else RMSNORM_GEMV).key)
-    grid = max(1, min(-(-n // 8), gpu.resident_blocks(kernel, 256, 2 * k)))
+    grid = grid_stride_blocks(max(1, -(-n // 8)), gpu.resident_blocks(kernel, 256, 2 * k))
     launch(gpu, kernel, grid, 256, x, norm_w, w, y, n, k, eps, smem=2 * k, stream=stream)

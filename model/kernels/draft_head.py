@@ -20,7 +20,7 @@ from runtime.kernel import PTR, U32, declare
 from runtime.kernels.argmax_bf16 import argmax_ref
 from runtime.kernels.gemv_bf16 import gemv_bf16_ref
 from runtime.kernels.gemv_fp8w import gemv_fp8w_ref
-from runtime.launch import launch
+from runtime.launch import grid_stride_blocks, launch
 
 
 def ordered_bits(v: np.float32) -> int:
@@ -86,7 +86,10 @@ def _commit_argmax(mem, logits_bf16, logits, key, counter, token, drafts, slot):
     mem.write(counter, np.zeros(1, np.uint32))
 
 
-@declare("draft_head", "head_argmax_bf16", [("w", PTR), ("x", PTR), *_HEAD_TAIL], writes=_HEAD_WRITES, pdl=True)
+# Both heads release their dependents right after their wait: the next draft's eh_proj
+# (mtp_input_gemv, Pdl.BESIDE) streams its hidden half in the head's tail.
+@declare("draft_head", "head_argmax_bf16", [("w", PTR), ("x", PTR), *_HEAD_TAIL], writes=_HEAD_WRITES, pdl=True,
+         releases=True)
 def HEAD_ARGMAX_BF16(mem, w, x, logits, key, counter, token, drafts, slot, n, k):
     """Single-rank head in one launch: logits = W x (BF16), draft = argmax (lowest index on ties,
     NaN never; 0xFFFFFFFF if every logit is NaN), *token = drafts[slot] = draft."""
@@ -95,7 +98,7 @@ def HEAD_ARGMAX_BF16(mem, w, x, logits, key, counter, token, drafts, slot, n, k)
 
 
 @declare("draft_head", "head_argmax_fp8", [("wq", PTR), ("scale", PTR), ("x", PTR), *_HEAD_TAIL],
-         writes=_HEAD_WRITES, pdl=True)
+         writes=_HEAD_WRITES, pdl=True, releases=True)
 def HEAD_ARGMAX_FP8(mem, wq, scale, x, logits, key, counter, token, drafts, slot, n, k):
     """head_argmax_bf16 with the FP8 copy of the head (gemv_fp8w's arithmetic)."""
     y = gemv_fp8w_ref(mem.view(wq, FP8, (n, k)), mem.read(scale, np.float32, n), mem.read(x, BF16, (1, k)))[0]
@@ -106,7 +109,8 @@ def HEAD_ARGMAX_FP8(mem, wq, scale, x, logits, key, counter, token, drafts, slot
 HEAD_ROWS_PER_BLOCK_BF16 = 16
 HEAD_ROWS_PER_BLOCK_FP8 = 16
 # The FP8 head grid-strides over its 16-row groups with the blocks the device holds at once
-# (gpu.resident_blocks; __launch_bounds__(256, 4) makes that 4 per SM), and stages x in shared
+# (gpu.resident_blocks; __launch_bounds__(256, 4) makes that 4 per SM; grid_stride_blocks gives
+# every block the same number of rounds), and stages x in shared
 # memory as f32 when it gets k * 4 bytes (kept under the 48 KB that needs no opt-in, as gemv_fp8w
 # does).
 HEAD_FP8_X_SMEM_MAX = 48 * 1024
@@ -116,8 +120,7 @@ def head_fp8_launch(gpu, n: int, k: int) -> tuple[int, int]:
     """(grid, dynamic shared bytes) of head_argmax_fp8."""
     smem = 4 * k if k % 16 == 0 and 4 * k <= HEAD_FP8_X_SMEM_MAX else 0
     resident = gpu.resident_blocks(gpu.kernel(*HEAD_ARGMAX_FP8.key), 256, smem)
-    grid = max(1, min(-(-n // HEAD_ROWS_PER_BLOCK_FP8), resident))
-    return grid, smem
+    return grid_stride_blocks(max(1, -(-n // HEAD_ROWS_PER_BLOCK_FP8)), resident), smem
 
 
 def head_argmax(gpu, w, scale, x, logits, key, counter, token, drafts, slot, n, k, stream=None):

@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.dtypes import BF16
-from runtime.kernel import F32, PTR, U32, declare
+from runtime.kernel import F32, PTR, U32, Pdl, declare
 from runtime.kernels.gemv_bf16 import gemv_bf16_ref
 from runtime.kernels.rmsnorm import rmsnorm_ref
-from runtime.launch import launch
+from runtime.launch import grid_stride_blocks, launch
 
 
 @declare(
@@ -46,11 +46,13 @@ def MTP_EMBED_NORM(mem, table, tokens, enorm, hidden, hnorm, out, rows, vocab, h
         ("y", PTR), ("vocab", U32), ("h", U32), ("n", U32), ("eps", F32),
     ],
     writes=("y",),
-    pdl=True,
+    # The hidden half runs before the wait, beside the head that released it (ptx/mtp_input.cu).
+    pdl=Pdl.BESIDE,
 )
 def MTP_INPUT_GEMV(mem, table, token, enorm, hidden, hnorm, w, y, vocab, h, n, eps):
     """y = W @ [rmsnorm(table[*token]) * enorm ; rmsnorm(hidden) * hnorm] for one row (W [n, 2h]):
-    mtp_embed_norm (rows = 1) and gemv_bf16 in sequence, in one launch on the device."""
+    mtp_embed_norm (rows = 1) and gemv_bf16 in sequence, in one launch on the device (which sums
+    the two half-rows separately, within the GEMV's rounding of this)."""
     t = int(mem.scalar(token, np.uint32))
     x = np.empty(2 * h, BF16)
     if t >= vocab:
@@ -62,15 +64,23 @@ def MTP_INPUT_GEMV(mem, table, token, enorm, hidden, hnorm, w, y, vocab, h, n, e
 
 
 # ptx/mtp_input.cu mtp_input_gemv: one row per warp, 8 warps per block, grid-stride over the rows
-# with the blocks the device holds at once (gpu.resident_blocks), so that every block computes the
-# norm prologue once. The 2h-wide input lives in dynamic smem.
+# with the blocks the device holds at once (gpu.resident_blocks, balanced by grid_stride_blocks),
+# so that every block computes the norm prologues once; never more than MTP_INPUT_ROWS_PER_WARP
+# rows per warp (the kernel keeps that many hidden-half sums per warp in shared memory). The
+# 2h-wide input lives in dynamic smem.
+MTP_INPUT_ROWS_PER_WARP = 4
+
+
+def mtp_input_grid(gpu, n: int, h: int) -> int:
+    kernel = gpu.kernel(*MTP_INPUT_GEMV.key)
+    units = -(-n // 8)
+    grid = grid_stride_blocks(units, gpu.resident_blocks(kernel, 256, 4 * h))
+    return max(grid, -(-units // MTP_INPUT_ROWS_PER_WARP))
 
 
 def mtp_input_gemv(gpu, table, token, enorm, hidden, hnorm, w, y, vocab, h, n, eps, stream=None):
-    kernel = gpu.kernel(*MTP_INPUT_GEMV.key)
-    grid = max(1, min(-(-n // 8), gpu.resident_blocks(kernel, 256, 4 * h)))
-    launch(gpu, kernel, grid, 256, table, token, enorm, hidden, hnorm, w, y, vocab, h, n, eps,
-           smem=4 * h, stream=stream)
+    launch(gpu, gpu.kernel(*MTP_INPUT_GEMV.key), mtp_input_grid(gpu, n, h), 256, table, token, enorm,
+           hidden, hnorm, w, y, vocab, h, n, eps, smem=4 * h, stream=stream)
 
 
 def mtp_embed_norm(gpu, table, tokens, enorm, hidden, hnorm, out, rows, vocab, h, eps, stream=None):
