@@ -13,8 +13,7 @@ namespace {
 constexpr int WARPS = 8;
 
 // PDL modes (runtime.kernel.Pdl). WAIT_FIRST: the first weight batch is in flight before the wait
-// (warp_gemv_bf16), a warp without rows waits before it exits, and every warp releases the
-// kernel's dependents right after its wait (wait_then_release, ptx/common.cuh). BESIDE: x comes from the kernel
+// (warp_gemv_bf16), a warp without rows waits before it exits. BESIDE: x comes from the kernel
 // before the previous one, so the whole GEMV runs without waiting and the wait comes last.
 enum PdlMode { WAIT_FIRST, BESIDE };
 
@@ -26,7 +25,7 @@ __device__ __forceinline__ void bgemv_body(const uint16_t* __restrict__ w, const
     const uint32_t row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
     if (MODE == WAIT_FIRST) launch_dependents_multiwave();  // o_proj: 1024 blocks, several waves
     if (b >= batch || row0 >= n) {
-        if (MODE == WAIT_FIRST) wait_then_release(); else grid_dependency_wait();
+        grid_dependency_wait();
         return;
     }
     const uint16_t* wb = w + (size_t)b * n * k;
@@ -38,7 +37,7 @@ __device__ __forceinline__ void bgemv_body(const uint16_t* __restrict__ w, const
     float acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
-    warp_gemv_bf16<ROWS, UNROLL, MODE == WAIT_FIRST, MODE == WAIT_FIRST>(wr, xb, k, vec, acc);
+    warp_gemv_bf16<ROWS, UNROLL, MODE == WAIT_FIRST>(wr, xb, k, vec, acc);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const float v = warp_sum(acc[r]);
@@ -152,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(1024) sum_rows_residual_rmsnorm(
     const bool one_chunk = vec && n / 4u <= blockDim.x;
     uint2 w1 = make_uint2(0u, 0u);
     if (one_chunk && threadIdx.x < n / 4u) w1 = __ldg(reinterpret_cast<const uint2*>(norm_w) + threadIdx.x);
-    wait_then_release();
+    grid_dependency_wait();
     if (rows == 0) return;
     constexpr int RL = 8;
     float ss = 0.0f;

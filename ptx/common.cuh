@@ -90,16 +90,6 @@ __device__ __forceinline__ void launch_dependents_last_iteration() {
 __device__ __forceinline__ void release_dependents() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
-// Release right after the wait also where no successor runs beside: the latency-bound kernels of
-// the attention chain and the residual norms (indexer_scores, sparse_mla_partial and _combine,
-// sum_rows_residual_rmsnorm) and the batched GEMVs wv and o_proj. Their successors' blocks then
-// launch during their tails and have their first weight batch in flight when the wait returns
-// (wv's whole 8 rows x 1 KB per warp). Measured on the H200, propose k = 3 at context 4096, graph,
-// two runs each in one call: FP8 head 1.165 / 1.165 ms against 1.182 / 1.180, BF16 1.642 / 1.642
-// against 1.653 / 1.653. The same for moe_down, rmsnorm_gemv (fused_in) and an early trigger in
-// mtp_input_gemv gave nothing more (1.164-1.172 ms), so those release at exit. (Releasing at the
-// start everywhere, PDL_TRIGGER 0, made the step slower: the GEMVs fill the SMs, and successors
-// launched early only take their place.)
 __device__ __forceinline__ void wait_then_release() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     release_dependents();

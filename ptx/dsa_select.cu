@@ -21,7 +21,8 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores(
     const float* __restrict__ pool_scales, float* __restrict__ scores, const uint32_t* __restrict__ row_ptr,
     uint32_t row_add, uint32_t heads, uint32_t dim, uint32_t kpool, float w_scale) {
     extern __shared__ __align__(16) float sm[];
-    wait_then_release();
+    launch_dependents();
+    grid_dependency_wait();
     const uint32_t row = *row_ptr + row_add;
     const uint32_t npools = (row + 1u) / kpool;
     const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31;

@@ -320,7 +320,8 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_partial(
     const uint32_t* __restrict__ count, float* __restrict__ part, float* __restrict__ ml, uint32_t heads,
     uint32_t dim, uint32_t block_size, float scale) {
     extern __shared__ __align__(16) uint8_t smem[];
-    wait_then_release();
+    launch_dependents();
+    grid_dependency_wait();
     const uint32_t n = *count;
     if (dim == 512u)
         mla_partial_tile<512>(q, cache, scales, block_table, selected, n, part, ml, heads, dim, block_size, scale, smem);
@@ -342,7 +343,8 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_combine(
     uint16_t* __restrict__ out, uint32_t heads, uint32_t dim) {
     constexpr int WARPS_C = 8, SL = 4;
     __shared__ float4 acc_s[WARPS_C][32];
-    wait_then_release();
+    launch_dependents();
+    grid_dependency_wait();
     const uint32_t h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (h >= heads || dim % 4u != 0) return;
     const uint32_t splits = min((*count + MLA_RT - 1u) / MLA_RT, (uint32_t)MLA_MAX_SPLITS);
