@@ -80,6 +80,16 @@ __device__ __forceinline__ void launch_dependents_last_iteration() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+// The read-only path (ld.global.nc: __ldg, or a plain load through a const __restrict__ pointer,
+// which nvcc turns into one) may serve only data that no grid writes during the reading kernel's
+// lifetime. A successor of a kernel that releases its dependents early starts while that kernel
+// still runs, so it reads that kernel's outputs with __ldcg (L2), even after its wait. Measured:
+// mtp_input_gemv reading the head's token with a plain load, launched beside the head, drafted
+// wrong tokens from the second draft on in tests/test_gpu_pdl.py and test_gpu_proposer.py (graph
+// with PDL against without); with __ldcg the drafts are bit-identical. Releasing early from the
+// attention chain's kernels and the residual norms made the drafts differ in the same way (their
+// successors read those outputs through the read-only path in several places: the GEMV core's x,
+// the MLA partials); it was reverted rather than audited.
 // Unconditional release, for a kernel whose successor is built to run beside it: the successor's
 // input comes from the kernel before this one, so it works without waiting and waits only before
 // it exits or before it reads this kernel's output (router_fused -> moe_gate_up's shared slot,

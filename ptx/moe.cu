@@ -175,7 +175,9 @@ __device__ __forceinline__ void down_rows(const uint16_t* __restrict__ we, const
 
 __device__ __forceinline__ const uint16_t* local_expert(const uint16_t* w, const uint32_t* ids, uint32_t j,
                                                         uint32_t expert_base, uint32_t n_local, size_t stride) {
-    const uint32_t e = ids[j] - expert_base;  // wraps for ids below the base: not local
+    // Through L2: moe_gate_up starts while router_fused, which writes the ids, may still run
+    // (ptx/common.cuh, "read-only path").
+    const uint32_t e = __ldcg(ids + j) - expert_base;  // wraps for ids below the base: not local
     return e < n_local ? w + (size_t)e * stride : nullptr;
 }
 }  // namespace

@@ -115,7 +115,9 @@ extern "C" __global__ void __launch_bounds__(256, 4) mtp_input_gemv(
 
     if (vec && row0 < n) eh_load_batch(reinterpret_cast<const uint4*>(w + row0 * k), 0, hc, wv);
     grid_dependency_wait();  // the token is the previous kernel's output
-    const uint32_t t = *token;
+    // Through L2, not the read-only path: the head was still running when this grid started, so
+    // the token is not read-only over this kernel's lifetime (see ptx/common.cuh).
+    const uint32_t t = __ldcg(token);
     if (t < vocab) {
         RmsNormToSmem{table + (size_t)t * h, enorm, h, eps, scratch}(xs);
     } else {
