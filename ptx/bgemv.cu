@@ -13,7 +13,8 @@ namespace {
 constexpr int WARPS = 8;
 
 // PDL modes (runtime.kernel.Pdl). WAIT_FIRST: the first weight batch is in flight before the wait
-// (warp_gemv_bf16), a warp without rows waits before it exits. BESIDE: x comes from the kernel
+// (warp_gemv_bf16), a warp without rows waits before it exits, and every warp releases the
+// kernel's dependents right after its wait (wait_then_release, ptx/common.cuh). BESIDE: x comes from the kernel
 // before the previous one, so the whole GEMV runs without waiting and the wait comes last.
 enum PdlMode { WAIT_FIRST, BESIDE };
 
@@ -25,7 +26,7 @@ __device__ __forceinline__ void bgemv_body(const uint16_t* __restrict__ w, const
     const uint32_t row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
     if (MODE == WAIT_FIRST) launch_dependents_multiwave();  // o_proj: 1024 blocks, several waves
     if (b >= batch || row0 >= n) {
-        grid_dependency_wait();
+        if (MODE == WAIT_FIRST) wait_then_release(); else grid_dependency_wait();
         return;
     }
     const uint16_t* wb = w + (size_t)b * n * k;
@@ -37,7 +38,7 @@ __device__ __forceinline__ void bgemv_body(const uint16_t* __restrict__ w, const
     float acc[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) acc[r] = 0.0f;
-    warp_gemv_bf16<ROWS, UNROLL, MODE == WAIT_FIRST>(wr, xb, k, vec, acc);
+    warp_gemv_bf16<ROWS, UNROLL, MODE == WAIT_FIRST, MODE == WAIT_FIRST, MODE == WAIT_FIRST>(wr, xb, k, vec, acc);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const float v = warp_sum(acc[r]);
@@ -106,13 +107,13 @@ __device__ __forceinline__ void sum_chunk_rows(const float* __restrict__ parts, 
                                                uint16_t* out, uint32_t rows, uint32_t n4, uint32_t c,
                                                uint32_t& o01, uint32_t& o23, float& ss) {
     const float4* p4 = reinterpret_cast<const float4*>(parts);
-    float4 acc = __ldg(p4 + c);
+    float4 acc = __ldcg(p4 + c);
     const uint2 res = *reinterpret_cast<const uint2*>(residual + 4u * c);
     for (uint32_t r0 = 1; r0 < rows; r0 += RL) {
         float4 v[RL];
 #pragma unroll
         for (int u = 0; u < RL; ++u)
-            v[u] = r0 + u < rows ? __ldg(p4 + (size_t)(r0 + u) * n4 + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            v[u] = r0 + u < rows ? __ldcg(p4 + (size_t)(r0 + u) * n4 + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
         for (int u = 0; u < RL; ++u) {
             if (r0 + u < rows) {
@@ -151,7 +152,7 @@ extern "C" __global__ void __launch_bounds__(1024) sum_rows_residual_rmsnorm(
     const bool one_chunk = vec && n / 4u <= blockDim.x;
     uint2 w1 = make_uint2(0u, 0u);
     if (one_chunk && threadIdx.x < n / 4u) w1 = __ldg(reinterpret_cast<const uint2*>(norm_w) + threadIdx.x);
-    grid_dependency_wait();
+    wait_then_release();
     if (rows == 0) return;
     constexpr int RL = 8;
     float ss = 0.0f;
@@ -177,8 +178,8 @@ extern "C" __global__ void __launch_bounds__(1024) sum_rows_residual_rmsnorm(
         }
     } else {
         for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) {
-            float acc = parts[i];
-            for (uint32_t r = 1; r < rows; ++r) acc = __fadd_rn(acc, parts[(size_t)r * n + i]);
+            float acc = __ldcg(parts + i);
+            for (uint32_t r = 1; r < rows; ++r) acc = __fadd_rn(acc, __ldcg(parts + (size_t)r * n + i));
             const uint16_t o = f32_to_bf16_bits(__fadd_rn(bf16_bits_to_f32(residual[i]), acc));
             out[i] = o;
             const float v = bf16_bits_to_f32(o);

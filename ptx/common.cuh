@@ -86,20 +86,32 @@ __device__ __forceinline__ void launch_dependents_last_iteration() {
 // still runs, so it reads that kernel's outputs with __ldcg (L2), even after its wait. Measured:
 // mtp_input_gemv reading the head's token with a plain load, launched beside the head, drafted
 // wrong tokens from the second draft on in tests/test_gpu_pdl.py and test_gpu_proposer.py (graph
-// with PDL against without); with __ldcg the drafts are bit-identical. Releasing early from the
-// attention chain's kernels and the residual norms made the drafts differ in the same way (their
-// successors read those outputs through the read-only path in several places: the GEMV core's x,
-// the MLA partials); it was reverted rather than audited.
+// with PDL against without); with __ldcg the drafts are bit-identical. The same held for the
+// early releases below (first tried with their successors reading through the read-only path: the
+// drafts differed from the first draft on), so their successors read the released kernel's output
+// through L2: the GEMV core's x (X_L2), stage_x, the selection's scores, the MLA partials, the
+// row sums' parts.
 // Unconditional release, for a kernel whose successor is built to run beside it: the successor's
 // input comes from the kernel before this one, so it works without waiting and waits only before
 // it exits or before it reads this kernel's output (router_fused -> moe_gate_up's shared slot,
 // select_topk_pools -> bgemv_bf16_f32_beside, dsa_cache_write -> rmsnorm_gemv_beside, the heads
-// head_argmax_{bf16,fp8} -> the next draft's mtp_input_gemv, whose token is the head's output). Called once everything before this kernel has completed:
-// right after its own wait (these are Pdl.WAIT kernels; launched plainly the wait is a no-op and
-// that holds at the start).
+// head_argmax_{bf16,fp8} -> the next draft's mtp_input_gemv, whose token is the head's output).
+// Called once everything before this kernel has completed: right after its own wait (these are
+// Pdl.WAIT kernels; launched plainly the wait is a no-op and that holds at the start).
 __device__ __forceinline__ void release_dependents() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
+// Release right after the wait also where no successor runs beside: the latency-bound kernels of
+// the attention chain and the residual norms (indexer_scores, sparse_mla_partial and _combine,
+// sum_rows_residual_rmsnorm) and the batched GEMVs wv and o_proj. Their successors' blocks then
+// launch during their tails and have their first weight batch in flight when the wait returns
+// (wv's whole 8 rows x 1 KB per warp). Measured on the H200, propose k = 3 at context 4096, graph,
+// two runs each in one call, with the successors' reads through L2: FP8 head 1.172 / 1.174 ms
+// against 1.182 / 1.183, BF16 1.633 / 1.635 against 1.654 / 1.657. Releasing moe_down,
+// rmsnorm_gemv (fused_in) and mtp_input_gemv early too gave nothing more (1.164-1.172 ms against
+// 1.165 for the same releases, both with read-only-path successors), so those release at exit.
+// (Releasing at the start everywhere, PDL_TRIGGER 0, made the step slower: the GEMVs fill the SMs,
+// and successors launched early only take their place.)
 __device__ __forceinline__ void wait_then_release() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     release_dependents();

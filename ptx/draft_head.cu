@@ -149,7 +149,7 @@ extern "C" __global__ void __launch_bounds__(256) head_argmax_bf16(
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) wr[r] = w + (size_t)min(row0 + r, n - 1) * k;
         float acc[ROWS] = {0.0f, 0.0f};
-        warp_gemv_bf16<ROWS, 4, true, true>(wr, x, k, vec, acc);
+        warp_gemv_bf16<ROWS, 4, true, true, true>(wr, x, k, vec, acc);
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             const float v = warp_sum(acc[r]);
@@ -190,7 +190,7 @@ __device__ __forceinline__ bool head_fp8_group(const uint8_t* __restrict__ wq, c
     float acc[ROWS] = {0.0f, 0.0f};
     if (PRE) warp_gemv_fp8_xs<ROWS, U_FP8, true>(wr, k, acc, pre);
     else if (smem) warp_gemv_fp8_xs<ROWS, U_FP8, false>(wr, k, acc, pre);
-    else warp_gemv_fp8<ROWS, U_FP8>(wr, x, k, vec, acc);
+    else warp_gemv_fp8<ROWS, U_FP8, true>(wr, x, k, vec, acc);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const float v = warp_sum(acc[r]);

@@ -21,8 +21,7 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores(
     const float* __restrict__ pool_scales, float* __restrict__ scores, const uint32_t* __restrict__ row_ptr,
     uint32_t row_add, uint32_t heads, uint32_t dim, uint32_t kpool, float w_scale) {
     extern __shared__ __align__(16) float sm[];
-    launch_dependents();
-    grid_dependency_wait();
+    wait_then_release();
     const uint32_t row = *row_ptr + row_add;
     const uint32_t npools = (row + 1u) / kpool;
     const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -132,7 +131,7 @@ extern "C" __global__ void __launch_bounds__(1024) select_topk_pools(
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             const uint32_t i = base + tid + nt * u;
-            v[u] = i < npools ? scores[i] : 0.0f;
+            v[u] = i < npools ? __ldcg(scores + i) : 0.0f;  // L2: the indexer releases early
         }
 #pragma unroll
         for (int u = 0; u < 4; ++u) {

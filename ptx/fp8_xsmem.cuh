@@ -34,7 +34,7 @@ __device__ __forceinline__ void stage_x(const uint16_t* __restrict__ x, uint32_t
     for (uint32_t i = threadIdx.x; i < m * (k / 8u); i += blockDim.x) {
         const uint32_t mi = i / (k / 8u), e8 = i % (k / 8u);  // 8 elements: half of chunk e8 / 2
         const uint32_t c = e8 / 2u, q0 = (e8 % 2u) * 2u;
-        const uint4 v = xv[i];
+        const uint4 v = __ldcg(xv + i);  // L2: x may come from a kernel that released early
         x_smem[(mi * 4u + q0) * kc + c] = make_float4(bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y));
         x_smem[(mi * 4u + q0 + 1u) * kc + c] = make_float4(bf16_lo(v.z), bf16_hi(v.z), bf16_lo(v.w), bf16_hi(v.w));
     }

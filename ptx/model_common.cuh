@@ -116,16 +116,18 @@ __device__ __forceinline__ float dot8_bf16(uint4 w, uint4 x, float acc) {
 // -> 39.0, the BF16 head 330 -> 314. (warp_gemv_fp8 keeps its loads in the guard: there the 8
 // more live registers made the FP8 head 163 -> 177 us.) Indices past the row are clamped to its
 // last chunk, so every load stays in bounds; the caller's guard skips those chunks.
-template <int U>
+template <int U, bool X_L2 = false>
 __device__ __forceinline__ void load_x_chunks(const uint4* __restrict__ xv, uint32_t c, uint32_t kc, uint4 (&xs)[U]) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) xs[u] = __ldg(xv + min(c + 32u * u, kc - 1u));
+    for (int u = 0; u < U; ++u) xs[u] = X_L2 ? __ldcg(xv + min(c + 32u * u, kc - 1u)) : __ldg(xv + min(c + 32u * u, kc - 1u));
 }
 
 // WAIT_FIRST (pdl kernels): the first batch of weight loads is issued, then grid_dependency_wait(),
 // then x is read: the weight stream starts while the previous kernel finishes. RELEASE: the kernel
-// releases its dependents right after that wait (release_dependents).
-template <int ROWS, int U, bool WAIT_FIRST = false, bool RELEASE = false>
+// releases its dependents right after that wait (release_dependents). X_L2: x is read through L2,
+// not the read-only path, because the kernel that writes it releases its dependents early and may
+// still run when this one starts (ptx/common.cuh).
+template <int ROWS, int U, bool WAIT_FIRST = false, bool RELEASE = false, bool X_L2 = false>
 __device__ __forceinline__ void warp_gemv_bf16(const uint16_t* const (&w)[ROWS], const uint16_t* __restrict__ x,
                                                uint32_t k, bool vec, float (&acc)[ROWS]) {
     const uint32_t lane = threadIdx.x & 31;
@@ -144,7 +146,7 @@ __device__ __forceinline__ void warp_gemv_bf16(const uint16_t* const (&w)[ROWS],
             }
             if (WAIT_FIRST && c0 == 0) RELEASE ? wait_then_release() : grid_dependency_wait();
             uint4 xs[U];
-            load_x_chunks<U>(xv, c0 + lane, kc, xs);
+            load_x_chunks<U, X_L2>(xv, c0 + lane, kc, xs);
 #pragma unroll
             for (int u = 0; u < U; ++u) {
                 if (c0 + lane + 32u * u < kc) {
@@ -156,14 +158,14 @@ __device__ __forceinline__ void warp_gemv_bf16(const uint16_t* const (&w)[ROWS],
     } else {
         if (WAIT_FIRST) RELEASE ? wait_then_release() : grid_dependency_wait();
         for (uint32_t i = lane; i < k; i += 32u) {
-            const float xi = bf16_bits_to_f32(x[i]);
+            const float xi = bf16_bits_to_f32(X_L2 ? __ldcg(x + i) : x[i]);
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) acc[r] = fmaf(bf16_bits_to_f32(w[r][i]), xi, acc[r]);
         }
     }
 }
 
-template <int ROWS, int U>
+template <int ROWS, int U, bool X_L2 = false>
 __device__ __forceinline__ void warp_gemv_fp8(const uint8_t* const (&w)[ROWS], const uint16_t* __restrict__ x,
                                               uint32_t k, bool vec, float (&acc)[ROWS]) {
     const uint32_t lane = threadIdx.x & 31;
@@ -183,7 +185,8 @@ __device__ __forceinline__ void warp_gemv_fp8(const uint8_t* const (&w)[ROWS], c
             for (int u = 0; u < U; ++u) {
                 const uint32_t c = c0 + lane + 32u * u;
                 if (c < kc) {
-                    const uint4 xa = __ldg(xv + 2u * c), xb = __ldg(xv + 2u * c + 1u);
+                    const uint4 xa = X_L2 ? __ldcg(xv + 2u * c) : __ldg(xv + 2u * c);
+                    const uint4 xb = X_L2 ? __ldcg(xv + 2u * c + 1u) : __ldg(xv + 2u * c + 1u);
 #pragma unroll
                     for (int r = 0; r < ROWS; ++r) acc[r] = dot16_fp8(wv[r][u], xa, xb, acc[r]);
                 }
@@ -191,7 +194,7 @@ __device__ __forceinline__ void warp_gemv_fp8(const uint8_t* const (&w)[ROWS], c
         }
     } else {
         for (uint32_t i = lane; i < k; i += 32u) {
-            const float xi = bf16_bits_to_f32(x[i]);
+            const float xi = bf16_bits_to_f32(X_L2 ? __ldcg(x + i) : x[i]);
 #pragma unroll
             for (int r = 0; r < ROWS; ++r) acc[r] = fmaf(fp8_to_f32(w[r][i]), xi, acc[r]);
         }

@@ -53,7 +53,7 @@ __device__ __forceinline__ void router_rows(const uint16_t* __restrict__ w, cons
     const bool vec = (h % 8u == 0) && aligned16(w) && aligned16(y);
     const uint16_t* wr[1] = {w + (size_t)row * h};
     float acc[1] = {0.0f};
-    warp_gemv_bf16<1, 16, PDL, PDL>(wr, y, h, vec, acc);
+    warp_gemv_bf16<1, 16, PDL, PDL, PDL>(wr, y, h, vec, acc);
     const float v = warp_sum(acc[0]);
     if ((threadIdx.x & 31) == 0) scores[row] = sigmoidf_(v);
 }

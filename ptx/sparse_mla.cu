@@ -320,8 +320,7 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_partial(
     const uint32_t* __restrict__ count, float* __restrict__ part, float* __restrict__ ml, uint32_t heads,
     uint32_t dim, uint32_t block_size, float scale) {
     extern __shared__ __align__(16) uint8_t smem[];
-    launch_dependents();
-    grid_dependency_wait();
+    wait_then_release();
     const uint32_t n = *count;
     if (dim == 512u)
         mla_partial_tile<512>(q, cache, scales, block_table, selected, n, part, ml, heads, dim, block_size, scale, smem);
@@ -343,17 +342,16 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_combine(
     uint16_t* __restrict__ out, uint32_t heads, uint32_t dim) {
     constexpr int WARPS_C = 8, SL = 4;
     __shared__ float4 acc_s[WARPS_C][32];
-    launch_dependents();
-    grid_dependency_wait();
+    wait_then_release();
     const uint32_t h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (h >= heads || dim % 4u != 0) return;
     const uint32_t splits = min((*count + MLA_RT - 1u) / MLA_RT, (uint32_t)MLA_MAX_SPLITS);
     float M = -INFINITY;
-    for (uint32_t s = lane; s < splits; s += 32u) M = fmaxf(M, __ldg(ml + ((size_t)s * heads + h) * 2u));
+    for (uint32_t s = lane; s < splits; s += 32u) M = fmaxf(M, __ldcg(ml + ((size_t)s * heads + h) * 2u));
     M = warp_max(M);
     float L = 0.0f;
     for (uint32_t s = lane; s < splits; s += 32u) {
-        const float2 v = __ldg(reinterpret_cast<const float2*>(ml) + (size_t)s * heads + h);
+        const float2 v = __ldcg(reinterpret_cast<const float2*>(ml) + (size_t)s * heads + h);
         L = fmaf(v.y, expf(v.x - M), L);
     }
     L = warp_sum(L);
@@ -368,8 +366,8 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_combine(
 #pragma unroll
             for (int u = 0; u < SL; ++u) {
                 const uint32_t s = s0 + WARPS_C * u;
-                v[u] = s < splits ? __ldg(reinterpret_cast<const float4*>(p + s * stride)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                w[u] = s < splits ? __ldg(ml + ((size_t)s * heads + h) * 2u) : -INFINITY;
+                v[u] = s < splits ? __ldcg(reinterpret_cast<const float4*>(p + s * stride)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                w[u] = s < splits ? __ldcg(ml + ((size_t)s * heads + h) * 2u) : -INFINITY;
             }
 #pragma unroll
             for (int u = 0; u < SL; ++u) {

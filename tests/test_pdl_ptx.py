@@ -54,7 +54,10 @@ def test_the_drafter_step_kernels_take_part():
     assert {f for f, m in modes.items() if m is Pdl.BESIDE} == {"bgemv_bf16_f32_beside", "moe_gate_up",
                                                                 "rmsnorm_gemv_beside", "mtp_input_gemv"}
     assert {d.function for d in RELEASING} == {"select_topk_pools", "router_fused", "dsa_cache_write",
-                                               "head_argmax_bf16", "head_argmax_fp8"}
+                                               "head_argmax_bf16", "head_argmax_fp8", "indexer_scores",
+                                               "sparse_mla_partial", "sparse_mla_combine",
+                                               "sum_rows_residual_rmsnorm", "bgemv_bf16_f32",
+                                               "bgemv_bf16_bf16"}
 
 
 @pytest.mark.parametrize("decl", PDL_DECLS, ids=lambda d: f"{d.module}.{d.function}")

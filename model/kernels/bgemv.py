@@ -24,7 +24,9 @@ def _bgemv(mem, w, x, batch, n, k):
     return np.einsum("bnk,bk->bn", wv, xv, dtype=np.float32)
 
 
-@declare("bgemv", "bgemv_bf16_f32", list(_ARGS), writes=("y",), pdl=True)
+# The WAIT bgemvs release right after their wait (ptx/common.cuh): wv's successor o_proj, and
+# o_proj's sum_rows_residual_rmsnorm, launch during their tails.
+@declare("bgemv", "bgemv_bf16_f32", list(_ARGS), writes=("y",), pdl=True, releases=True)
 def BGEMV_F32(mem, w, x, y, batch, n, k):
     mem.write(y, _bgemv(mem, w, x, batch, n, k).astype(np.float32))
 
@@ -35,7 +37,7 @@ def BGEMV_F32_BESIDE(mem, w, x, y, batch, n, k):
     BGEMV_F32.host(mem, w, x, y, batch, n, k)
 
 
-@declare("bgemv", "bgemv_bf16_bf16", list(_ARGS), writes=("y",), pdl=True)
+@declare("bgemv", "bgemv_bf16_bf16", list(_ARGS), writes=("y",), pdl=True, releases=True)
 def BGEMV_BF16(mem, w, x, y, batch, n, k):
     mem.write(y, _bgemv(mem, w, x, batch, n, k).astype(BF16))
 
@@ -63,6 +65,7 @@ def SUM_ROWS_RESIDUAL(mem, parts, residual, out, rows, n):
      ("rows", U32), ("n", U32), ("eps", F32)],
     writes=("out", "normed"),
     pdl=True,
+    releases=True,  # right after its wait: its successor's blocks launch during its tail (ptx/common.cuh)
 )
 def SUM_ROWS_RESIDUAL_RMSNORM(mem, parts, residual, norm_w, out, normed, rows, n, eps):
     """sum_rows_residual into ``out``, then ``normed = rmsnorm(out) * norm_w`` of the BF16 result:

@@ -36,6 +36,7 @@ def selection_capacity(rows: int, topk_pools: int, kpool: int) -> int:
     ],
     writes=("scores",),
     pdl=True,
+    releases=True,  # right after its wait: its successor's blocks launch during its tail (ptx/common.cuh)
 )
 def INDEXER_SCORES(mem, q, w, pool_keys, pool_scales, scores, row_ptr, row_add, heads, dim, kpool,
                    w_scale):

@@ -68,6 +68,7 @@ MAX_SPLITS = 1024
     ],
     writes=("part", "ml"),
     pdl=True,
+    releases=True,  # right after its wait: its successor's blocks launch during its tail (ptx/common.cuh)
 )
 def SPARSE_MLA_PARTIAL(mem, q, cache, scales, block_table, selected, count, part, ml, heads, dim,
                        block_size, scale):
@@ -90,6 +91,7 @@ def SPARSE_MLA_PARTIAL(mem, q, cache, scales, block_table, selected, count, part
     [("part", PTR), ("ml", PTR), ("count", PTR), ("out", PTR), ("heads", U32), ("dim", U32)],
     writes=("out",),
     pdl=True,
+    releases=True,  # right after its wait: its successor's blocks launch during its tail (ptx/common.cuh)
 )
 def SPARSE_MLA_COMBINE(mem, part, ml, count, out, heads, dim):
     """out[h] = sum_s w_s part[s][h] / sum_s w_s l_s with w_s = exp(m_s - max_s m_s)."""
