@@ -13,9 +13,10 @@ namespace {
 constexpr int WARPS = 8;
 
 // PDL modes (runtime.kernel.Pdl). WAIT_FIRST: the first weight batch is in flight before the wait
-// (warp_gemv_bf16), a warp without rows waits before it exits, and every warp releases the
-// kernel's dependents right after its wait (wait_then_release, ptx/common.cuh). BESIDE: x comes from the kernel
-// before the previous one, so the whole GEMV runs without waiting and the wait comes last.
+// (warp_gemv_bf16), a warp without rows waits before it exits, every warp releases the kernel's
+// dependents right after its wait (wait_then_release, ptx/common.cuh), and x is read through L2
+// (its writer releases early too). BESIDE: x comes from the kernel before the previous one, so the
+// whole GEMV runs without waiting and the wait comes last.
 enum PdlMode { WAIT_FIRST, BESIDE };
 
 template <bool OUT_F32, int ROWS, int UNROLL, PdlMode MODE>
