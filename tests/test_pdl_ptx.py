@@ -106,3 +106,49 @@ def test_the_store_pattern_finds_global_and_generic_stores():
         assert _GLOBAL_STORE.search(line), line
     for line in ("\tst.shared.f32 \t[%r2], %f1;", "\tst.local.u32 [%rd1], %r1;", "\tld.global.u32 %r1, [%rd1];"):
         assert not _GLOBAL_STORE.search(line), line
+
+
+# What each kernel reads that a kernel releasing its dependents early (right after its wait, before
+# it completes) may still be writing, and the PTX form that read must not take: the read-only path
+# (ld.global.nc) may serve data that no grid writes during the reader's lifetime only. On the H200
+# a token read this way drafted other tokens with PDL than without (ptx/common.cuh).
+_READ_ONLY_FORMS = {
+    # x through the GEMV core's __ldg: the BF16 chunks of an activation vector.
+    "x": re.compile(r"ld\.global\.nc\.v4\.u32\s"),
+    "f32": re.compile(r"ld\.global\.nc(\.v[24])?\.f32\s"),
+    "u32": re.compile(r"ld\.global\.nc\.u32\s"),
+}
+_EARLY_RELEASE_SUCCESSORS = [
+    ("bgemv", "bgemv_bf16_bf16", "x"),          # wv after sparse_mla_combine
+    ("bgemv", "bgemv_bf16_f32", "x"),           # o_proj after wv
+    ("moe", "router_fused", "x"),               # after sum_rows_residual_rmsnorm
+    ("draft_head", "head_argmax_bf16", "x"),    # after sum_rows_residual_rmsnorm
+    ("draft_head", "head_argmax_fp8", "x"),
+    ("bgemv", "sum_rows_residual_rmsnorm", "f32"),  # o_proj's partial rows
+    ("dsa_select", "select_topk_pools", "f32"),     # the indexer's scores
+    ("sparse_mla", "sparse_mla_combine", "f32"),    # the partials and their (m, l)
+    ("moe", "moe_gate_up", "u32"),              # the router's expert ids
+]
+
+
+@pytest.mark.parametrize("module,function,form", _EARLY_RELEASE_SUCCESSORS, ids=lambda v: str(v))
+def test_a_successor_of_an_early_release_reads_it_through_l2(module, function, form):
+    body = entry_body(module, function)
+    hit = _READ_ONLY_FORMS[form].search(body)
+    assert hit is None, f"{function} reads its predecessor's output through the read-only path: {hit.group(0)!r}"
+    assert "ld.global.cg" in body, f"{function} has no L2 load at all"
+
+
+def test_the_token_after_the_heads_wait_is_an_l2_load():
+    body = entry_body("mtp_input", "mtp_input_gemv")
+    after = body[body.find("griddepcontrol.wait"):]
+    first = re.search(r"ld\.global[.\w:]*", after)
+    assert first is not None and first.group(0) == "ld.global.cg.u32", first
+
+
+def test_the_read_only_forms_match_what_ldg_compiles_to():
+    """The checks above would pass vacuously if the patterns never matched: the BESIDE wk_t GEMV
+    reads its (older) x through __ldg, the router its bias, the MLA merge its count."""
+    assert _READ_ONLY_FORMS["x"].search(entry_body("bgemv", "bgemv_bf16_f32_beside"))
+    assert _READ_ONLY_FORMS["f32"].search(entry_body("moe", "router_fused"))
+    assert _READ_ONLY_FORMS["u32"].search(entry_body("sparse_mla", "sparse_mla_combine"))
