@@ -25,7 +25,6 @@ __device__ __forceinline__ void bgemv_body(const uint16_t* __restrict__ w, const
     const uint32_t b = blockIdx.y;
     const uint32_t lane = threadIdx.x & 31;
     const uint32_t row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
-    if (MODE == WAIT_FIRST) launch_dependents_multiwave();  // o_proj: 1024 blocks, several waves
     if (b >= batch || row0 >= n) {
         if (MODE == WAIT_FIRST) wait_then_release(); else grid_dependency_wait();
         return;
@@ -144,7 +143,6 @@ extern "C" __global__ void __launch_bounds__(1024) sum_rows_residual_rmsnorm(
     const float* __restrict__ parts, const uint16_t* residual, const uint16_t* __restrict__ norm_w,
     uint16_t* out, uint16_t* __restrict__ normed, uint32_t rows, uint32_t n, float eps) {
     __shared__ float scratch[32];
-    launch_dependents();
     const bool vec = (n % 4u == 0) && aligned16(parts) && ((uintptr_t)residual & 7u) == 0 &&
                      ((uintptr_t)out & 7u) == 0 && ((uintptr_t)normed & 7u) == 0 && ((uintptr_t)norm_w & 7u) == 0;
     // A row of at most 4 * blockDim elements (the GLM hidden 4096): one float4 per thread, the norm

@@ -44,41 +44,16 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
 // Pdl.BESIDE kernels are described at release_dependents below. Launched without the attribute both
 // instructions are no-ops. tests/test_pdl_ptx.py checks the PTX of every pdl kernel for the wait
 // and for stores and returns ahead of it.
-// PDL_TRIGGER selects where a kernel releases its successor: 0 at its start (the successor's blocks
-// may become resident and stream their weights while this kernel runs), 1 right after its own wait
-// (at most one kernel ahead), 2 never explicitly (released when it exits). Measured on the H200,
-// propose k = 3 at context 4096 (bench/bench_propose.py --ptx-dir, one build per value, each run
-// against the same graph without PDL): FP8 head 1.380 / 1.297 / 1.288 ms against 1.30 without PDL,
-// BF16 head 1.819 / 1.786 / 1.769 against 1.78. Releasing early made the step slower, so the default
-// is 2: PDL then overlaps only the launch and the weight loads issued before the wait.
-#ifndef PDL_TRIGGER
-#define PDL_TRIGGER 2
-#endif
-__device__ __forceinline__ void launch_dependents() {
-#if PDL_TRIGGER == 0
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
+// Where a kernel releases its successor was measured on the H200 with builds of the same tree that
+// released everywhere at the kernel's start, right after its wait, late (a multi-wave grid at its
+// start, a grid-stride kernel at its last iteration), or at exit; propose k = 3 at context 4096,
+// each against the graph without PDL: FP8 head 1.380 / 1.297 / 1.267 / 1.288 ms against 1.30,
+// BF16 head 1.819 / 1.786 / 1.751 / 1.769 against 1.78 (the late builds from a later tree, against
+// 1.263 / 1.747 at exit). Releasing everywhere early made the step slower (the GEMVs fill the
+// SMs, and successors launched early only take their place), so a kernel releases at exit unless
+// it calls release_dependents / wait_then_release below, where a measurement showed a gain.
 __device__ __forceinline__ void grid_dependency_wait() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
-#if PDL_TRIGGER == 1
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-// PDL_TRIGGER 3 releases late instead: a grid of several waves at its start (the release then takes
-// effect once its last wave has started), a one-wave grid-stride kernel when a block begins its last
-// iteration; the small latency-bound kernels at exit. Measured in the same way against 2: FP8 head
-// 1.267 / 1.268 ms against 1.263 / 1.264, BF16 1.751 / 1.753 against 1.747 / 1.745 (two runs
-// each), so 2 stays the default.
-__device__ __forceinline__ void launch_dependents_multiwave() {
-#if PDL_TRIGGER == 0 || PDL_TRIGGER == 3
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void launch_dependents_last_iteration() {
-#if PDL_TRIGGER == 3
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
 }
 // The read-only path (ld.global.nc: __ldg, or a plain load through a const __restrict__ pointer,
 // which nvcc turns into one) may serve only data that no grid writes during the reading kernel's
@@ -110,7 +85,7 @@ __device__ __forceinline__ void release_dependents() {
 // against 1.182 / 1.183, BF16 1.633 / 1.635 against 1.654 / 1.657. Releasing moe_down,
 // rmsnorm_gemv (fused_in) and mtp_input_gemv early too gave nothing more (1.164-1.172 ms against
 // 1.165 for the same releases, both with read-only-path successors), so those release at exit.
-// (Releasing at the start everywhere, PDL_TRIGGER 0, made the step slower: the GEMVs fill the SMs,
+// (Releasing at the start everywhere made the step slower: the GEMVs fill the SMs,
 // and successors launched early only take their place.)
 __device__ __forceinline__ void wait_then_release() {
     asm volatile("griddepcontrol.wait;" ::: "memory");

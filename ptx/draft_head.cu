@@ -142,7 +142,6 @@ extern "C" __global__ void __launch_bounds__(256) head_argmax_bf16(
     const uint32_t lane = threadIdx.x & 31;
     const uint32_t row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
     unsigned long long cand = 0ull;
-    launch_dependents_multiwave();
     if (row0 < n) {
         const bool vec = (k % 8u == 0) && aligned16(w) && aligned16(x);
         const uint16_t* wr[ROWS];
@@ -212,7 +211,6 @@ extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_fp8(
     const bool vec = (k % 16u == 0) && aligned16(wq) && aligned16(x);
     const bool smem = vec && (size_t)k * 4u <= dynamic_smem_bytes();
     const uint32_t groups = (n + WARPS * ROWS - 1) / (WARPS * ROWS);
-    launch_dependents();
     // The first group's first weight batch is loaded before the wait for the previous kernel (x is
     // its output): with PDL the head's stream starts under the tail of the kernel before it.
     const uint32_t first_row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
@@ -231,12 +229,10 @@ extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_fp8(
     unsigned long long cand = 0ull;
     uint32_t g = blockIdx.x;
     if (pre_ok) {
-        if (g + gridDim.x >= groups) launch_dependents_last_iteration();
         head_fp8_group<true>(wq, scale, x, logits, g, n, k, vec, smem, pre, cand);
         g += gridDim.x;
     }
     for (; g < groups; g += gridDim.x) {
-        if (g + gridDim.x >= groups) launch_dependents_last_iteration();
         if (!head_fp8_group<false>(wq, scale, x, logits, g, n, k, vec, smem, pre, cand)) break;
     }
     argmax_commit(cand, key, counter, token, drafts, slot);

@@ -244,7 +244,6 @@ template <bool BESIDE = false, typename Prologue>
 __device__ __forceinline__ void smem_x_gemv(const uint16_t* __restrict__ W, uint16_t* __restrict__ y, uint32_t n,
                                             uint32_t k, uint16_t* xs, Prologue prologue) {
     constexpr int U = 8;
-    launch_dependents();
     const uint32_t lane = threadIdx.x & 31;
     const uint32_t warps = gridDim.x * (blockDim.x >> 5);
     uint32_t row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -261,7 +260,6 @@ __device__ __forceinline__ void smem_x_gemv(const uint16_t* __restrict__ W, uint
     prologue(xs);
     const uint4* xv = reinterpret_cast<const uint4*>(xs);
     for (bool first = true; row < n; row += warps, first = false) {
-        if (row + warps >= n) launch_dependents_last_iteration();
         const uint16_t* wr = W + (size_t)row * k;
         float acc = 0.0f;
         if (vec) {

@@ -274,7 +274,6 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up(
     uint32_t n_local, uint32_t inter, uint32_t h, float limit, uint32_t shared) {
     const uint32_t j = (blockIdx.y + ntopk) % gridDim.y;  // blockIdx.y 0 -> the shared slot, if any
     const uint32_t i = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    launch_dependents_multiwave();
     const bool shared_here = j == ntopk && shared == 1u;
     if (!shared_here) grid_dependency_wait();  // a routed slot's expert is the router's output
     if (i < inter) {
@@ -294,7 +293,6 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(
     const uint32_t* __restrict__ ids, const float* __restrict__ weights, float* __restrict__ parts, uint32_t ntopk,
     uint32_t expert_base, uint32_t n_local, uint32_t h, uint32_t inter, uint32_t shared) {
     const uint32_t j = blockIdx.y;
-    launch_dependents_multiwave();
     // As moe_gate_up: routed slots wait before reading ids, the shared slot after its first batch.
     if (j != ntopk || shared != 1u) grid_dependency_wait();
     if (j > ntopk || (j == ntopk && shared == 0u)) return;
