@@ -116,10 +116,17 @@ __device__ __forceinline__ float dot8_bf16(uint4 w, uint4 x, float acc) {
 // -> 39.0, the BF16 head 330 -> 314. (warp_gemv_fp8 keeps its loads in the guard: there the 8
 // more live registers made the FP8 head 163 -> 177 us.) Indices past the row are clamped to its
 // last chunk, so every load stays in bounds; the caller's guard skips those chunks.
+// An activation chunk: through L2 when its writer may still run (X_L2, ptx/common.cuh), else
+// through the read-only path, where it stays in L1 for the block's other warps.
+template <bool X_L2>
+__device__ __forceinline__ uint4 ld_x16(const uint4* p) {
+    return X_L2 ? __ldcg(p) : __ldg(p);
+}
+
 template <int U, bool X_L2 = false>
 __device__ __forceinline__ void load_x_chunks(const uint4* __restrict__ xv, uint32_t c, uint32_t kc, uint4 (&xs)[U]) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) xs[u] = X_L2 ? __ldcg(xv + min(c + 32u * u, kc - 1u)) : __ldg(xv + min(c + 32u * u, kc - 1u));
+    for (int u = 0; u < U; ++u) xs[u] = ld_x16<X_L2>(xv + min(c + 32u * u, kc - 1u));
 }
 
 // WAIT_FIRST (pdl kernels): the first batch of weight loads is issued, then grid_dependency_wait(),
@@ -185,8 +192,7 @@ __device__ __forceinline__ void warp_gemv_fp8(const uint8_t* const (&w)[ROWS], c
             for (int u = 0; u < U; ++u) {
                 const uint32_t c = c0 + lane + 32u * u;
                 if (c < kc) {
-                    const uint4 xa = X_L2 ? __ldcg(xv + 2u * c) : __ldg(xv + 2u * c);
-                    const uint4 xb = X_L2 ? __ldcg(xv + 2u * c + 1u) : __ldg(xv + 2u * c + 1u);
+                    const uint4 xa = ld_x16<X_L2>(xv + 2u * c), xb = ld_x16<X_L2>(xv + 2u * c + 1u);
 #pragma unroll
                     for (int r = 0; r < ROWS; ++r) acc[r] = dot16_fp8(wv[r][u], xa, xb, acc[r]);
                 }
