@@ -58,10 +58,6 @@ class LayerScratch:
     count: DevicePtr
     router_counter: DevicePtr  # u32, zero between launches (router_fused's last-block handshake)
     select_counter: DevicePtr  # u32, zero between launches (indexer_select's last-block handshake)
-    # u32s, zero between launches: the last-block sums of o_proj and moe_down (one each, so that
-    # no overlap of the two launches can share a count)
-    attn_sum_counter: DevicePtr
-    mlp_sum_counter: DevicePtr
     attn_part: DevicePtr  # sparse_mla_partial's per-split outputs and (max, sum)
     attn_ml: DevicePtr
 
@@ -96,8 +92,6 @@ class LayerScratch:
             count=b(4),
             router_counter=b(4),
             select_counter=b(4),
-            attn_sum_counter=b(4),
-            mlp_sum_counter=b(4),
             attn_part=b(part_bytes),
             attn_ml=b(ml_bytes),
         )
@@ -190,16 +184,14 @@ class DecoderLayer:
                                          kv.config.block_size, a.softmax_scale, stream)
         bg.bgemv(gpu, w.wv, s.o_lat, s.o, hl, a.v_head_dim, C, out_f32=False, stream=stream)
         gw = sh.group_heads * a.v_head_dim
-        # h1 = x + attn, and the MLP's input norm y2 = rmsnorm(h1) * post_norm: in o_proj's last
-        # block on one rank, in one launch after the gather of the head groups on several.
         if sh.world_size == 1:
-            bg.bgemv_sum_norm(gpu, w.o_proj, s.o, s.attn_parts, sh.groups, H, gw, x, self.mlp.post_norm,
-                              s.h1, s.y2, s.attn_sum_counter, eps, stream)
-            return
-        bg.bgemv(gpu, w.o_proj, s.o, s.attn_local, sh.local_groups, H, gw, out_f32=True,
-                 stream=stream)
-        self.comm.all_gather(s.attn_local, s.attn_parts, sh.local_groups * H,
-                             CommDtype.FLOAT32, stream=stream)
+            bg.bgemv(gpu, w.o_proj, s.o, s.attn_parts, sh.groups, H, gw, out_f32=True, stream=stream)
+        else:
+            bg.bgemv(gpu, w.o_proj, s.o, s.attn_local, sh.local_groups, H, gw, out_f32=True,
+                     stream=stream)
+            self.comm.all_gather(s.attn_local, s.attn_parts, sh.local_groups * H,
+                                 CommDtype.FLOAT32, stream=stream)
+        # h1 = x + attn, and the MLP's input norm y2 = rmsnorm(h1) * post_norm, in one launch.
         bg.sum_rows_residual_rmsnorm(gpu, s.attn_parts, x, self.mlp.post_norm, s.h1, s.y2, sh.groups,
                                      H, eps, stream)
 
@@ -241,12 +233,6 @@ class DecoderLayer:
         # and down instead of two each (and no memset for a shared slot another rank holds).
         moe.moe_gate_up(gpu, w.gate_up, w_sh_gu, s.y2, s.ids, s.act, k, w.expert_base, w.n_local,
                         w.inter, H, L, mode, stream)
-        if sh.world_size == 1 and next_norm is not None:
-            # x_out = h1 + the slot rows, and the consumer's norm, in moe_down's last block.
-            moe.moe_down_sum_norm(gpu, w.down, w_sh_down, s.act, s.ids, s.wts, s.moe_parts, k,
-                                  w.expert_base, w.n_local, H, w.inter, mode, s.h1, next_norm[0], x_out,
-                                  next_norm[1], s.mlp_sum_counter, cfg.rms_norm_eps, stream)
-            return
         moe.moe_down(gpu, w.down, w_sh_down, s.act, s.ids, s.wts, s.moe_parts, k, w.expert_base,
                      w.n_local, H, w.inter, mode, stream)
         slots = k + int(shared)

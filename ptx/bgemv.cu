@@ -8,7 +8,6 @@
 // (k = 2048) R = 4 with 4 chunks per row. With R = 4 everywhere wk_t ran at 1.6 TB/s and wv at
 // 1.7 TB/s on the H200 (10.5 / 10.0 us for 16.8 MB each, measured).
 #include "model_common.cuh"
-#include "residual_norm.cuh"
 
 namespace {
 constexpr int WARPS = 8;
@@ -78,21 +77,6 @@ extern "C" __global__ void __launch_bounds__(256) bgemv_bf16_f32_beside(const ui
     bgemv_dispatch<true, BESIDE>(w, x, y, batch, n, k);
 }
 
-// bgemv_bf16_f32 (o_proj over its head groups) whose last block to finish (last_block_done;
-// `counter` is a zeroed u32 the kernel leaves zeroed) adds the batch rows y[0..batch) to the
-// residual and normalises the sum: sum_rows_residual_rmsnorm's work without its launch
-// (ptx/residual_norm.cuh). Every block releases the router right after its wait, as bgemv_bf16_f32.
-extern "C" __global__ void __launch_bounds__(256) bgemv_bf16_f32_sum_norm(
-    const uint16_t* __restrict__ w, const uint16_t* __restrict__ x, float* y, uint32_t batch, uint32_t n,
-    uint32_t k, const uint16_t* residual, const uint16_t* __restrict__ norm_w, uint16_t* out,
-    uint16_t* __restrict__ normed, uint32_t* __restrict__ counter, float eps) {
-    __shared__ float scratch[32];
-    bgemv_dispatch<true, WAIT_FIRST>(w, x, y, batch, n, k);
-    if (!last_block_done(counter)) return;
-    const uint2 none[4] = {};
-    residual_rmsnorm_block<2, 4>(y, residual, norm_w, out, normed, batch, n, eps, scratch, none, false);
-}
-
 extern "C" __global__ void __launch_bounds__(256) bgemv_bf16_bf16(const uint16_t* __restrict__ w,
                                                                   const uint16_t* __restrict__ x,
                                                                   uint16_t* __restrict__ y, uint32_t batch,
@@ -114,22 +98,108 @@ extern "C" __global__ void __launch_bounds__(256) sum_rows_residual(const float*
     out[i] = f32_to_bf16_bits(__fadd_rn(bf16_bits_to_f32(residual[i]), acc));
 }
 
-// sum_rows_residual, then the next layer's RMSNorm of its BF16 result in the same launch
-// (ptx/residual_norm.cuh). One block of 1024 threads owns the whole row (the norm needs all of it):
-// each thread takes 4 consecutive elements and keeps 8 part rows' float4 loads in flight (the
-// element-wise version waited one L2 round trip per part row: 9.1-10.1 us for 9 rows x 4096 on
-// the H200, measured; this is a few round trips). The norm weight is loaded before the wait (it is
-// a weight), so the launch costs one round trip for its inputs.
+namespace {
+// Elements 4c .. 4c + 3 of sum_rows_residual_rmsnorm's row: the part rows added in row order with
+// RL float4 loads in flight, the residual added, the BF16 result stored (and returned packed in
+// o01 / o23), and its squares added to ss.
+template <int RL>
+__device__ __forceinline__ void sum_chunk_rows(const float* __restrict__ parts, const uint16_t* residual,
+                                               uint16_t* out, uint32_t rows, uint32_t n4, uint32_t c,
+                                               uint32_t& o01, uint32_t& o23, float& ss) {
+    const float4* p4 = reinterpret_cast<const float4*>(parts);
+    float4 acc = __ldcg(p4 + c);
+    const uint2 res = *reinterpret_cast<const uint2*>(residual + 4u * c);
+    for (uint32_t r0 = 1; r0 < rows; r0 += RL) {
+        float4 v[RL];
+#pragma unroll
+        for (int u = 0; u < RL; ++u)
+            v[u] = r0 + u < rows ? __ldcg(p4 + (size_t)(r0 + u) * n4 + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int u = 0; u < RL; ++u) {
+            if (r0 + u < rows) {
+                acc.x = __fadd_rn(acc.x, v[u].x);
+                acc.y = __fadd_rn(acc.y, v[u].y);
+                acc.z = __fadd_rn(acc.z, v[u].z);
+                acc.w = __fadd_rn(acc.w, v[u].w);
+            }
+        }
+    }
+    o01 = pack_bf16x2(__fadd_rn(bf16_lo(res.x), acc.x), __fadd_rn(bf16_hi(res.x), acc.y));
+    o23 = pack_bf16x2(__fadd_rn(bf16_lo(res.y), acc.z), __fadd_rn(bf16_hi(res.y), acc.w));
+    *reinterpret_cast<uint2*>(out + 4u * c) = make_uint2(o01, o23);
+    const float f[4] = {bf16_lo(o01), bf16_hi(o01), bf16_lo(o23), bf16_hi(o23)};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) ss = fmaf(f[e], f[e], ss);
+}
+}  // namespace
+
+// sum_rows_residual, then the next layer's RMSNorm of its BF16 result in the same launch:
+// normed = bf16((out / r) * w), r = sqrt(mean(out^2) + eps). One block of 1024 threads owns the
+// whole row (the norm needs all of it). Each thread takes 4 consecutive elements and keeps 8 part
+// rows' float4 loads in flight: the element-wise version waited one L2 round trip per part row
+// (9.1-10.1 us for 9 rows x 4096 on the H200, measured; this is a few round trips). The adds stay
+// in row order, so `out` is bit-identical to sum_rows_residual's.
 extern "C" __global__ void __launch_bounds__(1024) sum_rows_residual_rmsnorm(
     const float* __restrict__ parts, const uint16_t* residual, const uint16_t* __restrict__ norm_w,
     uint16_t* out, uint16_t* __restrict__ normed, uint32_t rows, uint32_t n, float eps) {
     __shared__ float scratch[32];
-    const bool w_ready = residual_norm_vec(parts, residual, norm_w, out, normed, n) && n / 4u <= blockDim.x;
-    uint2 w_pre[1] = {make_uint2(0u, 0u)};
-    if (w_ready && threadIdx.x < n / 4u) w_pre[0] = __ldg(reinterpret_cast<const uint2*>(norm_w) + threadIdx.x);
+    const bool vec = (n % 4u == 0) && aligned16(parts) && ((uintptr_t)residual & 7u) == 0 &&
+                     ((uintptr_t)out & 7u) == 0 && ((uintptr_t)normed & 7u) == 0 && ((uintptr_t)norm_w & 7u) == 0;
+    // A row of at most 4 * blockDim elements (the GLM hidden 4096): one float4 per thread, the norm
+    // weight loaded before the wait (it is a weight) and the sum kept in registers for the norm, so
+    // the launch costs one round trip for its inputs instead of two.
+    const bool one_chunk = vec && n / 4u <= blockDim.x;
+    uint2 w1 = make_uint2(0u, 0u);
+    if (one_chunk && threadIdx.x < n / 4u) w1 = __ldg(reinterpret_cast<const uint2*>(norm_w) + threadIdx.x);
     wait_then_release();
     if (rows == 0) return;
-    residual_rmsnorm_block<1, 1>(parts, residual, norm_w, out, normed, rows, n, eps, scratch, w_pre, w_ready);
+    constexpr int RL = 8;
+    float ss = 0.0f;
+    if (one_chunk) {
+        const uint32_t c = threadIdx.x;
+        uint32_t o01 = 0u, o23 = 0u;
+        if (c < n / 4u) {
+            sum_chunk_rows<RL>(parts, residual, out, rows, n / 4u, c, o01, o23, ss);
+        }
+        ss = block_sum(ss, scratch);
+        const float d = sqrtf(ss / (float)n + eps);
+        if (c < n / 4u)
+            *reinterpret_cast<uint2*>(normed + 4u * c) = make_uint2(
+                pack_bf16x2(__fmul_rn(bf16_lo(o01) / d, bf16_lo(w1.x)), __fmul_rn(bf16_hi(o01) / d, bf16_hi(w1.x))),
+                pack_bf16x2(__fmul_rn(bf16_lo(o23) / d, bf16_lo(w1.y)), __fmul_rn(bf16_hi(o23) / d, bf16_hi(w1.y))));
+        return;
+    }
+    if (vec) {
+        const uint32_t n4 = n / 4u;
+        for (uint32_t c = threadIdx.x; c < n4; c += blockDim.x) {
+            uint32_t o01, o23;
+            sum_chunk_rows<RL>(parts, residual, out, rows, n4, c, o01, o23, ss);
+        }
+    } else {
+        for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) {
+            float acc = __ldcg(parts + i);
+            for (uint32_t r = 1; r < rows; ++r) acc = __fadd_rn(acc, __ldcg(parts + (size_t)r * n + i));
+            const uint16_t o = f32_to_bf16_bits(__fadd_rn(bf16_bits_to_f32(residual[i]), acc));
+            out[i] = o;
+            const float v = bf16_bits_to_f32(o);
+            ss = fmaf(v, v, ss);
+        }
+    }
+    ss = block_sum(ss, scratch);
+    const float d = sqrtf(ss / (float)n + eps);
+    // Each thread re-reads only the elements it wrote itself: program order makes them visible.
+    if (vec) {
+        for (uint32_t c = threadIdx.x; c < n / 4u; c += blockDim.x) {
+            const uint2 o = *reinterpret_cast<const uint2*>(out + 4u * c);
+            const uint2 w = *reinterpret_cast<const uint2*>(norm_w + 4u * c);
+            *reinterpret_cast<uint2*>(normed + 4u * c) = make_uint2(
+                pack_bf16x2(__fmul_rn(bf16_lo(o.x) / d, bf16_lo(w.x)), __fmul_rn(bf16_hi(o.x) / d, bf16_hi(w.x))),
+                pack_bf16x2(__fmul_rn(bf16_lo(o.y) / d, bf16_lo(w.y)), __fmul_rn(bf16_hi(o.y) / d, bf16_hi(w.y))));
+        }
+    } else {
+        for (uint32_t i = threadIdx.x; i < n; i += blockDim.x)
+            normed[i] = f32_to_bf16_bits(__fmul_rn(bf16_bits_to_f32(out[i]) / d, bf16_bits_to_f32(norm_w[i])));
+    }
 }
 
 // y = W @ (rmsnorm(x) * norm_w): the RMSNorm of the GEMV's input computed by every block into

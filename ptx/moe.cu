@@ -3,7 +3,6 @@
 // chose). Expert weights: gate_up [n_local, 2 * inter, h] (gate rows, then up rows) and
 // down [n_local, h, inter].
 #include "model_common.cuh"
-#include "residual_norm.cuh"
 
 namespace {
 constexpr int WARPS = 8;
@@ -289,12 +288,10 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up(
 // expert_down for the routed slots and the shared slot in one launch; a shared slot this rank does
 // not hold (shared == 2) is written as zeros (the memset it replaces).
 // Grid (ceil(h / 32), ntopk + (shared != 0)), block 256.
-namespace {
-__device__ __forceinline__ void moe_down_block(const uint16_t* __restrict__ w, const uint16_t* __restrict__ w_shared,
-                                               const uint16_t* __restrict__ act, const uint32_t* __restrict__ ids,
-                                               const float* __restrict__ weights, float* __restrict__ parts,
-                                               uint32_t ntopk, uint32_t expert_base, uint32_t n_local, uint32_t h,
-                                               uint32_t inter, uint32_t shared) {
+extern "C" __global__ void __launch_bounds__(256) moe_down(
+    const uint16_t* __restrict__ w, const uint16_t* __restrict__ w_shared, const uint16_t* __restrict__ act,
+    const uint32_t* __restrict__ ids, const float* __restrict__ weights, float* __restrict__ parts, uint32_t ntopk,
+    uint32_t expert_base, uint32_t n_local, uint32_t h, uint32_t inter, uint32_t shared) {
     const uint32_t j = blockIdx.y;
     // As moe_gate_up: routed slots wait before reading ids, the shared slot after its first batch.
     if (j != ntopk || shared != 1u) grid_dependency_wait();
@@ -304,33 +301,4 @@ __device__ __forceinline__ void moe_down_block(const uint16_t* __restrict__ w, c
     else we = shared == 1u ? w_shared : nullptr;
     const uint32_t row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * DOWN_ROWS;
     down_rows<true>(we, act + (size_t)j * inter, weights + j, parts + (size_t)j * h, row0, h, inter);
-}
-}  // namespace
-
-extern "C" __global__ void __launch_bounds__(256) moe_down(
-    const uint16_t* __restrict__ w, const uint16_t* __restrict__ w_shared, const uint16_t* __restrict__ act,
-    const uint32_t* __restrict__ ids, const float* __restrict__ weights, float* __restrict__ parts, uint32_t ntopk,
-    uint32_t expert_base, uint32_t n_local, uint32_t h, uint32_t inter, uint32_t shared) {
-    moe_down_block(w, w_shared, act, ids, weights, parts, ntopk, expert_base, n_local, h, inter, shared);
-}
-
-// moe_down whose last block to finish (last_block_done; `counter` is a zeroed u32 the kernel leaves
-// zeroed) adds the slot rows to the residual and normalises the sum for the consumer (the head):
-// sum_rows_residual_rmsnorm's work without its launch (ptx/residual_norm.cuh). Every block
-// releases the head once its rows are done (after its wait): the head's blocks launch, with their
-// first weight batch, during the last wave and the last block's sum. Released right after the wait
-// they would take the SMs of moe_down's later waves (ptx/common.cuh).
-extern "C" __global__ void __launch_bounds__(256) moe_down_sum_norm(
-    const uint16_t* __restrict__ w, const uint16_t* __restrict__ w_shared, const uint16_t* __restrict__ act,
-    const uint32_t* __restrict__ ids, const float* __restrict__ weights, float* parts, uint32_t ntopk,
-    uint32_t expert_base, uint32_t n_local, uint32_t h, uint32_t inter, uint32_t shared,
-    const uint16_t* residual, const uint16_t* __restrict__ norm_w, uint16_t* out, uint16_t* __restrict__ normed,
-    uint32_t* __restrict__ counter, float eps) {
-    __shared__ float scratch[32];
-    moe_down_block(w, w_shared, act, ids, weights, parts, ntopk, expert_base, n_local, h, inter, shared);
-    release_dependents();
-    if (!last_block_done(counter)) return;
-    const uint2 none[4] = {};
-    residual_rmsnorm_block<2, 4>(parts, residual, norm_w, out, normed, ntopk + (shared != 0u ? 1u : 0u), h, eps,
-                                 scratch, none, false);
 }

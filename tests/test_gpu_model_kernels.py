@@ -252,38 +252,6 @@ def test_sum_rows_residual_rmsnorm(cuda, rows, n):
     rows_close_bf16(as_(g["normed"], BF16), as_(h["normed"], BF16), "sum_rows_residual_rmsnorm normed")
 
 
-@pytest.mark.parametrize("batch,n,k", [
-    (8, HIDDEN, 2048),  # o_proj: 8 head groups, four chunks of the row per thread of the last block
-    (3, 4104, 512),     # a row longer than four chunks per thread: the looping path
-    (2, 37, 24),        # n % 4 != 0: element-wise
-    (1, 64, 256),       # one row: no adds
-])
-def test_bgemv_sum_norm_matches_the_separate_launches(cuda, batch, n, k):
-    """bgemv_bf16_f32_sum_norm twice in a row (its counter must come back to zero) against
-    bgemv_bf16_f32 + sum_rows_residual_rmsnorm on the device: the same GEMV and the same adds, so y
-    and out bit for bit; normed within BF16 rounding (the last block sums the squares in another
-    order than the 1024-thread kernel). And the twin within the GEMV's bound."""
-    rng = np.random.default_rng()
-    bufs = {"w": random_bf16(rng, (batch, n, k)), "x": random_bf16(rng, (batch, k), exp_lo=-2),
-            "res": random_bf16(rng, n, exp_lo=1), "nw": random_bf16(rng, n, exp_lo=-1),
-            "y": batch * n * 4, "out": 2 * n, "normed": 2 * n, "ctr": np.zeros(1, np.uint32)}
-
-    def fused(gpu, w, x, res, nw, y, out, normed, ctr):
-        for _ in range(2):
-            bg.bgemv_sum_norm(gpu, w, x, y, batch, n, k, res, nw, out, normed, ctr, 1e-5)
-
-    def separate(gpu, w, x, res, nw, y, out, normed, ctr):
-        bg.bgemv(gpu, w, x, y, batch, n, k, out_f32=True)
-        bg.sum_rows_residual_rmsnorm(gpu, y, res, nw, out, normed, batch, n, 1e-5)
-
-    f, s, h = run_on(cuda, fused, bufs), run_on(cuda, separate, bufs), run_on(HostBackend(), fused, bufs)
-    assert as_(f["ctr"], np.uint32)[0] == 0, "the last-block counter was not left zeroed"
-    assert f["y"].tobytes() == s["y"].tobytes() and f["out"].tobytes() == s["out"].tobytes()
-    rows_close_bf16(as_(f["normed"], BF16)[:n], as_(s["normed"], BF16)[:n], "fused normed vs separate")
-    rows_close_bf16(as_(f["out"], BF16)[:n], as_(h["out"], BF16)[:n], "fused out vs twin")
-    rows_close_bf16(as_(f["normed"], BF16)[:n], as_(h["normed"], BF16)[:n], "fused normed vs twin")
-
-
 # ---- dsa_cache -----------------------------------------------------------------------------------
 
 
@@ -684,38 +652,6 @@ def test_moe_fused_slots_match_separate_launches(cuda, shared):
         ga = as_(f["act"], BF16, (k + 1, inter))[k].astype(np.float32)
         ha = as_(hf["act"], BF16, (k + 1, inter))[k].astype(np.float32)
         assert_close(ga, ha, 2.0**-6, 1e-3 * float(np.abs(ha).max()), "shared slot act")
-
-
-@pytest.mark.parametrize("shared", [moe.SHARED_NONE, moe.SHARED_HERE])
-def test_moe_down_sum_norm_matches_the_separate_launches(cuda, shared):
-    """moe_down_sum_norm (twice: the counter must come back to zero) against moe_down +
-    sum_rows_residual_rmsnorm on the device: parts and out bit for bit, normed within rounding."""
-    rng = np.random.default_rng()
-    n_local, inter, h, k = 8, 2048, HIDDEN, 4
-    y, gu, dn = _experts_case(rng, n_local, inter, h)
-    _, sgu, sdn = _experts_case(rng, 1, inter, h)
-    slots = k + (shared != moe.SHARED_NONE)
-    bufs = {"gu": gu, "dn": dn, "sgu": sgu, "sdn": sdn, "y": y, "ids": np.array([6, 1, 7, 0, 0], np.uint32),
-            "wts": (rng.random(k + 1) + 0.1).astype(np.float32), "act": (k + 1) * inter * 2,
-            "parts": (k + 1) * h * 4, "res": random_bf16(rng, h, exp_lo=1), "nw": random_bf16(rng, h, exp_lo=-1),
-            "out": 2 * h, "normed": 2 * h, "ctr": np.zeros(1, np.uint32)}
-
-    def fused(gpu, gu, dn, sgu, sdn, y, ids, wts, act, parts, res, nw, out, normed, ctr):
-        moe.moe_gate_up(gpu, gu, sgu, y, ids, act, k, 0, n_local, inter, h, 10.0, shared)
-        for _ in range(2):
-            moe.moe_down_sum_norm(gpu, dn, sdn, act, ids, wts, parts, k, 0, n_local, h, inter, shared,
-                                  res, nw, out, normed, ctr, 1e-5)
-
-    def separate(gpu, gu, dn, sgu, sdn, y, ids, wts, act, parts, res, nw, out, normed, ctr):
-        moe.moe_gate_up(gpu, gu, sgu, y, ids, act, k, 0, n_local, inter, h, 10.0, shared)
-        moe.moe_down(gpu, dn, sdn, act, ids, wts, parts, k, 0, n_local, h, inter, shared)
-        bg.sum_rows_residual_rmsnorm(gpu, parts, res, nw, out, normed, slots, h, 1e-5)
-
-    f, s = run_on(cuda, fused, bufs), run_on(cuda, separate, bufs)
-    assert as_(f["ctr"], np.uint32)[0] == 0, "the last-block counter was not left zeroed"
-    assert f["parts"].tobytes() == s["parts"].tobytes() and f["out"].tobytes() == s["out"].tobytes()
-    assert not np.isnan(as_(f["out"], BF16)[:h].astype(np.float32)).any()
-    rows_close_bf16(as_(f["normed"], BF16)[:h], as_(s["normed"], BF16)[:h], "fused normed vs separate")
 
 
 def test_experts_read_only_the_chosen_of_288(cuda):

@@ -50,8 +50,7 @@ def test_the_drafter_step_kernels_take_part():
     modes = {d.function: d.pdl for d in PDL_DECLS}
     assert {"rmsnorm_gemv", "dsa_cache_write", "indexer_select", "bgemv_bf16_f32",
             "sparse_mla_partial", "sparse_mla_combine", "moe_down", "sum_rows_residual_rmsnorm",
-            "head_argmax_fp8", "head_argmax_bf16", "bgemv_bf16_f32_sum_norm",
-            "moe_down_sum_norm"} <= {f for f, m in modes.items() if m is Pdl.WAIT}
+            "head_argmax_fp8", "head_argmax_bf16"} <= {f for f, m in modes.items() if m is Pdl.WAIT}
     assert {f for f, m in modes.items() if m is Pdl.BESIDE} == {"bgemv_bf16_f32_beside", "moe_gate_up",
                                                                 "rmsnorm_gemv_beside", "mtp_input_gemv"}
     assert {d.function for d in RELEASING} == {"select_topk_pools", "indexer_select", "router_fused",
@@ -59,8 +58,7 @@ def test_the_drafter_step_kernels_take_part():
                                                "head_argmax_bf16", "head_argmax_fp8", "indexer_scores",
                                                "sparse_mla_partial", "sparse_mla_combine",
                                                "sum_rows_residual_rmsnorm", "bgemv_bf16_f32",
-                                               "bgemv_bf16_bf16", "bgemv_bf16_f32_sum_norm",
-                                               "moe_down_sum_norm"}
+                                               "bgemv_bf16_bf16"}
 
 
 @pytest.mark.parametrize("decl", PDL_DECLS, ids=lambda d: f"{d.module}.{d.function}")
@@ -131,10 +129,6 @@ _EARLY_RELEASE_SUCCESSORS = [
     ("dsa_select", "select_topk_pools", "f32"),     # the indexer's scores
     ("sparse_mla", "sparse_mla_combine", "f32"),    # the partials and their (m, l)
     ("moe", "moe_gate_up", "u32"),              # the router's expert ids
-    # its own blocks' head-group rows, in the last block (moe_down_sum_norm sums its slot rows with
-    # the same code, ptx/residual_norm.cuh, but reads the router's weights through the read-only
-    # path legitimately: the router completed before moe_gate_up, which runs beside it, exited)
-    ("bgemv", "bgemv_bf16_f32_sum_norm", "f32"),
 ]
 
 

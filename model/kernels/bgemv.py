@@ -76,22 +76,6 @@ def SUM_ROWS_RESIDUAL_RMSNORM(mem, parts, residual, norm_w, out, normed, rows, n
 
 @declare(
     "bgemv",
-    "bgemv_bf16_f32_sum_norm",
-    [*_ARGS, ("residual", PTR), ("norm_w", PTR), ("out", PTR), ("normed", PTR), ("counter", PTR),
-     ("eps", F32)],
-    writes=("y", "out", "normed"),
-    pdl=True,
-    releases=True,  # right after its wait, as bgemv_bf16_f32
-)
-def BGEMV_F32_SUM_NORM(mem, w, x, y, batch, n, k, residual, norm_w, out, normed, counter, eps):
-    """bgemv_bf16_f32, then sum_rows_residual_rmsnorm over its batch rows, in one launch (the last
-    block sums). ``counter`` is a zeroed u32 the device kernel leaves zeroed."""
-    BGEMV_F32.host(mem, w, x, y, batch, n, k)
-    SUM_ROWS_RESIDUAL_RMSNORM.host(mem, y, residual, norm_w, out, normed, batch, n, eps)
-
-
-@declare(
-    "bgemv",
     "rmsnorm_gemv",
     [("x", PTR), ("norm_w", PTR), ("w", PTR), ("y", PTR), ("n", U32), ("k", U32), ("eps", F32)],
     writes=("y",),
@@ -130,15 +114,6 @@ def bgemv(gpu, w, x, y, batch, n, k, *, out_f32: bool, beside: bool = False, str
     per_block = 8 * rows_per_warp(k)  # 8 warps
     launch(gpu, gpu.kernel(*decl.key), (-(-n // per_block), batch), 256, w, x, y, batch, n, k,
            stream=stream)
-
-
-def bgemv_sum_norm(gpu, w, x, y, batch, n, k, residual, norm_w, out, normed, counter, eps,
-                   stream=None):
-    """bgemv (f32 rows into ``y``) whose last block adds them to the residual and normalises the
-    sum: out = residual + sum_b y[b], normed = rmsnorm(out) * norm_w. ``counter``: a zeroed u32."""
-    per_block = 8 * rows_per_warp(k)
-    launch(gpu, gpu.kernel(*BGEMV_F32_SUM_NORM.key), (-(-n // per_block), batch), 256, w, x, y, batch,
-           n, k, residual, norm_w, out, normed, counter, eps, stream=stream)
 
 
 def sum_rows_residual(gpu, parts, residual, out, rows, n, stream=None):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from model.kernels.bgemv import SUM_ROWS_RESIDUAL_RMSNORM
 from runtime.dtypes import BF16
 from runtime.kernel import F32, PTR, U32, Pdl, declare
 from runtime.launch import launch
@@ -181,26 +180,6 @@ def MOE_DOWN(mem, w, w_shared, act, ids, weights, parts, ntopk, expert_base, n_l
         mem.write(parts.offset(ntopk * h * 4), np.zeros(h, np.float32))
 
 
-@declare(
-    "moe",
-    "moe_down_sum_norm",
-    [("w", PTR), ("w_shared", PTR), ("act", PTR), ("ids", PTR), ("weights", PTR), ("parts", PTR),
-     *_MOE, ("h", U32), ("inter", U32), ("shared", U32), ("residual", PTR), ("norm_w", PTR),
-     ("out", PTR), ("normed", PTR), ("counter", PTR), ("eps", F32)],
-    writes=("parts", "out", "normed"),
-    pdl=True,
-    releases=True,  # once its rows are done: the head launches during its last wave (ptx/moe.cu)
-)
-def MOE_DOWN_SUM_NORM(mem, w, w_shared, act, ids, weights, parts, ntopk, expert_base, n_local, h,
-                      inter, shared, residual, norm_w, out, normed, counter, eps):
-    """moe_down, then sum_rows_residual_rmsnorm over its slot rows, in one launch (the last block
-    sums). ``counter`` is a zeroed u32 the device kernel leaves zeroed."""
-    MOE_DOWN.host(mem, w, w_shared, act, ids, weights, parts, ntopk, expert_base, n_local, h, inter,
-                  shared)
-    slots = ntopk + (1 if shared != SHARED_NONE else 0)
-    SUM_ROWS_RESIDUAL_RMSNORM.host(mem, parts, residual, norm_w, out, normed, slots, h, eps)
-
-
 # ptx/moe.cu: rows per block of the GEMVs (8 warps; gate_up one act element per warp, down 4 rows).
 GATE_UP_PER_BLOCK = 8
 DOWN_ROWS_PER_BLOCK = 32
@@ -250,13 +229,3 @@ def moe_down(gpu, w, w_shared, act, ids, weights, parts, ntopk, expert_base, n_l
     slots = ntopk + (1 if shared != SHARED_NONE else 0)
     launch(gpu, gpu.kernel(*MOE_DOWN.key), (-(-h // DOWN_ROWS_PER_BLOCK), slots), 256, w, w_shared,
            act, ids, weights, parts, ntopk, expert_base, n_local, h, inter, shared, stream=stream)
-
-
-def moe_down_sum_norm(gpu, w, w_shared, act, ids, weights, parts, ntopk, expert_base, n_local, h,
-                      inter, shared, residual, norm_w, out, normed, counter, eps, stream=None):
-    """moe_down with the residual add and the consumer's RMSNorm in its last block: out = residual
-    + sum of the slot rows, normed = rmsnorm(out) * norm_w. ``counter``: a zeroed u32."""
-    slots = ntopk + (1 if shared != SHARED_NONE else 0)
-    launch(gpu, gpu.kernel(*MOE_DOWN_SUM_NORM.key), (-(-h // DOWN_ROWS_PER_BLOCK), slots), 256, w,
-           w_shared, act, ids, weights, parts, ntopk, expert_base, n_local, h, inter, shared,
-           residual, norm_w, out, normed, counter, eps, stream=stream)
