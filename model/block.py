@@ -57,7 +57,6 @@ class LayerScratch:
     selected: DevicePtr
     count: DevicePtr
     router_counter: DevicePtr  # u32, zero between launches (router_fused's last-block handshake)
-    select_counter: DevicePtr  # u32, zero between launches (indexer_select's last-block handshake)
     attn_part: DevicePtr  # sparse_mla_partial's per-split outputs and (max, sum)
     attn_ml: DevicePtr
 
@@ -91,7 +90,6 @@ class LayerScratch:
             selected=b(max(selection_rows(d, rows), 1) * 4),
             count=b(4),
             router_counter=b(4),
-            select_counter=b(4),
             attn_part=b(part_bytes),
             attn_ml=b(ml_bytes),
         )
@@ -164,12 +162,14 @@ class DecoderLayer:
         bg.rmsnorm_gemv(gpu, q_a, w.q_a_norm, w.q_fused, s.q_fused, nq, a.q_lora_rank, eps, stream,
                         beside=True)
         iw = q_a.offset(a.q_lora_rank * 2)  # weights_proj y
-        dsa_select.indexer_select(gpu, s.q_fused.offset(hl * a.qk_head_dim * 2), iw, st.pool_keys,
-                                  st.pool_scales, s.iscores, s.selected, s.count, s.select_counter,
-                                  row_ptr, row_add, ih, idim, d.index_kpool, 1.0 / ih ** 0.5,
-                                  d.topk_pools, max(rows_capacity // d.index_kpool, 1), stream)
-        # The absorbed query needs only the q projection, so it streams wk_t beside the indexer
-        # and selection (a few blocks, then one) instead of after them.
+        dsa_select.indexer_scores(gpu, s.q_fused.offset(hl * a.qk_head_dim * 2), iw, st.pool_keys,
+                                  st.pool_scales, s.iscores, row_ptr, row_add, ih, idim,
+                                  d.index_kpool, 1.0 / ih ** 0.5,
+                                  max(rows_capacity // d.index_kpool, 1), stream)
+        dsa_select.select_topk_pools(gpu, s.iscores, s.selected, s.count, row_ptr, row_add,
+                                     d.topk_pools, d.index_kpool, stream)
+        # The absorbed query needs only the q projection, so it streams wk_t beside the selection
+        # (one block on one SM) instead of after it.
         bg.bgemv(gpu, w.wk_t, s.q_fused, s.q_abs, hl, C, a.qk_nope_head_dim, out_f32=True,
                  beside=True, stream=stream)
         sel_cap = selection_rows(d, rows_capacity)

@@ -9,30 +9,29 @@
 
 // ---- indexer_scores ---------------------------------------------------------------------------
 // scores[p] = sum_h (w_h * w_scale) * relu(q_h . key_p) / sqrt(dim) over the complete pools
-// p < npools, key_p = fp8(pool_keys[p]) * pool_scales[p] (the f32 product, as the twin).
+// p < (row + 1) / kpool, key_p = fp8(pool_keys[p]) * pool_scales[p] (the f32 product, as the twin).
 //
 // Grid-stride over pools, one warp per pool, lanes over heads (32 heads = one warp): each lane
 // does a whole q_h . key dot from shared memory, so there is one warp reduction per pool (over
 // heads) instead of one per head. q is staged once per block as f32 with a row pitch of dim + 4
 // floats: lane h's 16-byte reads of row h then land on distinct banks (pitch 132 words = 4 mod 32).
-// Dynamic smem (launch helper): heads * (dim + 4) * 4 + heads * 4 + warps * dim * 4 bytes.
-namespace {
-// This block's pools (a block without any returns at once, having touched nothing). q is the q
-// projection's output: read through the read-only path, because every caller starts only after
-// that projection has completed (it runs beside dsa_cache_write and does not release).
-__device__ __forceinline__ void score_pools(const uint16_t* __restrict__ q, const uint16_t* __restrict__ w,
-                                            const uint8_t* __restrict__ pool_keys,
-                                            const float* __restrict__ pool_scales, float* __restrict__ scores,
-                                            uint32_t npools, uint32_t heads, uint32_t dim, float w_scale,
-                                            float* sm) {
-    const uint32_t warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (blockIdx.x * warps >= npools) return;
+// Dynamic smem (launch helper): heads * (dim + 4) * 4 + heads * 4 + 8 * dim * 4 bytes.
+extern "C" __global__ void __launch_bounds__(256) indexer_scores(
+    const uint16_t* __restrict__ q, const uint16_t* __restrict__ w, const uint8_t* __restrict__ pool_keys,
+    const float* __restrict__ pool_scales, float* __restrict__ scores, const uint32_t* __restrict__ row_ptr,
+    uint32_t row_add, uint32_t heads, uint32_t dim, uint32_t kpool, float w_scale) {
+    extern __shared__ __align__(16) float sm[];
+    wait_then_release();
+    const uint32_t row = *row_ptr + row_add;
+    const uint32_t npools = (row + 1u) / kpool;
+    const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (blockIdx.x * 8u >= npools) return;
     const uint32_t pitch = dim + 4u;
     float* qs = sm;                       // [heads][pitch]
     float* ws = qs + (size_t)heads * pitch;  // [heads]
-    float* kb = ws + heads + ((4u - (heads & 3u)) & 3u);  // [warps][dim], 16-byte aligned
-    // Stage q with all of a thread's 16-byte loads in flight at once (32 x 128 BF16 = 2 per thread
-    // at 256 threads): an element-wise loop waited one L2 round trip per element.
+    float* kb = ws + heads + ((4u - (heads & 3u)) & 3u);  // [8][dim], 16-byte aligned
+    // Stage q with all of a thread's 16-byte loads in flight at once (32 x 128 BF16 = 2 per thread):
+    // an element-wise loop waited one L2 round trip per element.
     if (dim % 8u == 0 && aligned16(q)) {
         constexpr int QL = 4;
         const uint32_t n8 = heads * dim / 8u;
@@ -65,7 +64,7 @@ __device__ __forceinline__ void score_pools(const uint16_t* __restrict__ q, cons
     float* key = kb + (size_t)warp * dim;
     const float inv = sqrtf((float)dim);
     const bool vec4 = (dim % 4u) == 0;
-    for (uint32_t p = blockIdx.x * warps + warp; p < npools; p += gridDim.x * warps) {
+    for (uint32_t p = blockIdx.x * 8u + warp; p < npools; p += gridDim.x * 8u) {
         const float sc = pool_scales[p];
         const uint8_t* kp = pool_keys + (size_t)p * dim;
         for (uint32_t d = lane; d < dim; d += 32u) key[d] = __fmul_rn(fp8_to_f32(kp[d]), sc);
@@ -93,22 +92,10 @@ __device__ __forceinline__ void score_pools(const uint16_t* __restrict__ q, cons
         __syncwarp();  // the next pool overwrites key[]
     }
 }
-}  // namespace
-
-extern "C" __global__ void __launch_bounds__(256) indexer_scores(
-    const uint16_t* __restrict__ q, const uint16_t* __restrict__ w, const uint8_t* __restrict__ pool_keys,
-    const float* __restrict__ pool_scales, float* __restrict__ scores, const uint32_t* __restrict__ row_ptr,
-    uint32_t row_add, uint32_t heads, uint32_t dim, uint32_t kpool, float w_scale) {
-    extern __shared__ __align__(16) float sm[];
-    wait_then_release();
-    const uint32_t row = *row_ptr + row_add;
-    score_pools(q, w, pool_keys, pool_scales, scores, (row + 1u) / kpool, heads, dim, w_scale, sm);
-}
 
 // ---- select_topk_pools ------------------------------------------------------------------------
-// One block (1024 threads in both kernels); dynamic smem holds one u32 key per pool
-// (TOPK_MAX_POOLS * 4 bytes, 64 KiB for 16384 pools, above the 48 KB default: the backend raises
-// the limit at launch).
+// One block of 1024 threads; dynamic smem holds one u32 key per pool (TOPK_MAX_POOLS * 4 bytes,
+// 64 KiB for 16384 pools, above the 48 KB default: the backend raises the limit at launch).
 //
 // With npools <= topk_pools the selection is dense: rows 0..row. Otherwise the topk_pools largest
 // scores (ties: lower pool index first) are found by an exact radix select on order-preserving
@@ -117,16 +104,18 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores(
 // pools are compacted in ascending pool order with two block scans (one for the tie quota, one
 // for output positions), expanded to their kpool rows, and the tail rows of the incomplete pool
 // are appended. The result is exactly select_rows_ref's.
-namespace {
-// The scores are read through L2: in both kernels another grid or another block of this one wrote
-// them and may have been running when this block started.
-__device__ __forceinline__ void select_pools(const float* __restrict__ scores, uint32_t* __restrict__ selected,
-                                             uint32_t* __restrict__ count, uint32_t row, uint32_t topk_pools,
-                                             uint32_t kpool, uint32_t* keys_s) {
+extern "C" __global__ void __launch_bounds__(1024) select_topk_pools(
+    const float* __restrict__ scores, uint32_t* __restrict__ selected, uint32_t* __restrict__ count,
+    const uint32_t* __restrict__ row_ptr, uint32_t row_add, uint32_t topk_pools, uint32_t kpool) {
+    extern __shared__ uint32_t keys_s[];
     __shared__ uint32_t hist[256];
     __shared__ uint32_t scan_scratch[32];
     __shared__ uint32_t s_digit, s_remaining;
     const uint32_t tid = threadIdx.x, nt = blockDim.x;
+    // One block on one SM: the q_abs GEMV, which needs only the q projection, runs beside it
+    // (bgemv_bf16_f32_beside), released once the indexer's scores have completed.
+    wait_then_release();
+    const uint32_t row = *row_ptr + row_add;
     const uint32_t npools = (row + 1u) / kpool;
     if (npools <= topk_pools) {
         for (uint32_t i = tid; i <= row; i += nt) selected[i] = i;
@@ -222,41 +211,4 @@ __device__ __forceinline__ void select_pools(const float* __restrict__ scores, u
     const uint32_t tail0 = npools * kpool, base = topk_pools * kpool;
     for (uint32_t i = tid; tail0 + i <= row; i += nt) selected[base + i] = tail0 + i;
     if (tid == 0) *count = base + (row + 1u - tail0);
-}
-}  // namespace
-
-extern "C" __global__ void __launch_bounds__(1024) select_topk_pools(
-    const float* __restrict__ scores, uint32_t* __restrict__ selected, uint32_t* __restrict__ count,
-    const uint32_t* __restrict__ row_ptr, uint32_t row_add, uint32_t topk_pools, uint32_t kpool) {
-    extern __shared__ uint32_t keys_s[];
-    wait_then_release();
-    select_pools(scores, selected, count, *row_ptr + row_add, topk_pools, kpool, keys_s);
-}
-
-// ---- indexer_select ---------------------------------------------------------------------------
-// indexer_scores + select_topk_pools in one launch, which the drafter runs: every block scores its
-// pools (score_pools with 32 warps), and the last block to finish (last_block_done; `counter` is a
-// zeroed u32 the kernel leaves zeroed) selects over all of them. A dense selection needs no scores:
-// block 0 writes it and nothing is scored. One launch instead of two takes one grid-completion
-// hand-off off the attention chain, and lets the absorbed-query GEMV (wk_t, which reads only the q
-// projection) run beside the whole of it instead of beside the selection only.
-// Block 1024 threads; dynamic smem max(indexer_scores_smem(heads, dim, 32 warps), TOPK_MAX_POOLS * 4):
-// the selection's keys reuse the scoring's q and key rows, which the last block no longer needs.
-extern "C" __global__ void __launch_bounds__(1024) indexer_select(
-    const uint16_t* __restrict__ q, const uint16_t* __restrict__ w, const uint8_t* __restrict__ pool_keys,
-    const float* __restrict__ pool_scales, float* scores, uint32_t* __restrict__ selected,
-    uint32_t* __restrict__ count, uint32_t* __restrict__ counter, const uint32_t* __restrict__ row_ptr,
-    uint32_t row_add, uint32_t heads, uint32_t dim, uint32_t kpool, float w_scale, uint32_t topk_pools) {
-    extern __shared__ __align__(16) float sm[];
-    // wk_t runs beside: released as soon as the q projection has completed.
-    wait_then_release();
-    const uint32_t row = *row_ptr + row_add;
-    const uint32_t npools = (row + 1u) / kpool;
-    if (npools <= topk_pools || npools > TOPK_MAX_POOLS_CUDA) {  // nothing to rank (or past capacity)
-        if (blockIdx.x == 0) select_pools(scores, selected, count, row, topk_pools, kpool, reinterpret_cast<uint32_t*>(sm));
-        return;
-    }
-    score_pools(q, w, pool_keys, pool_scales, scores, npools, heads, dim, w_scale, sm);
-    if (!last_block_done(counter)) return;
-    select_pools(scores, selected, count, row, topk_pools, kpool, reinterpret_cast<uint32_t*>(sm));
 }

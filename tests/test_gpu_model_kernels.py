@@ -410,48 +410,6 @@ def test_select_topk_pools_exact(cuda, row, topk, kpool, kind):
     assert g["sel"].tobytes() == h["sel"].tobytes()
 
 
-@pytest.mark.parametrize("heads,dim,kpool,topk,row,cap", [
-    (32, 128, 4, 512, 4095, 16384 // 4),   # context 4096 in a 16384-row state: 1024 pools
-    (32, 128, 4, 512, 16001, 16384 // 4),  # context 16002: 4000 pools and a 2-row tail
-    (32, 128, 4, 512, 2050, 16384 // 4),   # 512 complete pools: dense, nothing scored
-    (3, 20, 3, 7, 100, 40),                # odd heads and kpool, dim % 8 != 0
-    (40, 16, 2, 5, 63, 40),                # more heads than lanes, more pools than the grid's warps
-])
-def test_indexer_select(cuda, heads, dim, kpool, topk, row, cap):
-    """The fused launch twice in a row (the last-block counter must come back to zero): its scores
-    against the twin's within the dot-product bound, and its selection exactly the reference's over
-    its own scores (two scores within rounding of the cut may rank differently on the host)."""
-    rng = np.random.default_rng()
-    q, w, pk, ps = _scores_case(rng, heads, dim, cap)
-    ws = 1.0 / heads ** 0.5
-    sel_cap = min(row + 1, topk * kpool + kpool - 1)
-
-    def twice(gpu, q, w, pk, ps, sc, sel, cnt, ctr, rowp):
-        for _ in range(2):
-            dsa_select.indexer_select(gpu, q, w, pk, ps, sc, sel, cnt, ctr, rowp, 1, heads, dim, kpool,
-                                      ws, topk, cap)
-
-    g, h = both(cuda, twice, {"q": q, "w": w, "pk": pk, "ps": ps, "sc": cap * 4, "sel": sel_cap * 4,
-                              "cnt": 4, "ctr": np.zeros(1, np.uint32),
-                              "rowp": np.array([row - 1], np.uint32)})
-    assert as_(g["ctr"], np.uint32)[0] == 0, "the last-block counter was not left zeroed"
-    npools = (row + 1) // kpool
-    gs, hs = as_(g["sc"], np.float32), as_(h["sc"], np.float32)
-    if npools <= topk:
-        assert np.isnan(gs).all() and np.isnan(hs).all(), "a dense selection scores nothing"
-    else:
-        assert np.isnan(gs[npools:]).all(), "scores past the complete pools must not be written"
-        keys = pk[:npools].view(FP8).astype(np.float64) * ps[:npools, None]
-        mag = (np.abs(w.astype(np.float64)) * ws) @ np.abs(q.astype(np.float64) @ keys.T) / np.sqrt(dim)
-        absmag = (np.abs(w.astype(np.float64)) * ws) @ (np.abs(q.astype(np.float64)) @ np.abs(keys).T)
-        bound = 4 * dim * 2.0**-24 * absmag / np.sqrt(dim) + 1e-6 * mag + 1e-30
-        assert_dot_close(gs[:npools], hs[:npools].astype(np.float64), bound, "indexer_select scores")
-    ref = select_rows_ref(gs, row, topk, kpool)
-    cnt = int(as_(g["cnt"], np.uint32)[0])
-    assert cnt == ref.size == int(as_(h["cnt"], np.uint32)[0])
-    np.testing.assert_array_equal(as_(g["sel"], np.uint32)[:cnt], ref)
-
-
 # ---- sparse_mla ----------------------------------------------------------------------------------
 
 

@@ -48,13 +48,12 @@ def test_the_drafter_step_kernels_take_part():
     """The flags are on where the step spends its launches (a regression that drops one silently
     costs the overlap, not correctness)."""
     modes = {d.function: d.pdl for d in PDL_DECLS}
-    assert {"rmsnorm_gemv", "dsa_cache_write", "indexer_select", "bgemv_bf16_f32",
+    assert {"rmsnorm_gemv", "dsa_cache_write", "select_topk_pools", "bgemv_bf16_f32",
             "sparse_mla_partial", "sparse_mla_combine", "moe_down", "sum_rows_residual_rmsnorm",
             "head_argmax_fp8", "head_argmax_bf16"} <= {f for f, m in modes.items() if m is Pdl.WAIT}
     assert {f for f, m in modes.items() if m is Pdl.BESIDE} == {"bgemv_bf16_f32_beside", "moe_gate_up",
                                                                 "rmsnorm_gemv_beside", "mtp_input_gemv"}
-    assert {d.function for d in RELEASING} == {"select_topk_pools", "indexer_select", "router_fused",
-                                               "dsa_cache_write",
+    assert {d.function for d in RELEASING} == {"select_topk_pools", "router_fused", "dsa_cache_write",
                                                "head_argmax_bf16", "head_argmax_fp8", "indexer_scores",
                                                "sparse_mla_partial", "sparse_mla_combine",
                                                "sum_rows_residual_rmsnorm", "bgemv_bf16_f32",

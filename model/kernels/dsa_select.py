@@ -87,40 +87,15 @@ def SELECT_TOPK_POOLS(mem, scores, selected, count, row_ptr, row_add, topk_pools
     mem.write(count, np.array([rows.size], np.uint32))
 
 
-@declare(
-    "dsa_select",
-    "indexer_select",
-    [
-        ("q", PTR), ("w", PTR), ("pool_keys", PTR), ("pool_scales", PTR), ("scores", PTR),
-        ("selected", PTR), ("count", PTR), ("counter", PTR), ("row_ptr", PTR), ("row_add", U32),
-        ("heads", U32), ("dim", U32), ("kpool", U32), ("w_scale", F32), ("topk_pools", U32),
-    ],
-    writes=("scores", "selected", "count"),
-    pdl=True,
-    releases=True,  # right after its wait: the absorbed-query GEMV runs beside it
-)
-def INDEXER_SELECT(mem, q, w, pool_keys, pool_scales, scores, selected, count, counter, row_ptr,
-                   row_add, heads, dim, kpool, w_scale, topk_pools):
-    """indexer_scores, then select_topk_pools over its scores, in one launch. The scores are the
-    selection's scratch: written only when there is something to rank (more complete pools than
-    topk_pools). ``counter`` is a zeroed u32 the device kernel leaves zeroed."""
-    row = int(mem.scalar(row_ptr, np.uint32)) + row_add
-    if complete_pools(row, kpool) > topk_pools:
-        INDEXER_SCORES.host(mem, q, w, pool_keys, pool_scales, scores, row_ptr, row_add, heads, dim,
-                            kpool, w_scale)
-    SELECT_TOPK_POOLS.host(mem, scores, selected, count, row_ptr, row_add, topk_pools, kpool)
-
-
 # indexer_scores: a warp per pool, 8 per block, grid-stride. The grid is capped at two blocks per SM
 # of an H200 (132 SMs): past that each block stages q (heads x dim f32) for fewer than one pool per
 # warp. Blocks beyond the row's pools exit at once.
 SCORES_MAX_GRID = 264
 
 
-def indexer_scores_smem(heads: int, dim: int, warps: int = 8) -> int:
-    """ptx/dsa_select.cu score_pools: q [heads][dim + 4] f32, w [heads] (padded to 4), a key row
-    [dim] f32 per warp."""
-    return 4 * (heads * (dim + 4) + heads + (-heads % 4) + warps * dim)
+def indexer_scores_smem(heads: int, dim: int) -> int:
+    """ptx/dsa_select.cu: q [heads][dim + 4] f32, w [heads] (padded to 4), 8 key rows [dim] f32."""
+    return 4 * (heads * (dim + 4) + heads + (-heads % 4) + 8 * dim)
 
 
 def indexer_scores(gpu, q, w, pool_keys, pool_scales, scores, row_ptr, row_add, heads, dim, kpool,
@@ -135,25 +110,3 @@ def select_topk_pools(gpu, scores, selected, count, row_ptr, row_add, topk_pools
                       stream=None):
     launch(gpu, gpu.kernel(*SELECT_TOPK_POOLS.key), 1, 1024, scores, selected, count, row_ptr,
            row_add, topk_pools, kpool, smem=TOPK_MAX_POOLS * 4, stream=stream)
-
-
-# indexer_select: 32 warps per block, a pool per warp at the largest context the state holds, and no
-# more blocks than the device holds at once (each block stages q once, and a block without pools
-# only takes part in the last-block count).
-SELECT_WARPS = 32
-
-
-def indexer_select_smem(heads: int, dim: int) -> int:
-    return max(indexer_scores_smem(heads, dim, SELECT_WARPS), TOPK_MAX_POOLS * 4)
-
-
-def indexer_select(gpu, q, w, pool_keys, pool_scales, scores, selected, count, counter, row_ptr,
-                   row_add, heads, dim, kpool, w_scale, topk_pools, max_pools, stream=None):
-    """``counter``: a zeroed u32 (the last-block handshake leaves it zeroed); ``scores`` holds
-    ``max_pools`` f32."""
-    kernel = gpu.kernel(*INDEXER_SELECT.key)
-    smem = indexer_select_smem(heads, dim)
-    grid = min(max(-(-max_pools // SELECT_WARPS), 1), gpu.resident_blocks(kernel, 32 * SELECT_WARPS, smem))
-    launch(gpu, kernel, grid, 32 * SELECT_WARPS, q, w, pool_keys, pool_scales, scores, selected, count,
-           counter, row_ptr, row_add, heads, dim, kpool, w_scale, topk_pools, smem=smem,
-           stream=stream)
