@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from runtime.allocations import Graph
+from runtime.allocations import Graph, MappedBuffer
 from runtime.backend import GpuBackend
 from runtime.comm.base import CommDtype, ReduceOp
 from runtime.device_ptr import DevicePtr
@@ -107,7 +107,9 @@ class ProposerState:
     ctx_tokens: DevicePtr
     head_counter: DevicePtr  # u32, zero between launches (head_argmax's last-block handshake)
     step_host: np.ndarray  # pinned: [row, token] u32
-    drafts_host: np.ndarray  # pinned: [max_draft_tokens] u32
+    # Mapped pinned memory: the launch that commits a step's last draft copies the step's drafts
+    # here (the step's one copy back, with no copy node after the graph's last kernel).
+    drafts_out: MappedBuffer
     last_drafted: int = 0
     # Host time of the last propose, the wait for the device excluded: checks, the copy of the
     # target's hidden, the graph launch (or the eager launches), and reading the drafts back.
@@ -118,6 +120,11 @@ class ProposerState:
     @property
     def rows(self) -> int:
         return self.dsa.length
+
+    @property
+    def drafts_host(self) -> np.ndarray:
+        """The host's view of the last step's drafts (u32, valid after the step's wait)."""
+        return self.drafts_out.host.view(np.uint32)
 
     @property
     def row(self) -> DevicePtr:
@@ -280,7 +287,7 @@ class MtpProposer:
                 drafts=z(self.opt.max_draft_tokens * 4), ctx_tokens=z(ch * 4),
                 head_counter=z(4),
                 step_host=gpu.alloc_host(8).view(np.uint32),
-                drafts_host=gpu.alloc_host(self.opt.max_draft_tokens * 4).view(np.uint32),
+                drafts_out=gpu.alloc_mapped(self.opt.max_draft_tokens * 4),
             )
         except Exception:
             if dsa is not None:
@@ -303,7 +310,7 @@ class MtpProposer:
         st.dsa.free(self.gpu, self.kv)
         st.arena.free()
         self.gpu.free_host(st.step_host)
-        self.gpu.free_host(st.drafts_host)
+        self.gpu.free_mapped(st.drafts_out)
         st.released = True
         self._states.remove(st)
         self._slots_free.append(st.slot)
@@ -422,10 +429,11 @@ class MtpProposer:
     def _enqueue_drafts(self, st: ProposerState, k: int) -> None:
         self.gpu.copy_h2d(st.step, st.step_host, self.stream)
         for i in range(k):
-            self._draft_step(st, i)
-        self.gpu.copy_d2h(st.drafts_host[:k], st.drafts, self.stream)
+            self._draft_step(st, i, publish=i == k - 1)
 
-    def _draft_step(self, st: ProposerState, i: int) -> None:
+    def _draft_step(self, st: ProposerState, i: int, publish: bool) -> None:
+        """Draft i; with ``publish`` (the step's last draft) the launch that commits it also copies
+        drafts 0..i to ``st.drafts_out``."""
         gpu, s, cfg = self.gpu, self.stream, self.cfg
         H, V, eps = cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps
         hidden = st.hidden_in if i == 0 else st.xn
@@ -440,7 +448,7 @@ class MtpProposer:
             rmsnorm(gpu, st.x, self.head_norm, st.xn, 1, H, eps, s)
         if self.opt.skip_head:
             gpu.memset(st.token, 0, 4, s)
-            gpu.memset(st.drafts.offset(i * 4), 0, 4, s)
+            gpu.memset(st.drafts_out.device.offset(i * 4), 0, 4, s)
             return
         n = self.head_n
         if not self.head_sharded:
@@ -448,7 +456,7 @@ class MtpProposer:
             fp8 = self.head_fp8 is not None
             w, sc = (self.head_fp8, self.head_fp8_scales) if fp8 else (self.head_bf16, None)
             draft_head.head_argmax(gpu, w, sc, st.xn, st.logits, st.key, st.head_counter, st.token,
-                                   st.drafts, i, n, H, s)
+                                   st.drafts, i, st.drafts_out.device, publish, n, H, s)
             return
         if self.head_fp8 is not None:
             gemv_fp8w(gpu, self.head_fp8, self.head_fp8_scales, st.xn, st.logits, 1, n, H, s)
@@ -457,7 +465,7 @@ class MtpProposer:
         argmax_bf16(gpu, st.logits, st.am_idx, st.am_val, n, s)
         draft_head.argmax_pack(gpu, st.am_idx, st.am_val, st.key, self.head_v0, s)
         self.comm.all_reduce(st.key, 1, CommDtype.UINT64, ReduceOp.MAX, stream=s)
-        draft_head.draft_commit(gpu, st.key, st.token, st.drafts, i, s)
+        draft_head.draft_commit(gpu, st.key, st.token, st.drafts, i, st.drafts_out.device, publish, s)
 
     def _wait(self, stream: int) -> None:
         """Wait for the drafts. With peers in the step a dead rank would leave the stream

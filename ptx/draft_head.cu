@@ -73,10 +73,22 @@ __device__ __forceinline__ void warp_gemv_fp8_xs(const uint8_t* const (&w)[ROWS]
     }
 }
 
+// The drafts 0..slot (slot's is t) into host_drafts when publish is set: the step's one copy of its
+// drafts to the host, stored by the thread that commits the last draft (host_drafts is mapped
+// pinned memory, GpuBackend.alloc_mapped), instead of a copy node after the graph's last kernel.
+// The earlier drafts were committed by earlier launches; read through L2 all the same.
+__device__ __forceinline__ void publish_drafts(const uint32_t* drafts, uint32_t* host_drafts, uint32_t slot,
+                                               uint32_t t) {
+    for (uint32_t i = 0; i < slot; ++i) host_drafts[i] = __ldcg(drafts + i);
+    host_drafts[slot] = t;
+}
+
 // Per block: candidate key of this block's rows (0 if none is a number) -> atomicMax into *key;
-// the last block commits the winner's index to token and drafts[slot] and re-zeroes key.
+// the last block commits the winner's index to token and drafts[slot], publishes the drafts when
+// asked (publish_drafts) and re-zeroes key.
 __device__ __forceinline__ void argmax_commit(unsigned long long cand, unsigned long long* key, uint32_t* counter,
-                                              uint32_t* token, uint32_t* drafts, uint32_t slot) {
+                                              uint32_t* token, uint32_t* drafts, uint32_t slot,
+                                              uint32_t* host_drafts, uint32_t publish) {
     __shared__ unsigned long long best_s[WARPS];
     const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
@@ -97,6 +109,7 @@ __device__ __forceinline__ void argmax_commit(unsigned long long cand, unsigned 
         const uint32_t t = 0xFFFFFFFFu - (uint32_t)(k & 0xFFFFFFFFull);  // 0xFFFFFFFF: every logit NaN
         *token = t;
         drafts[slot] = t;
+        if (publish) publish_drafts(drafts, host_drafts, slot, t);
         *key = 0ull;
     }
 }
@@ -122,12 +135,14 @@ extern "C" __global__ void __launch_bounds__(32) argmax_pack(const uint32_t* __r
 }
 
 extern "C" __global__ void __launch_bounds__(32) draft_commit(const unsigned long long* __restrict__ key,
-                                                              uint32_t* __restrict__ token,
-                                                              uint32_t* __restrict__ drafts, uint32_t slot) {
+                                                              uint32_t* __restrict__ token, uint32_t* drafts,
+                                                              uint32_t slot, uint32_t* __restrict__ host_drafts,
+                                                              uint32_t publish) {
     if (threadIdx.x != 0) return;
     const uint32_t t = 0xFFFFFFFFu - (uint32_t)(*key & 0xFFFFFFFFull);
     *token = t;
     drafts[slot] = t;
+    if (publish) publish_drafts(drafts, host_drafts, slot, t);
 }
 
 // logits = W @ x (BF16 head), draft = argmax(logits) (lowest index on ties, NaN never wins),
@@ -136,8 +151,8 @@ extern "C" __global__ void __launch_bounds__(32) draft_commit(const unsigned lon
 // leaves zeroed; every replay of a graph reuses them.
 extern "C" __global__ void __launch_bounds__(256) head_argmax_bf16(
     const uint16_t* __restrict__ w, const uint16_t* __restrict__ x, uint16_t* __restrict__ logits,
-    unsigned long long* key, uint32_t* counter, uint32_t* __restrict__ token, uint32_t* __restrict__ drafts,
-    uint32_t slot, uint32_t n, uint32_t k) {
+    unsigned long long* key, uint32_t* counter, uint32_t* __restrict__ token, uint32_t* drafts,
+    uint32_t slot, uint32_t* __restrict__ host_drafts, uint32_t publish, uint32_t n, uint32_t k) {
     constexpr int ROWS = ROWS_BF16;
     const uint32_t lane = threadIdx.x & 31;
     const uint32_t row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
@@ -156,7 +171,7 @@ extern "C" __global__ void __launch_bounds__(256) head_argmax_bf16(
         }
     }
     wait_then_release();  // a warp without rows never reached the wait in warp_gemv_bf16
-    argmax_commit(cand, key, counter, token, drafts, slot);
+    argmax_commit(cand, key, counter, token, drafts, slot, host_drafts, publish);
 }
 
 // As head_argmax_bf16 with the FP8 copy of the head: logit = scale[row] * (Wq[row] . x), the f32
@@ -205,7 +220,7 @@ __device__ __forceinline__ bool head_fp8_group(const uint8_t* __restrict__ wq, c
 extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_fp8(
     const uint8_t* __restrict__ wq, const float* __restrict__ scale, const uint16_t* __restrict__ x,
     uint16_t* __restrict__ logits, unsigned long long* key, uint32_t* counter, uint32_t* __restrict__ token,
-    uint32_t* __restrict__ drafts, uint32_t slot, uint32_t n, uint32_t k) {
+    uint32_t* drafts, uint32_t slot, uint32_t* __restrict__ host_drafts, uint32_t publish, uint32_t n, uint32_t k) {
     constexpr int ROWS = ROWS_FP8;
     const uint32_t lane = threadIdx.x & 31;
     const bool vec = (k % 16u == 0) && aligned16(wq) && aligned16(x);
@@ -235,5 +250,5 @@ extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_fp8(
     for (; g < groups; g += gridDim.x) {
         if (!head_fp8_group<false>(wq, scale, x, logits, g, n, k, vec, smem, pre, cand)) break;
     }
-    argmax_commit(cand, key, counter, token, drafts, slot);
+    argmax_commit(cand, key, counter, token, drafts, slot, host_drafts, publish);
 }

@@ -11,6 +11,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .device_ptr import DevicePtr
 from .errors import GraphLifetimeError, MemoryFault
 
@@ -20,6 +22,20 @@ class AllocStats:
     live_allocations: int
     live_bytes: int
     peak_bytes: int
+
+
+@dataclass(frozen=True)
+class MappedBuffer:
+    """Page-locked host memory that kernels address directly (``alloc_mapped``): ``host`` is the
+    CPU's view (uint8), ``device`` the address kernels use. It is an allocation like any other for
+    argument checks and graph lifetime: a free under a live graph that stores into it is refused."""
+
+    host: np.ndarray
+    device: DevicePtr
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.host.nbytes)
 
 
 @dataclass

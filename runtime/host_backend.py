@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .allocations import AllocationTable, AllocStats, Graph
+from .allocations import AllocationTable, AllocStats, Graph, MappedBuffer
 from .backend import Dim3, KernelHandle, NULL_KERNEL
 from .device_ptr import DevicePtr
 from .errors import GraphLifetimeError, KernelNotFound, LaunchError, MemoryFault, OutOfMemoryError
@@ -72,6 +72,7 @@ class HostBackend:
         self.capacity = capacity_bytes
         self._table = AllocationTable()
         self._arrays: dict[int, np.ndarray] = {}
+        self._mapped: set[int] = set()  # bases of alloc_mapped buffers
         self.mem = HostMemory(self._table, self._arrays)
         self._next = _BASE
         self._capture: list[Callable[[], None]] | None = None
@@ -99,6 +100,11 @@ class HostBackend:
         return DevicePtr(base)
 
     def free(self, ptr: DevicePtr) -> None:
+        if ptr.addr in self._mapped:
+            raise MemoryFault(f"free of 0x{ptr.addr:x}, a buffer from alloc_mapped: use free_mapped")
+        self._free(ptr)
+
+    def _free(self, ptr: DevicePtr) -> None:
         self._table.remove(ptr)
         arr = self._arrays.pop(ptr.addr)
         arr[:] = POISON  # any view a twin kept now reads poison
@@ -137,6 +143,20 @@ class HostBackend:
 
     def free_host(self, buf: np.ndarray) -> None:
         pass
+
+    def alloc_mapped(self, nbytes: int) -> MappedBuffer:
+        """A heap allocation whose bytes the host array views directly: what kernels store, the
+        host reads, as through mapped pinned memory on the device."""
+        ptr = self.alloc(nbytes)
+        self._arrays[ptr.addr][:] = 0  # pinned host memory starts as whatever the OS gave: zeros here
+        self._mapped.add(ptr.addr)
+        return MappedBuffer(self._arrays[ptr.addr], ptr)
+
+    def free_mapped(self, buf: MappedBuffer) -> None:
+        if self._arrays.get(buf.device.addr) is not buf.host:
+            raise MemoryFault(f"free_mapped of 0x{buf.device.addr:x}, which is not a live buffer from alloc_mapped")
+        self._free(buf.device)  # GraphLifetimeError under a live graph, before anything changes
+        self._mapped.discard(buf.device.addr)
 
     def mem_info(self) -> tuple[int, int]:
         return self.capacity - self._table.live_bytes, self.capacity

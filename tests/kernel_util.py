@@ -84,3 +84,55 @@ def assert_dot_close(out: np.ndarray, ref: np.ndarray, bound: np.ndarray, what: 
             f"{what}: {int(bad.sum())} of {bad.size} elements outside the bound; worst at {i}: "
             f"out {out64[i]!r}, ref {ref[i]!r}, bound {bound[i]!r}"
         )
+
+
+def check_mapped_buffer_contract(gpu) -> None:
+    """GpuBackend.alloc_mapped on either backend: a kernel inside a replayed graph stores into the
+    buffer and the host reads the result after synchronising, with no copy; a free under the live
+    graph is refused and changes nothing; plain free and a second free_mapped are refused."""
+    from runtime import GraphLifetimeError, MemoryFault
+    from runtime.kernels.add_bf16 import add_bf16, add_ref
+
+    rng = np.random.default_rng()
+    n = 37
+    before = gpu.stats().live_allocations
+    a, b = gpu.alloc(2 * n), gpu.alloc(2 * n)
+    out = gpu.alloc_mapped(2 * n)
+    assert out.nbytes == 2 * n and gpu.stats().live_allocations == before + 3
+    s = gpu.create_stream()
+    gpu.begin_capture(s)
+    add_bf16(gpu, a, b, out.device, n, stream=s)
+    g = gpu.end_capture(s, label="add into mapped")
+    for _ in range(2):  # each replay's result reaches the host without a copy
+        x, y = random_bf16(rng, n), random_bf16(rng, n)
+        gpu.copy_h2d(a, x)
+        gpu.copy_h2d(b, y)
+        gpu.graph_launch(g, s)
+        gpu.synchronize(s)
+        np.testing.assert_array_equal(out.host.view(BF16), add_ref(x, y))
+    try:
+        try:
+            gpu.free_mapped(out)
+            raise AssertionError("free_mapped under a live graph was not refused")
+        except GraphLifetimeError as e:
+            assert "add into mapped" in str(e)
+        try:
+            gpu.free(out.device)
+            raise AssertionError("a plain free of a mapped buffer was not refused")
+        except MemoryFault as e:
+            assert "free_mapped" in str(e)
+        gpu.graph_launch(g, s)  # still intact after the refusals
+        gpu.synchronize(s)
+        np.testing.assert_array_equal(out.host.view(BF16), add_ref(x, y))
+    finally:
+        gpu.graph_destroy(g)
+        gpu.destroy_stream(s)
+    gpu.free_mapped(out)
+    try:
+        gpu.free_mapped(out)
+        raise AssertionError("a second free_mapped was not refused")
+    except MemoryFault:
+        pass
+    gpu.free(a)
+    gpu.free(b)
+    assert gpu.stats().live_allocations == before

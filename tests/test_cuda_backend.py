@@ -285,11 +285,13 @@ def test_close_frees_everything(cuda):
     gpu = CudaBackend()
     ptrs = [gpu.alloc(256 << 20) for _ in range(4)]
     gpu.alloc_host(1 << 20)
+    mapped = gpu.alloc_mapped(64)
     gpu.event_create()
     gpu.create_stream()
     po = poisoned(gpu, 8)
     gpu.begin_capture()
     add_bf16(gpu, ptrs[0], ptrs[1], po, 4)
+    add_bf16(gpu, ptrs[0], ptrs[1], mapped.device, 4)
     gpu.end_capture(label="left live")
     assert cuda.mem_info()[0] < free0 - (1 << 30)
     gpu.close()
@@ -315,3 +317,10 @@ def test_resident_blocks_follow_the_kernels_occupancy(cuda):
     assert cuda.resident_blocks(cuda.kernel("mtp_input", "mtp_input_gemv"), 256, big) == cuda.sm_count
     with pytest.raises(LaunchError):
         cuda.resident_blocks(NULL_KERNEL, 256)
+
+
+def test_mapped_buffer_is_written_by_kernels_and_guarded_by_graphs(cuda):
+    from kernel_util import check_mapped_buffer_contract
+
+    check_mapped_buffer_contract(cuda)
+    assert_usable(cuda)

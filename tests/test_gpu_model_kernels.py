@@ -660,17 +660,24 @@ def test_experts_read_only_the_chosen_of_288(cuda):
 @pytest.mark.parametrize("val,idx,v0", [(1.5, 7, 0), (-2.0, 0, 1000), (0.0, 3, 5), (-0.0, 3, 5),
                                         (float("inf"), 154879, 0), (-1e-30, 12, 77440),
                                         (float("nan"), 9, 0)])
-def test_argmax_pack_and_commit_exact(cuda, val, idx, v0):
-    def run(gpu, i, v, key, tok, drafts):
+@pytest.mark.parametrize("publish", [0, 1])
+def test_argmax_pack_and_commit_exact(cuda, val, idx, v0, publish):
+    def run(gpu, i, v, key, tok, drafts, out):
         draft_head.argmax_pack(gpu, i, v, key, v0)
-        draft_head.draft_commit(gpu, key, tok, drafts, 2)
+        draft_head.draft_commit(gpu, key, tok, drafts, 2, out, publish)
 
+    prior = np.array([11, 22, 0xFFFFFFFF, 0xFFFFFFFF], np.uint32)  # drafts 0 and 1 of the step
     g, h = both(cuda, run, {"i": np.array([idx], np.uint32), "v": np.array([val], np.float32), "key": 8,
-                            "tok": 4, "drafts": 16})
+                            "tok": 4, "drafts": prior, "out": 16})
     assert g["key"].tobytes() == h["key"].tobytes()
+    assert g["out"].tobytes() == h["out"].tobytes()
     assert int(as_(g["key"], np.uint64)[0]) == draft_head.pack_key(val, idx + v0)
     assert int(as_(g["tok"], np.uint32)[0]) == idx + v0 == int(as_(g["drafts"], np.uint32)[2])
-    assert (g["drafts"][:8] == 0xFF).all() and (g["drafts"][12:] == 0xFF).all()
+    assert (g["drafts"][12:] == 0xFF).all()
+    if publish:  # drafts 0..2 copied out, nothing past them
+        assert as_(g["out"], np.uint32)[:3].tolist() == [11, 22, idx + v0] and (g["out"][12:] == 0xFF).all()
+    else:
+        assert (g["out"] == 0xFF).all()
 
 
 def test_argmax_pack_of_an_all_nan_shard_is_zero(cuda):
@@ -701,14 +708,16 @@ def head_w(cuda):
 
 
 def _head_run(gpu, w, scale, x, n, k, slot=1, launches=1):
+    """The head ``launches`` times; the last one publishes drafts 0..slot to ``out``."""
     zero8, zero4 = np.zeros(1, np.uint64), np.zeros(1, np.uint32)
-    bufs = {"w": w, "x": x, "logits": 2 * n, "key": zero8, "ctr": zero4, "tok": 4, "drafts": 16}
+    bufs = {"w": w, "x": x, "logits": 2 * n, "key": zero8, "ctr": zero4, "tok": 4, "drafts": 16, "out": 16}
     if scale is not None:
         bufs["sc"] = scale
 
-    def run(gpu, w, x, logits, key, ctr, tok, drafts, sc=None):
-        for _ in range(launches):
-            draft_head.head_argmax(gpu, w, sc, x, logits, key, ctr, tok, drafts, slot, n, k)
+    def run(gpu, w, x, logits, key, ctr, tok, drafts, out, sc=None):
+        for i in range(launches):
+            draft_head.head_argmax(gpu, w, sc, x, logits, key, ctr, tok, drafts, slot, out,
+                                   i == launches - 1, n, k)
 
     return run_on(gpu, run, bufs)
 
@@ -728,6 +737,7 @@ def test_head_argmax_full_vocab(cuda, head_w, fp8):
     assert tok == int(np.flatnonzero(gl32 == gl32.max())[0]), "token is the argmax of the device logits"
     assert int(as_(g["drafts"], np.uint32)[1]) == tok
     assert (g["drafts"][:4] == 0xFF).all() and (g["drafts"][8:] == 0xFF).all()
+    assert g["out"][:8].tobytes() == g["drafts"][:8].tobytes() and (g["out"][8:] == 0xFF).all()
     assert int(as_(g["key"], np.uint64)[0]) == 0 and int(as_(g["ctr"], np.uint32)[0]) == 0
     top = np.sort(ref)[-2:]
     if top[1] - top[0] > 4 * 2.0**-8 * abs(top[1]):  # the twin's draft where rounding cannot flip it
@@ -745,12 +755,12 @@ def test_head_argmax_ties_and_awkward_sizes(cuda, n, k, mis, fp8):
     q, s = quantize_rows_fp8(w)
     zero8, zero4 = np.zeros(1, np.uint64), np.zeros(1, np.uint32)
     bufs = {"w": q if fp8 else w, "x": x, "logits": 2 * n, "key": zero8, "ctr": zero4, "tok": 4,
-            "drafts": 16}
+            "drafts": 16, "out": 16}
     if fp8:
         bufs["sc"] = s
 
-    def run(gpu, w, x, logits, key, ctr, tok, drafts, sc=None):
-        draft_head.head_argmax(gpu, w, sc, x, logits, key, ctr, tok, drafts, 3, n, k)
+    def run(gpu, w, x, logits, key, ctr, tok, drafts, out, sc=None):
+        draft_head.head_argmax(gpu, w, sc, x, logits, key, ctr, tok, drafts, 3, out, False, n, k)
 
     gd, hd = both(cuda, run, bufs, {"x": mis})
     gl, hl = as_(gd["logits"], BF16).astype(np.float32), as_(hd["logits"], BF16).astype(np.float32)
@@ -758,6 +768,7 @@ def test_head_argmax_ties_and_awkward_sizes(cuda, n, k, mis, fp8):
     tok = int(as_(gd["tok"], np.uint32)[0])
     assert tok == a, f"tie between rows {a} and {b}: the lower index wins, got {tok}"
     assert gd["tok"].tobytes() == hd["tok"].tobytes() and gd["drafts"].tobytes() == hd["drafts"].tobytes()
+    assert (gd["out"] == 0xFF).all(), "a draft that is not the step's last publishes nothing"
 
 
 # ---- capacities shared between Python and CUDA ----------------------------------------------------

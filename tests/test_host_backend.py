@@ -126,3 +126,9 @@ def test_resident_blocks_is_notional_and_refuses_the_null_kernel(host):
     assert host.resident_blocks(k, 256) == host.resident_blocks(k, 1024, 4096) == HostBackend.NOTIONAL_RESIDENT_BLOCKS
     with pytest.raises(LaunchError):
         host.resident_blocks(NULL_KERNEL, 256)
+
+
+def test_mapped_buffer_is_written_by_kernels_and_guarded_by_graphs(host):
+    from kernel_util import check_mapped_buffer_contract
+
+    check_mapped_buffer_contract(host)

@@ -57,31 +57,41 @@ def ARGMAX_PACK(mem, idx, val, key, v0):
     mem.write(key, np.array([k], np.uint64))
 
 
+def _commit(mem, t: np.ndarray, token, drafts, slot, host_drafts, publish) -> None:
+    """*token = drafts[slot] = t; with ``publish``, drafts[0..slot] are also copied to
+    ``host_drafts`` (mapped pinned memory: the step's one copy of its drafts to the host, made by
+    the launch that commits the last draft)."""
+    mem.write(token, t)
+    mem.write(drafts.offset(slot * 4), t)
+    if publish:
+        mem.write(host_drafts, mem.read(drafts, np.uint32, slot + 1))
+
+
+_PUBLISH = [("host_drafts", PTR), ("publish", U32)]
+
+
 @declare(
     "draft_head",
     "draft_commit",
-    [("key", PTR), ("token", PTR), ("drafts", PTR), ("slot", U32)],
-    writes=("token", "drafts"),
+    [("key", PTR), ("token", PTR), ("drafts", PTR), ("slot", U32), *_PUBLISH],
+    writes=("token", "drafts", "host_drafts"),
 )
-def DRAFT_COMMIT(mem, key, token, drafts, slot):
+def DRAFT_COMMIT(mem, key, token, drafts, slot, host_drafts, publish):
     t = np.array([unpack_index(int(mem.scalar(key, np.uint64)))], np.uint32)
-    mem.write(token, t)
-    mem.write(drafts.offset(slot * 4), t)
+    _commit(mem, t, token, drafts, slot, host_drafts, publish)
 
 
 _HEAD_TAIL = [("logits", PTR), ("key", PTR), ("counter", PTR), ("token", PTR), ("drafts", PTR),
-              ("slot", U32), ("n", U32), ("k", U32)]
-_HEAD_WRITES = ("logits", "key", "counter", "token", "drafts")
+              ("slot", U32), *_PUBLISH, ("n", U32), ("k", U32)]
+_HEAD_WRITES = ("logits", "key", "counter", "token", "drafts", "host_drafts")
 
 
-def _commit_argmax(mem, logits_bf16, logits, key, counter, token, drafts, slot):
+def _commit_argmax(mem, logits_bf16, logits, key, counter, token, drafts, slot, host_drafts, publish):
     """Store the logits, commit their argmax (gemv -> argmax_bf16 -> argmax_pack(v0=0) ->
     draft_commit on one rank), and leave the scratch key and counter zeroed as the kernel does."""
     mem.write(logits, logits_bf16)
     idx, _ = argmax_ref(logits_bf16)
-    t = np.array([idx], np.uint32)
-    mem.write(token, t)
-    mem.write(drafts.offset(slot * 4), t)
+    _commit(mem, np.array([idx], np.uint32), token, drafts, slot, host_drafts, publish)
     mem.write(key, np.zeros(1, np.uint64))
     mem.write(counter, np.zeros(1, np.uint32))
 
@@ -90,19 +100,20 @@ def _commit_argmax(mem, logits_bf16, logits, key, counter, token, drafts, slot):
 # (mtp_input_gemv, Pdl.BESIDE) streams its hidden half in the head's tail.
 @declare("draft_head", "head_argmax_bf16", [("w", PTR), ("x", PTR), *_HEAD_TAIL], writes=_HEAD_WRITES, pdl=True,
          releases=True)
-def HEAD_ARGMAX_BF16(mem, w, x, logits, key, counter, token, drafts, slot, n, k):
+def HEAD_ARGMAX_BF16(mem, w, x, logits, key, counter, token, drafts, slot, host_drafts, publish, n, k):
     """Single-rank head in one launch: logits = W x (BF16), draft = argmax (lowest index on ties,
     NaN never; 0xFFFFFFFF if every logit is NaN), *token = drafts[slot] = draft."""
     y = gemv_bf16_ref(mem.view(w, BF16, (n, k)), mem.read(x, BF16, (1, k)))[0]
-    _commit_argmax(mem, y, logits, key, counter, token, drafts, slot)
+    _commit_argmax(mem, y, logits, key, counter, token, drafts, slot, host_drafts, publish)
 
 
 @declare("draft_head", "head_argmax_fp8", [("wq", PTR), ("scale", PTR), ("x", PTR), *_HEAD_TAIL],
          writes=_HEAD_WRITES, pdl=True, releases=True)
-def HEAD_ARGMAX_FP8(mem, wq, scale, x, logits, key, counter, token, drafts, slot, n, k):
+def HEAD_ARGMAX_FP8(mem, wq, scale, x, logits, key, counter, token, drafts, slot, host_drafts, publish,
+                    n, k):
     """head_argmax_bf16 with the FP8 copy of the head (gemv_fp8w's arithmetic)."""
     y = gemv_fp8w_ref(mem.view(wq, FP8, (n, k)), mem.read(scale, np.float32, n), mem.read(x, BF16, (1, k)))[0]
-    _commit_argmax(mem, y, logits, key, counter, token, drafts, slot)
+    _commit_argmax(mem, y, logits, key, counter, token, drafts, slot, host_drafts, publish)
 
 
 # ptx/draft_head.cu: 8 warps x 2 rows per block (per 16-row group for the FP8 head) for both heads.
@@ -123,20 +134,24 @@ def head_fp8_launch(gpu, n: int, k: int) -> tuple[int, int]:
     return grid_stride_blocks(max(1, -(-n // HEAD_ROWS_PER_BLOCK_FP8)), resident), smem
 
 
-def head_argmax(gpu, w, scale, x, logits, key, counter, token, drafts, slot, n, k, stream=None):
-    """The FP8 head when ``scale`` is given (w is then the FP8 copy), else the BF16 head."""
+def head_argmax(gpu, w, scale, x, logits, key, counter, token, drafts, slot, host_drafts, publish, n, k,
+                stream=None):
+    """The FP8 head when ``scale`` is given (w is then the FP8 copy), else the BF16 head.
+    ``publish``: also copy drafts[0..slot] to ``host_drafts`` (the last draft of a step)."""
+    publish = int(bool(publish))
     if scale is None:
         launch(gpu, gpu.kernel(*HEAD_ARGMAX_BF16.key), -(-n // HEAD_ROWS_PER_BLOCK_BF16), 256, w, x,
-               logits, key, counter, token, drafts, slot, n, k, stream=stream)
+               logits, key, counter, token, drafts, slot, host_drafts, publish, n, k, stream=stream)
     else:
         grid, smem = head_fp8_launch(gpu, n, k)
         launch(gpu, gpu.kernel(*HEAD_ARGMAX_FP8.key), grid, 256, w, scale, x, logits, key, counter,
-               token, drafts, slot, n, k, smem=smem, stream=stream)
+               token, drafts, slot, host_drafts, publish, n, k, smem=smem, stream=stream)
 
 
 def argmax_pack(gpu, idx, val, key, v0, stream=None):
     launch(gpu, gpu.kernel(*ARGMAX_PACK.key), 1, 32, idx, val, key, v0, stream=stream)
 
 
-def draft_commit(gpu, key, token, drafts, slot, stream=None):
-    launch(gpu, gpu.kernel(*DRAFT_COMMIT.key), 1, 32, key, token, drafts, slot, stream=stream)
+def draft_commit(gpu, key, token, drafts, slot, host_drafts, publish, stream=None):
+    launch(gpu, gpu.kernel(*DRAFT_COMMIT.key), 1, 32, key, token, drafts, slot, host_drafts,
+           int(bool(publish)), stream=stream)
