@@ -26,6 +26,7 @@ from runtime.device_ptr import DevicePtr
 from runtime.dtypes import BF16
 from runtime.errors import CommError
 from runtime.kernels.argmax_bf16 import argmax_bf16
+from runtime.kernels.copy_words import copy_words
 from runtime.kernels.gemv_bf16 import MAX_M as GEMV_MAX_M, gemv_bf16
 from runtime.kernels.gemv_fp8w import gemv_fp8w
 from runtime.kernels.quantize_fp8 import quantize_fp8
@@ -106,7 +107,9 @@ class ProposerState:
     drafts: DevicePtr
     ctx_tokens: DevicePtr
     head_counter: DevicePtr  # u32, zero between launches (head_argmax's last-block handshake)
-    step_host: np.ndarray  # pinned: [row, token] u32
+    # Mapped pinned [row, token] u32: the host writes the step's scalars here, and the step's first
+    # kernel (copy_words) brings them into ``step`` (no host-to-device copy node in the graph).
+    step_in: MappedBuffer
     # Mapped pinned memory: the launch that commits a step's last draft copies the step's drafts
     # here (the step's one copy back, with no copy node after the graph's last kernel).
     drafts_out: MappedBuffer
@@ -286,7 +289,7 @@ class MtpProposer:
                 logits=z(self.head_n * 2), am_idx=z(4), am_val=z(4), key=z(8), step=z(8),
                 drafts=z(self.opt.max_draft_tokens * 4), ctx_tokens=z(ch * 4),
                 head_counter=z(4),
-                step_host=gpu.alloc_host(8).view(np.uint32),
+                step_in=gpu.alloc_mapped(8),
                 drafts_out=gpu.alloc_mapped(self.opt.max_draft_tokens * 4),
             )
         except Exception:
@@ -309,7 +312,7 @@ class MtpProposer:
         st.graphs.clear()
         st.dsa.free(self.gpu, self.kv)
         st.arena.free()
-        self.gpu.free_host(st.step_host)
+        self.gpu.free_mapped(st.step_in)
         self.gpu.free_mapped(st.drafts_out)
         st.released = True
         self._states.remove(st)
@@ -399,10 +402,11 @@ class MtpProposer:
         if st.rows > position:
             st.dsa.rewind_to(position)
         gpu, s = self.gpu, self.stream
-        # Read by the step's first copy, inside the graph when there is one: the host writes two
-        # words of pinned memory instead of issuing two copies (the previous step has finished,
+        # Read by the step's first kernel, inside the graph when there is one: the host writes two
+        # words of mapped pinned memory instead of issuing copies (the previous step has finished,
         # since propose waits for its drafts).
-        st.step_host[0], st.step_host[1] = position, last_token
+        step_host = st.step_in.host.view(np.uint32)
+        step_host[0], step_host[1] = position, last_token
         gpu.copy_d2d(st.hidden_in, target_hidden, self.cfg.hidden_size * 2, s)
         if self.opt.use_graphs:
             g = st.graphs.get(k)
@@ -427,7 +431,8 @@ class MtpProposer:
         return drafts
 
     def _enqueue_drafts(self, st: ProposerState, k: int) -> None:
-        self.gpu.copy_h2d(st.step, st.step_host, self.stream)
+        # The first draft's eh_proj (Pdl.BESIDE) streams its hidden half while this reads the host.
+        copy_words(self.gpu, st.step_in.device, st.step, 2, self.stream)
         for i in range(k):
             self._draft_step(st, i, publish=i == k - 1)
 

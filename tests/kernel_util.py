@@ -136,3 +136,35 @@ def check_mapped_buffer_contract(gpu) -> None:
     gpu.free(a)
     gpu.free(b)
     assert gpu.stats().live_allocations == before
+
+
+def check_copy_words_from_mapped_memory(gpu) -> None:
+    """copy_words from mapped pinned memory into a poisoned device buffer, inside a graph replayed
+    after the host rewrote the source: each replay copies the words the host wrote last, and
+    nothing past n."""
+    from runtime.kernels.copy_words import copy_words
+
+    rng = np.random.default_rng()
+    for n in (1, 2, 37, 100):
+        src = gpu.alloc_mapped(4 * n)
+        dst = gpu.alloc(4 * n + 64)
+        s = gpu.create_stream()
+        try:
+            gpu.begin_capture(s)
+            copy_words(gpu, src.device, dst, n, stream=s)
+            g = gpu.end_capture(s, label="copy_words")
+            for _ in range(3):
+                gpu.memset(dst, 0xFF, 4 * n + 64, stream=s)
+                words = rng.integers(0, 2**32, n, dtype=np.uint32)
+                src.host.view(np.uint32)[:] = words
+                gpu.graph_launch(g, s)
+                gpu.synchronize(s)
+                got = np.empty(n + 16, np.uint32)
+                gpu.copy_d2h(got, dst)
+                np.testing.assert_array_equal(got[:n], words)
+                assert (got[n:] == 0xFFFFFFFF).all(), "copy_words wrote past n"
+            gpu.graph_destroy(g)
+        finally:
+            gpu.destroy_stream(s)
+            gpu.free(dst)
+            gpu.free_mapped(src)

@@ -324,3 +324,9 @@ def test_mapped_buffer_is_written_by_kernels_and_guarded_by_graphs(cuda):
 
     check_mapped_buffer_contract(cuda)
     assert_usable(cuda)
+
+
+def test_copy_words_brings_host_words_in_at_every_replay(cuda):
+    from kernel_util import check_copy_words_from_mapped_memory
+
+    check_copy_words_from_mapped_memory(cuda)

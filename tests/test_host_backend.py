@@ -132,3 +132,9 @@ def test_mapped_buffer_is_written_by_kernels_and_guarded_by_graphs(host):
     from kernel_util import check_mapped_buffer_contract
 
     check_mapped_buffer_contract(host)
+
+
+def test_copy_words_brings_host_words_in_at_every_replay(host):
+    from kernel_util import check_copy_words_from_mapped_memory
+
+    check_copy_words_from_mapped_memory(host)
