@@ -60,14 +60,12 @@ __device__ __forceinline__ void router_rows(const uint16_t* __restrict__ w, cons
 
 // Top-k by (score + bias) descending, lower expert index on ties, by one warp: each lane holds the
 // keys (order-preserving bits << 32 | ~index) of experts lane, lane + 32, ... in registers, loaded
-// once, and sorts its own NPL keys (a template parameter) descending, so a round is a warp
-// reduction over the lanes' first keys and a shift in the winning lane, with no memory latency and
-// no per-round scan; NaN sorts last, as in NumPy's argsort. Scores are read through L2 (__ldcg):
-// in router_fused they were written by other blocks of the same launch (which also passes `bias`
-// as a copy in shared memory, loaded beside its weight rows). n_experts <= 1024.
-// The rounds were the cost: each rescanned the lane's 10 keys for its maximum and again for the
-// winner, a chain of dependent 64-bit compares, about 330 ns a round on the H200 (propose k = 3
-// at context 4096 ran 8 us faster per step with the rounds replaced by a fixed choice).
+// once, so the topk rounds are a register max and a warp reduction each, with no memory latency
+// between them; NaN sorts last, as in NumPy's argsort. Scores are read through L2 (__ldcg): in
+// router_fused they were written by other blocks of the same launch (which also passes `bias` as
+// a copy in shared memory, loaded beside its weight rows). n_experts <= 1024.
+// NPL keys per lane (a template parameter: each round's register scan is NPL long, so 288 experts
+// cost 10 compare-selects per round, not 32).
 template <int NPL>
 __device__ __forceinline__ void route_warp_n(const float* scores, const float* __restrict__ bias,
                                              uint32_t* __restrict__ ids, float* __restrict__ weights,
@@ -90,40 +88,22 @@ __device__ __forceinline__ void route_warp_n(const float* scores, const float* _
             key[c] = ((unsigned long long)ordered_key(sel) << 32) | (0xFFFFFFFFu - i);
         }
     }
-    // Odd-even transposition sort of the lane's keys, descending: NPL passes, an even and an odd one
-    // per iteration, each unrolled (static indices keep the keys in registers). The iterations are
-    // unrolled for the 10 keys of GLM's 288 experts and looped for the 32-key build (up to 1024).
-#pragma unroll (ROUTE_MAX_PER_LANE <= 10 ? ROUTE_MAX_PER_LANE : 1)
-    for (int pass = 0; pass < ROUTE_MAX_PER_LANE; pass += 2)
-#pragma unroll
-        for (int odd = 0; odd < 2; ++odd)
-#pragma unroll
-            for (int c = odd; c + 1 < ROUTE_MAX_PER_LANE; c += 2)
-                if (key[c] < key[c + 1]) {
-                    const unsigned long long tk = key[c];
-                    key[c] = key[c + 1];
-                    key[c + 1] = tk;
-                    const float tr = raw[c];
-                    raw[c] = raw[c + 1];
-                    raw[c + 1] = tr;
-                }
     for (uint32_t r = 0; r < topk; ++r) {
-        const unsigned long long head = key[0];
+        unsigned long long best = 0ull;
+#pragma unroll
+        for (int c = 0; c < ROUTE_MAX_PER_LANE; ++c) best = key[c] > best ? key[c] : best;
         // The warp's largest 64-bit key as two 32-bit reductions (redux.sync): the high words, then
         // the low words of the lanes holding that high word; five 64-bit shuffle rounds before.
-        const uint32_t hi = __reduce_max_sync(0xFFFFFFFFu, (uint32_t)(head >> 32));
-        const uint32_t lo = __reduce_max_sync(0xFFFFFFFFu, (uint32_t)(head >> 32) == hi ? (uint32_t)head : 0u);
-        if (head == (((unsigned long long)hi << 32) | lo)) {  // keys are unique (the index is in them): one lane
-            ids_s[r] = 0xFFFFFFFFu - lo;
-            wsel[r] = raw[0];
+        const uint32_t hi = __reduce_max_sync(0xFFFFFFFFu, (uint32_t)(best >> 32));
+        const uint32_t lo = __reduce_max_sync(0xFFFFFFFFu, (uint32_t)(best >> 32) == hi ? (uint32_t)best : 0u);
+        best = ((unsigned long long)hi << 32) | lo;
 #pragma unroll
-            for (int c = 0; c + 1 < ROUTE_MAX_PER_LANE; ++c) {
-                key[c] = key[c + 1];
-                raw[c] = raw[c + 1];
+        for (int c = 0; c < ROUTE_MAX_PER_LANE; ++c)
+            if (key[c] == best) {  // keys are unique (the index is in them): one lane, one slot
+                key[c] = 0ull;
+                ids_s[r] = 0xFFFFFFFFu - (uint32_t)(best & 0xFFFFFFFFull);
+                wsel[r] = raw[c];
             }
-            key[ROUTE_MAX_PER_LANE - 1] = 0ull;
-            raw[ROUTE_MAX_PER_LANE - 1] = 0.0f;
-        }
     }
     __syncwarp();
     for (uint32_t r = lane; r < topk; r += 32u) ids[r] = ids_s[r];
