@@ -258,9 +258,11 @@ def profile_text(p: dict[str, Any]) -> str:
              f"{busy:.0f} us, gaps and events {p['span_us'] - busy:.0f} us.", "",
              "| kernel | launches | us per draft |", "|---|---:|---:|"]
     for name, us in sorted(per.items(), key=lambda kv: -sum(kv[1])):
-        lines.append(f"| {name} | {len(us) // k} | {sum(us) / k:.1f} |")
-    lines += ["", "Draft 0 in order (grid: us):", ""]
-    n0 = len(p["launches"]) // k
+        count = str(len(us) // k) if len(us) % k == 0 else f"{len(us)}/{k}"  # once per step: 1/k
+        lines.append(f"| {name} | {count} | {sum(us) / k:.1f} |")
+    lines += ["", "The step's own launches, then draft 0, in order (grid: us):", ""]
+    per_step = sum(len(us) for us in per.values() if len(us) % k)
+    n0 = per_step + (len(p["launches"]) - per_step) // k
     lines.append("; ".join(f"{x['kernel'].split('.')[-1]} {tuple(x['grid'])}: {x['us']:.1f}"
                            for x in p["launches"][:n0]))
     return "\n".join(lines)
