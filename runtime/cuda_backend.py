@@ -417,10 +417,11 @@ class CudaBackend:
 
     def alloc_mapped(self, nbytes: int) -> MappedBuffer:
         """Page-locked host memory mapped into the device's address space: kernels store into it
-        and the host reads it after synchronising, with no copy node. The proposer's last head
-        writes the k drafts there itself; a 12-byte device-to-host copy at the end of the graph
-        cost about 8 us of device time per replay on the H200 (CUDA events around back-to-back
-        replays of a graph of small kernels: 41.5 us without it, 49.4 with it, 2026-11-29)."""
+        (or read it) directly, and the host reads it after synchronising, with no copy node. For a
+        graph's few result words that matters: a 12-byte device-to-host copy node at the end of a
+        graph cost about 8 us of device time per replay on the H200 (CUDA events around
+        back-to-back replays of a graph of small kernels: 41.5 us without it, 49.4 with it,
+        2026-11-29)."""
         self._alive()
         nbytes = int(nbytes)
         if nbytes <= 0:
