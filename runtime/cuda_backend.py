@@ -426,8 +426,8 @@ class CudaBackend:
         nbytes = int(nbytes)
         if nbytes <= 0:
             raise ValueError(f"alloc_mapped of {nbytes} bytes: size must be positive")
-        flags = driver.CU_MEMHOSTALLOC_DEVICEMAP if hasattr(driver, "CU_MEMHOSTALLOC_DEVICEMAP") else 0x02
-        p = int(check(driver.cuMemHostAlloc(nbytes, flags), f"cuMemHostAlloc({nbytes}, DEVICEMAP)"))
+        p = int(check(driver.cuMemHostAlloc(nbytes, driver.CU_MEMHOSTALLOC_DEVICEMAP),
+                      f"cuMemHostAlloc({nbytes}, DEVICEMAP)"))
         err, dptr = driver.cuMemHostGetDevicePointer(p, 0)
         if err != _SUCCESS:
             driver.cuMemFreeHost(p)
