@@ -23,11 +23,14 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 
 __device__ __forceinline__ bool aligned16(const void* p) { return ((uintptr_t)p & 15u) == 0; }
 
-// Weights are read exactly once per launch: keep them out of L1 (where the activation row lives)
-// and ask L2 for 256-byte sectors so each DRAM burst is used whole.
+// Weights are read exactly once per launch: keep them out of L1 (where the activation row lives).
+// No L2 prefetch-size hint: with `.L2::256B` a 635 MB read at 4 blocks of 256 threads per SM ran at
+// 4.10 TB/s, without it at 4.51 (H200 read probe, BENCHMARKS.md), and the k = 3 FP8 step went
+// from 1.159 to 1.101 ms. `.L2::128B` measured the same as no hint; dropping `.L1::no_allocate`
+// as well (1.127 ms) lets the weights evict the activations from L1.
 __device__ __forceinline__ uint4 ld_stream16(const void* p) {
     uint4 r;
-    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
         : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
         : "l"(p));
     return r;
