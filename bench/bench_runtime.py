@@ -4,6 +4,8 @@
 - device copy bandwidth (one large device-to-device copy, bytes read + written), the ceiling;
 - BF16 GEMV and FP8-weight GEMV at the draft head's shape (154880 x 4096, m = 1) and their ratio
   to the copy bandwidth (FP8: counted on weight bytes);
+- a kernel that only reads (read_xor) over the FP8 head's 635 MB, with the weight loads' cache
+  policy and with the `.L2::256B` hint, at 4 and 8 blocks of 256 threads per SM;
 - argmax over 154880 BF16 logits;
 - torch.argmax and torch.nn.functional.linear (cuBLAS) on the same data, for comparison;
 - the host-side cost of one eager launch from Python and of one graph launch.
@@ -42,6 +44,7 @@ from runtime.kernels.argmax_bf16 import argmax_bf16, argmax_ref  # noqa: E402
 from runtime.kernels.gemv_bf16 import gemv_bf16  # noqa: E402
 from runtime.kernels.gemv_fp8w import gemv_fp8w  # noqa: E402
 from runtime.kernels.quantize_fp8 import quantize_fp8  # noqa: E402
+from runtime.kernels.read_xor import BLOCK as READ_BLOCK, READ_XOR, READ_XOR_L2_256B, read_xor  # noqa: E402
 
 log = logging.getLogger("bench_runtime")
 
@@ -199,6 +202,28 @@ def main(argv: list[str] | None = None) -> int:
     t_q = time_device(gpu, lambda: quantize_fp8(gpu, pw, pq, ps, VOCAB, HIDDEN), max(5, reps // 5), inner=2)
     qbw = (w_bits.nbytes + VOCAB * HIDDEN + 4 * VOCAB) / (t_q * 1e-3)
     rows.append(Row(f"quantize_fp8 {VOCAB}x{HIDDEN}", f"{t_q * 1e3:.1f} us", f"{qbw / 1e12:.3f} TB/s", f"{qbw / copy_bw:.3f}"))
+
+    # ---- 3b. a kernel that only reads: the same 635 MB with the weight loads' cache policy, and
+    # with the .L2::256B prefetch-size hint those loads had before it measured slower
+    read_bytes = VOCAB * HIDDEN
+    out = gpu.alloc(4 * 8 * gpu.sm_count)
+    whole = np.empty(read_bytes, np.uint8)
+    gpu.copy_d2h(whole, pq)
+    expect = np.bitwise_xor.reduce(whole.view(np.uint32))
+    del whole
+    for l2_256b in (False, True):
+        decl = READ_XOR_L2_256B if l2_256b else READ_XOR
+        full = gpu.resident_blocks(gpu.kernel(*decl.key), READ_BLOCK)
+        for blocks in sorted({4 * gpu.sm_count, min(full, 8 * gpu.sm_count)}):
+            t_rd = time_device(gpu, lambda b=blocks, h=l2_256b: read_xor(gpu, pq, read_bytes, out, b, l2_256b=h), reps)
+            rbw = read_bytes / (t_rd * 1e-3)
+            hint = ", .L2::256B hint" if l2_256b else ""
+            rows.append(Row(f"read_xor {read_bytes >> 20} MiB, {blocks // gpu.sm_count} blocks per SM{hint}",
+                            f"{t_rd * 1e3:.1f} us", f"{rbw / 1e12:.3f} TB/s", f"{rbw / copy_bw:.3f}"))
+            parts = np.empty(blocks, np.uint32)
+            gpu.copy_d2h(parts, out)
+            assert np.bitwise_xor.reduce(parts) == expect, f"read_xor ({blocks} blocks{hint}) did not read every word"
+    gpu.free(out)
     gpu.free(pq)
     gpu.free(ps)
     gpu.free(py8)
@@ -336,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         "Device times are medians of event-timed repetitions after warm-up, events around back-to-back "
         "launches queued while the device is busy (so no Python launch time is inside); argmax in a graph "
         "is per launch over a graph of 64 launches on 64 different copies of the logits. GEMV bytes are "
-        "W + x + y; the FP8 ratio counts weight bytes only. Host costs are wall-clock per call over 3000 "
-        "calls."
+        "W + x + y; the FP8 ratio counts weight bytes only; read_xor counts the bytes it reads (its XOR "
+        "of them is checked against the host's). Host costs are wall-clock per call over 3000 calls."
     )
     section = render(rows, machine, notes)
     if args.section_out:

@@ -24,6 +24,7 @@ from runtime.kernels.embed_gather_bf16 import embed_gather_bf16
 from runtime.kernels.gemv_bf16 import gemv_bf16, gemv_bf16_ref
 from runtime.kernels.gemv_fp8w import gemv_fp8w, gemv_fp8w_ref
 from runtime.kernels.quantize_fp8 import quantize_fp8
+from runtime.kernels.read_xor import read_xor
 from runtime.kernels.rmsnorm import rmsnorm
 
 pytestmark = pytest.mark.gpu
@@ -147,6 +148,22 @@ def test_quantize_fp8_bit_exact(cuda, n, k):
     assert g["q"].tobytes() == h["q"].tobytes()
     q, s = quantize_rows_fp8(xb)
     assert g["q"].tobytes() == q.tobytes() and g["s"].tobytes() == s.tobytes()
+
+
+@pytest.mark.parametrize("n16,blocks", [(1, 1), (1, 3), (255, 1), (257, 2), (12_345, 5), (2 * 256 * 8 * 7 + 3, 7)])
+@pytest.mark.parametrize("l2_256b", [False, True])
+def test_read_xor(cuda, n16, blocks, l2_256b):
+    """Every block writes its partial, blocks without words included (0), bit for bit the twin's."""
+    rng = np.random.default_rng()
+    words = rng.integers(0, 2**32, size=4 * n16, dtype=np.uint32)
+    g, h = both(
+        cuda,
+        lambda gpu, src, out: read_xor(gpu, src, 16 * n16, out, blocks, l2_256b=l2_256b),
+        {"src": words},
+        {"out": 4 * blocks},
+    )
+    assert g["out"].tobytes() == h["out"].tobytes()
+    assert np.bitwise_xor.reduce(g["out"].view(np.uint32)) == np.bitwise_xor.reduce(words)
 
 
 def _argmax_both(cuda, x: np.ndarray, mis: int = 0) -> tuple[tuple[int, bytes], tuple[int, bytes]]:

@@ -15,6 +15,7 @@ from runtime.kernels.embed_gather_bf16 import embed_gather_bf16
 from runtime.kernels.gemv_bf16 import MAX_M, gemv_bf16
 from runtime.kernels.gemv_fp8w import gemv_fp8w
 from runtime.kernels.quantize_fp8 import quantize_fp8
+from runtime.kernels.read_xor import BLOCK as READ_BLOCK, read_xor, read_xor_ref
 from runtime.kernels.rmsnorm import rmsnorm
 
 
@@ -170,3 +171,30 @@ def test_rmsnorm_twin_awkward_sizes(host, rows, n):
     np.testing.assert_allclose(out, ref, rtol=2.0**-7, atol=0)
     for p in (px, pw, po):
         host.free(p)
+
+
+@pytest.mark.parametrize("n16,blocks", [(1, 1), (1, 4), (300, 1), (3 * 256 + 5, 2), (10_007, 3)])
+def test_read_xor_twin_is_the_per_block_xor_of_its_words(host, n16, blocks):
+    """The twin against a plain loop over the kernel's word assignment (word i to block
+    (i // BLOCK) % blocks), through the host backend with the output poisoned."""
+    rng = np.random.default_rng()
+    words = rng.integers(0, 2**32, size=4 * n16, dtype=np.uint32)
+    expect = [0] * blocks
+    for i in range(n16):
+        w = words[4 * i: 4 * i + 4]
+        expect[(i // READ_BLOCK) % blocks] ^= int(w[0] ^ w[1] ^ w[2] ^ w[3])
+    assert read_xor_ref(words, blocks).tolist() == expect
+    src, out = upload(host, words), poisoned(host, 4 * blocks)
+    read_xor(host, src, 16 * n16, out, blocks)
+    assert download(host, out, np.uint32, blocks).tolist() == expect
+
+
+def test_read_xor_refuses_what_it_cannot_read(host):
+    src, out = upload(host, np.zeros(64, np.uint32)), poisoned(host, 4)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        read_xor(host, src, 24, out, 1)
+    with pytest.raises(ValueError, match="not 16-byte aligned"):
+        read_xor(host, src.offset(4), 16, out, 1)
+    with pytest.raises(ValueError, match="blocks=0"):
+        read_xor(host, src, 16, out, 0)
+    assert (download(host, out, np.uint32, 1) == 0xFFFFFFFF).all()  # nothing launched
