@@ -25,7 +25,7 @@ __device__ __forceinline__ bool aligned16(const void* p) { return ((uintptr_t)p 
 
 // Weights are read exactly once per launch: keep them out of L1 (where the activation row lives).
 // No L2 prefetch-size hint: with `.L2::256B` a 635 MB read at 4 blocks of 256 threads per SM ran at
-// 4.10 TB/s, without it at 4.51 (H200 read probe, BENCHMARKS.md), and the k = 3 FP8 step went
+// 4.10 TB/s, without it at 4.51 (H200, read_xor in bench/bench_runtime.py), and the k = 3 FP8 step went
 // from 1.159 to 1.101 ms. `.L2::128B` measured the same as no hint; dropping `.L1::no_allocate`
 // as well (1.127 ms) lets the weights evict the activations from L1.
 __device__ __forceinline__ uint4 ld_stream16(const void* p) {
