@@ -197,4 +197,8 @@ def test_read_xor_refuses_what_it_cannot_read(host):
         read_xor(host, src.offset(4), 16, out, 1)
     with pytest.raises(ValueError, match="blocks=0"):
         read_xor(host, src, 16, out, 0)
+    with pytest.raises(ValueError, match="src holds 256 bytes, 272 asked"):
+        read_xor(host, src, 272, out, 1)
+    with pytest.raises(ValueError, match="2 partials need 8"):
+        read_xor(host, src, 16, out, 2)
     assert (download(host, out, np.uint32, 1) == 0xFFFFFFFF).all()  # nothing launched

@@ -49,5 +49,9 @@ def read_xor(gpu: GpuBackend, src: DevicePtr, nbytes: int, out: DevicePtr, block
         raise ValueError(f"read_xor: src {src.addr:#x} is not 16-byte aligned")
     if blocks < 1:
         raise ValueError(f"read_xor: blocks={blocks}")
+    if gpu.bytes_from(src) < nbytes:
+        raise ValueError(f"read_xor: src holds {gpu.bytes_from(src)} bytes, {nbytes} asked")
+    if gpu.bytes_from(out) < 4 * blocks:
+        raise ValueError(f"read_xor: out holds {gpu.bytes_from(out)} bytes, {blocks} partials need {4 * blocks}")
     decl = READ_XOR_L2_256B if l2_256b else READ_XOR
     launch(gpu, gpu.kernel(*decl.key), blocks, BLOCK, src, nbytes // 16, blocks, out, stream=stream)
