@@ -44,7 +44,7 @@ from runtime.kernels.argmax_bf16 import argmax_bf16, argmax_ref  # noqa: E402
 from runtime.kernels.gemv_bf16 import gemv_bf16  # noqa: E402
 from runtime.kernels.gemv_fp8w import gemv_fp8w  # noqa: E402
 from runtime.kernels.quantize_fp8 import quantize_fp8  # noqa: E402
-from runtime.kernels.read_xor import BLOCK as READ_BLOCK, READ_XOR, READ_XOR_L2_256B, read_xor  # noqa: E402
+from runtime.kernels.read_xor import BLOCK as READ_BLOCK, read_xor, read_xor_decl  # noqa: E402
 
 log = logging.getLogger("bench_runtime")
 
@@ -212,8 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     expect = np.bitwise_xor.reduce(whole.view(np.uint32))
     del whole
     for l2_256b in (False, True):
-        decl = READ_XOR_L2_256B if l2_256b else READ_XOR
-        full = gpu.resident_blocks(gpu.kernel(*decl.key), READ_BLOCK)
+        full = gpu.resident_blocks(gpu.kernel(*read_xor_decl(l2_256b).key), READ_BLOCK)
         for blocks in sorted({4 * gpu.sm_count, min(full, 8 * gpu.sm_count)}):
             t_rd = time_device(gpu, lambda b=blocks, h=l2_256b: read_xor(gpu, pq, read_bytes, out, b, l2_256b=h), reps)
             rbw = read_bytes / (t_rd * 1e-3)

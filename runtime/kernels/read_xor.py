@@ -13,7 +13,7 @@ import numpy as np
 
 from ..backend import GpuBackend
 from ..device_ptr import DevicePtr
-from ..kernel import PTR, U32, declare
+from ..kernel import PTR, U32, KernelDecl, declare
 from ..launch import launch
 
 BLOCK = 256
@@ -37,6 +37,11 @@ READ_XOR = declare("read_xor", "read_xor", _ARGS, writes=("out",))(_twin)
 READ_XOR_L2_256B = declare("read_xor", "read_xor_l2_256b", _ARGS, writes=("out",))(_twin)
 
 
+def read_xor_decl(l2_256b: bool = False) -> KernelDecl:
+    """The declaration ``read_xor`` launches: with the weight loads' policy, or with the hint."""
+    return READ_XOR_L2_256B if l2_256b else READ_XOR
+
+
 def read_xor(gpu: GpuBackend, src: DevicePtr, nbytes: int, out: DevicePtr, blocks: int,
              l2_256b: bool = False, stream: int | None = None) -> None:
     """Read ``nbytes`` of ``src`` (16-byte aligned, a multiple of 16) with ``blocks`` blocks; ``out``
@@ -53,5 +58,4 @@ def read_xor(gpu: GpuBackend, src: DevicePtr, nbytes: int, out: DevicePtr, block
         raise ValueError(f"read_xor: src holds {gpu.bytes_from(src)} bytes, {nbytes} asked")
     if gpu.bytes_from(out) < 4 * blocks:
         raise ValueError(f"read_xor: out holds {gpu.bytes_from(out)} bytes, {blocks} partials need {4 * blocks}")
-    decl = READ_XOR_L2_256B if l2_256b else READ_XOR
-    launch(gpu, gpu.kernel(*decl.key), blocks, BLOCK, src, nbytes // 16, blocks, out, stream=stream)
+    launch(gpu, gpu.kernel(*read_xor_decl(l2_256b).key), blocks, BLOCK, src, nbytes // 16, blocks, out, stream=stream)
