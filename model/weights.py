@@ -180,7 +180,7 @@ def load_attention(arena: DeviceArena, src: TensorSource, prefix: str, cfg: Mode
     fused = np.concatenate([
         kv_a,
         _get(src, ix + "wk.weight", (idim, H)),
-        _get(src, ix + "compress_gate.weight", (idim, H)),
+        _get(src, ix + "index_kpool_compress_gate", (idim, H)),
         _get(src, at + "q_a_proj.weight", (ql, H)),
         _get(src, ix + "weights_proj.weight", (ih, H)),
     ])
@@ -205,7 +205,7 @@ def load_attention(arena: DeviceArena, src: TensorSource, prefix: str, cfg: Mode
         q_fused=arena.upload(q_fused),
         k_norm_w=arena.upload(_get(src, ix + "k_norm.weight", (idim,))),
         k_norm_b=arena.upload(_get(src, ix + "k_norm.bias", (idim,))),
-        ape=arena.upload(_get(src, ix + "compress_ape", (d.index_kpool, idim))),
+        ape=arena.upload(_get(src, ix + "index_kpool_compress_ape", (d.index_kpool, idim))),
         wk_t=arena.upload(wk_t),
         wv=arena.upload(wv),
         o_proj=arena.upload(np.ascontiguousarray(o_local)),

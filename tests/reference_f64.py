@@ -176,8 +176,8 @@ class ReferenceDrafter:
         self.ix_weights = get(X + "weights_proj.weight", (ih, H))
         self.ix_ln_w = get(X + "k_norm.weight", (idim,))
         self.ix_ln_b = get(X + "k_norm.bias", (idim,))
-        self.ix_gate = get(X + "compress_gate.weight", (idim, H))
-        self.ix_ape = get(X + "compress_ape", (kp, idim))
+        self.ix_gate = get(X + "index_kpool_compress_gate", (idim, H))
+        self.ix_ape = get(X + "index_kpool_compress_ape", (kp, idim))
 
         M = P + "mlp."
         self.router = get(M + "gate.weight", (E, H))
@@ -435,8 +435,8 @@ def random_mtp_weights(cfg: ModelConfig, seed: int = 0, dtype=np.float32) -> dic
         X + "wq_b.weight": lin(ih * idim, ql), X + "wk.weight": lin(idim, H),
         X + "weights_proj.weight": lin(ih, H),
         X + "k_norm.weight": norm(idim), X + "k_norm.bias": (0.1 * rng.standard_normal(idim)).astype(dtype),
-        X + "compress_gate.weight": lin(idim, H),
-        X + "compress_ape": rng.standard_normal((d.index_kpool, idim)).astype(dtype),
+        X + "index_kpool_compress_gate": lin(idim, H),
+        X + "index_kpool_compress_ape": rng.standard_normal((d.index_kpool, idim)).astype(dtype),
         M + "gate.weight": lin(E, H),
         M + "gate.e_score_correction_bias": (0.1 * rng.standard_normal(E)).astype(np.float32),
     }

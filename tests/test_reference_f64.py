@@ -165,7 +165,7 @@ def test_dense_selection_ignores_indexer_weights():
     rng = np.random.default_rng(99)
     X = _prefix(cfg) + "self_attn.indexer."
     for name in ("wq_b.weight", "wk.weight", "weights_proj.weight", "k_norm.weight", "k_norm.bias",
-                 "compress_gate.weight", "compress_ape"):
+                 "index_kpool_compress_gate", "index_kpool_compress_ape"):
         w2[X + name] = rng.standard_normal(w1[X + name].shape).astype(np.float32)
     toks, hid = _rows(cfg, 20, 8)
     a, b = ReferenceDrafter(cfg, w1), ReferenceDrafter(cfg, w2)
@@ -180,7 +180,7 @@ def test_dense_selection_ignores_indexer_weights():
     cfg_s = tiny(index_topk=4, index_kpool=2)
     w1s = random_mtp_weights(cfg_s, 7)
     w2s = dict(w1s)
-    for name in ("wq_b.weight", "wk.weight", "weights_proj.weight", "compress_gate.weight"):
+    for name in ("wq_b.weight", "wk.weight", "weights_proj.weight", "index_kpool_compress_gate"):
         w2s[X + name] = rng.standard_normal(w1s[X + name].shape).astype(np.float32)
     a, b = ReferenceDrafter(cfg_s, w1s), ReferenceDrafter(cfg_s, w2s)
     a.feed(toks, hid)

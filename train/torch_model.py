@@ -241,21 +241,22 @@ class Indexer(nn.Module):
         self.wk = _linear(H, d.index_head_dim)
         self.k_norm = nn.LayerNorm(d.index_head_dim, eps=INDEXER_LN_EPS)
         self.weights_proj = _linear(H, d.index_n_heads)
-        self.compress_gate = _linear(H, d.index_head_dim)
-        self.compress_ape = nn.Parameter(torch.zeros(d.index_kpool, d.index_head_dim))
+        # Bare parameters under the published names (transformers' Glm5NextTextIndexer).
+        self.index_kpool_compress_gate = nn.Parameter(torch.zeros(d.index_head_dim, H))
+        self.index_kpool_compress_ape = nn.Parameter(torch.zeros(d.index_kpool, d.index_head_dim))
 
     def row_keys(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-row key LayerNorm(wk.y) and gate compress_gate.y, float32 [B, m, idim]."""
+        """Per-row key LayerNorm(wk.y) and gate index_kpool_compress_gate.y, float32 [B, m, idim]."""
         k = F.layer_norm(_up(self.wk(y)), (self.idim,), _up(self.k_norm.weight),
                          _up(self.k_norm.bias), INDEXER_LN_EPS)
-        return k, _up(self.compress_gate(y))
+        return k, _up(F.linear(y, self.index_kpool_compress_gate.to(y.dtype)))
 
     def pool_keys(self, k: torch.Tensor, g: torch.Tensor, fp8: bool) -> torch.Tensor:
         """Complete pools of rows [B, n, idim] -> [B, n // kpool, idim] (FP8 round trip if fp8)."""
         B, n, D = k.shape
         P = n // self.kpool
         kk = _up(k[:, : P * self.kpool].reshape(B, P, self.kpool, D))
-        gg = _up(g[:, : P * self.kpool].reshape(B, P, self.kpool, D)) + _up(self.compress_ape)
+        gg = _up(g[:, : P * self.kpool].reshape(B, P, self.kpool, D)) + _up(self.index_kpool_compress_ape)
         key = (torch.softmax(gg, dim=2) * kk).sum(2)
         return fp8_rows(key) if fp8 else key
 
