@@ -17,7 +17,7 @@ the caches (random latents, indexer keys and gates, BF16 pool keys); each draft 
    value half), ``o_proj``;
 4. MoE: sigmoid router, top-8 of score + bias, normalised weights x scaling; the chosen experts'
    weights are gathered (``index_select`` on the stacked [E, I, H] tensors, which keeps the step
-   capturable: no host sync) and applied as batched GEMVs; the gated shared expert;
+   capturable: no host sync) and applied as batched GEMVs; the shared expert with weight 1 (ungated);
 5. ``lm_head`` GEMV on ``rmsnorm(x) * shared_head.norm`` and ``argmax``, which feeds draft i+1 on
    the device (embedding row and the normalised ``x`` as the next hidden).
 
@@ -95,7 +95,7 @@ class DraftStep:
                 "router": lin(E, H),
                 "router_bias": torch.zeros(E, device=dev, dtype=torch.float32),
                 "shared_gate_proj": lin(I, H), "shared_up_proj": lin(I, H),
-                "shared_down_proj": lin(H, I), "shared_expert_gate": lin(1, H),
+                "shared_down_proj": lin(H, I),
             }
             # Stacked routed experts [E, I, H] / [E, H, I], drawn expert by expert (no 2x peak).
             for name, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
@@ -181,8 +181,7 @@ class DraftStep:
         routed = (_up(torch.bmm(wd, act)[..., 0]) * w[:, None].to(_up(act).dtype)).sum(0)
         sh = F.linear(F.silu(F.linear(y2, W["shared_gate_proj"]).clamp(max=L))
                       * F.linear(y2, W["shared_up_proj"]).clamp(-L, L), W["shared_down_proj"])
-        sg = torch.sigmoid(_up(F.linear(y2, W["shared_expert_gate"])))
-        x = x + (routed + sg * _up(sh)).to(self.dtype)
+        x = x + (routed + _up(sh)).to(self.dtype)
         out = _rms(x, W["head_norm"], eps)
         logits = F.linear(out, W["head"])
         return torch.argmax(logits).reshape(1), out, logits
@@ -224,7 +223,6 @@ def weights_from_state_dict(cfg, sd: dict, device="cpu", dtype=torch.float32) ->
         "shared_gate_proj": t(M + "shared_experts.gate_proj.weight"),
         "shared_up_proj": t(M + "shared_experts.up_proj.weight"),
         "shared_down_proj": t(M + "shared_experts.down_proj.weight"),
-        "shared_expert_gate": t(M + "shared_expert_gate.weight"),
     }
     for name in ("gate_proj", "up_proj", "down_proj"):
         W["experts_" + name] = torch.stack(

@@ -81,7 +81,7 @@ class LayerScratch:
             attn_parts=b(sh.groups * H * 4),
             h1=b(H * 2),
             y2=b(H * 2),
-            rscores=b((m.n_routed_experts + 1) * 4),
+            rscores=b(m.n_routed_experts * 4),
             ids=b(slots * 4),
             wts=b(slots * 4),
             act=b(slots * inter * 2),

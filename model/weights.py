@@ -12,7 +12,7 @@ Layouts chosen at load (each saves a pass over memory or a launch per draft):
   several: the sharded result is bit-identical to one rank's for any world size dividing
   ``groups``.
 - experts as ``[n_local, 2I, H]`` (gate rows then up rows) and ``[n_local, H, I]``; the router as
-  ``[E (+1 shared gate), H]``.
+  ``[E, H]`` (the shared expert has no gate).
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ class MlpWeights:
     n_local: int
     expert_base: int
     # MoE only
-    router: DevicePtr | None = None  # [E (+1), H]
+    router: DevicePtr | None = None  # [E, H]
     bias: DevicePtr | None = None  # [E] f32
     shared_gate_up: DevicePtr | None = None
     shared_down: DevicePtr | None = None
@@ -217,9 +217,7 @@ def load_moe(arena: DeviceArena, src: TensorSource, prefix: str, cfg: ModelConfi
     m, H = cfg.moe, cfg.hidden_size
     I, E = m.moe_intermediate_size, m.n_routed_experts
     mp = prefix + "mlp."
-    router = [_get(src, mp + "gate.weight", (E, H))]
-    if m.n_shared_experts:
-        router.append(_get(src, mp + "shared_expert_gate.weight", (1, H)))
+    router = _get(src, mp + "gate.weight", (E, H))
     gate_up = np.empty((sh.local_experts, 2 * I, H), BF16)
     down = np.empty((sh.local_experts, H, I), BF16)
     for j in range(sh.local_experts):
@@ -235,7 +233,7 @@ def load_moe(arena: DeviceArena, src: TensorSource, prefix: str, cfg: ModelConfi
         inter=I,
         n_local=sh.local_experts,
         expert_base=sh.expert_base,
-        router=arena.upload(np.concatenate(router)),
+        router=arena.upload(router),
         bias=arena.upload(_get(src, mp + "gate.e_score_correction_bias", (E,), np.float32)),
     )
     if m.n_shared_experts and sh.owns_shared_expert:

@@ -104,8 +104,8 @@ def _moe(b: _Builder, cfg: ModelConfig, p: str) -> None:
     for e in range(m.n_routed_experts):
         _swiglu(b, p + f"mlp.experts.{e}.", h, m.moe_intermediate_size)
     if m.n_shared_experts:
+        # Added with weight 1: no shared_expert_gate (the published checkpoints have none).
         _swiglu(b, p + "mlp.shared_experts.", h, m.moe_intermediate_size * m.n_shared_experts)
-        b.add(p + "mlp.shared_expert_gate.weight", (1, h), Init.LINEAR)
 
 
 def _decoder_layer(b: _Builder, cfg: ModelConfig, p: str, dense: bool) -> None:

@@ -192,8 +192,7 @@ class ReferenceDrafter:
         if m.n_shared_experts:
             self.shared = (get(M + "shared_experts.gate_proj.weight", (I * m.n_shared_experts, H)),
                            get(M + "shared_experts.up_proj.weight", (I * m.n_shared_experts, H)),
-                           get(M + "shared_experts.down_proj.weight", (H, I * m.n_shared_experts)),
-                           get(M + "shared_expert_gate.weight", (1, H)))
+                           get(M + "shared_experts.down_proj.weight", (H, I * m.n_shared_experts)))
 
         # Per-row state (row r at index r) and per-pool compressed keys.
         self._y: list[np.ndarray] = []        # normalised block input (kept to recompute selection)
@@ -337,9 +336,8 @@ class ReferenceDrafter:
         out = np.zeros(self.cfg.hidden_size)
         for e, we in zip(chosen, w):
             out += we * clamped_swiglu(y2, *self.experts[e], L)
-        if self.shared is not None:
-            sg, su, sd, sgate = self.shared
-            out += sigmoid(sgate @ y2)[0] * clamped_swiglu(y2, sg, su, sd, L)
+        if self.shared is not None:  # weight 1: the shared expert has no gate
+            out += clamped_swiglu(y2, *self.shared, L)
         return out
 
     def block(self, x: np.ndarray, y: np.ndarray, n: int) -> np.ndarray:
@@ -448,5 +446,4 @@ def random_mtp_weights(cfg: ModelConfig, seed: int = 0, dtype=np.float32) -> dic
         w[M + "shared_experts.gate_proj.weight"] = lin(I, H)
         w[M + "shared_experts.up_proj.weight"] = lin(I, H)
         w[M + "shared_experts.down_proj.weight"] = lin(H, I)
-        w[M + "shared_expert_gate.weight"] = lin(1, H)
     return w

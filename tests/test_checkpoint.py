@@ -243,10 +243,12 @@ def test_layout_at_reference_shapes_matches_the_spec():
         "self_attn.indexer.index_kpool_compress_ape": (4, 128),
         "mlp.gate.weight": (288, 4096),
         "mlp.experts.287.down_proj.weight": (4096, 2048),
-        "mlp.shared_expert_gate.weight": (1, 4096),
+        "self_attn.indexer.index_kpool_compress_gate": (128, 4096),
+        "mlp.shared_experts.down_proj.weight": (4096, 2048),
     }
     for name, shape in shapes.items():
         assert mtp[p + name].shape == shape, name
+    assert not any("shared_expert_gate" in n for n in mtp)  # the shared expert has weight 1
     nbytes = {n: np.prod(s.shape) * DTYPES[s.dtype].itemsize for n, s in mtp.items()}
     experts = sum(b for n, b in nbytes.items() if ".mlp.experts." in n)
     block = sum(nbytes.values()) - experts

@@ -482,11 +482,11 @@ def test_sparse_mla_split_pair(cuda, heads, dim, count, context):
 def test_router_scores_topk_and_fused(cuda):
     rng = np.random.default_rng()
     E, H, k = 288, HIDDEN, 8
-    w = random_bf16(rng, (E + 1, H), exp_lo=-12)
+    w = random_bf16(rng, (E, H), exp_lo=-12)  # no shared-expert gate row
     y = random_bf16(rng, H, exp_lo=-3)
     bias = (0.05 * rng.standard_normal(E)).astype(np.float32)
-    g, h = both(cuda, lambda gpu, w, y, s: moe.router_scores(gpu, w, y, s, E + 1, H),
-                {"w": w, "y": y, "s": (E + 1) * 4})
+    g, h = both(cuda, lambda gpu, w, y, s: moe.router_scores(gpu, w, y, s, E, H),
+                {"w": w, "y": y, "s": E * 4})
     gs, hs = as_(g["s"], np.float32), as_(h["s"], np.float32)
     absd = abs_dot(y[None], w)[0]
     # sigmoid' <= 1/4: the score moves by at most a quarter of the dot's error, plus f32 exp.
@@ -497,13 +497,15 @@ def test_router_scores_topk_and_fused(cuda):
         moe.router_topk(gpu, s, b, ids, wts, E, k, True, 2.5, True)
     gt, ht = both(cuda, topk, {"s": gs, "b": bias, "ids": (k + 1) * 4, "wts": (k + 1) * 4})
     assert gt["ids"].tobytes() == ht["ids"].tobytes() and gt["wts"].tobytes() == ht["wts"].tobytes()
+    assert as_(gt["wts"], np.float32)[k] == 1.0, "the shared expert is added with weight 1"
 
     def fused(gpu, w, y, b, s, ids, wts, ctr):
         moe.router_fused(gpu, w, y, b, s, ids, wts, ctr, E, H, k, True, 2.5, True)
     zero = np.zeros(1, np.uint32)
     for _ in range(2):  # the counter the last block resets serves the next launch
-        gf = run_on(cuda, fused, {"w": w, "y": y, "b": bias, "s": (E + 1) * 4, "ids": (k + 1) * 4,
+        gf = run_on(cuda, fused, {"w": w, "y": y, "b": bias, "s": E * 4, "ids": (k + 1) * 4,
                                   "wts": (k + 1) * 4, "ctr": zero})
+        assert as_(gf["wts"], np.float32)[k] == 1.0, "the shared expert is added with weight 1"
         assert as_(gf["ctr"], np.uint32)[0] == 0, "router_fused must leave its counter at zero"
         assert_close(as_(gf["s"], np.float32), hs, 2.0**-20, 0.25 * 4 * H * 2.0**-24 * float(absd.max()),
                      "router_fused scores")
@@ -516,12 +518,14 @@ def test_router_scores_topk_and_fused(cuda):
 @pytest.mark.parametrize("E,k,norm,shared", [(37, 5, True, False), (9, 9, False, True), (300, 8, True, True)])
 def test_router_topk_ties_and_nan(cuda, E, k, norm, shared):
     rng = np.random.default_rng()
-    s = (rng.integers(1, 5, E + 1) / 8.0).astype(np.float32)  # few values: ties decide
+    s = (rng.integers(1, 5, E) / 8.0).astype(np.float32)  # few values: ties decide
     b = np.zeros(E, np.float32)
     b[rng.choice(E, 2, replace=False)] = np.nan
     g, h = both(cuda, lambda gpu, s, b, ids, wts: moe.router_topk(gpu, s, b, ids, wts, E, k, norm, 1.5, shared),
                 {"s": s, "b": b, "ids": (k + 1) * 4, "wts": (k + 1) * 4})
     assert g["ids"].tobytes() == h["ids"].tobytes() and g["wts"].tobytes() == h["wts"].tobytes()
+    if shared:
+        assert as_(g["wts"], np.float32)[k] == 1.0, "the shared expert is added with weight 1"
 
 
 def _experts_case(rng, n_local: int, inter: int, h: int):

@@ -83,6 +83,7 @@ def test_names_dtypes_and_config_on_disk(tmp_path):
     ix = DP + "self_attn.indexer."
     assert c.info(ix + "index_kpool_compress_gate").shape == (16, 64)  # [idim, H], no .weight
     assert c.info(ix + "index_kpool_compress_ape").shape == (2, 16)    # [kpool, idim]
+    assert not any("shared_expert_gate" in n for n in names)
     fp8 = [n for n in names if c.info(n).dtype == "F8_E4M3"]
     assert fp8 and all(is_published_fp8(logical_name(n, PUB)) for n in fp8)
     for kind in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "shared_experts.up_proj",

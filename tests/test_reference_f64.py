@@ -278,7 +278,7 @@ def test_moe_bias_picks_experts_but_weights_use_unbiased_scores():
     assert chosen == [0, 1]
     np.testing.assert_allclose(w, [sf / 2, sf / 2], rtol=1e-14)
 
-    # Full MoE output against a hand computation (clamped SwiGLU, gated shared expert).
+    # Full MoE output against a hand computation (clamped SwiGLU, shared expert with weight 1).
     weights[M + "gate.weight"] = gate
     weights[M + "gate.e_score_correction_bias"] = np.zeros(8, np.float32)
     dr = ReferenceDrafter(cfg, weights)
@@ -297,7 +297,7 @@ def test_moe_bias_picks_experts_but_weights_use_unbiased_scores():
 
     chosen, w = dr.route(y)
     want = sum(w[i] * expert(M + f"experts.{e}.") for i, e in enumerate(chosen))
-    want = want + 1 / (1 + np.exp(-(f(M + "shared_expert_gate.weight") @ y)[0])) * expert(M + "shared_experts.")
+    want = want + expert(M + "shared_experts.")
     np.testing.assert_allclose(dr.moe(y), want, rtol=1e-12, atol=1e-13)
 
 
@@ -401,10 +401,13 @@ def test_fp8_cache_and_head_options():
     for dr in (exact, cache, head):
         dr.feed(toks[:7], hid[:7])
         res.append(dr.propose(int(toks[7]), hid[7], 3))
-    # FP8 storage perturbs the numbers but only a little
+    # FP8 storage perturbs the numbers but only a little (compared while the drafts agree: a
+    # draft that differs feeds the next one another token)
     for r in res[1:]:
-        assert not np.array_equal(r[1], res[0][1])
-        np.testing.assert_allclose(r[1], res[0][1], atol=0.15 * np.abs(res[0][1]).max())
+        assert not np.array_equal(r[1][0], res[0][1][0])
+        same = next((i for i in range(3) if r[0][i] != res[0][0][i]), 2) + 1
+        np.testing.assert_allclose(r[1][:same], res[0][1][:same],
+                                   atol=0.15 * np.abs(res[0][1]).max())
     np.testing.assert_array_equal(cache.latents[:8], fp8_rows(exact.latents[:8]))  # same inputs
     np.testing.assert_array_equal(head.head, fp8_rows(np.asarray(weights["lm_head.weight"], np.float64)))
 

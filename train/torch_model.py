@@ -181,9 +181,9 @@ class MoE(nn.Module):
             SwiGLU(H, m.moe_intermediate_size, m.swiglu_limit) for _ in range(m.n_routed_experts)
         )
         if m.n_shared_experts:
+            # Added with weight 1: there is no shared_expert_gate (transformers' Glm5NextTextMoE).
             self.shared_experts = SwiGLU(H, m.moe_intermediate_size * m.n_shared_experts,
                                          m.swiglu_limit)
-            self.shared_expert_gate = _linear(H, 1)
         self.last_load: torch.Tensor | None = None  # tokens per expert in the last forward
 
     def route(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,8 +225,7 @@ class MoE(nn.Module):
                 r = _up(self.experts[e](y[tok])) * w[tok, slot].unsqueeze(-1)
                 out.index_add_(0, tok, r)
         if self.cfg.n_shared_experts:
-            sg = torch.sigmoid(_up(self.shared_expert_gate(y)))
-            out = out + sg * _up(self.shared_experts(y))
+            out = out + _up(self.shared_experts(y))
         return out.view(*shape[:-1], shape[-1])
 
 

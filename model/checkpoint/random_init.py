@@ -247,5 +247,4 @@ def tiled_mtp_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
         w[M + "shared_experts.gate_proj.weight"] = t(Is, H)
         w[M + "shared_experts.up_proj.weight"] = t(Is, H)
         w[M + "shared_experts.down_proj.weight"] = t(H, Is)
-        w[M + "shared_expert_gate.weight"] = t(1, H)
     return w
