@@ -35,7 +35,7 @@ from runtime.kv_cache import KvCacheConfig, KvDtype, PagedKvCache
 
 from .block import DecoderLayer, LayerScratch
 from .config import ModelConfig
-from .dsa import DsaSizingError, DsaState, drafter_context_rows
+from .dsa import DsaSizingError, DsaState, drafter_context_rows, shared_selection_extra
 from .kernels import draft_head
 from .kernels.mtp_input import mtp_embed_norm, mtp_input_gemv
 from .weights import DeviceArena, Sharding, WeightError, load_attention, load_moe
@@ -188,7 +188,9 @@ class MtpProposer:
             self.eh_proj = arena.upload(_checked(src, P + "eh_proj.weight", (H, 2 * H)))
             attn = load_attention(arena, src, P, cfg, sh)
             mlp = load_moe(arena, src, P, cfg, sh)
-            self.layer = DecoderLayer(gpu, cfg, sh, attn, mlp, comm)
+            self.layer = DecoderLayer(
+                gpu, cfg, sh, attn, mlp, comm,
+                selection_extra=shared_selection_extra(cfg.dsa, options.max_draft_tokens))
             self.layer.bind_constants(arena)
             if tables is None:
                 emb = P + "embed_tokens.weight" if P + "embed_tokens.weight" in src else "model.embed_tokens.weight"
@@ -281,7 +283,7 @@ class MtpProposer:
             dsa = DsaState.alloc(gpu, cfg.dsa, self.rows_cap, self.kv)
             ch = self.opt.context_chunk
             scratch = LayerScratch.alloc(arena, cfg, self.sharding, ch, self.rows_cap,
-                                         self.layer.attn.fused_rows)
+                                         self.layer.attn.fused_rows, self.layer.selection_extra)
             z = arena.zeros
             st = ProposerState(
                 slot=self._slots_free[-1], dsa=dsa, scratch=scratch, arena=arena,
@@ -447,8 +449,10 @@ class MtpProposer:
                        st.x, V, H, H, eps, s)
         if not self.opt.skip_block:
             # The head's RMSNorm rides on the block's last residual add (one launch for both).
+            # Drafts 2..k reuse draft 1's pool selection when the config shares it.
             self.layer.full_row(st.x, st.scratch, st.dsa, self.kv, st.row, i, self.rows_cap, s,
-                                next_norm=(self.head_norm, st.xn))
+                                next_norm=(self.head_norm, st.xn),
+                                reuse_selection=i > 0 and cfg.dsa.share_for_mtp_iteration)
         else:
             rmsnorm(gpu, st.x, self.head_norm, st.xn, 1, H, eps, s)
         if self.opt.skip_head:

@@ -434,6 +434,13 @@ class TorchModel(nn.Module):
 
     def __init__(self, cfg) -> None:
         super().__init__()
+        # The selection here always keeps the tail and every draft runs its own indexer; a config
+        # asking otherwise would be evaluated with semantics the runtime does not use.
+        if not cfg.dsa.always_select_tail or cfg.dsa.share_for_mtp_iteration:
+            raise NotImplementedError(
+                "train/torch_model.py implements index_kpool_always_select_tail true and "
+                "index_share_for_mtp_iteration false only (the runtime and tests/reference_f64.py "
+                "implement both options)")
         self.cfg = cfg
         self.model = _Inner(cfg)
         self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
