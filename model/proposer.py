@@ -339,6 +339,9 @@ class MtpProposer:
         st.last_drafted = 0
 
     # ---- drafting -------------------------------------------------------------------------------
+    # ``_context_rows``, ``_launch_step``, ``_block`` and ``_head`` are the parts a timing or
+    # diagnostic subclass replaces (bench/bench_propose.py ArmProposer, the tests' full-block
+    # context rows); the proposer itself has no switch for them.
 
     def propose(self, st: ProposerState, last_token: int, target_hidden: DevicePtr, position: int,
                 k: int) -> list[int]:

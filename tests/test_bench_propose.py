@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+import pytest
 
 from bench import bench_propose as bp
 from model.config import tiny
@@ -101,3 +102,23 @@ def test_profile_records_every_launch_of_the_step_and_only_while_recording():
     assert rec.launch == host.launch  # outside the recording: the device's own launch
     prop.close()
     assert host.stats().live_bytes == 0
+
+
+@pytest.mark.gpu
+def test_bench_runs_on_the_cuda_backend_with_every_arm():
+    """The same end-to-end run on a GPU at the tiny config: the arms, the PDL-off graph and the
+    profile go through ArmProposer's hooks and the LaunchRecorder on the CUDA backend."""
+    from runtime.cuda_backend import CudaBackend
+
+    cfg = tiny(index_topk=8, index_kpool=2, max_context=256)
+    gpu = CudaBackend()
+    try:
+        args = argparse.Namespace(iters=3, torch=False, argv=["--iters", "3"])
+        res = bp.measure(args, gpu=gpu, cfg=cfg, contexts=(40, 100), copy_bytes=1 << 20)
+        assert res["eager_equals_graph"] is True
+        assert len(res["arms"]) == 6 and all(a["graph_device_ms"] > 0 for a in res["arms"])
+        names = [x["kernel"] for x in res["profile"]["launches"]]
+        assert names.count("draft_head.head_argmax_fp8") == 3, names
+        assert gpu.stats().live_allocations == 0 and not gpu.live_graphs()
+    finally:
+        gpu.close()
