@@ -262,23 +262,24 @@ class HostBackend:
                     written.add(base)
                 else:
                     read_only.setdefault(base, name)
-        locked = {name: self._arrays[b] for b, name in read_only.items() if b not in written}
+        locked = [self._arrays[b] for b in read_only.keys() - written]
         fn = kernel.native
 
         def run() -> None:
-            for arr in locked.values():
+            for arr in locked:
                 arr.flags.writeable = False
             try:
                 fn(self.mem, *args)
             except ValueError as e:
                 if "read-only" not in str(e):  # numpy's words for a store into a read-only array
                     raise
+                inputs = ", ".join(n for b, n in read_only.items() if b not in written)
                 raise LaunchError(
                     f"{kernel.name} stored into an argument it does not declare in writes "
-                    f"(writes: {', '.join(decl.writes) or 'none'}; read-only: {', '.join(locked)})"
+                    f"(writes: {', '.join(decl.writes) or 'none'}; read-only: {inputs})"
                 ) from e
             finally:
-                for arr in locked.values():
+                for arr in locked:
                     arr.flags.writeable = True
 
         self._run(run)
