@@ -19,7 +19,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from runtime.allocations import Graph, MappedBuffer
+from runtime.allocations import MappedBuffer
+from runtime.graph import Graph
 from runtime.backend import GpuBackend
 from runtime.comm.base import CommDtype, ReduceOp
 from runtime.device_ptr import DevicePtr

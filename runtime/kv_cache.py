@@ -39,21 +39,16 @@ class KvCacheConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"KvCacheConfig.{name} must be positive, got {getattr(self, name)}")
 
-    @property
-    def row_elems(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
     def blocks_for(self, rows: int) -> int:
         return -(-rows // self.block_size)
 
 
 @dataclass
 class BlockTable:
-    """A sequence's claimed blocks: the host list and its device copy (``capacity`` entries)."""
+    """A sequence's claimed blocks: the host list and its device copy."""
 
     blocks: list[int]
     device: DevicePtr
-    capacity: int
 
 
 class PagedKvCache:
@@ -68,11 +63,11 @@ class PagedKvCache:
         self.data: list[DevicePtr] = []
         self.scales: list[DevicePtr | None] = []
         slots = num_blocks * config.block_size
-        dt = config.dtype
+        row_bytes = config.num_kv_heads * config.head_dim * config.dtype.itemsize
         try:
             for _ in range(config.num_layers):
-                self.data.append(gpu.alloc(slots * config.row_elems * dt.itemsize))
-                self.scales.append(gpu.alloc(slots * 4) if dt is KvDtype.FP8_E4M3 else None)
+                self.data.append(gpu.alloc(slots * row_bytes))
+                self.scales.append(gpu.alloc(slots * 4) if config.dtype is KvDtype.FP8_E4M3 else None)
         except Exception:
             self.free()
             raise
@@ -91,7 +86,7 @@ class PagedKvCache:
         dev = self.gpu.alloc(max(n, 1) * 4)
         blocks = [self._free_blocks.pop() for _ in range(n)]
         self.gpu.copy_h2d(dev, np.asarray(blocks, np.uint32))
-        table = BlockTable(blocks, dev, n)
+        table = BlockTable(blocks, dev)
         self._tables.append(table)
         return table
 
