@@ -17,7 +17,7 @@ One run measures, on the device it finds:
   latencies of the launch and the copies too; "host CPU us" is the proposer's own account of the
   time it spent outside the wait for the device (``ProposerState.last_host_s``); and the same
   graph captured with programmatic dependent launch off (every kernel launched plainly);
-- timing arms that skip the block or the head (ProposerOptions.skip_block / skip_head), to place a
+- timing arms that skip the block or the head (``Arm.skip_block`` / ``skip_head``), to place a
   gap;
 - the same step in plain PyTorch, eager and CUDA graph (bench/torch_step.py ``run``; skipped with a
   note if it cannot be imported).
@@ -27,21 +27,22 @@ BF16 (tiled where a tensor is larger), handed to MtpProposer as a Mapping; host 
 20 GB (the expert stacks the loader builds). Contexts are fed fast: random FP8 latents and scales,
 random indexer keys and gates, and random FP8 pool keys and scales are written straight into a
 fresh state's caches and its row count is set; what is timed (the draft rows) then runs the real
-kernels over them. For the arms, the same proposer is reused with ``opt`` replaced
-(use_graphs / skip_block / skip_head) or its FP8 head copy detached (BF16 arm), on a fresh state,
-so that no graph captured under one arm replays under another.
+kernels over them. One proposer (``ArmProposer``, this benchmark's subclass of MtpProposer, built
+once: the weights take most of the run's setup) serves every arm: each state is allocated with the
+arm it runs (eager or graph, FP8 or BF16 head, block or head skipped), so no graph captured under
+one arm replays under another, and nothing of the proposer is replaced between measurements.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import math
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -54,7 +55,9 @@ import numpy as np
 from model.checkpoint.random_init import tiled_mtp_weights as random_weights
 from model.config import ModelConfig, glm5_flash
 from model.kernels.dsa_select import complete_pools
+from model.proposer import MtpProposer, ProposerState
 from runtime.dtypes import BF16
+from runtime.kernels.rmsnorm import rmsnorm
 
 DATE = "2026-11-29"
 CONTEXTS = (4096, 16000)
@@ -62,7 +65,93 @@ KS = (1, 3)
 SECTION = "## MTP drafter: propose (bench/bench_propose.py)"
 
 
-# ---- weights ---------------------------------------------------------------------------------------
+# ---- the proposer under measurement ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Arm:
+    """What a state's proposes run. ``skip_block`` / ``skip_head`` are timing arms: the drafts mean
+    nothing then, the device time of the part that remains is what they are for."""
+
+    fp8: bool = True  # the head's FP8 copy, else its BF16 rows
+    graphs: bool = False  # one captured graph per k, else eager launches
+    skip_block: bool = False  # the block replaced by the head's RMSNorm alone
+    skip_head: bool = False  # the head replaced by zero drafts
+
+
+class ArmProposer(MtpProposer):
+    """MtpProposer whose every state runs the arm it was allocated with (``alloc_state(arm)``),
+    through the draft step's own hooks (``_launch_step``, ``_block``, ``_head``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._arms: dict[int, Arm] = {}  # by state slot
+
+    def alloc_state(self, arm: Arm = Arm()) -> ProposerState:
+        if arm.fp8 and self.head_fp8 is None:
+            raise ValueError("an FP8-head arm on a proposer without the FP8 head")
+        st = super().alloc_state()
+        self._arms[st.slot] = arm
+        return st
+
+    def _launch_step(self, st: ProposerState, k: int) -> None:
+        if self._arms[st.slot].graphs:
+            self._replay_graph(st, k)
+        else:
+            self._enqueue_drafts(st, k)
+
+    def _block(self, st: ProposerState, i: int) -> None:
+        if not self._arms[st.slot].skip_block:
+            super()._block(st, i)
+            return
+        cfg = self.cfg
+        rmsnorm(self.gpu, st.x, self.head_norm, st.xn, 1, cfg.hidden_size, cfg.rms_norm_eps, self.stream)
+
+    def _head(self, st: ProposerState, i: int, publish: bool) -> None:
+        arm = self._arms[st.slot]
+        if arm.skip_head:
+            self.gpu.memset(st.token, 0, 4, self.stream)
+            self.gpu.memset(st.drafts_out.device.offset(i * 4), 0, 4, self.stream)
+        elif arm.fp8:
+            super()._head(st, i, publish)
+        else:
+            self._head_with(st, i, publish, self.head_bf16, None)
+
+
+class LaunchRecorder:
+    """The backend the benchmark's proposer is built on: the device's own, except that inside
+    ``recording()`` every kernel launch is bracketed by a pair of events (``profile_step``)."""
+
+    def __init__(self, gpu: Any) -> None:
+        self._gpu = gpu
+        self.marks: list[tuple[str, tuple[int, ...], Any, Any]] = []
+        self.launch = gpu.launch  # outside a recording: the device's own, no extra call
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._gpu, name)
+        if callable(value):
+            # Kept, so the next lookup is as cheap as on the backend itself (the benchmark times
+            # the host's share of a propose); properties such as ``pdl`` are read through each time.
+            self.__dict__[name] = value
+        return value
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[tuple[str, tuple[int, ...], Any, Any]]]:
+        """Record the launches made inside; the caller destroys the marks' events."""
+        self.marks = []
+        self.launch = self._recorded_launch
+        try:
+            yield self.marks
+        finally:
+            self.launch = self._gpu.launch
+
+    def _recorded_launch(self, kernel: Any, grid: Any, block: Any, args: Any, smem: int = 0,
+                         stream: Any = None) -> None:
+        a, b = self._gpu.event_create(), self._gpu.event_create()
+        self._gpu.event_record(a, stream)
+        self._gpu.launch(kernel, grid, block, args, smem, stream)
+        self._gpu.event_record(b, stream)
+        self.marks.append((kernel.name, tuple(grid) if not isinstance(grid, int) else (grid,), a, b))
 
 
 # ---- bytes per draft -------------------------------------------------------------------------------
@@ -199,52 +288,33 @@ def time_graph(prop: Any, st: Any, k: int, iters: int) -> float:
             gpu.event_destroy(b)
 
 
-class _LaunchRecorder:
-    """A GpuBackend proxy that brackets every kernel launch with a pair of events."""
-
-    def __init__(self, gpu: Any) -> None:
-        self._gpu = gpu
-        self.marks: list[tuple[str, tuple[int, ...], Any, Any]] = []
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._gpu, name)
-
-    def launch(self, kernel: Any, grid: Any, block: Any, args: Any, smem: int = 0, stream: Any = None) -> None:
-        a, b = self._gpu.event_create(), self._gpu.event_create()
-        self._gpu.event_record(a, stream)
-        self._gpu.launch(kernel, grid, block, args, smem, stream)
-        self._gpu.event_record(b, stream)
-        self.marks.append((kernel.name, tuple(grid) if not isinstance(grid, int) else (grid,), a, b))
-
-
-def profile_step(prop: Any, st: Any, hidden: Any, context: int, k: int, blocker_bytes: int) -> dict[str, Any]:
-    """Device time of every launch of one eager k-draft propose. A long device copy is queued first
-    so the host enqueues the whole step before the GPU reaches it: the kernels then run back to
-    back, as in a graph, and each one's events bracket its own execution."""
-    gpu = prop.gpu
-    a, b = gpu.alloc(blocker_bytes), gpu.alloc(blocker_bytes)
-    rec = _LaunchRecorder(gpu)
+def profile_step(prop: ArmProposer, st: Any, hidden: Any, context: int, k: int,
+                 blocker_bytes: int) -> dict[str, Any]:
+    """Device time of every launch of one eager k-draft propose (``prop`` built on a
+    LaunchRecorder). A long device copy is queued first so the host enqueues the whole step before
+    the GPU reaches it: the kernels then run back to back, as in a graph, and each one's events
+    bracket its own execution."""
+    rec = prop.gpu
+    a, b = rec.alloc(blocker_bytes), rec.alloc(blocker_bytes)
+    marks: list[tuple[str, tuple[int, ...], Any, Any]] = []
     try:
         prop.propose(st, 1, hidden, context, k)
-        gpu.copy_d2d(b, a, blocker_bytes, prop.stream)
-        prop.gpu = prop.layer.gpu = rec
-        try:
+        rec.copy_d2d(b, a, blocker_bytes, prop.stream)
+        with rec.recording() as marks:
             prop.propose(st, 2, hidden, context, k)
-        finally:
-            prop.gpu = prop.layer.gpu = gpu
         launches = []
-        for i, (name, grid, e0, e1) in enumerate(rec.marks):
-            gap = gpu.event_elapsed_ms(rec.marks[i - 1][3], e0) if i else 0.0
-            launches.append({"kernel": name, "grid": list(grid), "us": gpu.event_elapsed_ms(e0, e1) * 1e3,
+        for i, (name, grid, e0, e1) in enumerate(marks):
+            gap = rec.event_elapsed_ms(marks[i - 1][3], e0) if i else 0.0
+            launches.append({"kernel": name, "grid": list(grid), "us": rec.event_elapsed_ms(e0, e1) * 1e3,
                              "gap_us": gap * 1e3})
-        span = gpu.event_elapsed_ms(rec.marks[0][2], rec.marks[-1][3]) * 1e3
+        span = rec.event_elapsed_ms(marks[0][2], marks[-1][3]) * 1e3
         return {"context": context, "k": k, "span_us": span, "launches": launches}
     finally:
-        for _, _, e0, e1 in rec.marks:
-            gpu.event_destroy(e0)
-            gpu.event_destroy(e1)
-        gpu.free(a)
-        gpu.free(b)
+        for _, _, e0, e1 in marks:
+            rec.event_destroy(e0)
+            rec.event_destroy(e1)
+        rec.free(a)
+        rec.free(b)
 
 
 def profile_text(p: dict[str, Any]) -> str:
@@ -268,30 +338,11 @@ def profile_text(p: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-class Arms:
-    """Switches the proposer's arm between measurements: options (use_graphs, skip_*) and the
-    head (FP8 copy attached or detached). Each arm gets a fresh state (graphs bake the arm)."""
-
-    def __init__(self, prop: Any) -> None:
-        self.prop = prop
-        self.base_opt = prop.opt
-        self.fp8 = (prop.head_fp8, prop.head_fp8_scales)
-
-    def set(self, *, fp8: bool, graphs: bool, skip_block: bool = False, skip_head: bool = False) -> None:
-        self.prop.opt = dataclasses.replace(self.base_opt, use_graphs=graphs, skip_block=skip_block,
-                                            skip_head=skip_head)
-        self.prop.head_fp8, self.prop.head_fp8_scales = self.fp8 if fp8 else (None, None)
-
-    def restore(self) -> None:
-        self.prop.opt = self.base_opt
-        self.prop.head_fp8, self.prop.head_fp8_scales = self.fp8
-
-
 def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None = None,
             contexts: tuple[int, ...] = CONTEXTS, copy_bytes: int = 2 << 30) -> dict[str, Any]:
     """The whole run on ``gpu`` (default: a new CudaBackend) at ``cfg`` (default: glm5_flash). The
     host backend with a tiny config runs the same code (tests/test_bench_propose.py)."""
-    from model.proposer import MtpProposer, ProposerOptions
+    from model.proposer import ProposerOptions
 
     owned = gpu is None
     if gpu is None:
@@ -323,7 +374,7 @@ def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None =
     weights = random_weights(cfg)
     served = max(contexts) + max(KS)
     opt = ProposerOptions(served_max_seq_len=served, max_draft_tokens=max(KS), max_sequences=2, fp8_head=True)
-    prop = MtpProposer(gpu, cfg, weights, opt)
+    prop = ArmProposer(LaunchRecorder(gpu), cfg, weights, opt)
     del weights
     assert prop.head_fp8 is not None, "the FP8 head kernels must load"
     log(f"weights built and uploaded in {time.time() - t0:.1f} s ({prop.arena.nbytes / 2**30:.2f} GiB)", flush=True)
@@ -331,7 +382,6 @@ def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None =
     hid = (rng.standard_normal(cfg.hidden_size, dtype=np.float32)).astype(BF16)
     hidden = gpu.alloc(hid.nbytes)
     gpu.copy_h2d(hidden, hid)
-    arms = Arms(prop)
     heads = tuple(h == "fp8" for h in getattr(args, "heads", ("fp8", "bf16")))
     ks = getattr(args, "ks", KS)
     rows: list[dict[str, Any]] = []
@@ -350,8 +400,7 @@ def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None =
                     floor_bytes = sum(sum(draft_bytes(prop, ctx + i, fp8).values()) for i in range(k))
                     row["floor_ms"] = floor_bytes / bw * 1e3
                     for graphs in (False, True):
-                        arms.set(fp8=fp8, graphs=graphs)
-                        st = prop.alloc_state()
+                        st = prop.alloc_state(Arm(fp8=fp8, graphs=graphs))
                         try:
                             fill_context(prop, st, ctx, rng)
                             host: list[float] = []
@@ -369,8 +418,7 @@ def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None =
                     if getattr(gpu, "pdl", False):
                         # The same graph captured with every kernel launched plainly: what
                         # programmatic dependent launch is worth.
-                        arms.set(fp8=fp8, graphs=True)
-                        st = prop.alloc_state()
+                        st = prop.alloc_state(Arm(fp8=fp8, graphs=True))
                         try:
                             with pdl_set(gpu, False):
                                 fill_context(prop, st, ctx, rng)
@@ -390,8 +438,8 @@ def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None =
         arms_out = []
         for fp8 in (True, False):
             for skip_block, skip_head in ((True, False), (False, True), (True, True)):
-                arms.set(fp8=fp8, graphs=True, skip_block=skip_block, skip_head=skip_head)
-                st = prop.alloc_state()
+                st = prop.alloc_state(Arm(fp8=fp8, graphs=True, skip_block=skip_block,
+                                          skip_head=skip_head))
                 try:
                     fill_context(prop, st, contexts[0], rng)
                     time_propose(prop, st, hidden, contexts[0], 3, 3, rng)
@@ -410,8 +458,7 @@ def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None =
             outs = []
             for graphs in (False, True):
                 for pdl in pdl_modes:
-                    arms.set(fp8=fp8, graphs=graphs)
-                    st = prop.alloc_state()
+                    st = prop.alloc_state(Arm(fp8=fp8, graphs=graphs))
                     try:
                         with pdl_set(gpu, pdl):
                             fill_context(prop, st, contexts[0], np.random.default_rng(7))
@@ -421,8 +468,7 @@ def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None =
             same &= all(o == outs[0] for o in outs)
         res["eager_equals_graph"] = same
         log(f"eager and graph drafts, PDL on and off, identical on the same inputs: {same}", flush=True)
-        arms.set(fp8=True, graphs=False)
-        st = prop.alloc_state()
+        st = prop.alloc_state(Arm(fp8=True, graphs=False))
         try:
             fill_context(prop, st, contexts[0], rng)
             res["profile"] = profile_step(prop, st, hidden, contexts[0], 3, min(4 << 30, 64 * copy_bytes))
@@ -430,7 +476,6 @@ def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None =
             prop.free_state(st)
         log(profile_text(res["profile"]), flush=True)
     finally:
-        arms.restore()
         gpu.free(hidden)
         prop.close()
         if owned:

@@ -28,7 +28,8 @@ from .kernels import bgemv as bg
 from .kernels import dsa_cache, dsa_select, moe, sparse_mla
 from .weights import AttentionWeights, DeviceArena, MlpWeights, Sharding
 
-# The indexer's k_norm is a LayerNorm with a fixed eps (SPEC "Exact semantics").
+# The indexer's k_norm is a LayerNorm with bias and a fixed eps, not rms_norm_eps (as
+# train/torch_model.py's INDEXER_LN_EPS: the checkpoint's training used it).
 INDEXER_LN_EPS = 1e-6
 
 
@@ -226,10 +227,10 @@ class DecoderLayer:
         cfg, gpu, w, sh = self.cfg, self.gpu, self.mlp, self.sh
         H, m = cfg.hidden_size, cfg.moe
         if not w.is_moe:
-            # A dense MLP is one "expert" whose id and weight are the constants the layer holds.
-            moe.expert_gate_up(gpu, w.gate_up, s.y2, self.const_ids, s.act, 0, 1, 0, 1, w.inter, H,
+            # A dense MLP is one "expert" whose id and weight are constants of its weights.
+            moe.expert_gate_up(gpu, w.gate_up, s.y2, w.dense_ids, s.act, 0, 1, 0, 1, w.inter, H,
                                self.cfg.moe.swiglu_limit, stream)
-            moe.expert_down(gpu, w.down, s.act, self.const_ids, self.const_one, s.moe_parts, 0, 1,
+            moe.expert_down(gpu, w.down, s.act, w.dense_ids, w.dense_weight, s.moe_parts, 0, 1,
                             0, 1, H, w.inter, stream)
             self._residual_out(s.moe_parts, s, x_out, 1, next_norm, stream)
             return
@@ -256,12 +257,3 @@ class DecoderLayer:
             self.comm.all_reduce(s.moe_parts, slots * H, CommDtype.FLOAT32, ReduceOp.SUM,
                                  stream=stream)
         self._residual_out(s.moe_parts, s, x_out, slots, next_norm, stream)
-
-    const_ids: DevicePtr
-    const_one: DevicePtr
-
-    def bind_constants(self, arena: DeviceArena) -> None:
-        import numpy as np
-
-        self.const_ids = arena.upload(np.zeros(1, np.uint32))
-        self.const_one = arena.upload(np.ones(1, np.float32))

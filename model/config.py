@@ -321,7 +321,7 @@ class ModelConfig:
 
 
 def glm5_flash(max_context: int = 16384) -> ModelConfig:
-    """GLM-5.3-Flash MTP block at its reference shapes (REFERENCE.md)."""
+    """GLM-5.3-Flash MTP block at the shapes of its published config (``zai-org/GLM-5.3-Flash``)."""
     return ModelConfig(
         hidden_size=4096,
         vocab_size=154880,

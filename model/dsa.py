@@ -22,10 +22,20 @@ from dataclasses import dataclass
 
 from runtime.backend import GpuBackend
 from runtime.device_ptr import DevicePtr
-from runtime.kv_cache import BlockTable, PagedKvCache
+from runtime.kv_cache import BlockTable, KvCacheConfig, KvDtype, PagedKvCache
 
 from .config import DsaConfig
 from .kernels.dsa_select import TOPK_MAX_POOLS, selection_capacity
+
+# The drafter's private pool uses the same block size as the target's absorbed-MLA cache, so the
+# latent write and the paged gather see the strides they assume.
+KV_BLOCK_SIZE = 16
+
+
+def latent_cache_config(kv_lora_rank: int, layers: int) -> KvCacheConfig:
+    """The paged cache of ``layers`` DSA layers' latent rows: one FP8 E4M3 row of ``kv_lora_rank``
+    values per token (one f32 scale each), in blocks of ``KV_BLOCK_SIZE`` rows."""
+    return KvCacheConfig(KV_BLOCK_SIZE, 1, kv_lora_rank, layers, KvDtype.FP8_E4M3)
 
 
 class DsaSizingError(ValueError):
@@ -56,6 +66,7 @@ class DsaState:
     pool_scales: DevicePtr  # [pools] f32
     table: BlockTable
     length: int = 0
+    owns_table: bool = True  # False when the table is shared with other layers (see ``alloc``)
 
     @classmethod
     def alloc(cls, gpu: GpuBackend, cfg: DsaConfig, rows: int, kv: PagedKvCache,
@@ -74,11 +85,7 @@ class DsaState:
             for p in done:
                 gpu.free(p)
             raise
-        st = cls(rows, *done, table=table)
-        st.owns_table = owned
-        return st
-
-    owns_table: bool = True
+        return cls(rows, *done, table=table, owns_table=owned)
 
     def free(self, gpu: GpuBackend, kv: PagedKvCache) -> None:
         if self.owns_table:

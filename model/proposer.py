@@ -1,7 +1,7 @@
 """The MTP draft proposer: the contract a serving engine's scheduler calls.
 
 ``alloc_state / prefill_drafter / catchup_drafter / propose / after_verify / free_state``, plus
-``drafter_rows``, ``last_pair_key``, ``prefill_hidden_rows`` and ``drafter_context_rows``.
+``drafter_rows``, ``last_pair_key`` and ``drafter_context_rows``.
 
 Row space (dense): drafter row r is the pair ``(embed(tokens[r+1]), hidden[r])``; its KV slot, its
 indexer row and its position are all r. Context rows append exactly at the current length; a feed
@@ -19,32 +19,34 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from runtime.allocations import Graph, MappedBuffer
+from runtime.allocations import MappedBuffer
+from runtime.graph import Graph
 from runtime.backend import GpuBackend
 from runtime.comm.base import CommDtype, ReduceOp
 from runtime.device_ptr import DevicePtr
-from runtime.dtypes import BF16
 from runtime.errors import CommError
 from runtime.kernels.argmax_bf16 import argmax_bf16
 from runtime.kernels.copy_words import copy_words
 from runtime.kernels.gemv_bf16 import MAX_M as GEMV_MAX_M, gemv_bf16
 from runtime.kernels.gemv_fp8w import gemv_fp8w
 from runtime.kernels.quantize_fp8 import quantize_fp8
-from runtime.kernels.rmsnorm import rmsnorm
-from runtime.kv_cache import KvCacheConfig, KvDtype, PagedKvCache
+from runtime.kv_cache import PagedKvCache
 
 from .block import DecoderLayer, LayerScratch
 from .config import ModelConfig
-from .dsa import DsaSizingError, DsaState, drafter_context_rows, shared_selection_extra
+from .dsa import (
+    DsaSizingError,
+    DsaState,
+    drafter_context_rows,
+    latent_cache_config,
+    shared_selection_extra,
+)
 from .kernels import draft_head
 from .kernels.mtp_input import mtp_embed_norm, mtp_input_gemv
-from .weights import DeviceArena, Sharding, WeightError, load_attention, load_moe
+from .tensors import TensorLookup
+from .weights import DeviceArena, Sharding, SharedTables, WeightError, load_attention, load_moe
 
 log = logging.getLogger(__name__)
-
-# The drafter's private pool uses the same block size as the target's absorbed-MLA cache, so the
-# latent write and the paged gather see the strides they assume.
-KV_BLOCK_SIZE = 16
 
 
 class ProposerError(ValueError):
@@ -60,13 +62,6 @@ class ProposerOptions:
     context_chunk: int = 8
     o_proj_groups: int = 8
     use_graphs: bool = False
-    # Timing arms: drafts become meaningless (the target still verifies every one), the time of
-    # the part that remains is what they are for.
-    skip_block: bool = False
-    skip_head: bool = False
-    # Diagnostic arm: build context rows through the full block (attention and MoE included) to
-    # tell a wrong cache-only shortcut from wrong attention over real context.
-    full_context_rows: bool = False
     # Bound on a wait for peer ranks before it becomes a CommError.
     comm_timeout_s: float = 60.0
 
@@ -77,16 +72,6 @@ class ProposerOptions:
             raise ProposerError(f"context_chunk must be 1..{GEMV_MAX_M} (rows one GEMV reads W for)")
         if self.max_sequences < 1:
             raise ProposerError("max_sequences must be >= 1")
-
-
-@dataclass
-class SharedTables:
-    """The target's embedding and head, read in place (no copy)."""
-
-    embed: DevicePtr  # [vocab, hidden] BF16
-    lm_head: DevicePtr  # [vocab, hidden] BF16
-    vocab: int
-    hidden: int
 
 
 @dataclass
@@ -140,27 +125,12 @@ class ProposerState:
         return self.step.offset(4)
 
 
-class TensorLookup:
-    """Names -> host arrays, with ``in``; a Mapping or a checkpoint object (``has``/``get``)."""
-
-    def __init__(self, src) -> None:
-        self.src = src
-
-    def __contains__(self, name: str) -> bool:
-        return (self.src.has(name) if hasattr(self.src, "has") else name in self.src)
-
-    def __call__(self, name: str) -> np.ndarray:
-        if name not in self:
-            raise WeightError(f"missing tensor {name!r}")
-        return self.src.get(name) if hasattr(self.src, "has") else self.src[name]
-
-
 class MtpProposer:
     def __init__(self, gpu: GpuBackend, cfg: ModelConfig, tensors, options: ProposerOptions, *,
                  comm=None, tables: SharedTables | None = None, stream: int | None = None) -> None:
         self.gpu, self.cfg, self.opt, self.comm = gpu, cfg, options, comm
         self.stream = gpu.default_stream if stream is None else stream
-        self.src = src = tensors if isinstance(tensors, TensorLookup) else TensorLookup(tensors)
+        src = TensorLookup.of(tensors)
         H, V = cfg.hidden_size, cfg.vocab_size
         W = cfg.parallel.world_size
         if W > 1 and comm is None:
@@ -181,22 +151,21 @@ class MtpProposer:
         self._states: list[ProposerState] = []
         try:
             def vec(name: str) -> DevicePtr:
-                return arena.upload(_checked(src, P + name, (H,)))
+                return arena.upload(src.checked(P + name, (H,)))
 
             self.enorm, self.hnorm = vec("enorm.weight"), vec("hnorm.weight")
             self.head_norm = vec("shared_head.norm.weight")
-            self.eh_proj = arena.upload(_checked(src, P + "eh_proj.weight", (H, 2 * H)))
+            self.eh_proj = arena.upload(src.checked(P + "eh_proj.weight", (H, 2 * H)))
             attn = load_attention(arena, src, P, cfg, sh)
             mlp = load_moe(arena, src, P, cfg, sh)
             self.layer = DecoderLayer(
                 gpu, cfg, sh, attn, mlp, comm,
                 selection_extra=shared_selection_extra(cfg.dsa, options.max_draft_tokens))
-            self.layer.bind_constants(arena)
             if tables is None:
                 emb = P + "embed_tokens.weight" if P + "embed_tokens.weight" in src else "model.embed_tokens.weight"
                 head = P + "shared_head.head.weight" if P + "shared_head.head.weight" in src else "lm_head.weight"
-                tables = SharedTables(arena.upload(_checked(src, emb, (V, H))),
-                                      arena.upload(_checked(src, head, (V, H))), V, H)
+                tables = SharedTables(arena.upload(src.checked(emb, (V, H))),
+                                      arena.upload(src.checked(head, (V, H))), V, H)
             if (tables.vocab, tables.hidden) != (V, H):
                 raise WeightError(
                     f"shared embedding/head tables are [{tables.vocab}, {tables.hidden}] but the "
@@ -212,7 +181,7 @@ class MtpProposer:
             self.head_fp8 = self.head_fp8_scales = None
             if options.fp8_head:
                 self._quantize_head()
-            kvc = KvCacheConfig(KV_BLOCK_SIZE, 1, cfg.attention.kv_lora_rank, 1, KvDtype.FP8_E4M3)
+            kvc = latent_cache_config(cfg.attention.kv_lora_rank, 1)
             self.kv = PagedKvCache(kvc, kvc.blocks_for(self.rows_cap) * options.max_sequences, gpu)
         except Exception:
             arena.free()
@@ -247,11 +216,15 @@ class MtpProposer:
             )
 
     def _quantize_head(self) -> None:
-        q = self.gpu.try_kernel("quantize_fp8", "quantize_fp8")
-        g = self.gpu.try_kernel("gemv_fp8w", "gemv_fp8w")
-        if not q or not g:
-            log.warning("FP8 draft head unavailable on the %s backend; drafting with the BF16 head",
-                        self.gpu.name)
+        """The FP8 copy of the head, if the backend has the kernels its path launches (a PTX
+        directory built without them drafts with the BF16 head instead of failing at the first
+        propose): the quantisation, then the one-launch head on one rank, or the FP8 GEMV whose
+        logits the sharded argmax exchanges."""
+        head = ("gemv_fp8w", "gemv_fp8w") if self.head_sharded else draft_head.HEAD_ARGMAX_FP8.key
+        missing = [k for k in (("quantize_fp8", "quantize_fp8"), head) if not self.gpu.try_kernel(*k)]
+        if missing:
+            log.warning("FP8 draft head unavailable on the %s backend (no %s); drafting with the "
+                        "BF16 head", self.gpu.name, ", ".join(".".join(k) for k in missing))
             return
         H, n = self.cfg.hidden_size, self.head_n
         self.head_fp8 = self.arena.zeros(n * H)
@@ -264,11 +237,6 @@ class MtpProposer:
     @property
     def drafter_context_rows(self) -> int:
         return self.rows_cap
-
-    def prefill_hidden_rows(self, max_seq_len: int) -> int:
-        """Rows of target hidden the caller must capture at prefill: never more than the drafter
-        can hold, so the capture buffer is not sized for a context the drafter cannot reach."""
-        return min(max_seq_len, self.rows_cap)
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -363,15 +331,15 @@ class MtpProposer:
             mtp_embed_norm(gpu, self.tables.embed, st.ctx_tokens, self.enorm, hiddens.offset(c * H * 2),
                            self.hnorm, st.concat, n, self.cfg.vocab_size, H, self.cfg.rms_norm_eps, s)
             gemv_bf16(gpu, self.eh_proj, st.concat, st.x, n, H, 2 * H, s)
-            if self.opt.full_context_rows:
-                for r in range(n):
-                    self.layer.full_row(st.x.offset(r * H * 2), st.scratch, st.dsa, self.kv, st.row,
-                                        r, self.rows_cap, s)
-            else:
-                self.layer.context_rows(st.x, n, st.scratch, st.dsa, self.kv, st.row, 0, s)
+            self._context_rows(st, n)
         gpu.synchronize(s)
         st.dsa.advance(rows)
         return rows
+
+    def _context_rows(self, st: ProposerState, n: int) -> None:
+        """The caches of the chunk's ``n`` rows ``st.x[n, H]`` at rows ``*st.row ..``: the layer's
+        cache-only path (a context row's attention and MoE output is never read)."""
+        self.layer.context_rows(st.x, n, st.scratch, st.dsa, self.kv, st.row, 0, self.stream)
 
     def rewind_to(self, st: ProposerState, n: int) -> None:
         """Drop rows ``n..``: the caches keep their bytes, which later feeds overwrite."""
@@ -380,6 +348,9 @@ class MtpProposer:
         st.last_drafted = 0
 
     # ---- drafting -------------------------------------------------------------------------------
+    # ``_context_rows``, ``_launch_step``, ``_block`` and ``_head`` are the parts a timing or
+    # diagnostic subclass replaces (bench/bench_propose.py ArmProposer, the tests' full-block
+    # context rows); the proposer itself has no switch for them.
 
     def propose(self, st: ProposerState, last_token: int, target_hidden: DevicePtr, position: int,
                 k: int) -> list[int]:
@@ -410,19 +381,7 @@ class MtpProposer:
         step_host = st.step_in.host.view(np.uint32)
         step_host[0], step_host[1] = position, last_token
         gpu.copy_d2d(st.hidden_in, target_hidden, self.cfg.hidden_size * 2, s)
-        if self.opt.use_graphs:
-            g = st.graphs.get(k)
-            if g is None:
-                gpu.begin_capture(s)
-                try:
-                    self._enqueue_drafts(st, k)
-                except BaseException:
-                    gpu.abort_capture()
-                    raise
-                g = st.graphs[k] = gpu.end_capture(s, label=f"propose k={k} slot={st.slot}")
-            gpu.graph_launch(g, s)
-        else:
-            self._enqueue_drafts(st, k)
+        self._launch_step(st, k)
         t_wait = time.perf_counter()
         self._wait(s)
         t_done = time.perf_counter()
@@ -431,6 +390,26 @@ class MtpProposer:
         drafts = [int(t) for t in st.drafts_host[:k]]
         st.last_host_s = (t_wait - t_enter) + (time.perf_counter() - t_done)
         return drafts
+
+    def _launch_step(self, st: ProposerState, k: int) -> None:
+        """Enqueue the k-draft step: as one graph (captured on first use) or as eager launches."""
+        if self.opt.use_graphs:
+            self._replay_graph(st, k)
+        else:
+            self._enqueue_drafts(st, k)
+
+    def _replay_graph(self, st: ProposerState, k: int) -> None:
+        gpu, s = self.gpu, self.stream
+        g = st.graphs.get(k)
+        if g is None:
+            gpu.begin_capture(s)
+            try:
+                self._enqueue_drafts(st, k)
+            except BaseException:
+                gpu.abort_capture()
+                raise
+            g = st.graphs[k] = gpu.end_capture(s, label=f"propose k={k} slot={st.slot}")
+        gpu.graph_launch(g, s)
 
     def _enqueue_drafts(self, st: ProposerState, k: int) -> None:
         # The first draft's eh_proj (Pdl.BESIDE) streams its hidden half while this reads the host.
@@ -447,30 +426,40 @@ class MtpProposer:
         # Both input norms are every block's prologue of eh_proj (one launch, no concat round trip).
         mtp_input_gemv(gpu, self.tables.embed, st.token, self.enorm, hidden, self.hnorm, self.eh_proj,
                        st.x, V, H, H, eps, s)
-        if not self.opt.skip_block:
-            # The head's RMSNorm rides on the block's last residual add (one launch for both).
-            # Drafts 2..k reuse draft 1's pool selection when the config shares it.
-            self.layer.full_row(st.x, st.scratch, st.dsa, self.kv, st.row, i, self.rows_cap, s,
-                                next_norm=(self.head_norm, st.xn),
-                                reuse_selection=i > 0 and cfg.dsa.share_for_mtp_iteration)
+        self._block(st, i)
+        self._head(st, i, publish)
+
+    def _block(self, st: ProposerState, i: int) -> None:
+        """Draft i's block over ``st.x`` at row ``*st.row + i``, leaving the head's input
+        ``st.xn = rmsnorm(x) * head_norm``."""
+        # The head's RMSNorm rides on the block's last residual add (one launch for both).
+        # Drafts 2..k reuse draft 1's pool selection when the config shares it.
+        self.layer.full_row(st.x, st.scratch, st.dsa, self.kv, st.row, i, self.rows_cap, self.stream,
+                            next_norm=(self.head_norm, st.xn),
+                            reuse_selection=i > 0 and self.cfg.dsa.share_for_mtp_iteration)
+
+    def _head(self, st: ProposerState, i: int, publish: bool) -> None:
+        """Draft i's token from ``st.xn``, with the FP8 copy of the head when there is one."""
+        if self.head_fp8 is not None:
+            self._head_with(st, i, publish, self.head_fp8, self.head_fp8_scales)
         else:
-            rmsnorm(gpu, st.x, self.head_norm, st.xn, 1, H, eps, s)
-        if self.opt.skip_head:
-            gpu.memset(st.token, 0, 4, s)
-            gpu.memset(st.drafts_out.device.offset(i * 4), 0, 4, s)
-            return
+            self._head_with(st, i, publish, self.head_bf16, None)
+
+    def _head_with(self, st: ProposerState, i: int, publish: bool, w: DevicePtr,
+                   sc: DevicePtr | None) -> None:
+        """The head with weights ``w`` (this rank's vocabulary rows; FP8 with per-row scales
+        ``sc``, else BF16): the argmax of its logits becomes ``st.token`` and ``st.drafts[i]``."""
+        gpu, s, H = self.gpu, self.stream, self.cfg.hidden_size
         n = self.head_n
         if not self.head_sharded:
             # One launch: head GEMV, argmax, commit of the draft token (st.key stays zero).
-            fp8 = self.head_fp8 is not None
-            w, sc = (self.head_fp8, self.head_fp8_scales) if fp8 else (self.head_bf16, None)
             draft_head.head_argmax(gpu, w, sc, st.xn, st.logits, st.key, st.head_counter, st.token,
                                    st.drafts, i, st.drafts_out.device, publish, n, H, s)
             return
-        if self.head_fp8 is not None:
-            gemv_fp8w(gpu, self.head_fp8, self.head_fp8_scales, st.xn, st.logits, 1, n, H, s)
+        if sc is not None:
+            gemv_fp8w(gpu, w, sc, st.xn, st.logits, 1, n, H, s)
         else:
-            gemv_bf16(gpu, self.head_bf16, st.xn, st.logits, 1, n, H, s)
+            gemv_bf16(gpu, w, st.xn, st.logits, 1, n, H, s)
         argmax_bf16(gpu, st.logits, st.am_idx, st.am_val, n, s)
         draft_head.argmax_pack(gpu, st.am_idx, st.am_val, st.key, self.head_v0, s)
         self.comm.all_reduce(st.key, 1, CommDtype.UINT64, ReduceOp.MAX, stream=s)
@@ -515,13 +504,3 @@ class MtpProposer:
         have = self.gpu.bytes_from(ptr)
         if have < nbytes:
             raise ProposerError(f"{what} holds {have} bytes from its pointer; {nbytes} are needed")
-
-
-def _checked(src: TensorLookup, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    a = src(name)
-    if tuple(a.shape) != shape:
-        raise WeightError(f"tensor {name!r}: expected shape {shape}, found {tuple(a.shape)}")
-    if np.dtype(a.dtype) != BF16:
-        raise WeightError(f"tensor {name!r}: expected dtype bfloat16, found {np.dtype(a.dtype)}")
-    return a
-

@@ -122,7 +122,7 @@ def speculative_decode(target: TargetModel, drafter: MtpProposer, prompt: list[i
                 # Rows pos+1 .. pos+a were built from the drafter's own hidden; rebuild them from
                 # the target's rows, which the next propose's context then matches exactly.
                 keep = pos + 1
-                dst.dsa.rewind_to(keep)
+                drafter.rewind_to(dst, keep)
                 new_pos = len(tokens) - 2
                 drafter.catchup_drafter(dst, tokens[keep:new_pos + 1], target.hidden_rows(tst, keep), keep)
             stats.drafter_s += (t1 - t0) + (time.perf_counter() - t2)

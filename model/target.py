@@ -18,18 +18,23 @@ from runtime.kernels.embed_gather_bf16 import embed_gather_bf16
 from runtime.kernels.gemv_bf16 import gemv_bf16
 from runtime.kernels.rmsnorm import rmsnorm
 from runtime.dtypes import BF16
-from runtime.kv_cache import KvCacheConfig, KvDtype, PagedKvCache
+from runtime.kv_cache import BlockTable, PagedKvCache
 
 from .block import DecoderLayer, LayerScratch
 from .config import ModelConfig
-from .dsa import DsaState, drafter_context_rows
-from .proposer import KV_BLOCK_SIZE, ProposerError, SharedTables, TensorLookup
-from .weights import DeviceArena, Sharding, load_attention, load_dense_mlp, load_moe
+from .dsa import DsaState, drafter_context_rows, latent_cache_config
+from .tensors import TensorLookup
+from .weights import DeviceArena, Sharding, SharedTables, load_attention, load_dense_mlp, load_moe
+
+
+class TargetError(ValueError):
+    """Bad input to the target model; raised before any state changes."""
 
 
 @dataclass
 class TargetState:
     layers: list[DsaState]
+    table: BlockTable  # one claim for the sequence, shared by every layer's rows
     scratch: LayerScratch
     arena: DeviceArena
     hiddens: DevicePtr  # [rows_cap, H] BF16 post-final-norm rows
@@ -45,29 +50,26 @@ class TargetModel:
     def __init__(self, gpu: GpuBackend, cfg: ModelConfig, tensors, max_seq_len: int,
                  stream: int | None = None) -> None:
         if cfg.parallel.world_size != 1:
-            raise ValueError("the target model runs on one rank")
+            raise TargetError("the target model runs on one rank")
         self.gpu, self.cfg = gpu, cfg
         self.stream = gpu.default_stream if stream is None else stream
-        src = tensors if isinstance(tensors, TensorLookup) else TensorLookup(tensors)
+        src = TensorLookup.of(tensors)
         self.rows_cap = drafter_context_rows(max_seq_len, cfg.dsa)
         H, V = cfg.hidden_size, cfg.vocab_size
         self.arena = arena = DeviceArena(gpu)
         sh = Sharding.for_config(cfg, 1)
         try:
-            self.embed = arena.upload(_bf16(src, "model.embed_tokens.weight", (V, H)))
-            self.lm_head = arena.upload(_bf16(src, "lm_head.weight", (V, H)))
-            self.norm = arena.upload(_bf16(src, "model.norm.weight", (H,)))
+            self.embed = arena.upload(src.checked("model.embed_tokens.weight", (V, H)))
+            self.lm_head = arena.upload(src.checked("lm_head.weight", (V, H)))
+            self.norm = arena.upload(src.checked("model.norm.weight", (H,)))
             self.layers: list[DecoderLayer] = []
             for i in range(cfg.num_hidden_layers):
                 p = f"model.layers.{i}."
                 attn = load_attention(arena, src, p, cfg, sh)
                 mlp = (load_dense_mlp(arena, src, p, cfg) if i < cfg.first_k_dense_replace
                        else load_moe(arena, src, p, cfg, sh))
-                layer = DecoderLayer(gpu, cfg, sh, attn, mlp, kv_layer=i)
-                layer.bind_constants(arena)
-                self.layers.append(layer)
-            kvc = KvCacheConfig(KV_BLOCK_SIZE, 1, cfg.attention.kv_lora_rank,
-                                cfg.num_hidden_layers, KvDtype.FP8_E4M3)
+                self.layers.append(DecoderLayer(gpu, cfg, sh, attn, mlp, kv_layer=i))
+            kvc = latent_cache_config(cfg.attention.kv_lora_rank, cfg.num_hidden_layers)
             self.kv = PagedKvCache(kvc, kvc.blocks_for(self.rows_cap), gpu)
         except Exception:
             arena.free()
@@ -81,19 +83,18 @@ class TargetModel:
 
     def alloc_state(self) -> TargetState:
         if self._state is not None:
-            raise ProposerError("the target serves one sequence at a time; free its state first")
+            raise TargetError("the target serves one sequence at a time; free its state first")
         cfg, gpu, H = self.cfg, self.gpu, self.cfg.hidden_size
         arena = DeviceArena(gpu)
         table = self.kv.claim(self.rows_cap)
         layers = [DsaState.alloc(gpu, cfg.dsa, self.rows_cap, self.kv, table) for _ in self.layers]
         inter = self.layers[0].attn.fused_rows
         st = TargetState(
-            layers=layers,
+            layers=layers, table=table,
             scratch=LayerScratch.alloc(arena, cfg, Sharding.for_config(cfg, 1), 1, self.rows_cap, inter),
             arena=arena, hiddens=arena.zeros(self.rows_cap * H * 2), x=arena.zeros(H * 2),
             logits=arena.zeros(cfg.vocab_size * 2), token=arena.zeros(4), row=arena.zeros(4),
         )
-        st.table = table
         self._state = st
         return st
 
@@ -115,7 +116,7 @@ class TargetModel:
 
     def rewind_to(self, st: TargetState, n: int) -> None:
         if not 0 <= n <= st.length:
-            raise ProposerError(f"target rewind_to({n}) outside 0..{st.length}")
+            raise TargetError(f"target rewind_to({n}) outside 0..{st.length}")
         for d in st.layers:
             d.rewind_to(n)
         st.length = n
@@ -126,13 +127,13 @@ class TargetModel:
         cfg, gpu, s, H, V = self.cfg, self.gpu, self.stream, self.cfg.hidden_size, self.cfg.vocab_size
         toks = np.asarray(tokens, np.int64)
         if toks.size == 0:
-            raise ProposerError("forward of no tokens")
+            raise TargetError("forward of no tokens")
         if ((toks < 0) | (toks >= V)).any():
-            raise ProposerError(f"token outside the vocabulary 0..{V - 1}")
+            raise TargetError(f"token outside the vocabulary 0..{V - 1}")
         if start != st.length:
-            raise ProposerError(f"target rows must append at {st.length}, got {start}")
+            raise TargetError(f"target rows must append at {st.length}, got {start}")
         if start + toks.size > self.rows_cap:
-            raise ProposerError(
+            raise TargetError(
                 f"{start + toks.size} rows exceed the target's {self.rows_cap}-row context")
         out = np.empty((toks.size, V), np.float32)
         buf = np.empty(V, BF16)
@@ -155,9 +156,3 @@ class TargetModel:
 
     def hidden_rows(self, st: TargetState, row: int) -> DevicePtr:
         return st.hiddens.offset(row * self.cfg.hidden_size * 2)
-
-
-def _bf16(src: TensorLookup, name: str, shape) -> np.ndarray:
-    from .proposer import _checked
-
-    return _checked(src, name, tuple(shape))

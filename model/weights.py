@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
 
 import numpy as np
 
@@ -28,23 +27,9 @@ from runtime.device_ptr import DevicePtr
 from runtime.dtypes import BF16
 
 from .config import ModelConfig
+from .tensors import TensorLookup, WeightError
 
 log = logging.getLogger(__name__)
-
-TensorSource = Callable[[str], np.ndarray]
-
-
-class WeightError(ValueError):
-    """A tensor is missing, or has the wrong shape or dtype."""
-
-
-def source_from_mapping(m: Mapping[str, np.ndarray]) -> TensorSource:
-    def get(name: str) -> np.ndarray:
-        if name not in m:
-            raise WeightError(f"missing tensor {name!r}")
-        return m[name]
-
-    return get
 
 
 @dataclass
@@ -77,13 +62,14 @@ class DeviceArena:
         self.nbytes = 0
 
 
-def _get(src: TensorSource, name: str, shape: tuple[int, ...], dtype=BF16) -> np.ndarray:
-    a = src(name)
-    if tuple(a.shape) != tuple(shape):
-        raise WeightError(f"tensor {name!r}: expected shape {tuple(shape)}, found {tuple(a.shape)}")
-    if np.dtype(a.dtype) != np.dtype(dtype):
-        raise WeightError(f"tensor {name!r}: expected dtype {np.dtype(dtype)}, found {np.dtype(a.dtype)}")
-    return a
+@dataclass
+class SharedTables:
+    """The target's embedding and head, which the drafter reads in place (no copy)."""
+
+    embed: DevicePtr  # [vocab, hidden] BF16
+    lm_head: DevicePtr  # [vocab, hidden] BF16
+    vocab: int
+    hidden: int
 
 
 @dataclass(frozen=True)
@@ -168,94 +154,99 @@ class MlpWeights:
     shared_gate_up: DevicePtr | None = None
     shared_down: DevicePtr | None = None
     is_moe: bool = True
+    # Dense only: the MLP runs as one "expert" with this id (u32 0) and routing weight (f32 1.0).
+    dense_ids: DevicePtr | None = None
+    dense_weight: DevicePtr | None = None
 
 
-def load_attention(arena: DeviceArena, src: TensorSource, prefix: str, cfg: ModelConfig,
+def load_attention(arena: DeviceArena, src: TensorLookup, prefix: str, cfg: ModelConfig,
                    sh: Sharding) -> AttentionWeights:
     a, d, H = cfg.attention, cfg.dsa, cfg.hidden_size
     nope, v, C, ql = a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank, a.q_lora_rank
     ih, idim = d.index_n_heads, d.index_head_dim
     at, ix = prefix + "self_attn.", prefix + "self_attn.indexer."
-    kv_a = _get(src, at + "kv_a_proj_with_mqa.weight", (C + a.qk_rope_head_dim, H))[:C]
+    kv_a = src.checked(at + "kv_a_proj_with_mqa.weight", (C + a.qk_rope_head_dim, H))[:C]
     fused = np.concatenate([
         kv_a,
-        _get(src, ix + "wk.weight", (idim, H)),
-        _get(src, ix + "index_kpool_compress_gate", (idim, H)),
-        _get(src, at + "q_a_proj.weight", (ql, H)),
-        _get(src, ix + "weights_proj.weight", (ih, H)),
+        src.checked(ix + "wk.weight", (idim, H)),
+        src.checked(ix + "index_kpool_compress_gate", (idim, H)),
+        src.checked(at + "q_a_proj.weight", (ql, H)),
+        src.checked(ix + "weights_proj.weight", (ih, H)),
     ])
     heads = slice(sh.rank * sh.local_heads, (sh.rank + 1) * sh.local_heads)
-    q_b = _get(src, at + "q_b_proj.weight", (a.num_attention_heads * a.qk_head_dim, ql))
+    q_b = src.checked(at + "q_b_proj.weight", (a.num_attention_heads * a.qk_head_dim, ql))
     q_b = q_b.reshape(a.num_attention_heads, a.qk_head_dim, ql)[heads].reshape(-1, ql)
-    q_fused = np.concatenate([q_b, _get(src, ix + "wq_b.weight", (ih * idim, ql))])
-    kv_b = _get(src, at + "kv_b_proj.weight", (a.num_attention_heads * (nope + v), C))
+    q_fused = np.concatenate([q_b, src.checked(ix + "wq_b.weight", (ih * idim, ql))])
+    kv_b = src.checked(at + "kv_b_proj.weight", (a.num_attention_heads * (nope + v), C))
     kv_b = kv_b.reshape(a.num_attention_heads, nope + v, C)[heads]
     wk_t = np.ascontiguousarray(kv_b[:, :nope, :].transpose(0, 2, 1))  # [h, C, nope]
     wv = np.ascontiguousarray(kv_b[:, nope:, :])  # [h, v, C]
-    o = _get(src, at + "o_proj.weight", (H, a.num_attention_heads * v))
+    o = src.checked(at + "o_proj.weight", (H, a.num_attention_heads * v))
     gw = sh.group_heads * v
     o_groups = o.reshape(H, sh.groups, gw).transpose(1, 0, 2)  # [groups, H, gw]
     o_local = o_groups[sh.rank * sh.local_groups:(sh.rank + 1) * sh.local_groups]
     return AttentionWeights(
-        input_norm=arena.upload(_get(src, prefix + "input_layernorm.weight", (H,))),
+        input_norm=arena.upload(src.checked(prefix + "input_layernorm.weight", (H,))),
         fused_in=arena.upload(fused),
         fused_rows=fused.shape[0],
-        kv_a_norm=arena.upload(_get(src, at + "kv_a_layernorm.weight", (C,))),
-        q_a_norm=arena.upload(_get(src, at + "q_a_layernorm.weight", (ql,))),
+        kv_a_norm=arena.upload(src.checked(at + "kv_a_layernorm.weight", (C,))),
+        q_a_norm=arena.upload(src.checked(at + "q_a_layernorm.weight", (ql,))),
         q_fused=arena.upload(q_fused),
-        k_norm_w=arena.upload(_get(src, ix + "k_norm.weight", (idim,))),
-        k_norm_b=arena.upload(_get(src, ix + "k_norm.bias", (idim,))),
-        ape=arena.upload(_get(src, ix + "index_kpool_compress_ape", (d.index_kpool, idim))),
+        k_norm_w=arena.upload(src.checked(ix + "k_norm.weight", (idim,))),
+        k_norm_b=arena.upload(src.checked(ix + "k_norm.bias", (idim,))),
+        ape=arena.upload(src.checked(ix + "index_kpool_compress_ape", (d.index_kpool, idim))),
         wk_t=arena.upload(wk_t),
         wv=arena.upload(wv),
         o_proj=arena.upload(np.ascontiguousarray(o_local)),
     )
 
 
-def load_moe(arena: DeviceArena, src: TensorSource, prefix: str, cfg: ModelConfig,
+def load_moe(arena: DeviceArena, src: TensorLookup, prefix: str, cfg: ModelConfig,
              sh: Sharding) -> MlpWeights:
     m, H = cfg.moe, cfg.hidden_size
     I, E = m.moe_intermediate_size, m.n_routed_experts
     mp = prefix + "mlp."
-    router = _get(src, mp + "gate.weight", (E, H))
+    router = src.checked(mp + "gate.weight", (E, H))  # the shared expert has no gate
     gate_up = np.empty((sh.local_experts, 2 * I, H), BF16)
     down = np.empty((sh.local_experts, H, I), BF16)
     for j in range(sh.local_experts):
         e = sh.expert_base + j
         ep = f"{mp}experts.{e}."
-        gate_up[j, :I] = _get(src, ep + "gate_proj.weight", (I, H))
-        gate_up[j, I:] = _get(src, ep + "up_proj.weight", (I, H))
-        down[j] = _get(src, ep + "down_proj.weight", (H, I))
+        gate_up[j, :I] = src.checked(ep + "gate_proj.weight", (I, H))
+        gate_up[j, I:] = src.checked(ep + "up_proj.weight", (I, H))
+        down[j] = src.checked(ep + "down_proj.weight", (H, I))
     w = MlpWeights(
-        post_norm=arena.upload(_get(src, prefix + "post_attention_layernorm.weight", (H,))),
+        post_norm=arena.upload(src.checked(prefix + "post_attention_layernorm.weight", (H,))),
         gate_up=arena.upload(gate_up),
         down=arena.upload(down),
         inter=I,
         n_local=sh.local_experts,
         expert_base=sh.expert_base,
         router=arena.upload(router),
-        bias=arena.upload(_get(src, mp + "gate.e_score_correction_bias", (E,), np.float32)),
+        bias=arena.upload(src.checked(mp + "gate.e_score_correction_bias", (E,), np.float32)),
     )
     if m.n_shared_experts and sh.owns_shared_expert:
         Is = I * m.n_shared_experts
         sp = mp + "shared_experts."
         w.shared_gate_up = arena.upload(np.concatenate([
-            _get(src, sp + "gate_proj.weight", (Is, H)), _get(src, sp + "up_proj.weight", (Is, H))
+            src.checked(sp + "gate_proj.weight", (Is, H)), src.checked(sp + "up_proj.weight", (Is, H))
         ])[None])
-        w.shared_down = arena.upload(_get(src, sp + "down_proj.weight", (H, Is))[None])
+        w.shared_down = arena.upload(src.checked(sp + "down_proj.weight", (H, Is))[None])
     return w
 
 
-def load_dense_mlp(arena: DeviceArena, src: TensorSource, prefix: str, cfg: ModelConfig) -> MlpWeights:
+def load_dense_mlp(arena: DeviceArena, src: TensorLookup, prefix: str, cfg: ModelConfig) -> MlpWeights:
     H, I = cfg.hidden_size, cfg.intermediate_size
     mp = prefix + "mlp."
-    gu = np.concatenate([_get(src, mp + "gate_proj.weight", (I, H)), _get(src, mp + "up_proj.weight", (I, H))])
+    gu = np.concatenate([src.checked(mp + "gate_proj.weight", (I, H)), src.checked(mp + "up_proj.weight", (I, H))])
     return MlpWeights(
-        post_norm=arena.upload(_get(src, prefix + "post_attention_layernorm.weight", (H,))),
+        post_norm=arena.upload(src.checked(prefix + "post_attention_layernorm.weight", (H,))),
         gate_up=arena.upload(gu[None]),
-        down=arena.upload(_get(src, mp + "down_proj.weight", (H, I))[None]),
+        down=arena.upload(src.checked(mp + "down_proj.weight", (H, I))[None]),
         inter=I,
         n_local=1,
         expert_base=0,
         is_moe=False,
+        dense_ids=arena.upload(np.zeros(1, np.uint32)),
+        dense_weight=arena.upload(np.ones(1, np.float32)),
     )

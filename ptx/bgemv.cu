@@ -5,8 +5,8 @@
 // = 8 warps, each warp owns R consecutive rows with R * U = 16 sixteen-byte loads per lane in
 // flight. The drafter's batched GEMVs have short rows, so rows per warp is what keeps bytes in
 // flight: wk_t (k = 256: one chunk per lane per row) takes R = 16, wv (k = 512) R = 8, o_proj
-// (k = 2048) R = 4 with 4 chunks per row. With R = 4 everywhere wk_t ran at 1.6 TB/s and wv at
-// 1.7 TB/s on the H200 (10.5 / 10.0 us for 16.8 MB each, measured).
+// (k = 2048) R = 4 with 4 chunks per row; with R = 4 everywhere the short rows ran far below the
+// read bandwidth (BENCHMARKS.md, "Drafter kernel notes").
 #include "model_common.cuh"
 
 namespace {
@@ -136,9 +136,9 @@ __device__ __forceinline__ void sum_chunk_rows(const float* __restrict__ parts, 
 // sum_rows_residual, then the next layer's RMSNorm of its BF16 result in the same launch:
 // normed = bf16((out / r) * w), r = sqrt(mean(out^2) + eps). One block of 1024 threads owns the
 // whole row (the norm needs all of it). Each thread takes 4 consecutive elements and keeps 8 part
-// rows' float4 loads in flight: the element-wise version waited one L2 round trip per part row
-// (9.1-10.1 us for 9 rows x 4096 on the H200, measured; this is a few round trips). The adds stay
-// in row order, so `out` is bit-identical to sum_rows_residual's.
+// rows' float4 loads in flight, so the launch waits a few L2 round trips instead of one per part
+// row (BENCHMARKS.md, "Drafter kernel notes"). The adds stay in row order, so `out` is
+// bit-identical to sum_rows_residual's.
 extern "C" __global__ void __launch_bounds__(1024) sum_rows_residual_rmsnorm(
     const float* __restrict__ parts, const uint16_t* residual, const uint16_t* __restrict__ norm_w,
     uint16_t* out, uint16_t* __restrict__ normed, uint32_t rows, uint32_t n, float eps) {
@@ -205,8 +205,8 @@ extern "C" __global__ void __launch_bounds__(1024) sum_rows_residual_rmsnorm(
 // y = W @ (rmsnorm(x) * norm_w): the RMSNorm of the GEMV's input computed by every block into
 // shared memory (smem_x_gemv), replacing a single-block rmsnorm launch and its round trip.
 // Grid min(ceil(n / 8), the blocks resident at once), block 256, dynamic smem k * 2 bytes.
-// __launch_bounds__(256, 4): 62 registers, 4 blocks per SM (the register-held prologue needed 80
-// and allowed 3).
+// __launch_bounds__(256, 4): 62 registers, 4 blocks per SM, which the prologue staged in shared
+// memory allows (stage_row_sumsq, ptx/model_common.cuh; BENCHMARKS.md, "Drafter kernel notes").
 extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_gemv(const uint16_t* __restrict__ x,
                                                                const uint16_t* __restrict__ norm_w,
                                                                const uint16_t* __restrict__ w,

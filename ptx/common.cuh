@@ -23,11 +23,11 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 
 __device__ __forceinline__ bool aligned16(const void* p) { return ((uintptr_t)p & 15u) == 0; }
 
-// Weights are read exactly once per launch: keep them out of L1 (where the activation row lives).
-// No L2 prefetch-size hint: with `.L2::256B` a 635 MB read at 4 blocks of 256 threads per SM ran at
-// 4.10 TB/s, without it at 4.51 (H200, read_xor in bench/bench_runtime.py), and the k = 3 FP8 step went
-// from 1.159 to 1.101 ms. `.L2::128B` measured the same as no hint; dropping `.L1::no_allocate`
-// as well (1.127 ms) lets the weights evict the activations from L1.
+// Weights are read exactly once per launch: keep them out of L1 (where the activation row lives),
+// and give L2 no prefetch-size hint: `.L2::256B` made the weight streams slower and `.L2::128B` no
+// faster, and without `.L1::no_allocate` the weights evict the activations from L1 (read_xor
+// measures this load; see BENCHMARKS.md, "Runtime kernels: notes behind the numbers", the
+// weight-load cache policy).
 __device__ __forceinline__ uint4 ld_stream16(const void* p) {
     uint4 r;
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -47,28 +47,21 @@ __device__ __forceinline__ uint4 ld_stream16(const void* p) {
 // Pdl.BESIDE kernels are described at release_dependents below. Launched without the attribute both
 // instructions are no-ops. tests/test_pdl_ptx.py checks the PTX of every pdl kernel for the wait
 // and for stores and returns ahead of it.
-// Where a kernel releases its successor was measured on the H200 with builds of the same tree that
-// released everywhere at the kernel's start, right after its wait, late (a multi-wave grid at its
-// start, a grid-stride kernel at its last iteration), or at exit; propose k = 3 at context 4096,
-// each against the graph without PDL: FP8 head 1.380 / 1.297 / 1.267 / 1.288 ms against 1.30,
-// BF16 head 1.819 / 1.786 / 1.751 / 1.769 against 1.78 (the late builds from a later tree, against
-// 1.263 / 1.747 at exit). Releasing everywhere early made the step slower (the GEMVs fill the
-// SMs, and successors launched early only take their place), so a kernel releases at exit unless
-// it calls release_dependents / wait_then_release below, where a measurement showed a gain.
+// A kernel releases its successor at exit unless it calls release_dependents / wait_then_release
+// below, where a measurement showed a gain: releasing everywhere early made the step slower (the
+// GEMVs fill the SMs, and successors launched early only take their place). The placements
+// measured are in BENCHMARKS.md, "MTP drafter: propose" (programmatic dependent launch).
 __device__ __forceinline__ void grid_dependency_wait() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 // The read-only path (ld.global.nc: __ldg, or a plain load through a const __restrict__ pointer,
 // which nvcc turns into one) may serve only data that no grid writes during the reading kernel's
 // lifetime. A successor of a kernel that releases its dependents early starts while that kernel
-// still runs, so it reads that kernel's outputs with __ldcg (L2), even after its wait. Measured:
-// mtp_input_gemv reading the head's token with a plain load, launched beside the head, drafted
-// wrong tokens from the second draft on in tests/test_gpu_pdl.py and test_gpu_proposer.py (graph
-// with PDL against without); with __ldcg the drafts are bit-identical. The same held for the
-// early releases below (first tried with their successors reading through the read-only path: the
-// drafts differed from the first draft on), so their successors read the released kernel's output
-// through L2: the GEMV core's x (X_L2), stage_x, the selection's scores, the MLA partials, the
-// row sums' parts.
+// still runs, so it reads that kernel's outputs with __ldcg (L2), even after its wait: through
+// the read-only path the graph with PDL drafted other tokens than the graph without
+// (tests/test_gpu_pdl.py; see BENCHMARKS.md, "MTP drafter: propose", the read-only path and PDL).
+// So the successors of the early releases below read the released kernel's output through L2:
+// the GEMV core's x (X_L2), stage_x, the selection's scores, the MLA partials, the row sums' parts.
 // Unconditional release, for a kernel whose successor is built to run beside it: the successor's
 // input comes from the kernel before this one, so it works without waiting and waits only before
 // it exits or before it reads this kernel's output (router_fused -> moe_gate_up's shared slot,
@@ -83,13 +76,9 @@ __device__ __forceinline__ void release_dependents() {
 // the attention chain and the residual norms (indexer_scores, sparse_mla_partial and _combine,
 // sum_rows_residual_rmsnorm) and the batched GEMVs wv and o_proj. Their successors' blocks then
 // launch during their tails and have their first weight batch in flight when the wait returns
-// (wv's whole 8 rows x 1 KB per warp). Measured on the H200, propose k = 3 at context 4096, graph,
-// two runs each in one call, with the successors' reads through L2: FP8 head 1.172 / 1.174 ms
-// against 1.182 / 1.183, BF16 1.633 / 1.635 against 1.654 / 1.657. Releasing moe_down,
-// rmsnorm_gemv (fused_in) and mtp_input_gemv early too gave nothing more (1.164-1.172 ms against
-// 1.165 for the same releases, both with read-only-path successors), so those release at exit.
-// (Releasing at the start everywhere made the step slower: the GEMVs fill the SMs,
-// and successors launched early only take their place.)
+// (wv's whole 8 rows x 1 KB per warp). Releasing moe_down, rmsnorm_gemv (fused_in) and
+// mtp_input_gemv early too gave nothing more, so those release at exit (see BENCHMARKS.md,
+// "MTP drafter: propose", the early releases).
 __device__ __forceinline__ void wait_then_release() {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     release_dependents();

@@ -1,9 +1,9 @@
 // dst[i] = src[i] for n 32-bit words, by one warp (runtime/kernels/copy_words.py). It brings a
 // graph step's scalars in from mapped pinned host memory (GpuBackend.alloc_mapped) as the graph's
-// first kernel, in place of a host-to-device copy node: the node cost about 2 us of device time
-// per replay on the H200 (CUDA events around back-to-back replays of a graph of small kernels:
-// 41.5 us without it, 43.7 with it, 2026-11-29), while this kernel releases its dependents at its
-// start, so a Pdl.BESIDE successor works through the PCIe read.
+// first kernel, in place of a host-to-device copy node, which costs device time at every replay
+// (see BENCHMARKS.md, "MTP drafter: propose", the step's scalars through mapped memory); this
+// kernel releases its dependents at its start, so a Pdl.BESIDE successor works through the PCIe
+// read.
 #include "common.cuh"
 
 extern "C" __global__ void __launch_bounds__(32) copy_words(const uint32_t* src, uint32_t* __restrict__ dst,

@@ -26,9 +26,9 @@ namespace {
 constexpr int WARPS = GEMV_WARPS;
 constexpr int ROWS = GEMV_ROWS;
 // Chunks per lane per row in flight. The kernel's register count is the maximum over its eight m
-// paths and it sets the occupancy of the m = 1 path that matters, so larger m unrolls less
-// (ptxas -v, nvcc 13.0: UNROLL 4 at every m took 117 registers, 2 blocks of 256 per SM; this
-// schedule takes 64, 4 blocks per SM, the m = 1 path alone 46).
+// paths and it sets the occupancy of the m = 1 path that matters, so larger m unrolls less: this
+// schedule fits 4 blocks of 256 per SM where UNROLL 4 at every m fitted 2 (register counts in
+// BENCHMARKS.md, "Runtime kernels: notes behind the numbers", BF16 GEMV geometry).
 template <int M>
 __host__ __device__ constexpr int unroll_for() { return M == 1 ? GEMV_UNROLL1 : (M <= 4 ? 2 : 1); }
 

@@ -42,9 +42,9 @@ namespace {
 constexpr int WARPS = GEMV_WARPS;
 constexpr int ROWS = GEMV_ROWS;
 
-// As in gemv_bf16.cu, larger m unrolls less. The register count is set by the m = 8 path (ptxas
-// -v, nvcc 13.0: 94-96 with ROWS 2, 64 with ROWS 1); capping ROWS 2 at 64 with
-// __launch_bounds__(256, 4) spilled 1.2 KB per thread. bench/sweep_gemv.py measures the trade.
+// As in gemv_bf16.cu, larger m unrolls less. The register count is set by the m = 8 path, and
+// capping it to fit 4 blocks per SM spills (register counts in BENCHMARKS.md, "Runtime kernels:
+// notes behind the numbers", FP8 GEMV). bench/sweep_gemv.py measures the trade.
 template <int M>
 __host__ __device__ constexpr int unroll_for() { return M == 1 ? GEMV_UNROLL1 : (M <= 4 ? 2 : 1); }
 
@@ -240,15 +240,15 @@ __device__ __forceinline__ void gemv_fp8w_body(const uint8_t* __restrict__ Wq, c
 }
 }  // namespace
 
-// An explicit minimum of 1 block is not the same as none: with (256, 1) ptxas took 132 registers
-// where plain (256) took 96 (nvcc 13.0), so the second argument is only given when it binds.
+// An explicit minimum of 1 block is not the same as none (ptxas then takes more registers: same
+// notes in BENCHMARKS.md), so the second argument is only given when it binds.
 #if GEMV_MIN_BLOCKS > 1
 #define GEMV_BOUNDS __launch_bounds__(GEMV_WARPS * 32, GEMV_MIN_BLOCKS)
 #else
 #define GEMV_BOUNDS __launch_bounds__(GEMV_WARPS * 32)
 #endif
 
-// Any m in 1..8. Its register count is set by the m = 8 path (94-96, 2 blocks of 256 per SM).
+// Any m in 1..8. Its register count is set by the m = 8 path (2 blocks of 256 per SM).
 extern "C" __global__ void GEMV_BOUNDS gemv_fp8w(const uint8_t* __restrict__ Wq, const float* __restrict__ scale,
                                                  const uint16_t* __restrict__ x, uint16_t* __restrict__ y,
                                                  uint32_t m, uint32_t n, uint32_t k) {
@@ -257,9 +257,8 @@ extern "C" __global__ void GEMV_BOUNDS gemv_fp8w(const uint8_t* __restrict__ Wq,
 
 // The same for m in 1..2 only (larger m writes nothing), which the launch helper picks for the
 // draft head. Without the m > 2 paths it needs 64 registers instead of 96, so 4 blocks of 256 fit
-// per SM instead of 2: ncu on the H200 (2026-11-29) showed the general kernel at 16 warps per SM
-// issuing on 46% of cycles and reaching 4.02 TB/s from DRAM, latency-bound, where gemv_bf16 at
-// 32 warps per SM reached 4.30.
+// per SM instead of 2: the general kernel at 16 warps per SM is latency-bound (see BENCHMARKS.md,
+// "Runtime kernels: notes behind the numbers", FP8 GEMV).
 extern "C" __global__ void GEMV_BOUNDS gemv_fp8w_m2(const uint8_t* __restrict__ Wq, const float* __restrict__ scale,
                                                     const uint16_t* __restrict__ x, uint16_t* __restrict__ y,
                                                     uint32_t m, uint32_t n, uint32_t k) {

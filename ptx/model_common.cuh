@@ -110,12 +110,11 @@ __device__ __forceinline__ float dot8_bf16(uint4 w, uint4 x, float acc) {
 }
 
 // The x chunks a lane multiplies with its U weight chunks c, c + 32, ..., all issued before the
-// first use. A load inside the `c < kc` guard compiled to a branch around each load and its use:
-// one L1/L2 round trip per chunk in sequence. Loaded together, Nsight Compute per draft on the
-// H200: router_fused 12.0 -> 9.8 us, o_proj 38.8 -> 34.9, moe_gate_up 79.4 -> 74.5, moe_down 42.0
-// -> 39.0, the BF16 head 330 -> 314. (warp_gemv_fp8 keeps its loads in the guard: there the 8
-// more live registers made the FP8 head 163 -> 177 us.) Indices past the row are clamped to its
-// last chunk, so every load stays in bounds; the caller's guard skips those chunks.
+// first use: a load inside the `c < kc` guard compiles to a branch around each load and its use,
+// one L1/L2 round trip per chunk in sequence. warp_gemv_fp8 keeps its loads in the guard: the
+// registers the hoisted loads keep live spill the FP8 head (BENCHMARKS.md, "Drafter kernel notes",
+// for both). Indices past the row are clamped to its last chunk, so every load stays in bounds; the
+// caller's guard skips those chunks.
 // An activation chunk: through L2 when its writer may still run (X_L2, ptx/common.cuh), else
 // through the read-only path, where it stays in L1 for the block's other warps.
 template <bool X_L2>
@@ -240,10 +239,10 @@ __device__ __forceinline__ bool last_block_done(uint32_t* counter) {
 // a normalisation of a few KB from L2, instead of a separate single-block launch). One row per
 // warp with U = 8 sixteen-byte loads per lane in flight, grid-stride over the rows: the launch
 // helper caps the grid at the blocks that fit on the chip at once, so that a block computes its
-// prologue once for several rows per warp instead of once per 16 rows. The first row's first U loads are issued before the
-// prologue (and, launched with PDL, before the wait for the previous kernel), so their latency
-// overlaps the start of the weight stream. On the H200 the per-16-rows
-// version spent 18.3 us on the 19 MB fused_in projection (146 blocks, 8 KB in flight per warp).
+// prologue once for several rows per warp instead of once per 16 rows (BENCHMARKS.md, "Drafter
+// kernel notes"). The first row's first U loads are issued before the prologue (and, launched with
+// PDL, before the wait for the previous kernel), so their latency overlaps the start of the weight
+// stream.
 // BESIDE (Pdl.BESIDE): the input is older than the kernel launched before this one, so the
 // prologue reads it at once and the wait comes last, before the exit.
 template <bool BESIDE = false, typename Prologue>
@@ -309,10 +308,10 @@ __device__ __forceinline__ void block_sum2(float& a, float& b, float* scratch) {
 // their place in `dst` as they arrive (thread-strided, two loads in flight per thread) and sums
 // their squares (fmaf per element, in element order within a chunk, chunks in the thread's order);
 // after the block reduction, scale_staged_row rewrites each thread's own chunks as
-// bf16((x / d) * w) (the thread reads back only what it wrote, so no barrier in between). The
-// previous version held the whole row and its norm weights in registers (RowChunks, four chunks
-// each per thread): the same bits, but 64 registers live through the prologue, which capped
-// mtp_input_gemv at 120 registers and 2 blocks per SM. Needs n % 8 == 0 and 16-byte alignment.
+// bf16((x / d) * w) (the thread reads back only what it wrote, so no barrier in between). Staged in
+// shared memory, not held in registers through the prologue, which would cap the residency of the
+// kernels that call it (BENCHMARKS.md, "Drafter kernel notes"). Needs n % 8 == 0 and 16-byte
+// alignment.
 __device__ __forceinline__ float sumsq8(uint4 v, float ss) {
     const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll

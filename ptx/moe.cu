@@ -141,10 +141,10 @@ __device__ __forceinline__ void gate_up_one(const uint16_t* __restrict__ we, con
 }
 
 // parts[j][row0 .. row0 + 3] = *wgt * (w_e[row] . act_j) (one warp, 4 rows x 4 loads of 16 bytes
-// per lane in flight); zeros when we == null. 2 rows x 8 loads (twice the blocks, a smaller tail
-// wave) measured slower on the H200: 54.5 us per draft for 9 slots against 43.1 us. The routing
-// weight is read after the GEMV: with WAIT (pdl kernels) the weights stream before the grid
-// dependency wait, and *wgt is the router's output.
+// per lane in flight); zeros when we == null. Four rows, not two rows of twice the loads: the shape
+// that measured faster (BENCHMARKS.md, "Drafter kernel notes"). The routing weight is read after
+// the GEMV: with WAIT (pdl kernels) the weights stream before the grid dependency wait, and *wgt is
+// the router's output.
 constexpr int DOWN_ROWS = 4;
 template <bool WAIT>
 __device__ __forceinline__ void down_rows(const uint16_t* __restrict__ we, const uint16_t* __restrict__ act_j,

@@ -13,8 +13,8 @@ extern "C" __global__ void __launch_bounds__(1024) quantize_fp8(const uint16_t* 
     if (row >= n) return;
     const uint16_t* xr = x + (size_t)row * k;
     uint8_t* qr = q + (size_t)row * k;
-    // 16-byte loads and 8-byte stores when every row is aligned: the element-wise version took
-    // 1.45 ms for the 154880 x 4096 head (0.31 of copy bandwidth, H200, 2026-11-29).
+    // 16-byte loads and 8-byte stores when every row is aligned: element-wise it took 2.5 times as
+    // long (see BENCHMARKS.md, "Runtime kernels: notes behind the numbers", quantize_fp8).
     const bool vec = (k % 8u == 0) && aligned16(x) && ((uintptr_t)q % 8u == 0);
 
     float amax = 0.0f;

@@ -5,8 +5,8 @@
 //
 // read_xor loads as the weight streams do (ld_stream16, ptx/common.cuh), so the figure follows any
 // change of their cache policy; read_xor_l2_256b adds the `.L2::256B` prefetch-size hint the weight
-// loads had until it measured slower: 4.10 against 4.51 TB/s for a 635 MB read at 4 blocks of 256
-// threads per SM on the H200 (2026-11-29).
+// loads had until it measured slower (see BENCHMARKS.md, "Runtime kernels: notes behind the
+// numbers", the weight-load cache policy).
 #include "common.cuh"
 
 namespace {

@@ -144,8 +144,9 @@ __device__ __forceinline__ void mla_partial_tile(
     float* l_s = m_s + MLA_HT;                                          // [HT]
 
     const uint32_t nr = min((uint32_t)MLA_RT, n - j0);
-    // q tile as float4, every load in flight before the first use (the loop otherwise waits one L2
-    // round trip per element: 23 us for this kernel, measured on the H200, against ~4 now).
+    // q tile as float4, every load in flight before the first use: a loop that waits one L2 round
+    // trip per element made this kernel several times slower (BENCHMARKS.md, "Drafter kernel
+    // notes").
     constexpr int QL = 8;
     const uint32_t d4 = dim / 4u, nq4 = MLA_HT * d4;
     const float4* q4 = reinterpret_cast<const float4*>(q) + (size_t)h0 * d4;
@@ -335,9 +336,8 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_partial(
 // (33 splits: two rounds instead of five), and the eight warp sums are added in warp order through
 // shared memory. Every warp computes M and L itself over the same splits in the same order, from
 // the head's (m, l) pairs staged once in shared memory. dim % 4 == 0 (sparse_mla_split takes
-// dim % 16 == 0).
-// One block of 128 threads per head, eight splits in flight per thread, measured 10.3 us per
-// draft in Nsight Compute on the H200 (64 heads x 512, 33 splits), latency-bound.
+// dim % 16 == 0). The merge is latency-bound: eight warps per head, not one block of 128 threads
+// with eight splits in flight per thread (BENCHMARKS.md, "Drafter kernel notes").
 #define MLA_MAX_SPLITS 1024
 extern "C" __global__ void __launch_bounds__(256) sparse_mla_combine(
     const float* __restrict__ part, const float* __restrict__ ml, const uint32_t* __restrict__ count,
@@ -345,8 +345,8 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_combine(
     constexpr int WARPS_C = 8, SL = 4;
     __shared__ float4 acc_s[WARPS_C][32];
     // This head's (m, l) of every split, read once per block through L2 (the partials kernel
-    // releases its dependents early, ptx/common.cuh): read per warp and per round through L2 they
-    // made the merge 4.8 -> 8.9 us per draft (Nsight Compute, H200).
+    // releases its dependents early, ptx/common.cuh), not per warp and per round, which made the
+    // merge about twice as slow (BENCHMARKS.md, "Drafter kernel notes").
     __shared__ float2 ml_s[MLA_MAX_SPLITS];
     wait_then_release();
     const uint32_t h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;

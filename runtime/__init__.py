@@ -1,7 +1,7 @@
 """GPU runtime: backends, device pointers, kernel declarations and launches, graphs, paged KV
 cache and communicators. Knows nothing of models."""
 
-from .allocations import AllocStats, Graph
+from .allocations import AllocStats
 from .backend import GpuBackend, KernelHandle, NULL_KERNEL
 from .device_ptr import DevicePtr, NULL
 from .errors import (
@@ -13,11 +13,12 @@ from .errors import (
     MemoryFault,
     OutOfMemoryError,
 )
+from .graph import Graph
 from .host_backend import HostBackend
-from .launch import Launch, launch
+from .launch import launch
 
 __all__ = [
     "AllocStats", "Graph", "GpuBackend", "KernelHandle", "NULL_KERNEL", "DevicePtr", "NULL",
     "CommError", "CudaError", "GraphLifetimeError", "KernelNotFound", "LaunchError", "MemoryFault",
-    "OutOfMemoryError", "HostBackend", "Launch", "launch",
+    "OutOfMemoryError", "HostBackend", "launch",
 ]

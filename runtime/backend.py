@@ -12,8 +12,9 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
-from .allocations import AllocStats, Graph, MappedBuffer
+from .allocations import AllocStats, MappedBuffer
 from .device_ptr import DevicePtr
+from .graph import Graph
 from .kernel import KernelDecl
 
 

@@ -15,12 +15,14 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .allocations import AllocationTable, AllocStats, Graph, MappedBuffer
+from .allocations import AllocationTable, AllocStats, MappedBuffer
 from .backend import Dim3, KernelHandle, NULL_KERNEL
 from .device_ptr import DevicePtr
-from .errors import GraphLifetimeError, KernelNotFound, LaunchError, MemoryFault, OutOfMemoryError
-from .kernel import lookup
+from .errors import KernelNotFound, LaunchError, MemoryFault, OutOfMemoryError
+from .graph import Graph
+from .kernel import KernelDecl, lookup
 from .launch import check_args
+from .ledger import Ledger
 
 POISON = 0xFF
 _BASE = 0x7F00_0000_0000
@@ -70,16 +72,14 @@ class HostBackend:
 
     def __init__(self, capacity_bytes: int = 32 << 30) -> None:
         self.capacity = capacity_bytes
-        self._table = AllocationTable()
+        self._ledger = Ledger()
         self._arrays: dict[int, np.ndarray] = {}
         self._mapped: set[int] = set()  # bases of alloc_mapped buffers
-        self.mem = HostMemory(self._table, self._arrays)
+        self.mem = HostMemory(self._ledger.allocations, self._arrays)
         self._next = _BASE
-        self._capture: list[Callable[[], None]] | None = None
-        self._capture_touches: set[int] = set()
+        self._ops: list[Callable[[], None]] | None = None  # what the open capture recorded
         self._streams = {0}
         self._next_stream = 1
-        self.launches = 0  # kernels run, captured replays included
 
     # ---- memory ---------------------------------------------------------------------------------
 
@@ -96,7 +96,7 @@ class HostBackend:
         base = self._next
         self._next += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN + _GUARD
         self._arrays[base] = np.full(nbytes, POISON, dtype=np.uint8)
-        self._table.add(base, nbytes)
+        self._ledger.add(base, nbytes)
         return DevicePtr(base)
 
     def free(self, ptr: DevicePtr) -> None:
@@ -105,37 +105,37 @@ class HostBackend:
         self._free(ptr)
 
     def _free(self, ptr: DevicePtr) -> None:
-        self._table.remove(ptr)
+        self._ledger.remove(ptr)
         arr = self._arrays.pop(ptr.addr)
         arr[:] = POISON  # any view a twin kept now reads poison
 
     def memset(self, ptr: DevicePtr, byte: int, nbytes: int, stream: int | None = None) -> None:
-        self._touch(ptr, nbytes)
+        self._ledger.touch(ptr, nbytes)
         self._run(lambda: self.mem._bytes(ptr, nbytes).fill(byte & 0xFF))
 
     def copy_h2d(self, dst: DevicePtr, src: np.ndarray | bytes, stream: int | None = None) -> None:
         data = np.frombuffer(bytes(src), np.uint8) if isinstance(src, (bytes, bytearray)) else np.ascontiguousarray(src)
-        self._touch(dst, data.nbytes)
-        if self._capture is not None:
+        self._ledger.touch(dst, data.nbytes)
+        if self._ops is not None:
             if stream is None:
-                raise GraphLifetimeError("a synchronous copy is not allowed during graph capture")
+                self._ledger.refuse_in_capture("a synchronous copy")
             # The CUDA graph reads the host buffer at replay time, so the host twin does too.
-            self._capture.append(lambda: self.mem.write(dst, data))
+            self._ops.append(lambda: self.mem.write(dst, data))
             return
         self.mem.write(dst, data.copy())
 
     def copy_d2h(self, dst: np.ndarray, src: DevicePtr, stream: int | None = None) -> None:
         if not dst.flags.c_contiguous:
             raise ValueError("copy_d2h destination must be C-contiguous")
-        self._touch(src, dst.nbytes)
-        if self._capture is not None and stream is None:
-            raise GraphLifetimeError("a synchronous copy is not allowed during graph capture")
+        self._ledger.touch(src, dst.nbytes)
+        if stream is None:
+            self._ledger.refuse_in_capture("a synchronous copy")
         flat = dst.reshape(-1).view(np.uint8)
         self._run(lambda: flat.__setitem__(slice(None), self.mem._bytes(src, dst.nbytes)))
 
     def copy_d2d(self, dst: DevicePtr, src: DevicePtr, nbytes: int, stream: int | None = None) -> None:
-        self._touch(dst, nbytes)
-        self._touch(src, nbytes)
+        self._ledger.touch(dst, nbytes)
+        self._ledger.touch(src, nbytes)
         self._run(lambda: self.mem._bytes(dst, nbytes).__setitem__(slice(None), self.mem._bytes(src, nbytes)))
 
     def alloc_host(self, nbytes: int) -> np.ndarray:
@@ -159,34 +159,29 @@ class HostBackend:
         self._mapped.discard(buf.device.addr)
 
     def mem_info(self) -> tuple[int, int]:
-        return self.capacity - self._table.live_bytes, self.capacity
+        return self.capacity - self._ledger.allocations.live_bytes, self.capacity
 
     def stats(self) -> AllocStats:
-        return self._table.stats()
+        return self._ledger.stats()
 
     def bytes_from(self, ptr: DevicePtr) -> int:
-        return self._table.bytes_from(ptr.addr)
-
-    def _touch(self, ptr: DevicePtr, nbytes: int) -> None:
-        base, _ = self._table.find(ptr.addr, max(int(nbytes), 1))
-        if self._capture is not None:
-            self._capture_touches.add(base)
+        return self._ledger.bytes_from(ptr)
 
     def touch(self, ptr: DevicePtr, nbytes: int) -> None:
         """See ``CudaBackend.touch``: checked now, recorded in an open capture."""
-        self._touch(ptr, nbytes)
+        self._ledger.touch(ptr, nbytes)
 
     def enqueue(self, op: Callable[[], None], touches: Sequence[tuple[DevicePtr, int]] = ()) -> None:
         """Run ``op`` in stream order: now, or at replay when a capture is open. ``touches`` are the
         (pointer, bytes) it reads or writes, checked now and recorded for graph lifetime. This is
         how a host-side collective (the host communicator) joins a captured graph."""
         for ptr, nbytes in touches:
-            self._touch(ptr, nbytes)
+            self._ledger.touch(ptr, nbytes)
         self._run(op)
 
     def _run(self, op: Callable[[], None]) -> None:
-        if self._capture is not None:
-            self._capture.append(op)
+        if self._ops is not None:
+            self._ops.append(op)
         else:
             op()
 
@@ -206,8 +201,7 @@ class HostBackend:
         self._streams.discard(stream)
 
     def synchronize(self, stream: int | None = None) -> None:
-        if self._capture is not None:
-            raise GraphLifetimeError("synchronize during graph capture")
+        self._ledger.refuse_in_capture("synchronize")
 
     def event_create(self) -> list[float]:
         return [0.0]
@@ -256,46 +250,70 @@ class HostBackend:
         args = check_args(kernel, args)
         if kernel.native is None:
             raise LaunchError(f"{kernel.name} has no host twin")
-        for (_, _), v in zip(kernel.decl.args, args):  # type: ignore[union-attr]
+        decl: KernelDecl = kernel.decl  # type: ignore[assignment]  # check_args refused the null kernel
+        # Invariant: a kernel stores only into its declared outputs (KernelDecl.writes). The twin
+        # runs with the other pointer arguments' allocations read-only, so a store into one raises.
+        written: set[int] = set()
+        read_only: dict[int, str] = {}  # base -> argument name
+        for (name, _), v in zip(decl.args, args):
             if isinstance(v, DevicePtr):
-                self._touch(v, 1)
+                base = self._ledger.touch(v, 1)
+                if name in decl.writes:
+                    written.add(base)
+                else:
+                    read_only.setdefault(base, name)
+        locked = [self._arrays[b] for b in read_only.keys() - written]
         fn = kernel.native
 
         def run() -> None:
-            self.launches += 1
-            fn(self.mem, *args)
+            for arr in locked:
+                arr.flags.writeable = False
+            try:
+                fn(self.mem, *args)
+            except ValueError as e:
+                if "read-only" not in str(e):  # numpy's words for a store into a read-only array
+                    raise
+                inputs = ", ".join(n for b, n in read_only.items() if b not in written)
+                raise LaunchError(
+                    f"{kernel.name} stored into an argument it does not declare in writes "
+                    f"(writes: {', '.join(decl.writes) or 'none'}; read-only: {inputs})"
+                ) from e
+            finally:
+                for arr in locked:
+                    arr.flags.writeable = True
 
         self._run(run)
 
     # ---- graphs ---------------------------------------------------------------------------------
 
     def begin_capture(self, stream: int | None = None) -> None:
-        if self._capture is not None:
-            raise GraphLifetimeError("begin_capture while a capture is already open")
-        self._capture = []
-        self._capture_touches = set()
+        self._ledger.begin_capture(self._key(stream))
+        self._ops = []
 
     def end_capture(self, stream: int | None = None, label: str = "") -> Graph:
-        if self._capture is None:
-            raise GraphLifetimeError("end_capture without begin_capture")
-        ops, touches = self._capture, self._capture_touches
-        self._capture, self._capture_touches = None, set()
-        return self._table.new_graph(ops, touches, label)
+        capture = self._ledger.end_capture(self._key(stream))
+        ops, self._ops = self._ops, None
+        return self._ledger.new_graph(ops, capture, label)
 
     def abort_capture(self) -> None:
-        self._capture, self._capture_touches = None, set()
+        self._ledger.abort_capture()
+        self._ops = None
 
     def graph_launch(self, graph: Graph, stream: int | None = None) -> None:
-        self._table.check_graph_live(graph)
-        for op in graph.handle:  # type: ignore[union-attr]
-            op()
+        self._ledger.replay(graph)
+        ops: list[Callable[[], None]] = graph.handle  # type: ignore[assignment]
+
+        def replay() -> None:
+            for op in ops:
+                op()
+
+        self._run(replay)  # inside a capture the graph becomes part of the new one, as on the device
 
     def graph_destroy(self, graph: Graph) -> None:
-        self._table.drop_graph(graph)
+        self._ledger.drop_graph(graph)
 
     def live_graphs(self) -> list[Graph]:
-        return self._table.live_graphs()
+        return self._ledger.live_graphs()
 
-    @property
-    def capturing(self) -> bool:
-        return self._capture is not None
+    def _key(self, stream: int | None) -> int:
+        return 0 if stream is None else stream

@@ -8,25 +8,23 @@ tests compare the PTX against. The CUDA source is ``ptx/<module>.cu``; the funct
 
 from __future__ import annotations
 
+import importlib
+import importlib.resources
+import pkgutil
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import Callable
-
-import numpy as np
 
 
 class Arg(Enum):
-    """Kernel argument types, with the NumPy scalar that carries each through cuLaunchKernel."""
+    """Kernel argument types (``runtime.launch.ArgPacker`` lays each out for cuLaunchKernel)."""
 
-    PTR = ("ptr", np.uint64)
-    U32 = ("u32", np.uint32)
-    I32 = ("i32", np.int32)
-    U64 = ("u64", np.uint64)
-    F32 = ("f32", np.float32)
-
-    @property
-    def np_type(self) -> type:
-        return self.value[1]
+    PTR = "ptr"
+    U32 = "u32"
+    I32 = "i32"
+    U64 = "u64"
+    F32 = "f32"
 
 
 PTR, U32, I32, U64, F32 = Arg.PTR, Arg.U32, Arg.I32, Arg.U64, Arg.F32
@@ -63,7 +61,8 @@ class KernelDecl:
     module: str
     function: str
     args: tuple[tuple[str, Arg], ...]
-    # Pointer arguments the kernel writes (for graph bookkeeping and poisoning in tests).
+    # Pointer arguments the kernel writes: the host backend runs the twin with every other pointer
+    # argument's allocation read-only, so a twin that stores into an input is refused.
     writes: tuple[str, ...] = ()
     host: Callable[..., None] | None = field(default=None, compare=False, repr=False)
     # Programmatic dependent launch (Pdl), and whether the kernel releases its dependents as soon as
@@ -129,3 +128,22 @@ def lookup(module: str, function: str) -> KernelDecl | None:
 
 def registered() -> list[KernelDecl]:
     return sorted(_REGISTRY.values(), key=lambda d: d.key)
+
+
+def register_all_kernels() -> None:
+    """Import every module of ``runtime.kernels`` so that its ``declare`` has run. Kernels of other
+    packages (the model's) are declared when their package is imported: the runtime does not know
+    them by name."""
+    pkg = importlib.import_module("runtime.kernels")
+    for info in pkgutil.iter_modules(pkg.__path__):
+        importlib.import_module(f"runtime.kernels.{info.name}")
+
+
+def shipped_ptx_dir() -> Path:
+    """The directory of the PTX this installation ships: ``ptx/`` beside the ``runtime`` package,
+    which is the checkout's top-level ptx/ (run from a checkout or an editable install) and the
+    ``ptx`` package's data in an installed wheel; else wherever ``import ptx`` finds it."""
+    beside = Path(__file__).resolve().parent.parent / "ptx"
+    if beside.is_dir():
+        return beside
+    return Path(str(importlib.resources.files("ptx")))

@@ -8,7 +8,7 @@ the table is what kernels read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 import numpy as np
@@ -33,23 +33,11 @@ class KvCacheConfig:
     head_dim: int
     num_layers: int
     dtype: KvDtype = KvDtype.BF16
-    # Per-layer overrides: layer index -> dtype / head_dim.
-    layer_dtypes: dict[int, KvDtype] = field(default_factory=dict)
-    layer_dims: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_heads", "head_dim", "num_layers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KvCacheConfig.{name} must be positive, got {getattr(self, name)}")
-        for layer in list(self.layer_dtypes) + list(self.layer_dims):
-            if not 0 <= layer < self.num_layers:
-                raise ValueError(f"KvCacheConfig override for layer {layer} outside {self.num_layers} layers")
-
-    def dtype_of(self, layer: int) -> KvDtype:
-        return self.layer_dtypes.get(layer, self.dtype)
-
-    def row_elems(self, layer: int) -> int:
-        return self.num_kv_heads * self.layer_dims.get(layer, self.head_dim)
 
     def blocks_for(self, rows: int) -> int:
         return -(-rows // self.block_size)
@@ -57,15 +45,10 @@ class KvCacheConfig:
 
 @dataclass
 class BlockTable:
-    """A sequence's claimed blocks: the host list and its device copy (``capacity`` entries)."""
+    """A sequence's claimed blocks: the host list and its device copy."""
 
     blocks: list[int]
     device: DevicePtr
-    capacity: int
-
-    @property
-    def rows_capacity(self) -> int:
-        return len(self.blocks)
 
 
 class PagedKvCache:
@@ -80,20 +63,16 @@ class PagedKvCache:
         self.data: list[DevicePtr] = []
         self.scales: list[DevicePtr | None] = []
         slots = num_blocks * config.block_size
+        row_bytes = config.num_kv_heads * config.head_dim * config.dtype.itemsize
         try:
-            for layer in range(config.num_layers):
-                dt = config.dtype_of(layer)
-                self.data.append(gpu.alloc(slots * config.row_elems(layer) * dt.itemsize))
-                self.scales.append(gpu.alloc(slots * 4) if dt is KvDtype.FP8_E4M3 else None)
+            for _ in range(config.num_layers):
+                self.data.append(gpu.alloc(slots * row_bytes))
+                self.scales.append(gpu.alloc(slots * 4) if config.dtype is KvDtype.FP8_E4M3 else None)
         except Exception:
             self.free()
             raise
         self._free_blocks = list(range(num_blocks - 1, -1, -1))
         self._tables: list[BlockTable] = []
-
-    @property
-    def free_blocks(self) -> int:
-        return len(self._free_blocks)
 
     def claim(self, rows: int) -> BlockTable:
         """Claim every block ``rows`` rows need, up front, and upload the table. Nothing is claimed
@@ -107,7 +86,7 @@ class PagedKvCache:
         dev = self.gpu.alloc(max(n, 1) * 4)
         blocks = [self._free_blocks.pop() for _ in range(n)]
         self.gpu.copy_h2d(dev, np.asarray(blocks, np.uint32))
-        table = BlockTable(blocks, dev, n)
+        table = BlockTable(blocks, dev)
         self._tables.append(table)
         return table
 

@@ -24,11 +24,11 @@ def small_cfg(**kw) -> ModelConfig:
     return tiny(**kw)
 
 
-def make_proposer(cfg: ModelConfig, weights, *, gpu=None, served=None, tables=None, **opts):
+def make_proposer(cfg: ModelConfig, weights, *, gpu=None, served=None, tables=None,
+                  cls: type[MtpProposer] = MtpProposer, **opts):
     gpu = gpu or HostBackend()
     served = served or cfg.dsa.max_context
-    return MtpProposer(gpu, cfg, weights, ProposerOptions(served_max_seq_len=served, **opts),
-                       tables=tables)
+    return cls(gpu, cfg, weights, ProposerOptions(served_max_seq_len=served, **opts), tables=tables)
 
 
 def upload_rows(gpu, rows: np.ndarray):

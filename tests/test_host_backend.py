@@ -138,3 +138,94 @@ def test_copy_words_brings_host_words_in_at_every_replay(host):
     from kernel_util import check_copy_words_from_mapped_memory
 
     check_copy_words_from_mapped_memory(host)
+
+
+def test_freed_allocations_are_remembered_within_a_bound_and_use_after_free_stays_refused(host):
+    """1,000 lifecycles of allocations (a proposer's frees 41 per lifecycle) used to leave every
+    freed allocation in the table forever. The table keeps a bounded number of freed ranges; a use
+    after free or a double free is refused whether or not its range is still remembered (host
+    addresses are never reused)."""
+    from runtime.allocations import AllocationTable
+
+    first = None
+    for _ in range(1000):
+        ptrs = [host.alloc(64 + 8 * i) for i in range(5)]
+        first = first or ptrs[0]
+        for p in ptrs:
+            host.free(p)
+    table = host._ledger.allocations
+    assert host.stats().live_allocations == 0
+    assert table.entries() <= AllocationTable.FREED_KEPT < 5000
+    with pytest.raises(MemoryFault, match="use after free"):
+        host.copy_d2h(np.zeros(4, np.uint8), p)  # the last freed: still named as such
+    with pytest.raises(MemoryFault, match=f"double free of 0x{p.addr:x}"):
+        host.free(p)
+    with pytest.raises(MemoryFault, match="not inside any live allocation"):
+        host.copy_d2h(np.zeros(4, np.uint8), first)  # the first freed: forgotten, still refused
+    with pytest.raises(MemoryFault, match="unknown pointer"):
+        host.free(first)
+    assert table.entries() <= AllocationTable.FREED_KEPT
+
+
+def test_a_kernel_that_stores_outside_its_declared_writes_is_refused(host):
+    """KernelDecl.writes is checked: the twin runs with its inputs' allocations read-only, so a
+    store into an input is a LaunchError naming the kernel, and the input is left unchanged."""
+    from runtime.kernel import PTR, U32, declare
+
+    def store_into(arg: str):
+        def twin(mem, x, y, n):
+            mem.write(x if arg == "x" else y, np.arange(n, dtype=np.uint8))
+        return twin
+
+    good = declare("test_writes", "stores_y", [("x", PTR), ("y", PTR), ("n", U32)], writes=("y",))(store_into("y"))
+    bad = declare("test_writes", "stores_x", [("x", PTR), ("y", PTR), ("n", U32)], writes=("y",))(store_into("x"))
+    via_view = declare("test_writes", "view_x", [("x", PTR), ("y", PTR), ("n", U32)], writes=("y",))(
+        lambda mem, x, y, n: mem.view(x, np.uint8, n).fill(7))
+    x, y = host.alloc(16), host.alloc(16)
+    host.launch(host.kernel(*good.key), (1, 1, 1), (32, 1, 1), (x, y, 16))
+    np.testing.assert_array_equal(host.mem.read(y, np.uint8, 16), np.arange(16))
+    for decl in (bad, via_view):
+        with pytest.raises(LaunchError, match=rf"{decl.function} stored into an argument .* read-only: x"):
+            host.launch(host.kernel(*decl.key), (1, 1, 1), (32, 1, 1), (x, y, 16))
+        assert (host.mem.read(x, np.uint8, 16) == 0xFF).all()  # still the poison it was allocated with
+    # The same allocation as an input and as an output stays writable (in-place kernels).
+    host.launch(host.kernel(*bad.key), (1, 1, 1), (32, 1, 1), (y.offset(8), y, 8))
+    host.copy_h2d(x, np.zeros(16, np.uint8))  # writable again after the refusal
+    host.free(x)
+    host.free(y)
+
+
+def test_a_graph_launched_inside_a_capture_joins_the_new_graph(host):
+    """As on the device, a graph replayed into a capture becomes part of the captured graph: it runs
+    at the new graph's replay, not during the capture, and its memory joins the new graph's."""
+    from runtime.kernels.copy_words import copy_words
+
+    src, dst = host.alloc(8), host.alloc(8)
+    host.copy_h2d(src, np.array([1, 2], np.uint32))
+    host.begin_capture()
+    copy_words(host, src, dst, 2)
+    inner = host.end_capture(label="inner")
+    host.begin_capture()
+    host.graph_launch(inner)
+    outer = host.end_capture(label="outer")
+    assert (host.mem.read(dst, np.uint32, 2) == 0xFFFFFFFF).all()  # captured, not run
+    host.graph_destroy(inner)
+    with pytest.raises(GraphLifetimeError, match="outer"):
+        host.free(dst)
+    host.graph_launch(outer)
+    np.testing.assert_array_equal(host.mem.read(dst, np.uint32, 2), [1, 2])
+    host.graph_destroy(outer)
+    host.free(src)
+    host.free(dst)
+
+
+def test_free_during_capture_is_refused_as_on_the_device(host):
+    p = host.alloc(16)
+    host.begin_capture()
+    with pytest.raises(GraphLifetimeError, match="during graph capture"):
+        host.free(p)
+    with pytest.raises(GraphLifetimeError, match="began on 0"):
+        host.end_capture(stream=5)
+    host.abort_capture()
+    assert host.stats().live_allocations == 1
+    host.free(p)

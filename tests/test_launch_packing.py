@@ -16,11 +16,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from runtime import DevicePtr, KernelHandle, LaunchError, NULL_KERNEL
-from runtime.cuda_backend import ArgPacker, register_all_kernels
-from runtime.kernel import Arg, registered
+from runtime.kernel import Arg, register_all_kernels, registered
 from runtime.kernels.gemv_fp8w import GEMV_FP8W
 from runtime.kernels.rmsnorm import RMSNORM
-from runtime.launch import Launch, check_args, grid_stride_blocks
+from runtime.launch import ArgPacker, check_args, grid_stride_blocks, launch
 
 PTX_DIR = Path(__file__).resolve().parent.parent / "ptx"
 
@@ -44,9 +43,9 @@ def test_check_args_rejects_bad_input():
     with pytest.raises(LaunchError, match="null kernel"):
         check_args(NULL_KERNEL, good)
     with pytest.raises(LaunchError, match="more than 1024 threads"):
-        Launch(None, k).block((64, 32, 1))  # type: ignore[arg-type]
+        launch(None, k, 1, (64, 32, 1), *good)  # type: ignore[arg-type]
     with pytest.raises(LaunchError, match="grid"):
-        Launch(None, k).grid((0, 1, 1))  # type: ignore[arg-type]
+        launch(None, k, (0, 1, 1), 32, *good)  # type: ignore[arg-type]
 
 
 def test_packer_writes_the_bytes_the_driver_reads():
@@ -129,3 +128,38 @@ def test_mtp_input_grid_keeps_the_rows_per_warp_it_has_room_for(n, h):
     grid = mtp_input_grid(gpu, n, h)
     assert -(-n // (grid * 8)) <= MTP_INPUT_ROWS_PER_WARP
     assert grid <= max(gpu.NOTIONAL_RESIDENT_BLOCKS, -(-n // (8 * MTP_INPUT_ROWS_PER_WARP)))
+
+
+def test_pdl_state_lets_a_beside_kernel_overlap_only_a_releasing_predecessor():
+    """What CudaBackend asks before every launch: a WAIT kernel overlaps whenever PDL is on; a
+    BESIDE kernel only right after a kernel that releases its dependents on the same stream. Any
+    other stream work, a non-releasing launch, or work on a stream the backend does not know (a
+    collective) ends that; a device without PDL never overlaps, whatever ``on`` is set to."""
+    from runtime.kernel import PTR, Pdl, declare
+    from runtime.launch import PdlState
+
+    wait = declare("test_pdl_state", "wait", [("x", PTR)], pdl=Pdl.WAIT)(lambda mem, x: None)
+    releasing = declare("test_pdl_state", "releasing", [("x", PTR)], pdl=Pdl.WAIT, releases=True)(lambda mem, x: None)
+    beside = declare("test_pdl_state", "beside", [("x", PTR)], pdl=Pdl.BESIDE)(lambda mem, x: None)
+    plain = declare("test_pdl_state", "plain", [("x", PTR)])(lambda mem, x: None)
+    pdl = PdlState(supported=True, on=True)
+    assert pdl.overlaps(wait, 1) and not pdl.overlaps(plain, 1) and not pdl.overlaps(beside, 1)
+    pdl.launched(releasing, 1)
+    assert pdl.overlaps(beside, 1) and not pdl.overlaps(beside, 2)
+    pdl.other_work(2)
+    assert pdl.overlaps(beside, 1)
+    pdl.other_work(1)
+    assert not pdl.overlaps(beside, 1)
+    pdl.launched(releasing, 1)
+    pdl.launched(wait, 1)
+    assert not pdl.overlaps(beside, 1)
+    pdl.launched(releasing, 1)
+    pdl.launched(releasing, 2)
+    pdl.work_on_unknown_stream()
+    assert not pdl.overlaps(beside, 1) and not pdl.overlaps(beside, 2)
+    pdl.launched(releasing, 1)
+    pdl.on = False
+    assert not pdl.overlaps(wait, 1) and not pdl.overlaps(beside, 1)
+    off = PdlState(supported=False, on=True)
+    off.on = True
+    assert not off.on and not off.overlaps(wait, 1)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from model.config import tiny
-from model.weights import WeightError
+from model.proposer import MtpProposer
+from model.weights import SharedTables, WeightError
 from runtime.backend import NULL_KERNEL
 from runtime.host_backend import HostBackend
 from tests.proposer_fixtures import (assert_same_caches, bf16_weights, cache_snapshot,
@@ -33,34 +34,44 @@ def _history(prop, gpu, rows=13, k=3):
     return st, drafts
 
 
+class FullBlockContextRows(MtpProposer):
+    """Diagnostic: context rows through the full block (attention and MoE included), to tell a
+    wrong cache-only shortcut from wrong attention over real context."""
+
+    def _context_rows(self, st, n):
+        H = self.cfg.hidden_size
+        for r in range(n):
+            self.layer.full_row(st.x.offset(r * H * 2), st.scratch, st.dsa, self.kv, st.row, r,
+                                self.rows_cap, self.stream)
+
+
 def test_diagnostic_full_context_rows_build_the_same_caches():
     """Cache rows are pure functions of a row's input, so the shortcut that skips attention and
     MoE for context rows must write exactly what the full block writes."""
     gpu = HostBackend()
     a = make_proposer(CFG, W, gpu=gpu)
-    b = make_proposer(CFG, W, gpu=gpu, full_context_rows=True)
+    b = make_proposer(CFG, W, gpu=gpu, cls=FullBlockContextRows)
     sa, da = _history(a, gpu)
     sb, db = _history(b, gpu)
     assert da == db
     assert_same_caches(cache_snapshot(a, sa), cache_snapshot(b, sb))
 
 
-def test_timing_arms_change_what_they_skip():
-    gpu = HostBackend()
-    _, full = _history(make_proposer(CFG, W, gpu=gpu), gpu)
-    _, no_head = _history(make_proposer(CFG, W, gpu=gpu, skip_head=True), gpu)
-    _, no_block = _history(make_proposer(CFG, W, gpu=gpu, skip_block=True), gpu)
-    assert no_head == [0, 0, 0]
-    assert no_block != full
+class Without(HostBackend):
+    """A backend whose PTX lacks the given kernels (a variant build)."""
 
+    def __init__(self, *missing):
+        super().__init__()
+        self.missing = set(missing)
 
-class NoFp8Gemv(HostBackend):
     def try_kernel(self, module, function):
-        return NULL_KERNEL if module == "gemv_fp8w" else super().try_kernel(module, function)
+        if (module, function) in self.missing:
+            return NULL_KERNEL
+        return super().try_kernel(module, function)
 
 
 def test_fp8_head_falls_back_to_bf16_with_a_warning(caplog):
-    gpu = NoFp8Gemv()
+    gpu = Without(("draft_head", "head_argmax_fp8"))
     with caplog.at_level(logging.WARNING):
         prop = make_proposer(CFG, W, gpu=gpu, fp8_head=True)
     assert prop.head_fp8 is None and "BF16 head" in caplog.text
@@ -68,6 +79,19 @@ def test_fp8_head_falls_back_to_bf16_with_a_warning(caplog):
     g2 = HostBackend()
     _, d_bf16 = _history(make_proposer(CFG, W, gpu=g2, fp8_head=False), g2)
     assert d_fallback == d_bf16
+
+
+def test_fp8_head_needs_only_the_kernels_its_path_launches(caplog):
+    """One rank launches the fused FP8 head, never gemv_fp8w: a build without gemv_fp8w keeps the
+    FP8 head there (the check used to look at gemv_fp8w and fell back to BF16)."""
+    gpu = Without(("gemv_fp8w", "gemv_fp8w"))
+    with caplog.at_level(logging.WARNING):
+        prop = make_proposer(CFG, W, gpu=gpu, fp8_head=True)
+    assert prop.head_fp8 is not None and "BF16 head" not in caplog.text
+    _, d_missing = _history(prop, gpu)
+    g2 = HostBackend()
+    _, d_fp8 = _history(make_proposer(CFG, W, gpu=g2, fp8_head=True), g2)
+    assert d_missing == d_fp8
 
 
 @pytest.mark.parametrize("mutate,msg", [
@@ -95,8 +119,6 @@ def test_bad_checkpoint_tensor_is_named_and_leaks_nothing(mutate, msg, name):
 
 
 def test_shared_tables_of_another_vocabulary_are_refused():
-    from model.proposer import SharedTables
-
     gpu = HostBackend()
     other = tiny(vocab_size=CFG.vocab_size + 3)
     emb = gpu.alloc(other.vocab_size * other.hidden_size * 2)

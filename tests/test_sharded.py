@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st_
 
 from model.config import tiny
@@ -76,6 +76,7 @@ histories = st_.lists(st_.tuples(st_.integers(0, 9), st_.integers(1, 4), st_.int
 
 @settings(max_examples=6, deadline=None)
 @given(history=histories, seed=st_.integers(0, 1000), vocab=st_.sampled_from([96, 97]))
+@example(history=[(1, 3, 2), (0, 1, 0), (0, 1, 0), (8, 2, 0)], seed=208, vocab=97)
 def test_world_2_and_4_draft_exactly_what_one_rank_drafts(history, seed, vocab):
     cfg = tiny(vocab_size=vocab, index_topk=8, index_kpool=2, max_context=64)
     w = bf16_weights(cfg, seed)

@@ -8,9 +8,9 @@ import pytest
 from model.checkpoint import Checkpoint, mtp_tensors, random_checkpoint, target_tensors
 from model.cli import DEFAULT_CHECKPOINT
 from model.config import tiny
-from model.proposer import MtpProposer, ProposerOptions
+from model.proposer import MtpProposer, ProposerError, ProposerOptions
 from model.speculative import SpecStats, greedy_decode, speculative_decode
-from model.target import TargetModel
+from model.target import TargetError, TargetModel
 from runtime.host_backend import HostBackend
 
 
@@ -67,3 +67,53 @@ def test_stats_count_positions():
     assert s.reached == [4, 3, 2] and s.accepted_at == [3, 2, 1]
     assert s.acceptance == [0.75, 2 / 3, 0.5]
     assert s.mean_accepted == 1.5
+
+
+def test_bad_input_to_the_target_is_a_target_error_and_changes_nothing(random_ckpt):
+    """The target has its own error type: an engine catching ProposerError must not take the
+    target's refusals for the drafter's."""
+    gpu, cfg, target, drafter = build(random_ckpt, 160)
+    st = target.alloc_state()
+    target.forward(st, [1, 2, 3], 0)
+    for bad, msg in [
+        (lambda: target.forward(st, [], 3), "no tokens"),
+        (lambda: target.forward(st, [cfg.vocab_size], 3), "outside the vocabulary"),
+        (lambda: target.forward(st, [1], 2), "must append at 3"),
+        (lambda: target.forward(st, [1] * 200, 3), "exceed"),
+        (lambda: target.rewind_to(st, 4), "outside 0..3"),
+        (lambda: target.alloc_state(), "one sequence at a time"),
+    ]:
+        with pytest.raises(TargetError, match=msg) as e:
+            bad()
+        assert not isinstance(e.value, ProposerError)
+        assert st.length == 3
+    with pytest.raises(TargetError, match="one rank"):
+        TargetModel(gpu, cfg.with_parallel(0, 2), target_tensors(Checkpoint(random_ckpt), cfg), 160)
+    target.free_state(st)
+    drafter.close()
+    target.close()
+    assert gpu.stats().live_bytes == 0
+
+
+def test_refeed_rewinds_the_drafter_through_its_own_rewind_to():
+    """speculative_decode trims the drafter's rows through MtpProposer.rewind_to (which keeps the
+    proposer's bookkeeping), never by moving the DSA state's row count behind its back."""
+    gpu, cfg, target, drafter = build(DEFAULT_CHECKPOINT, 256)
+    drafter.close()
+    calls = []
+
+    class Spy(MtpProposer):
+        def rewind_to(self, st, n):
+            calls.append(n)
+            super().rewind_to(st, n)
+
+    spy = Spy(gpu, cfg, mtp_tensors(Checkpoint(DEFAULT_CHECKPOINT), cfg),
+              ProposerOptions(served_max_seq_len=256, max_draft_tokens=4, max_sequences=1),
+              tables=target.tables)
+    prompt = list(b"import os\n\ndef main(argv):\n")
+    out, stats = speculative_decode(target, spy, prompt, 30, 3, refeed_target_hidden=True)
+    assert out == greedy_decode(target, prompt, 30)
+    assert stats.accepted_total > 0 and len(calls) > 0
+    spy.close()
+    target.close()
+    assert gpu.stats().live_bytes == 0

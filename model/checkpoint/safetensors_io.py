@@ -3,8 +3,9 @@
 A file is an 8-byte little-endian header length N, N bytes of JSON
 ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``, then the
 data buffer; offsets are relative to the buffer's start. We read through ``np.memmap`` rather than
-the ``safetensors`` package because its NumPy loader cannot produce F8_E4M3 arrays (REFERENCE.md),
-and a memmap view lets a caller take a row range of a 1.3 GB head without reading the rest.
+the ``safetensors`` package because its NumPy loader cannot produce F8_E4M3 arrays (safetensors
+0.8's ``numpy.load_file`` fails on them), and a memmap view lets a caller take a row range of a
+1.3 GB head without reading the rest.
 """
 
 from __future__ import annotations

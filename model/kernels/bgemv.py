@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.dtypes import BF16
+from runtime.host_math import dot_rows
 from runtime.kernel import F32, PTR, U32, Pdl, declare
 from runtime.kernels.gemv_bf16 import gemv_bf16_ref
 from runtime.kernels.rmsnorm import rmsnorm_ref
@@ -21,7 +22,11 @@ _ARGS = [("w", PTR), ("x", PTR), ("y", PTR), ("batch", U32), ("n", U32), ("k", U
 def _bgemv(mem, w, x, batch, n, k):
     wv = mem.read(w, BF16, (batch, n, k)).astype(np.float32)
     xv = mem.read(x, BF16, (batch, k)).astype(np.float32)
-    return np.einsum("bnk,bk->bn", wv, xv, dtype=np.float32)
+    # Entry by entry: a rank's heads or head groups get the bits one rank's whole batch gives them.
+    out = np.empty((batch, n), np.float32)
+    for b in range(batch):
+        out[b] = dot_rows(xv[b:b + 1], wv[b])[0]
+    return out
 
 
 # The WAIT bgemvs release right after their wait (ptx/common.cuh): wv's successor o_proj, and

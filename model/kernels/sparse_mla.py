@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from runtime.dtypes import BF16, FP8
+from runtime.host_math import dot_rows
 from runtime.kernel import F32, PTR, U32, declare
 from runtime.launch import launch
 
@@ -51,11 +52,11 @@ def SPARSE_MLA_ATTEND(mem, q, cache, scales, block_table, selected, count, out, 
         mem.write(out, np.zeros((heads, dim), BF16))
         return
     qv = mem.read(q, np.float32, (heads, dim))
-    s = (qv @ c.T) * np.float32(scale)
+    s = dot_rows(qv, c) * np.float32(scale)
     s -= s.max(1, keepdims=True)
     p = np.exp(s)
     p /= p.sum(1, keepdims=True)
-    mem.write(out, (p @ c).astype(BF16))
+    mem.write(out, dot_rows(p, c.T).astype(BF16))
 
 
 # ptx/sparse_mla.cu: rows per split and heads per tile of sparse_mla_partial.
@@ -82,12 +83,12 @@ def SPARSE_MLA_PARTIAL(mem, q, cache, scales, block_table, selected, count, part
     part[s][h] = sum_j exp(s_j - m) c_j (f32), ml[s][h] = (m, l)."""
     n, c = _gather(mem, cache, scales, block_table, selected, count, dim, block_size)
     qv = mem.read(q, np.float32, (heads, dim))
-    s = (qv @ c.T) * np.float32(scale)
+    s = dot_rows(qv, c) * np.float32(scale)
     for sp in range(-(-n // SPLIT_ROWS)):
         seg = slice(sp * SPLIT_ROWS, min(n, (sp + 1) * SPLIT_ROWS))
         m = s[:, seg].max(1)
         e = np.exp(s[:, seg] - m[:, None])
-        mem.write(part.offset(sp * heads * dim * 4), (e @ c[seg]).astype(np.float32))
+        mem.write(part.offset(sp * heads * dim * 4), dot_rows(e, c[seg].T))
         mem.write(ml.offset(sp * heads * 8), np.stack([m, e.sum(1, dtype=np.float32)], 1).astype(np.float32))
 
 
@@ -108,8 +109,11 @@ def SPARSE_MLA_COMBINE(mem, part, ml, count, out, heads, dim):
     p = mem.read(part, np.float32, (splits, heads, dim))
     mlv = mem.read(ml, np.float32, (splits, heads, 2))
     w = np.exp(mlv[:, :, 0] - mlv[:, :, 0].max(0))
-    num = (p * w[:, :, None]).sum(0, dtype=np.float32)
-    den = (mlv[:, :, 1] * w).sum(0, dtype=np.float32)
+    # Splits added in split order, each head on its own (the sum's order is not numpy's choice).
+    num, den = p[0] * w[0][:, None], mlv[0, :, 1] * w[0]
+    for sp in range(1, splits):
+        num += p[sp] * w[sp][:, None]
+        den += mlv[sp, :, 1] * w[sp]
     mem.write(out, (num / den[:, None]).astype(BF16))
 
 

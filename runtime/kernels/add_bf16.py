@@ -2,6 +2,9 @@
 
 CUDA source: ptx/add_bf16.cu. Grid-stride; the grid is capped so huge n does not launch millions
 of blocks.
+
+Only tests and bench/bench_runtime.py launch it; it ships as the smallest complete kernel, which the
+backends' contract checks (graph capture, mapped buffers, JIT errors, launch host cost) launch.
 """
 
 from __future__ import annotations

@@ -20,13 +20,6 @@ _PER_BLOCK = BLOCK * 8  # one 16-byte chunk per thread per block pass
 NAN_BITS = 0xFFFF
 
 
-def embed_gather_ref(table: np.ndarray, token: int) -> np.ndarray:
-    vocab, k = table.shape
-    if token >= vocab:
-        return np.full(k, NAN_BITS, np.uint16).view(BF16)
-    return np.asarray(table[token], BF16).copy()
-
-
 @declare(
     "embed_gather_bf16",
     "embed_gather_bf16",

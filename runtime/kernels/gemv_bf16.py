@@ -12,6 +12,7 @@ import numpy as np
 from ..backend import GpuBackend
 from ..device_ptr import DevicePtr
 from ..dtypes import BF16
+from ..host_math import dot_rows
 from ..kernel import PTR, U32, declare
 from ..launch import launch
 
@@ -22,8 +23,9 @@ MAX_M = 8
 
 
 def gemv_bf16_ref(w: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """f32 math on BF16 inputs: ``x [m, k] @ w [n, k]^T`` -> BF16 ``[m, n]``."""
-    return (np.asarray(x, np.float32) @ np.asarray(w, np.float32).T).astype(BF16)
+    """f32 math on BF16 inputs: ``x [m, k] @ w [n, k]^T`` -> BF16 ``[m, n]``; a row's value does
+    not depend on how many rows of ``w`` the call covers (a rank's share of them, runtime.host_math)."""
+    return dot_rows(x, w).astype(BF16)
 
 
 def grid_for(n: int) -> int:

@@ -13,6 +13,7 @@ import numpy as np
 from ..backend import GpuBackend
 from ..device_ptr import DevicePtr
 from ..dtypes import BF16, F32, FP8
+from ..host_math import dot_rows
 from ..kernel import PTR, U32, declare
 from ..launch import launch
 from .gemv_bf16 import MAX_M, check_shape
@@ -33,7 +34,7 @@ def x_smem_bytes(m: int, k: int) -> int:
 
 def gemv_fp8w_ref(wq: np.ndarray, scale: np.ndarray, x: np.ndarray) -> np.ndarray:
     """f32 math: the exact f32 value of each FP8 weight, dot with x in f32, times the row scale."""
-    acc = np.asarray(x, np.float32) @ np.asarray(wq, np.float32).T
+    acc = dot_rows(x, np.asarray(wq, np.float32))  # a vocabulary shard's rows as the whole head's
     return (acc * np.asarray(scale, np.float32)[None, :]).astype(BF16)
 
 

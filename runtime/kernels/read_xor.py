@@ -5,6 +5,9 @@ only reads, for measuring how fast the device streams memory into a kernel (benc
 ``read_xor_l2_256b`` adds the ``.L2::256B`` prefetch-size hint, kept for the comparison that took
 it out of the weight loads. Thread ``t`` of block ``b`` reads the 16-byte words
 ``t + BLOCK * b + j * BLOCK * blocks``. CUDA source: ptx/read_xor.cu.
+
+Only the benchmark and tests launch it; it ships because it is the read-bandwidth floor the weight
+streams are judged against, and must be built from the same ``ld_stream16`` as the kernels it measures.
 """
 
 from __future__ import annotations
