@@ -171,7 +171,7 @@ def test_sharing_changes_drafts_after_the_first_only():
     the host proposer follows the sharing reference, not the other one."""
     moved = 0
     for seed in range(6):
-        base = dict(index_topk=4, index_kpool=2, max_context=64)
+        base = {"index_topk": 4, "index_kpool": 2, "max_context": 64}
         off, on = tiny(**base), tiny(**base, share_for_mtp_iteration=True)
         w = bf16_weights(off, seed)
         rng = np.random.default_rng(100 + seed)

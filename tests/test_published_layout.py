@@ -153,12 +153,12 @@ CASES = {
               rf"{DP}mlp\.gate\.e_score_correction_bias: expected dtype F32, found BF16"),
     "fp8 where BF16 has no scale": (
         lambda t: t.pop(scale_name(Q_A)),
-        rf"{DP}self_attn\.q_a_proj\.weight: expected dtype BF16, found F8_E4M3 without its "
-        rf"block scales {DP}self_attn\.q_a_proj\.weight_scale_inv"),
+        (rf"{DP}self_attn\.q_a_proj\.weight: expected dtype BF16, found F8_E4M3 without its "
+         rf"block scales {DP}self_attn\.q_a_proj\.weight_scale_inv")),
     "scale of the wrong block shape": (
         lambda t: t.update({scale_name(Q_A): np.ones((1, 1), np.float32)}),
-        rf"tensor {DP}self_attn\.q_a_proj\.weight_scale_inv \(block scales of "
-        rf"{DP}self_attn\.q_a_proj\.weight\): expected F32\[3, 4\], found F32\[1, 1\]"),
+        (rf"tensor {DP}self_attn\.q_a_proj\.weight_scale_inv \(block scales of "
+         rf"{DP}self_attn\.q_a_proj\.weight\): expected F32\[3, 4\], found F32\[1, 1\]")),
     "scale of the wrong dtype": (
         lambda t: t.update({scale_name(Q_A): t[scale_name(Q_A)].astype(BF16)}),
         r"expected F32\[3, 4\], found BF16\[3, 4\]"),
