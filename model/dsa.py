@@ -17,10 +17,12 @@ from runtime.kv_cache import BlockTable, PagedKvCache
 
 from .config import DsaConfig
 from .kernels.dsa_select import TOPK_MAX_POOLS, selection_capacity
+from .proposer_checks import ProposerError
 
 
-class DsaSizingError(ValueError):
-    """A row past the drafter's sizing, or a feed that would leave a hole."""
+class DsaSizingError(ProposerError):
+    """A row past the drafter's sizing, or a feed that would leave a hole (a ProposerError, so an
+    engine catches one type for every refusal of its input)."""
 
 
 def max_dsa_context(cfg: DsaConfig) -> int:

@@ -6,13 +6,17 @@
 Row space (dense): drafter row r is the pair ``(embed(tokens[r+1]), hidden[r])``; its KV slot, its
 indexer row and its position are all r. Context rows append exactly at the current length; a feed
 that would leave a hole or run past the sizing is refused before anything is written.
+
+Every refusal is a ``ProposerError`` (model/proposer_checks.py), raised before any state changes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -25,6 +29,7 @@ from runtime.comm.base import CommDtype, ReduceOp
 from runtime.device_ptr import DevicePtr
 from runtime.dtypes import BF16
 from runtime.errors import CommError
+from runtime.kernels.all_finite_bf16 import first_nonfinite_row
 from runtime.kernels.argmax_bf16 import argmax_bf16
 from runtime.kernels.copy_words import copy_words
 from runtime.kernels.gemv_bf16 import MAX_M as GEMV_MAX_M, gemv_bf16
@@ -38,6 +43,8 @@ from .config import ModelConfig
 from .dsa import DsaSizingError, DsaState, drafter_context_rows
 from .kernels import draft_head
 from .kernels.mtp_input import mtp_embed_norm, mtp_input_gemv
+from .proposer_checks import (FLAG_BYTES, FLAG_LOGITS, FLAG_OWN_HIDDEN, FLAG_TARGET_HIDDEN, ProposerError,
+                              as_int, as_tokens, check_finite_tensor, exclusive, nonfinite_problem)
 from .weights import DeviceArena, Sharding, WeightError, load_attention, load_moe
 
 log = logging.getLogger(__name__)
@@ -45,10 +52,6 @@ log = logging.getLogger(__name__)
 # The drafter's private pool uses the same block size as the target's absorbed-MLA cache, so the
 # latent write and the paged gather see the strides they assume.
 KV_BLOCK_SIZE = 16
-
-
-class ProposerError(ValueError):
-    """Bad input to the proposer; raised before any state changes."""
 
 
 @dataclass(frozen=True)
@@ -71,8 +74,15 @@ class ProposerOptions:
     comm_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.max_draft_tokens < 1:
+        if as_int(self.max_draft_tokens, "max_draft_tokens") < 1:
             raise ProposerError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
+        if 0 < self.served_max_seq_len < self.max_draft_tokens:
+            # A propose of k drafts writes k drafter rows, which the served context bounds (the
+            # proposer bounds it again by its reach, drafter_context_rows).
+            raise ProposerError(
+                f"max_draft_tokens={self.max_draft_tokens} is more than the served context of "
+                f"{self.served_max_seq_len} tokens: a propose of k drafts writes k rows"
+            )
         if not 1 <= self.context_chunk <= GEMV_MAX_M:
             raise ProposerError(f"context_chunk must be 1..{GEMV_MAX_M} (rows one GEMV reads W for)")
         if self.max_sequences < 1:
@@ -119,6 +129,11 @@ class ProposerState:
     last_host_s: float = 0.0
     released: bool = False
     graphs: dict[int, Graph] = field(default_factory=dict)
+    # The label of the proposer that allocated this state: its pools are indexed by this state's
+    # blocks and slot, so every call checks it (another proposer would write into its own pool).
+    owner: str = ""
+    # u32 answer of the finiteness check of context rows (all_finite_bf16).
+    finite_row: DevicePtr | None = None
 
     @property
     def rows(self) -> int:
@@ -139,6 +154,16 @@ class ProposerState:
         """The token the next draft embeds; each draft's head overwrites it with its argmax."""
         return self.step.offset(4)
 
+    @property
+    def flags_host(self) -> np.ndarray:
+        """The step's non-finite flag bytes (proposer_checks.FLAG_*): the last word of drafts_out,
+        which the host zeroes before the step and kernels raise; valid after the step's wait."""
+        return self.drafts_out.host[-FLAG_BYTES:]
+
+    def flag(self, byte: int) -> DevicePtr:
+        """Device address of one flag byte, for the kernel that raises it."""
+        return self.drafts_out.device.offset(self.drafts_out.nbytes - FLAG_BYTES + byte)
+
 
 class TensorLookup:
     """Names -> host arrays, with ``in``; a Mapping or a checkpoint object (``has``/``get``)."""
@@ -152,12 +177,34 @@ class TensorLookup:
     def __call__(self, name: str) -> np.ndarray:
         if name not in self:
             raise WeightError(f"missing tensor {name!r}")
-        return self.src.get(name) if hasattr(self.src, "has") else self.src[name]
+        # Refused as it is read: a NaN weight would otherwise surface as a NaN draft much later.
+        return check_finite_tensor(name, self.src.get(name) if hasattr(self.src, "has") else self.src[name])
+
+
+_SERIALS = itertools.count(1)
 
 
 class MtpProposer:
+    """The drafter of one model on one device (one rank of it when sharded).
+
+    A proposer belongs to one thread and one stream at a time: every public call holds its lock,
+    and a call from a second thread while another is inside is refused with a ProposerError, not
+    queued (its launches, graph captures and row counts would interleave with the first's). After
+    ``close`` every call is refused, except ``close`` and ``free_state``, which are then no-ops.
+    A state belongs to the proposer that allocated it; a state of another proposer is refused.
+
+    Non-finite input: a sequence whose context rows hold a NaN or an Inf is refused before anything
+    is written; a propose whose target hidden (or any value of the step) is not finite raises a
+    ProposerError naming its slot and what was not finite (see ``propose``). A NaN logit never wins
+    the argmax, so even then every draft the kernels commit is a valid token id. Weights are
+    checked as they are read (``TensorLookup``); tables passed in as device pointers are not.
+    """
+
     def __init__(self, gpu: GpuBackend, cfg: ModelConfig, tensors, options: ProposerOptions, *,
                  comm=None, tables: SharedTables | None = None, stream: int | None = None) -> None:
+        self.label = f"MtpProposer#{next(_SERIALS)}"
+        self._lock = threading.RLock()
+        self._closed = False
         self.gpu, self.cfg, self.opt, self.comm = gpu, cfg, options, comm
         self.stream = gpu.default_stream if stream is None else stream
         self.src = src = tensors if isinstance(tensors, TensorLookup) else TensorLookup(tensors)
@@ -175,6 +222,11 @@ class MtpProposer:
         groups = min(options.o_proj_groups, cfg.attention.num_attention_heads)
         self.sharding = sh = Sharding.for_config(cfg, groups)
         self.rows_cap = drafter_context_rows(options.served_max_seq_len, cfg.dsa)
+        if options.max_draft_tokens > self.rows_cap:
+            raise ProposerError(
+                f"max_draft_tokens={options.max_draft_tokens} is more than the {self.rows_cap} rows "
+                "the drafter holds (drafter_context_rows): a propose of k drafts writes k rows"
+            )
         P = f"model.layers.{cfg.mtp_layer_index}."
         self.arena = arena = DeviceArena(gpu)
         self._slots_free = list(range(options.max_sequences - 1, -1, -1))
@@ -263,6 +315,7 @@ class MtpProposer:
     def drafter_context_rows(self) -> int:
         return self.rows_cap
 
+    @exclusive()
     def prefill_hidden_rows(self, max_seq_len: int) -> int:
         """Rows of target hidden the caller must capture at prefill: never more than the drafter
         can hold, so the capture buffer is not sized for a context the drafter cannot reach."""
@@ -270,6 +323,7 @@ class MtpProposer:
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
+    @exclusive()
     def alloc_state(self) -> ProposerState:
         """Everything a sequence needs, up front: ``propose`` allocates nothing."""
         if not self._slots_free:
@@ -290,7 +344,8 @@ class MtpProposer:
                 drafts=z(self.opt.max_draft_tokens * 4), ctx_tokens=z(ch * 4),
                 head_counter=z(4),
                 step_in=gpu.alloc_mapped(8),
-                drafts_out=gpu.alloc_mapped(self.opt.max_draft_tokens * 4),
+                drafts_out=gpu.alloc_mapped(self.opt.max_draft_tokens * 4 + FLAG_BYTES),
+                owner=self.label, finite_row=z(4),
             )
         except Exception:
             if dsa is not None:
@@ -301,9 +356,12 @@ class MtpProposer:
         self._states.append(st)
         return st
 
+    @exclusive(after_close=True)
     def free_state(self, st: ProposerState) -> None:
         """Release everything ``alloc_state`` took. Graphs go first: they bake these pointers, and
-        the slot may be reused with new ones. A second call is a no-op."""
+        the slot may be reused with new ones. A second call is a no-op (so is a call after
+        ``close``, which freed every state)."""
+        self._own(st)
         if st.released:
             return
         self.gpu.synchronize(self.stream)
@@ -318,40 +376,72 @@ class MtpProposer:
         self._states.remove(st)
         self._slots_free.append(st.slot)
 
+    @exclusive(after_close=True)
     def close(self) -> None:
+        """Free every state, the KV pool and the weights; every later call is refused. A second
+        call is a no-op."""
+        if self._closed:
+            return
         for st in list(self._states):
             self.free_state(st)
         self.kv.free()
         self.arena.free()
+        self._closed = True
+
+    def _own(self, st: ProposerState) -> None:
+        if not isinstance(st, ProposerState):
+            raise ProposerError(f"expected a ProposerState from {self.label}.alloc_state, got {type(st).__name__}")
+        if st.owner != self.label:
+            raise ProposerError(
+                f"the state of slot {st.slot} belongs to {st.owner or 'no proposer'}, not {self.label}: "
+                "a state is used only with the proposer that allocated it (its rows live in that "
+                "proposer's pool)"
+            )
 
     def _live(self, st: ProposerState) -> None:
+        self._own(st)
         if st.released:
-            raise ProposerError("proposer state was freed; allocate a new one")
+            raise ProposerError(f"proposer state of slot {st.slot} was freed; allocate a new one")
 
     # ---- queries --------------------------------------------------------------------------------
 
+    @exclusive()
     def drafter_rows(self, st: ProposerState) -> int:
+        self._live(st)
         return st.rows
 
+    @exclusive()
     def last_pair_key(self, st: ProposerState) -> int | None:
+        self._live(st)
         return st.rows - 1 if st.rows > 0 else None
 
     # ---- context rows ---------------------------------------------------------------------------
 
+    @exclusive()
     def prefill_drafter(self, st: ProposerState, prompt_tokens: Sequence[int], hiddens: DevicePtr) -> int:
         return self.catchup_drafter(st, prompt_tokens, hiddens, 0)
 
+    @exclusive()
     def catchup_drafter(self, st: ProposerState, tokens: Sequence[int], hiddens: DevicePtr,
                         row_base: int) -> int:
-        """Append rows ``row_base + r = (embed(tokens[r+1]), hiddens[r])``. Returns rows written."""
+        """Append rows ``row_base + r = (embed(tokens[r+1]), hiddens[r])``. Returns rows written.
+        The hidden rows are checked first (one read, one sync): a NaN or an Inf in any of them is
+        refused, naming the row, and nothing is written."""
         self._live(st)
-        rows = len(tokens) - 1
+        row_base = as_int(row_base, "row_base")
+        toks = self._check_tokens(tokens)
+        rows = len(toks) - 1
         if rows <= 0:
             return 0
-        toks = self._check_tokens(tokens)
         st.dsa.check_advance(row_base, rows)
         self._check_buffer(hiddens, rows * self.cfg.hidden_size * 2, "hiddens")
         gpu, s, H = self.gpu, self.stream, self.cfg.hidden_size
+        bad = first_nonfinite_row(gpu, hiddens, rows, H, st.finite_row, s)
+        if bad is not None:
+            raise ProposerError(
+                f"catch-up of the sequence in slot {st.slot}: hidden row {bad} (drafter row "
+                f"{row_base + bad}) is not finite (NaN or Inf); nothing was written"
+            )
         ch = self.opt.context_chunk
         for c in range(0, rows, ch):
             n = min(ch, rows - c)
@@ -371,23 +461,38 @@ class MtpProposer:
         st.dsa.advance(rows)
         return rows
 
+    @exclusive()
     def rewind_to(self, st: ProposerState, n: int) -> None:
         """Drop rows ``n..``: the caches keep their bytes, which later feeds overwrite."""
         self._live(st)
-        st.dsa.rewind_to(n)
+        st.dsa.rewind_to(as_int(n, "n"))
         st.last_drafted = 0
 
     # ---- drafting -------------------------------------------------------------------------------
 
+    @exclusive()
     def propose(self, st: ProposerState, last_token: int, target_hidden: DevicePtr, position: int,
                 k: int) -> list[int]:
-        """k drafts. Draft 1 consumes the target's hidden, drafts 2..k the drafter's own output."""
+        """k drafts. Draft 1 consumes the target's hidden, drafts 2..k the drafter's own output.
+
+        Non-finite values: the step's kernels raise flag bytes that come back with the drafts (no
+        extra sync): the first kernel of each draft when its hidden row is not finite (the target's
+        for draft 1), the head when its winning logit is not (every logit NaN, or the largest
+        infinite). Then, after the wait, this raises a ProposerError naming the slot and the first
+        cause, and no draft is committed: the row count and ``last_pair_key`` are as before the
+        call. If the drafter was ahead of ``position`` the rewind to ``position`` stands (rows
+        ``position..`` were rewritten by the step, so they cannot be kept): then it holds
+        ``position`` rows and ``after_verify`` has nothing to trim, as after ``rewind_to``."""
         t_enter = time.perf_counter()
         self._live(st)
+        k = as_int(k, "k")
+        last_token = as_int(last_token, "last_token")
+        position = as_int(position, "position")
         if not 1 <= k <= self.opt.max_draft_tokens:
             raise ProposerError(f"k={k} outside 1..{self.opt.max_draft_tokens} (max_draft_tokens)")
-        if not 0 <= int(last_token) < self.cfg.vocab_size:  # one token: no array round trip
-            self._check_tokens([last_token])
+        if not 0 <= last_token < self.cfg.vocab_size:
+            raise ProposerError(
+                f"last_token {last_token} is outside the vocabulary 0..{self.cfg.vocab_size - 1}")
         if position < 0 or position + k > self.rows_cap:
             raise ProposerError(
                 f"propose at position {position} with k={k} runs past the {self.rows_cap} rows "
@@ -399,7 +504,8 @@ class MtpProposer:
                 "the missing rows first"
             )
         self._check_buffer(target_hidden, self.cfg.hidden_size * 2, "target_hidden")
-        if st.rows > position:
+        rewound = st.rows > position
+        if rewound:
             st.dsa.rewind_to(position)
         gpu, s = self.gpu, self.stream
         # Read by the step's first kernel, inside the graph when there is one: the host writes two
@@ -407,6 +513,8 @@ class MtpProposer:
         # since propose waits for its drafts).
         step_host = st.step_in.host.view(np.uint32)
         step_host[0], step_host[1] = position, last_token
+        flags = st.flags_host
+        flags[:] = 0
         gpu.copy_d2d(st.hidden_in, target_hidden, self.cfg.hidden_size * 2, s)
         if self.opt.use_graphs:
             g = st.graphs.get(k)
@@ -424,6 +532,14 @@ class MtpProposer:
         t_wait = time.perf_counter()
         self._wait(s)
         t_done = time.perf_counter()
+        problem = nonfinite_problem(flags)
+        if problem is not None:
+            if rewound:
+                st.last_drafted = 0
+            raise ProposerError(
+                f"propose for the sequence in slot {st.slot} at position {position}: {problem}; "
+                f"no draft was committed (the drafter holds {st.rows} rows)"
+            )
         st.dsa.length = position + k
         st.last_drafted = k
         drafts = [int(t) for t in st.drafts_host[:k]]
@@ -444,7 +560,7 @@ class MtpProposer:
         hidden = st.hidden_in if i == 0 else st.xn
         # Both input norms are every block's prologue of eh_proj (one launch, no concat round trip).
         mtp_input_gemv(gpu, self.tables.embed, st.token, self.enorm, hidden, self.hnorm, self.eh_proj,
-                       st.x, V, H, H, eps, s)
+                       st.x, V, H, H, eps, s, flag=st.flag(FLAG_TARGET_HIDDEN if i == 0 else FLAG_OWN_HIDDEN))
         if not self.opt.skip_block:
             # The head's RMSNorm rides on the block's last residual add (one launch for both).
             self.layer.full_row(st.x, st.scratch, st.dsa, self.kv, st.row, i, self.rows_cap, s,
@@ -461,7 +577,8 @@ class MtpProposer:
             fp8 = self.head_fp8 is not None
             w, sc = (self.head_fp8, self.head_fp8_scales) if fp8 else (self.head_bf16, None)
             draft_head.head_argmax(gpu, w, sc, st.xn, st.logits, st.key, st.head_counter, st.token,
-                                   st.drafts, i, st.drafts_out.device, publish, n, H, s)
+                                   st.drafts, i, st.drafts_out.device, publish, n, H, s,
+                                   flag=st.flag(FLAG_LOGITS))
             return
         if self.head_fp8 is not None:
             gemv_fp8w(gpu, self.head_fp8, self.head_fp8_scales, st.xn, st.logits, 1, n, H, s)
@@ -470,7 +587,8 @@ class MtpProposer:
         argmax_bf16(gpu, st.logits, st.am_idx, st.am_val, n, s)
         draft_head.argmax_pack(gpu, st.am_idx, st.am_val, st.key, self.head_v0, s)
         self.comm.all_reduce(st.key, 1, CommDtype.UINT64, ReduceOp.MAX, stream=s)
-        draft_head.draft_commit(gpu, st.key, st.token, st.drafts, i, st.drafts_out.device, publish, s)
+        draft_head.draft_commit(gpu, st.key, st.token, st.drafts, i, st.drafts_out.device, publish, s,
+                                flag=st.flag(FLAG_LOGITS))
 
     def _wait(self, stream: int) -> None:
         """Wait for the drafts. With peers in the step a dead rank would leave the stream
@@ -481,10 +599,12 @@ class MtpProposer:
             wait(stream, self.opt.comm_timeout_s)
         self.gpu.synchronize(stream)
 
+    @exclusive()
     def after_verify(self, st: ProposerState, accepted: int) -> None:
         """Keep ``min(drafted, accepted + 1)`` of the rows the last propose wrote. Row 0 pairs the
         committed token with the target's hidden and is never trimmed; with one draft nothing is."""
         self._live(st)
+        accepted = as_int(accepted, "accepted")
         if accepted < 0 or accepted > st.last_drafted:
             raise ProposerError(f"accepted={accepted} outside 0..{st.last_drafted} (drafts proposed)")
         keep = min(st.last_drafted, accepted + 1)
@@ -496,14 +616,7 @@ class MtpProposer:
     # ---- checks ---------------------------------------------------------------------------------
 
     def _check_tokens(self, tokens: Sequence[int]) -> np.ndarray:
-        t = np.asarray(tokens, dtype=np.int64)
-        bad = np.nonzero((t < 0) | (t >= self.cfg.vocab_size))[0]
-        if bad.size:
-            raise ProposerError(
-                f"token {int(t[bad[0]])} at index {int(bad[0])} is outside the vocabulary "
-                f"0..{self.cfg.vocab_size - 1}"
-            )
-        return t.astype(np.uint32)
+        return as_tokens(tokens, self.cfg.vocab_size)
 
     def _check_buffer(self, ptr: DevicePtr, nbytes: int, what: str) -> None:
         if not isinstance(ptr, DevicePtr) or not ptr:
