@@ -28,7 +28,7 @@ from runtime.backend import GpuBackend
 from runtime.comm.base import CommDtype, ReduceOp
 from runtime.device_ptr import DevicePtr
 from runtime.dtypes import BF16
-from runtime.errors import CommError
+from runtime.errors import CommError, MemoryFault
 from runtime.kernels.all_finite_bf16 import first_nonfinite_row
 from runtime.kernels.argmax_bf16 import argmax_bf16
 from runtime.kernels.copy_words import copy_words
@@ -141,7 +141,8 @@ class ProposerState:
 
     @property
     def drafts_host(self) -> np.ndarray:
-        """The host's view of the last step's drafts (u32, valid after the step's wait)."""
+        """The host's view of the last step's drafts (u32, valid after the step's wait), then of
+        its flag word (the last word, ``flags_host``)."""
         return self.drafts_out.host.view(np.uint32)
 
     @property
@@ -190,7 +191,8 @@ class MtpProposer:
     A proposer belongs to one thread and one stream at a time: every public call holds its lock,
     and a call from a second thread while another is inside is refused with a ProposerError, not
     queued (its launches, graph captures and row counts would interleave with the first's). After
-    ``close`` every call is refused, except ``close`` and ``free_state``, which are then no-ops.
+    ``close`` every method is refused, except ``close`` and ``free_state``, which are then no-ops
+    (the ``drafter_context_rows`` property, a number from the config, stays readable).
     A state belongs to the proposer that allocated it; a state of another proposer is refused.
 
     Non-finite input: a sequence whose context rows hold a NaN or an Inf is refused before anything
@@ -211,12 +213,12 @@ class MtpProposer:
         H, V = cfg.hidden_size, cfg.vocab_size
         W = cfg.parallel.world_size
         if W > 1 and comm is None:
-            raise ValueError(
+            raise ProposerError(
                 f"proposer sharded over {W} ranks needs a communicator: without one it would "
                 "draft from this rank's share of the heads, experts and vocabulary only"
             )
         if comm is not None and comm.world_size != W:
-            raise ValueError(f"communicator has {comm.world_size} ranks, the config says {W}")
+            raise ProposerError(f"communicator has {comm.world_size} ranks, the config says {W}")
         if comm is not None and W > 1:
             self._agree_with_peers(options)
         groups = min(options.o_proj_groups, cfg.attention.num_attention_heads)
@@ -319,7 +321,7 @@ class MtpProposer:
     def prefill_hidden_rows(self, max_seq_len: int) -> int:
         """Rows of target hidden the caller must capture at prefill: never more than the drafter
         can hold, so the capture buffer is not sized for a context the drafter cannot reach."""
-        return min(max_seq_len, self.rows_cap)
+        return min(as_int(max_seq_len, "max_seq_len"), self.rows_cap)
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -513,8 +515,8 @@ class MtpProposer:
         # since propose waits for its drafts).
         step_host = st.step_in.host.view(np.uint32)
         step_host[0], step_host[1] = position, last_token
-        flags = st.flags_host
-        flags[:] = 0
+        out_host = st.drafts_host  # the drafts, then the step's flag word (st.flags_host)
+        out_host[-1] = 0
         gpu.copy_d2d(st.hidden_in, target_hidden, self.cfg.hidden_size * 2, s)
         if self.opt.use_graphs:
             g = st.graphs.get(k)
@@ -532,17 +534,17 @@ class MtpProposer:
         t_wait = time.perf_counter()
         self._wait(s)
         t_done = time.perf_counter()
-        problem = nonfinite_problem(flags)
-        if problem is not None:
+        if out_host[-1]:  # a kernel of the step raised a non-finite flag
             if rewound:
                 st.last_drafted = 0
             raise ProposerError(
-                f"propose for the sequence in slot {st.slot} at position {position}: {problem}; "
-                f"no draft was committed (the drafter holds {st.rows} rows)"
+                f"propose for the sequence in slot {st.slot} at position {position}: "
+                f"{nonfinite_problem(st.flags_host)}; no draft was committed (the drafter holds "
+                f"{st.rows} rows)"
             )
         st.dsa.length = position + k
         st.last_drafted = k
-        drafts = [int(t) for t in st.drafts_host[:k]]
+        drafts = [int(t) for t in out_host[:k]]
         st.last_host_s = (t_wait - t_enter) + (time.perf_counter() - t_done)
         return drafts
 
@@ -621,7 +623,10 @@ class MtpProposer:
     def _check_buffer(self, ptr: DevicePtr, nbytes: int, what: str) -> None:
         if not isinstance(ptr, DevicePtr) or not ptr:
             raise ProposerError(f"{what} must be a non-null DevicePtr")
-        have = self.gpu.bytes_from(ptr)
+        try:
+            have = self.gpu.bytes_from(ptr)
+        except MemoryFault as e:  # freed, or never allocated on this backend
+            raise ProposerError(f"{what} is not a live allocation: {e}") from None
         if have < nbytes:
             raise ProposerError(f"{what} holds {have} bytes from its pointer; {nbytes} are needed")
 

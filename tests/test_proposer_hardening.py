@@ -437,6 +437,13 @@ def test_every_refusal_of_input_is_a_proposer_error():
                  lambda: prop.rewind_to(st, -1)):
         with pytest.raises(ProposerError):
             call()
+    gone = upload_rows(prop.gpu, world.hiddens[8:9])
+    prop.gpu.free(gone)
+    for call in (lambda: prop.catchup_drafter(st, world.tokens[8:10], gone, 8),  # a freed pointer
+                 lambda: prop.propose(st, 1, gone, 8, 1),
+                 lambda: prop.propose(st, 1, p.offset(10**9), 8, 1)):  # past every allocation
+        with pytest.raises(ProposerError, match="not a live allocation"):
+            call()
     prop.gpu.free(p)
     assert_unchanged(prop, st, snap)
     with pytest.raises(ProposerError):
