@@ -262,6 +262,10 @@ def test_first_nonfinite_covers_the_weight_dtypes():
         a[17] = np.nan
         assert first_nonfinite(a) == 17
     assert first_nonfinite(np.arange(5)) is None
+    assert first_nonfinite(np.zeros(0, BF16)) is None
+    big = np.zeros((3, 1 << 21), BF16)  # more than one slice of the bit test
+    big[2, 5] = -np.inf
+    assert first_nonfinite(big) == 2 * (1 << 21) + 5
 
 
 def test_cli_prints_a_nan_checkpoint_as_one_line(tmp_path, capsys):
