@@ -65,19 +65,23 @@ def decode(tokens: list[int]) -> str:
 
 def build(args, *, served: int):
     from model.checkpoint import mtp_tensors, target_tensors
-    from model.proposer import MtpProposer, ProposerOptions
+    from model.proposer import MtpProposer, ProposerError, ProposerOptions
     from model.target import TargetModel
+    from model.weights import WeightError
 
     gpu = make_backend(args.backend)
     ckpt = open_checkpoint(Path(args.checkpoint))
     cfg = ckpt.config
-    target = TargetModel(gpu, cfg, target_tensors(ckpt, cfg), served)
-    drafter = MtpProposer(
-        gpu, cfg, mtp_tensors(ckpt, cfg),
-        ProposerOptions(served_max_seq_len=served, max_draft_tokens=max(args.k, 1),
-                        max_sequences=1, use_graphs=args.backend == "cuda" and args.graphs),
-        tables=target.tables,
-    )
+    try:  # a corrupt tensor (a NaN weight, say) or options the model cannot serve: one line
+        target = TargetModel(gpu, cfg, target_tensors(ckpt, cfg), served)
+        drafter = MtpProposer(
+            gpu, cfg, mtp_tensors(ckpt, cfg),
+            ProposerOptions(served_max_seq_len=served, max_draft_tokens=max(args.k, 1),
+                            max_sequences=1, use_graphs=args.backend == "cuda" and args.graphs),
+            tables=target.tables,
+        )
+    except (WeightError, ProposerError) as e:
+        raise UserError(f"{args.checkpoint}: {e}") from e
     return gpu, cfg, target, drafter
 
 

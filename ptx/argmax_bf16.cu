@@ -1,6 +1,8 @@
 // Argmax over x[n] BF16: out_idx (u32) = the lowest index holding the largest value, out_val (f32)
-// = that value. NaN never wins; -inf is a value like any other. If every element is NaN (or
-// n == 0), out_idx = 0xFFFFFFFF and out_val = NaN, so the caller sees it.
+// = that value. NaN never wins: it compares below every number, -inf included. If every element
+// is NaN, out_idx = 0 (the lowest index: always a valid index, so a caller that commits it never
+// reads past its table) and out_val = NaN, which is the flag; only n == 0 gives 0xFFFFFFFF.
+// The all-NaN case is settled once at the end, not in the compare chain, which stays as it was.
 //
 // One thread-block cluster of ARGMAX_BLOCKS blocks x 1024 threads (launch helper: grid =
 // ARGMAX_BLOCKS, block 1024; the cluster shape is compiled in, so a plain cuLaunchKernel forms it).
@@ -111,7 +113,7 @@ extern "C" __global__ void __cluster_dims__(ARGMAX_BLOCKS, 1, 1) __launch_bounds
             consider(ov, oi, best, bi);
         }
         if (lane == 0) {
-            *out_idx = bi;
+            *out_idx = bi != NONE ? bi : (n ? 0u : NONE);
             *out_val = bi == NONE ? __uint_as_float(0x7FC00000u) : best;
         }
     }
