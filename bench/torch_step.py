@@ -36,14 +36,13 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a script (python bench/torch_step.py): find model/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from train.torch_model import import_config_module  # noqa: E402
+from model.config import glm5_flash  # noqa: E402
 
 
 def _up(x: torch.Tensor) -> torch.Tensor:
@@ -242,7 +241,7 @@ def _step(rows_needed: int) -> DraftStep:
     if _STEP is None or _STEP.rows < rows_needed:
         _STEP = None
         torch.cuda.empty_cache()
-        cfg = import_config_module().glm5_flash()
+        cfg = glm5_flash()
         _STEP = DraftStep(cfg, rows=max(rows_needed, 16384 + 16), device="cuda")
     return _STEP
 

@@ -99,8 +99,18 @@ class Checkpoint:
 
     @cached_property
     def hf_config(self) -> dict[str, Any]:
-        """The raw ``config.json``."""
-        return json.loads((self.path / CONFIG_FILE).read_text())
+        """The raw ``config.json``; a file that is not a JSON object is refused by name."""
+        path = self.path / CONFIG_FILE
+        text = path.read_bytes()
+        if not text.strip():
+            raise CheckpointError(f"{path} is empty")
+        try:
+            raw = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{path}: expected a JSON object, found {type(raw).__name__}")
+        return raw
 
     @cached_property
     def config(self) -> ModelConfig:
