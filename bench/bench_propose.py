@@ -616,7 +616,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             from runtime.cuda_backend import CudaBackend
 
             gpu = CudaBackend(ptx_dir=args.ptx_dir)
-        except Exception as e:  # no cuda-bindings, driver or device: the benchmark cannot run
+        except Exception as e:  # noqa: BLE001 (no bindings, driver or device: any failure means no run)
             return _error(prog, f"needs a CUDA GPU, and none is usable here: {e}")
         try:
             res = measure(args, gpu=gpu, contexts=args.contexts)

@@ -134,7 +134,7 @@ def build(args, ckpt, *, served: int):
     # A corrupt tensor (a NaN weight, say) or options the model cannot serve.
     except (WeightError, ConfigError, ProposerError, TargetError, OSError) as e:
         raise UserError(f"{ckpt.path}: {one_line(e)}") from e
-    return gpu, cfg, target, drafter
+    return target, drafter
 
 
 def context_rows(cfg, served: int) -> int:
@@ -153,7 +153,7 @@ def run_model(fn, *a, **kw):
     try:
         return fn(*a, **kw)
     except (ProposerError, TargetError) as e:
-        raise UserError(f"the model refused its input: {one_line(e)}") from e
+        raise UserError(f"decoding failed: {one_line(e)}") from e
 
 
 def print_json(obj: dict, file=None) -> None:
@@ -190,7 +190,7 @@ def cmd_generate(args) -> int:
         at = next(i for i, b in enumerate(prompt) if b >= vocab)
         raise UserError(f"the prompt's byte 0x{prompt[at]:02x} (offset {at}) is outside the "
                         f"checkpoint's vocabulary 0..{vocab - 1} (tokens are bytes)")
-    gpu, cfg, target, drafter = build(args, ckpt, served=args.max_context)
+    target, drafter = build(args, ckpt, served=args.max_context)
     try:
         with tqdm(total=args.max_new_tokens, desc="generate", unit="tok", disable=args.quiet) as bar:
             out, stats = run_model(speculative_decode, target, drafter, prompt, args.max_new_tokens,
@@ -241,7 +241,7 @@ def cmd_eval(args) -> int:
     if ckpt.config.vocab_size < BYTE_VOCAB:
         raise UserError(f"eval feeds held-out text as bytes 0..255; the checkpoint's vocabulary "
                         f"is 0..{ckpt.config.vocab_size - 1}")
-    gpu, cfg, target, drafter = build(args, ckpt, served=served)
+    target, drafter = build(args, ckpt, served=served)
     try:
         if args.decode:
             for refeed in (False, True):
@@ -352,6 +352,9 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exception(e.__cause__)
         print(f"mtpdraft: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("mtpdraft: interrupted", file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports it
 
 
 if __name__ == "__main__":

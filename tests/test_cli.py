@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run(*args: str | bytes) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "model", *args], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+                          timeout=300, cwd=ROOT, check=False)
 
 
 def strict_json(text: str):
