@@ -349,9 +349,10 @@ def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None =
 
         gpu = CudaBackend(ptx_dir=getattr(args, "ptx_dir", None))
     cfg = cfg or glm5_flash()
+    prog = getattr(args, "prog", "python3 bench/bench_propose.py")  # or "mtpdraft bench"
     res: dict[str, Any] = {"date": DATE, "device": getattr(gpu, "device_name", gpu.name),
                            "sm_count": getattr(gpu, "sm_count", None),
-                           "command": "python3 bench/bench_propose.py " + " ".join(args.argv)}
+                           "command": " ".join([prog, *args.argv])}
     log = print
     try:
         import subprocess
@@ -597,6 +598,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                          "profile use the first)")
     args = ap.parse_args(argv)
     args.argv = argv
+    args.prog = "python3 bench/bench_propose.py" if prog == "bench_propose.py" else prog
     if args.iters < 1:
         return _error(prog, f"--iters must be at least 1, got {args.iters}")
     # Every file is checked before a GPU minute is spent on the run.
