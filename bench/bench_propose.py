@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import math
 import statistics
@@ -58,7 +59,6 @@ from model.proposer import MtpProposer, ProposerState
 from runtime.dtypes import BF16
 from runtime.kernels.rmsnorm import rmsnorm
 
-DATE = "2026-11-29"
 CONTEXTS = (4096, 16000)
 KS = (1, 3)
 SECTION = "## MTP drafter: propose (bench/bench_propose.py)"
@@ -350,7 +350,7 @@ def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None =
         gpu = CudaBackend(ptx_dir=getattr(args, "ptx_dir", None))
     cfg = cfg or glm5_flash()
     prog = getattr(args, "prog", "python3 bench/bench_propose.py")  # or "mtpdraft bench"
-    res: dict[str, Any] = {"date": DATE, "device": getattr(gpu, "device_name", gpu.name),
+    res: dict[str, Any] = {"date": datetime.date.today().isoformat(), "device": getattr(gpu, "device_name", gpu.name),
                            "sm_count": getattr(gpu, "sm_count", None),
                            "command": " ".join([prog, *args.argv])}
     log = print
