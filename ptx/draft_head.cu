@@ -29,9 +29,8 @@ __device__ __forceinline__ uint32_t key_index(unsigned long long k) {
 }
 
 constexpr int WARPS = 8;
-// Rows per warp, 2 for both heads. Four rows per warp for the FP8 copy (128 KB per block, as the
-// BF16 head moves, so half as many per-block handshakes) measured slower on the H200: 194 us per
-// draft against 181 us with two rows (bench/bench_propose.py profile, 2026-11-29).
+// Rows per warp, 2 for both heads: four for the FP8 copy measured slower (BENCHMARKS.md, "Drafter
+// kernel notes").
 constexpr int ROWS_BF16 = 2;
 constexpr int ROWS_FP8 = 2;
 constexpr int U_FP8 = 4;  // 16-byte loads per row per lane in flight (gemv_fp8w_m2's UNROLL1)
