@@ -3,8 +3,8 @@
     python3 bench/torch_step.py                  # GLM-5.3-Flash shapes, contexts 4096 and 16000, k 1 and 3
     python3 -c "from bench.torch_step import run; print(run(4096, 3, graph=True))"
 
-A baseline for the runtime (REFERENCE.md quotes ~5.6 ms eager / ~3.16 ms graph at context 4096,
-k = 3). BF16 random weights at ``model.config.glm5_flash()`` shapes; ``context`` rows already sit in
+A baseline for the runtime (about 5.6 ms eager / 3.2 ms graph at context 4096, k = 3, on an H200:
+BENCHMARKS.md). BF16 random weights at ``model.config.glm5_flash()`` shapes; ``context`` rows already sit in
 the caches (random latents, indexer keys and gates, BF16 pool keys); each draft writes row
 ``context + i`` and runs:
 

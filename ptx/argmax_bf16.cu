@@ -6,9 +6,8 @@
 //
 // One thread-block cluster of ARGMAX_BLOCKS blocks x 1024 threads (launch helper: grid =
 // ARGMAX_BLOCKS, block 1024; the cluster shape is compiled in, so a plain cuLaunchKernel forms it).
-// A single 1024-thread block took 18.5 us per launch at n = 154880 on the H200 (measured in a
-// graph, 2026-11-29): one SM issuing the compare chain for 151 elements per thread is the limit.
-// A cluster spreads that over 8 SMs and still needs no workspace, no second launch and no
+// One SM issuing the compare chain is the limit of a single block (BENCHMARKS.md, "Drafter kernel
+// notes"). A cluster spreads that over 8 SMs and still needs no workspace, no second launch and no
 // cross-block atomics: the blocks' partial results meet through distributed shared memory, so the
 // kernel stays graph-capturable, deterministic and safe to run concurrently on several streams.
 #include "common.cuh"

@@ -88,7 +88,7 @@ def test_quantize_fp8_rows_scale_zero_row_and_saturation(host):
 
 
 def test_fp8_cast_saturates_instead_of_nan():
-    """ml_dtypes turns |x| >= 465 into NaN (REFERENCE.md); the runtime's conversion clips."""
+    """ml_dtypes turns |x| >= 465 into NaN (it does not saturate); the runtime's conversion clips."""
     from runtime.dtypes import to_fp8_saturating
 
     v = np.array([448.0, 460.0, 500.0, -1e6], np.float32)
