@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import datetime
 import json
 import math
 import statistics
@@ -46,9 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a script (python bench/bench_propose.py): find model/ and runtime/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
@@ -59,7 +60,6 @@ from model.proposer import MtpProposer, ProposerState
 from runtime.dtypes import BF16
 from runtime.kernels.rmsnorm import rmsnorm
 
-DATE = "2026-11-29"
 CONTEXTS = (4096, 16000)
 KS = (1, 3)
 SECTION = "## MTP drafter: propose (bench/bench_propose.py)"
@@ -353,9 +353,11 @@ def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None =
     if not getattr(args, "share_selection", True):
         # The arm for what index_share_for_mtp_iteration saves: every draft runs the indexer.
         cfg = dataclasses.replace(cfg, dsa=dataclasses.replace(cfg.dsa, share_for_mtp_iteration=False))
-    res: dict[str, Any] = {"share_selection": cfg.dsa.share_for_mtp_iteration,"date": DATE, "device": getattr(gpu, "device_name", gpu.name),
+    prog = getattr(args, "prog", "python3 bench/bench_propose.py")  # or "mtpdraft bench"
+    res: dict[str, Any] = {"share_selection": cfg.dsa.share_for_mtp_iteration,
+                           "date": datetime.date.today().isoformat(), "device": getattr(gpu, "device_name", gpu.name),
                            "sm_count": getattr(gpu, "sm_count", None),
-                           "command": "python3 bench/bench_propose.py " + " ".join(args.argv)}
+                           "command": " ".join([prog, *args.argv])}
     log = print
     try:
         import subprocess
@@ -560,9 +562,29 @@ def update_markdown(path: Path, body: str) -> None:
     path.write_text(text)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _unusable(path: Path, mode: str) -> str | None:
+    """Why ``path`` cannot be opened with ``mode`` ("r" or "a"), or None; creates nothing."""
+    existed = path.exists()
+    try:
+        with path.open(mode):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    if not existed:
+        path.unlink()
+    return None
+
+
+def _error(prog: str, msg: str) -> int:
+    print(f"{prog}: error: {' '.join(msg.split())}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """``prog``: the name the help and errors use (``mtpdraft bench`` when called from the CLI)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    prog = ap.prog
     ap.add_argument("--iters", type=int, default=50, help="timed proposes / replays per point (median)")
     ap.add_argument("--json", type=Path, help="write the raw results here")
     ap.add_argument("--update-md", type=Path, help="rewrite this benchmark's section of this markdown file")
@@ -585,17 +607,35 @@ def main(argv: list[str] | None = None) -> int:
                          "profile use the first)")
     args = ap.parse_args(argv)
     args.argv = argv
+    args.prog = "python3 bench/bench_propose.py" if prog == "bench_propose.py" else prog
+    if args.iters < 1:
+        return _error(prog, f"--iters must be at least 1, got {args.iters}")
+    # Every file is checked before a GPU minute is spent on the run.
+    for opt, path, mode in (("--json", args.json, "a"), ("--update-md", args.update_md, "a"),
+                            ("--notes", args.notes, "r"), ("--from-json", args.from_json, "r")):
+        problem = path and _unusable(path, mode)
+        if problem:
+            return _error(prog, f"{opt} {path}: {problem}")
     if args.from_json:
-        res = json.loads(args.from_json.read_text())
+        try:
+            res = json.loads(args.from_json.read_text())
+            out = table(res)
+        except (ValueError, KeyError, TypeError) as e:
+            return _error(prog, f"--from-json {args.from_json}: not this benchmark's results ({e!r})")
     else:
         try:
-            res = measure(args, contexts=args.contexts)
-        except ImportError as e:
-            print(f"the benchmark needs cuda-bindings and a CUDA GPU: {e}", file=sys.stderr)
-            return 2
+            from runtime.cuda_backend import CudaBackend
+
+            gpu = CudaBackend(ptx_dir=args.ptx_dir)
+        except Exception as e:  # noqa: BLE001 (no bindings, driver or device: any failure means no run)
+            return _error(prog, f"needs a CUDA GPU, and none is usable here: {e}")
+        try:
+            res = measure(args, gpu=gpu, contexts=args.contexts)
+        finally:
+            gpu.close()
         if args.json:
             args.json.write_text(json.dumps(res, indent=1))
-    out = table(res)
+        out = table(res)
     if args.update_md:
         notes = args.notes.read_text().strip() if args.notes else ""
         update_markdown(args.update_md, out + ("\n\n" + notes if notes else ""))

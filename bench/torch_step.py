@@ -3,8 +3,8 @@
     python3 bench/torch_step.py                  # GLM-5.3-Flash shapes, contexts 4096 and 16000, k 1 and 3
     python3 -c "from bench.torch_step import run; print(run(4096, 3, graph=True))"
 
-A baseline for the runtime (REFERENCE.md quotes ~5.6 ms eager / ~3.16 ms graph at context 4096,
-k = 3). BF16 random weights at ``model.config.glm5_flash()`` shapes; ``context`` rows already sit in
+A baseline for the runtime (about 5.6 ms eager / 3.2 ms graph at context 4096, k = 3, on an H200:
+BENCHMARKS.md). BF16 random weights at ``model.config.glm5_flash()`` shapes; ``context`` rows already sit in
 the caches (random latents, indexer keys and gates, BF16 pool keys); each draft writes row
 ``context + i`` and runs:
 
@@ -36,14 +36,13 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if not __package__:  # run as a script (python bench/torch_step.py): find model/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from train.torch_model import import_config_module  # noqa: E402
+from model.config import glm5_flash  # noqa: E402
 
 
 def _up(x: torch.Tensor) -> torch.Tensor:
@@ -240,7 +239,7 @@ def _step(rows_needed: int) -> DraftStep:
     if _STEP is None or _STEP.rows < rows_needed:
         _STEP = None
         torch.cuda.empty_cache()
-        cfg = import_config_module().glm5_flash()
+        cfg = glm5_flash()
         _STEP = DraftStep(cfg, rows=max(rows_needed, 16384 + 16), device="cuda")
     return _STEP
 

@@ -2,10 +2,11 @@
 
 - ``generate``: prompt in, text out, with acceptance statistics (host backend by default).
 - ``eval``: acceptance per draft position on held-out text.
-- ``bench``: the GPU benchmark of the drafter (needs a CUDA GPU).
+- ``bench``: the GPU benchmark of the drafter (needs a CUDA GPU; ``mtpdraft bench --help``).
 - ``inspect``: whether a drafter can be built from a checkpoint (``model/inspect_checkpoint.py``).
 
-User errors (a bad prompt, backend or checkpoint) print one line and exit with status 2.
+User errors (a bad prompt, option, backend or checkpoint) print one line and exit with status 2;
+``-v`` also prints the traceback behind one.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import json
 import logging
 import sys
+import traceback
 from pathlib import Path
 
 from tqdm import tqdm
@@ -22,10 +24,56 @@ log = logging.getLogger("mtpdraft")
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "glm-tiny-stdlib"
 DEFAULT_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+MAX_K = 8
+BYTE_VOCAB = 256  # prompts and held-out text are fed as bytes: token = byte value
 
 
 class UserError(Exception):
     """A mistake in what the user asked for: reported in one line, no traceback."""
+
+
+def one_line(e: BaseException) -> str:
+    """An error's text on one line (checkpoint errors list one problem per line)."""
+    head, *rest = str(e).splitlines() or [type(e).__name__]
+    return " ".join([head, "; ".join(r.strip() for r in rest)]).strip()
+
+
+# ---- checks that need no model ----------------------------------------------------------------
+
+
+def check_k(k: int) -> None:
+    if not 1 <= k <= MAX_K:
+        raise UserError(f"-k must be between 1 and {MAX_K}, got {k}")
+
+
+def encode(text: str) -> list[int]:
+    """The prompt's UTF-8 bytes. argv that is not UTF-8 arrives as lone surrogates
+    (surrogateescape): refused by name rather than guessed at."""
+    try:
+        return list(text.encode("utf-8"))
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"code point U+{c:04X}"
+        raise UserError(f"the prompt is not valid UTF-8 ({what} at character {e.start})") from e
+
+
+def decode(tokens: list[int]) -> str:
+    return bytes(t for t in tokens if 0 <= t < BYTE_VOCAB).decode("utf-8", errors="replace")
+
+
+def check_writable(path: Path, option: str) -> None:
+    """Fail now, not after the work, if ``path`` cannot be written; leaves no file behind."""
+    existed = path.exists()
+    try:
+        with path.open("a"):
+            pass
+    except OSError as e:
+        raise UserError(f"{option} {path}: cannot write there ({e.strerror or e})") from e
+    if not existed:
+        path.unlink()
+
+
+# ---- backend and checkpoint -------------------------------------------------------------------
 
 
 def make_backend(name: str):
@@ -39,47 +87,82 @@ def make_backend(name: str):
         try:
             return CudaBackend()
         except Exception as e:  # no driver, no device: a user-facing condition
-            raise UserError(f"the cuda backend is not usable here: {e}") from e
+            raise UserError(f"the cuda backend is not usable here: {one_line(e)}") from e
     raise UserError(f"unknown backend {name!r} (choose host or cuda)")
 
 
 def open_checkpoint(path: Path):
+    """The checkpoint with its config parsed; tensors are checked when loaded (``build``)."""
     from model.checkpoint import Checkpoint, CheckpointError
+    from model.config import ConfigError
 
-    if not path.is_dir():
+    if not path.exists():
         raise UserError(f"checkpoint directory {path} does not exist")
+    if not path.is_dir():
+        raise UserError(f"--checkpoint {path} is a file; give the checkpoint's directory "
+                        "(config.json + safetensors)")
     try:
         ckpt = Checkpoint(path)
         _ = ckpt.config
         return ckpt
-    except (CheckpointError, ValueError) as e:
-        raise UserError(f"{path} is not a usable checkpoint: {e}") from e
+    except CheckpointError as e:  # its text names the checkpoint or the file
+        raise UserError(one_line(e)) from e
+    except (ConfigError, OSError) as e:
+        raise UserError(f"{path} is not a usable checkpoint: {one_line(e)}") from e
 
 
-def encode(text: str) -> list[int]:
-    return list(text.encode("utf-8"))
-
-
-def decode(tokens: list[int]) -> str:
-    return bytes(t for t in tokens if 0 <= t < 256).decode("utf-8", errors="replace")
-
-
-def build(args, *, served: int):
-    from model.checkpoint import mtp_tensors, target_tensors
-    from model.proposer import MtpProposer, ProposerOptions
-    from model.target import TargetModel
+def build(args, ckpt, *, served: int):
+    """Backend, target and drafter for a checkpoint already opened; a tensor the config
+    describes but the checkpoint lacks (or holds at another dtype or shape) is a UserError."""
+    from model.checkpoint import CheckpointError, mtp_tensors, target_tensors
+    from model.config import ConfigError
+    from model.proposer import MtpProposer, ProposerError, ProposerOptions
+    from model.target import TargetError, TargetModel
+    from model.tensors import WeightError
 
     gpu = make_backend(args.backend)
-    ckpt = open_checkpoint(Path(args.checkpoint))
     cfg = ckpt.config
-    target = TargetModel(gpu, cfg, target_tensors(ckpt, cfg), served)
-    drafter = MtpProposer(
-        gpu, cfg, mtp_tensors(ckpt, cfg),
-        ProposerOptions(served_max_seq_len=served, max_draft_tokens=max(args.k, 1),
-                        max_sequences=1, use_graphs=args.backend == "cuda" and args.graphs),
-        tables=target.tables,
-    )
-    return gpu, cfg, target, drafter
+    try:
+        target = TargetModel(gpu, cfg, target_tensors(ckpt, cfg), served)
+        drafter = MtpProposer(
+            gpu, cfg, mtp_tensors(ckpt, cfg),
+            ProposerOptions(served_max_seq_len=served, max_draft_tokens=args.k,
+                            max_sequences=1, use_graphs=args.backend == "cuda" and args.graphs),
+            tables=target.tables,
+        )
+    except CheckpointError as e:  # its text names the checkpoint
+        raise UserError(one_line(e)) from e
+    # A corrupt tensor (a NaN weight, say) or options the model cannot serve.
+    except (WeightError, ConfigError, ProposerError, TargetError, OSError) as e:
+        raise UserError(f"{ckpt.path}: {one_line(e)}") from e
+    return target, drafter
+
+
+def context_rows(cfg, served: int) -> int:
+    """Rows the target and drafter will hold for ``served`` (capped by the model's DSA reach)."""
+    from model.dsa import drafter_context_rows
+
+    return drafter_context_rows(served, cfg.dsa)
+
+
+def run_model(fn, *a, **kw):
+    """Run decoding or evaluation; a bad-input error from the model (a checkpoint whose weights
+    produce non-finite values, say) is reported as one line."""
+    from model.proposer import ProposerError
+    from model.target import TargetError
+
+    try:
+        return fn(*a, **kw)
+    except (ProposerError, TargetError) as e:
+        raise UserError(f"decoding failed: {one_line(e)}") from e
+
+
+def print_json(obj: dict, file=None) -> None:
+    # allow_nan=False: the stats must parse under strict JSON (a never-reached position is null).
+    print(json.dumps(obj, allow_nan=False), file=file)
+
+
+# ---- commands ---------------------------------------------------------------------------------
 
 
 def cmd_generate(args) -> int:
@@ -91,71 +174,111 @@ def cmd_generate(args) -> int:
     if len(prompt) < 2:
         raise UserError("the prompt must be at least 2 bytes long")
     if args.max_new_tokens < 1:
-        raise UserError("--max-new-tokens must be at least 1")
-    if not 1 <= args.k <= 8:
-        raise UserError("-k must be between 1 and 8")
+        raise UserError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    check_k(args.k)
+    if args.max_context < 1:
+        raise UserError(f"--max-context must be at least 1, got {args.max_context}")
+    ckpt = open_checkpoint(Path(args.checkpoint))
     served = len(prompt) + args.max_new_tokens + args.k + 2
-    gpu, cfg, target, drafter = build(args, served=args.max_context)
-    if served > target.rows_cap:
+    cap = context_rows(ckpt.config, args.max_context)
+    if served > cap:
         raise UserError(
             f"prompt ({len(prompt)} tokens) plus {args.max_new_tokens} new tokens exceeds the "
-            f"served context of {target.rows_cap} tokens (--max-context, capped by the model)"
+            f"served context of {cap} tokens (--max-context, capped by the model)"
         )
-    with tqdm(total=args.max_new_tokens, desc="generate", unit="tok", disable=args.quiet) as bar:
-        out, stats = speculative_decode(target, drafter, prompt, args.max_new_tokens, args.k,
-                                        refeed_target_hidden=args.refeed_target_hidden,
-                                        progress=bar)
-    print(args.prompt + decode(out))
-    summary = stats.summary()
-    if args.check_lossless:
-        ref = greedy_decode(target, prompt, args.max_new_tokens)
-        summary["lossless"] = ref == out
-        if ref != out:
-            log.error("speculative output differs from the target's greedy output")
-    print(json.dumps(summary), file=sys.stderr)
-    drafter.close()
-    target.close()
+    vocab = ckpt.config.vocab_size
+    if max(prompt) >= vocab:
+        at = next(i for i, b in enumerate(prompt) if b >= vocab)
+        raise UserError(f"the prompt's byte 0x{prompt[at]:02x} (offset {at}) is outside the "
+                        f"checkpoint's vocabulary 0..{vocab - 1} (tokens are bytes)")
+    target, drafter = build(args, ckpt, served=args.max_context)
+    try:
+        with tqdm(total=args.max_new_tokens, desc="generate", unit="tok", disable=args.quiet) as bar:
+            out, stats = run_model(speculative_decode, target, drafter, prompt, args.max_new_tokens,
+                                   args.k, refeed_target_hidden=args.refeed_target_hidden,
+                                   progress=bar)
+        print(args.prompt + decode(out))
+        summary = stats.summary()
+        if args.check_lossless:
+            ref = run_model(greedy_decode, target, prompt, args.max_new_tokens)
+            summary["lossless"] = ref == out
+            if ref != out:
+                log.error("speculative output differs from the target's greedy output")
+        print_json(summary, file=sys.stderr)
+    finally:
+        drafter.close()
+        target.close()
     return 0 if summary.get("lossless", True) else 1
 
 
 def cmd_eval(args) -> int:
-    from model.evaluation import evaluate_acceptance
+    from model.evaluation import decode_acceptance, evaluate_acceptance
 
+    check_k(args.k)
+    if args.samples < 1:
+        raise UserError(f"--samples must be at least 1, got {args.samples}")
     if args.decode:
-        from model.evaluation import decode_acceptance
-
-        gpu, cfg, target, drafter = build(args, served=args.prompt_len + args.new_tokens + args.k + 2)
-        for refeed in (False, True):
-            print(json.dumps(decode_acceptance(target, drafter, k=args.k, prompts=args.samples,
-                                               prompt_len=args.prompt_len,
-                                               new_tokens=args.new_tokens, refeed=refeed,
-                                               quiet=args.quiet)))
+        if args.records:
+            raise UserError("--records writes the protocol's samples; it does not apply to --decode")
+        if args.prompt_len < 2:
+            raise UserError(f"--prompt-len must be at least 2 (decoding starts from a target "
+                            f"row and its token), got {args.prompt_len}")
+        if args.new_tokens < 1:
+            raise UserError(f"--new-tokens must be at least 1, got {args.new_tokens}")
+        served = args.prompt_len + args.new_tokens + args.k + 2
+        what = "--prompt-len plus --new-tokens"
+    else:
+        if args.max_t < 16:
+            raise UserError(f"--max-t must be at least 16, got {args.max_t}")
+        if args.records:
+            check_writable(Path(args.records), "--records")
+        served = args.max_t + args.k + 2
+        what = "--max-t"
+    ckpt = open_checkpoint(Path(args.checkpoint))
+    cap = context_rows(ckpt.config, served)
+    if served > cap:
+        raise UserError(f"{what} ({served - args.k - 2}) plus k + 2 exceeds the model's context "
+                        f"of {cap} tokens")
+    if ckpt.config.vocab_size < BYTE_VOCAB:
+        raise UserError(f"eval feeds held-out text as bytes 0..255; the checkpoint's vocabulary "
+                        f"is 0..{ckpt.config.vocab_size - 1}")
+    target, drafter = build(args, ckpt, served=served)
+    try:
+        if args.decode:
+            for refeed in (False, True):
+                res = run_model(decode_acceptance, target, drafter, k=args.k, prompts=args.samples,
+                                prompt_len=args.prompt_len, new_tokens=args.new_tokens,
+                                refeed=refeed, quiet=args.quiet)
+                if res["prompts"] == 0:
+                    raise UserError(f"no held-out file is longer than --prompt-len "
+                                    f"{args.prompt_len} bytes")
+                print_json(res)
+            return 0
+        records: list | None = [] if args.records else None
+        res = run_model(evaluate_acceptance, target, drafter, Path(args.checkpoint), k=args.k,
+                        samples=args.samples, max_t=args.max_t, quiet=args.quiet, records=records)
+        if args.records:
+            try:
+                Path(args.records).write_text(json.dumps(records, allow_nan=False))
+            except OSError as e:
+                raise UserError(f"--records {args.records}: {e.strerror or e}") from e
+        print_json(res)
+        return 0
+    finally:
         drafter.close()
         target.close()
-        return 0
-    if args.max_t < 16 or args.samples < 1:
-        raise UserError("--max-t must be >= 16 and --samples >= 1")
-    gpu, cfg, target, drafter = build(args, served=args.max_t + args.k + 2)
-    records: list | None = [] if args.records else None
-    res = evaluate_acceptance(target, drafter, Path(args.checkpoint), k=args.k,
-                              samples=args.samples, max_t=args.max_t, quiet=args.quiet,
-                              records=records)
-    if args.records:
-        Path(args.records).write_text(json.dumps(records))
-    print(json.dumps(res))
-    drafter.close()
-    target.close()
-    return 0
 
 
-def cmd_bench(args) -> int:
-    root = Path(__file__).resolve().parent.parent
-    sys.path.insert(0, str(root))
+def cmd_bench(args, bench_args: list[str]) -> int:
+    """Every argument after ``bench`` goes to the benchmark's own parser, ``--help`` included."""
     try:
         from bench import bench_propose
     except ImportError as e:
-        raise UserError(f"the benchmark script is not available in this install: {e}") from e
-    return bench_propose.main(args.bench_args)
+        raise UserError(f"the benchmark is not available in this install: {e}") from e
+    return bench_propose.main(bench_args, prog="mtpdraft bench")
+
+
+# ---- parser -----------------------------------------------------------------------------------
 
 
 def cmd_inspect(args) -> int:
@@ -167,29 +290,35 @@ def cmd_inspect(args) -> int:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mtpdraft", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-v", "--verbose", action="store_true", help="log progress at INFO level")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="log progress at INFO level; print the traceback behind an error")
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp):
+        # Also after the subcommand; SUPPRESS keeps a -v given before it.
+        sp.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="as mtpdraft -v")
         sp.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT),
                         help="checkpoint directory (config.json + safetensors); default: the "
                              "shipped tiny model trained on Python's standard library")
         sp.add_argument("--backend", default="host", choices=["host", "cuda"],
                         help="host: NumPy, runs anywhere (default); cuda: the GPU")
-        sp.add_argument("-k", type=int, default=3, help="drafts proposed per step (default 3)")
-        sp.add_argument("--max-context", type=int, default=1024,
-                        help="served context in tokens; the drafter's reach is this, capped by "
-                             "its DSA reservation (default 1024)")
-        sp.add_argument("--refeed-target-hidden", action="store_true",
-                        help="re-feed accepted draft rows with the target's own hidden rows")
+        sp.add_argument("-k", type=int, default=3,
+                        help=f"drafts proposed per step, 1..{MAX_K} (default 3)")
         sp.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="on cuda, replay propose as one CUDA graph per k (default on)")
         sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
     g = sub.add_parser("generate", help="generate text with speculative decoding")
     common(g)
-    g.add_argument("--prompt", default=DEFAULT_PROMPT, help="the prompt text (bytes are tokens)")
+    g.add_argument("--prompt", default=DEFAULT_PROMPT,
+                   help="the prompt text, UTF-8 (its bytes are the tokens)")
     g.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate (default 48)")
+    g.add_argument("--max-context", type=int, default=1024,
+                   help="served context in tokens; the drafter's reach is this, capped by "
+                        "its DSA reservation (default 1024)")
+    g.add_argument("--refeed-target-hidden", action="store_true",
+                   help="re-feed accepted draft rows with the target's own hidden rows")
     g.add_argument("--check-lossless", action="store_true",
                    help="also decode with the target alone and check the outputs are identical")
     g.set_defaults(func=cmd_generate)
@@ -214,21 +343,30 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("path", help="checkpoint directory")
     i.set_defaults(func=cmd_inspect)
 
-    b = sub.add_parser("bench", help="GPU benchmark of propose (see bench/bench_propose.py --help)")
-    b.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    # No options of its own (not even -h): main() hands everything after "bench" to the benchmark.
+    b = sub.add_parser("bench", add_help=False,
+                       help="GPU benchmark of propose (mtpdraft bench --help for its options)")
     b.set_defaults(func=cmd_bench)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args, rest = p.parse_known_args(argv)
+    if rest and args.func is not cmd_bench:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return args.func(args)
+        return args.func(args, rest) if args.func is cmd_bench else args.func(args)
     except UserError as e:
+        if args.verbose and e.__cause__ is not None:
+            traceback.print_exception(e.__cause__)
         print(f"mtpdraft: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("mtpdraft: interrupted", file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports it
 
 
 if __name__ == "__main__":

@@ -279,7 +279,13 @@ class ModelConfig:
             path = path / "config.json"
         if not path.is_file():
             raise ConfigError(f"no config.json at {path}")
-        return cls.from_hf_dict(json.loads(path.read_text()), **kw)
+        try:
+            raw = json.loads(path.read_bytes())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a JSON object, found {type(raw).__name__}")
+        return cls.from_hf_dict(raw, **kw)
 
     def to_hf_dict(self, *, nested: bool = False) -> dict[str, Any]:
         """The flat ``config.json`` (``glm_moe_dsa``), or with ``nested`` the published form:

@@ -26,6 +26,7 @@ from runtime.kv_cache import BlockTable, KvCacheConfig, KvDtype, PagedKvCache
 
 from .config import DsaConfig
 from .kernels.dsa_select import TOPK_MAX_POOLS, selection_capacity
+from .proposer_checks import ProposerError
 
 # The drafter's private pool uses the same block size as the target's absorbed-MLA cache, so the
 # latent write and the paged gather see the strides they assume.
@@ -38,8 +39,9 @@ def latent_cache_config(kv_lora_rank: int, layers: int) -> KvCacheConfig:
     return KvCacheConfig(KV_BLOCK_SIZE, 1, kv_lora_rank, layers, KvDtype.FP8_E4M3)
 
 
-class DsaSizingError(ValueError):
-    """A row past the drafter's sizing, or a feed that would leave a hole."""
+class DsaSizingError(ProposerError):
+    """A row past the drafter's sizing, or a feed that would leave a hole (a ProposerError, so an
+    engine catches one type for every refusal of its input)."""
 
 
 def max_dsa_context(cfg: DsaConfig) -> int:

@@ -66,7 +66,8 @@ def evaluate_acceptance(target: TargetModel, drafter: MtpProposer, checkpoint: P
             drafter.free_state(dst)
             target.free_state(tst)
     bar.close()
-    acc = [float(a / r) if r else float("nan") for a, r in zip(accepted, reached)]
+    # None (JSON null, not NaN) for a position no sample reached.
+    acc = [round(float(a / r), 4) if r else None for a, r in zip(accepted, reached)]
     return {
         "checkpoint": str(checkpoint),
         "k": k,
@@ -74,7 +75,7 @@ def evaluate_acceptance(target: TargetModel, drafter: MtpProposer, checkpoint: P
         "files": len(by_file),
         "reached": reached.tolist(),
         "accepted": accepted.tolist(),
-        "acceptance": [round(x, 4) for x in acc],
+        "acceptance": acc,
         "mean_accepted_drafts": round(total_acc / max(len(plan), 1), 4),
     }
 

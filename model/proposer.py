@@ -6,13 +6,17 @@
 Row space (dense): drafter row r is the pair ``(embed(tokens[r+1]), hidden[r])``; its KV slot, its
 indexer row and its position are all r. Context rows append exactly at the current length; a feed
 that would leave a hole or run past the sizing is refused before anything is written.
+
+Every refusal is a ``ProposerError`` (model/proposer_checks.py), raised before any state changes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -24,7 +28,8 @@ from runtime.graph import Graph
 from runtime.backend import GpuBackend
 from runtime.comm.base import CommDtype, ReduceOp
 from runtime.device_ptr import DevicePtr
-from runtime.errors import CommError
+from runtime.errors import CommError, MemoryFault
+from runtime.kernels.all_finite_bf16 import first_nonfinite_row
 from runtime.kernels.argmax_bf16 import argmax_bf16
 from runtime.kernels.copy_words import copy_words
 from runtime.kernels.gemv_bf16 import MAX_M as GEMV_MAX_M, gemv_bf16
@@ -43,14 +48,12 @@ from .dsa import (
 )
 from .kernels import draft_head
 from .kernels.mtp_input import mtp_embed_norm, mtp_input_gemv
+from .proposer_checks import (FLAG_BYTES, FLAG_LOGITS, FLAG_OWN_HIDDEN, FLAG_TARGET_HIDDEN, ProposerError,
+                              as_int, as_tokens, exclusive, nonfinite_problem)
 from .tensors import TensorLookup
 from .weights import DeviceArena, Sharding, SharedTables, WeightError, load_attention, load_moe
 
 log = logging.getLogger(__name__)
-
-
-class ProposerError(ValueError):
-    """Bad input to the proposer; raised before any state changes."""
 
 
 @dataclass(frozen=True)
@@ -66,8 +69,15 @@ class ProposerOptions:
     comm_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.max_draft_tokens < 1:
+        if as_int(self.max_draft_tokens, "max_draft_tokens") < 1:
             raise ProposerError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
+        if 0 < self.served_max_seq_len < self.max_draft_tokens:
+            # A propose of k drafts writes k drafter rows, which the served context bounds (the
+            # proposer bounds it again by its reach, drafter_context_rows).
+            raise ProposerError(
+                f"max_draft_tokens={self.max_draft_tokens} is more than the served context of "
+                f"{self.served_max_seq_len} tokens: a propose of k drafts writes k rows"
+            )
         if not 1 <= self.context_chunk <= GEMV_MAX_M:
             raise ProposerError(f"context_chunk must be 1..{GEMV_MAX_M} (rows one GEMV reads W for)")
         if self.max_sequences < 1:
@@ -104,6 +114,11 @@ class ProposerState:
     last_host_s: float = 0.0
     released: bool = False
     graphs: dict[int, Graph] = field(default_factory=dict)
+    # The label of the proposer that allocated this state: its pools are indexed by this state's
+    # blocks and slot, so every call checks it (another proposer would write into its own pool).
+    owner: str = ""
+    # u32 answer of the finiteness check of context rows (all_finite_bf16).
+    finite_row: DevicePtr | None = None
 
     @property
     def rows(self) -> int:
@@ -111,7 +126,8 @@ class ProposerState:
 
     @property
     def drafts_host(self) -> np.ndarray:
-        """The host's view of the last step's drafts (u32, valid after the step's wait)."""
+        """The host's view of the last step's drafts (u32, valid after the step's wait), then of
+        its flag word (the last word, ``flags_host``)."""
         return self.drafts_out.host.view(np.uint32)
 
     @property
@@ -124,27 +140,64 @@ class ProposerState:
         """The token the next draft embeds; each draft's head overwrites it with its argmax."""
         return self.step.offset(4)
 
+    @property
+    def flags_host(self) -> np.ndarray:
+        """The step's non-finite flag bytes (proposer_checks.FLAG_*): the last word of drafts_out,
+        which the host zeroes before the step and kernels raise; valid after the step's wait."""
+        return self.drafts_out.host[-FLAG_BYTES:]
+
+    def flag(self, byte: int) -> DevicePtr:
+        """Device address of one flag byte, for the kernel that raises it."""
+        return self.drafts_out.device.offset(self.drafts_out.nbytes - FLAG_BYTES + byte)
+
+
+_SERIALS = itertools.count(1)
+
 
 class MtpProposer:
+    """The drafter of one model on one device (one rank of it when sharded).
+
+    A proposer belongs to one thread and one stream at a time: every public call holds its lock,
+    and a call from a second thread while another is inside is refused with a ProposerError, not
+    queued (its launches, graph captures and row counts would interleave with the first's). After
+    ``close`` every method is refused, except ``close`` and ``free_state``, which are then no-ops
+    (the ``drafter_context_rows`` property, a number from the config, stays readable).
+    A state belongs to the proposer that allocated it; a state of another proposer is refused.
+
+    Non-finite input: a sequence whose context rows hold a NaN or an Inf is refused before anything
+    is written; a propose whose target hidden (or any value of the step) is not finite raises a
+    ProposerError naming its slot and what was not finite (see ``propose``). A NaN logit never wins
+    the argmax, so even then every draft the kernels commit is a valid token id. Weights are
+    checked as they are read (``TensorLookup``); tables passed in as device pointers are not.
+    """
+
     def __init__(self, gpu: GpuBackend, cfg: ModelConfig, tensors, options: ProposerOptions, *,
                  comm=None, tables: SharedTables | None = None, stream: int | None = None) -> None:
+        self.label = f"MtpProposer#{next(_SERIALS)}"
+        self._lock = threading.RLock()
+        self._closed = False
         self.gpu, self.cfg, self.opt, self.comm = gpu, cfg, options, comm
         self.stream = gpu.default_stream if stream is None else stream
         src = TensorLookup.of(tensors)
         H, V = cfg.hidden_size, cfg.vocab_size
         W = cfg.parallel.world_size
         if W > 1 and comm is None:
-            raise ValueError(
+            raise ProposerError(
                 f"proposer sharded over {W} ranks needs a communicator: without one it would "
                 "draft from this rank's share of the heads, experts and vocabulary only"
             )
         if comm is not None and comm.world_size != W:
-            raise ValueError(f"communicator has {comm.world_size} ranks, the config says {W}")
+            raise ProposerError(f"communicator has {comm.world_size} ranks, the config says {W}")
         if comm is not None and W > 1:
             self._agree_with_peers(options)
         groups = min(options.o_proj_groups, cfg.attention.num_attention_heads)
         self.sharding = sh = Sharding.for_config(cfg, groups)
         self.rows_cap = drafter_context_rows(options.served_max_seq_len, cfg.dsa)
+        if options.max_draft_tokens > self.rows_cap:
+            raise ProposerError(
+                f"max_draft_tokens={options.max_draft_tokens} is more than the {self.rows_cap} rows "
+                "the drafter holds (drafter_context_rows): a propose of k drafts writes k rows"
+            )
         P = f"model.layers.{cfg.mtp_layer_index}."
         self.arena = arena = DeviceArena(gpu)
         self._slots_free = list(range(options.max_sequences - 1, -1, -1))
@@ -240,6 +293,7 @@ class MtpProposer:
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
+    @exclusive()
     def alloc_state(self) -> ProposerState:
         """Everything a sequence needs, up front: ``propose`` allocates nothing."""
         if not self._slots_free:
@@ -260,7 +314,8 @@ class MtpProposer:
                 drafts=z(self.opt.max_draft_tokens * 4), ctx_tokens=z(ch * 4),
                 head_counter=z(4),
                 step_in=gpu.alloc_mapped(8),
-                drafts_out=gpu.alloc_mapped(self.opt.max_draft_tokens * 4),
+                drafts_out=gpu.alloc_mapped(self.opt.max_draft_tokens * 4 + FLAG_BYTES),
+                owner=self.label, finite_row=z(4),
             )
         except Exception:
             if dsa is not None:
@@ -271,9 +326,12 @@ class MtpProposer:
         self._states.append(st)
         return st
 
+    @exclusive(after_close=True)
     def free_state(self, st: ProposerState) -> None:
         """Release everything ``alloc_state`` took. Graphs go first: they bake these pointers, and
-        the slot may be reused with new ones. A second call is a no-op."""
+        the slot may be reused with new ones. A second call is a no-op (so is a call after
+        ``close``, which freed every state)."""
+        self._own(st)
         if st.released:
             return
         self.gpu.synchronize(self.stream)
@@ -288,40 +346,72 @@ class MtpProposer:
         self._states.remove(st)
         self._slots_free.append(st.slot)
 
+    @exclusive(after_close=True)
     def close(self) -> None:
+        """Free every state, the KV pool and the weights; every later call is refused. A second
+        call is a no-op."""
+        if self._closed:
+            return
         for st in list(self._states):
             self.free_state(st)
         self.kv.free()
         self.arena.free()
+        self._closed = True
+
+    def _own(self, st: ProposerState) -> None:
+        if not isinstance(st, ProposerState):
+            raise ProposerError(f"expected a ProposerState from {self.label}.alloc_state, got {type(st).__name__}")
+        if st.owner != self.label:
+            raise ProposerError(
+                f"the state of slot {st.slot} belongs to {st.owner or 'no proposer'}, not {self.label}: "
+                "a state is used only with the proposer that allocated it (its rows live in that "
+                "proposer's pool)"
+            )
 
     def _live(self, st: ProposerState) -> None:
+        self._own(st)
         if st.released:
-            raise ProposerError("proposer state was freed; allocate a new one")
+            raise ProposerError(f"proposer state of slot {st.slot} was freed; allocate a new one")
 
     # ---- queries --------------------------------------------------------------------------------
 
+    @exclusive()
     def drafter_rows(self, st: ProposerState) -> int:
+        self._live(st)
         return st.rows
 
+    @exclusive()
     def last_pair_key(self, st: ProposerState) -> int | None:
+        self._live(st)
         return st.rows - 1 if st.rows > 0 else None
 
     # ---- context rows ---------------------------------------------------------------------------
 
+    @exclusive()
     def prefill_drafter(self, st: ProposerState, prompt_tokens: Sequence[int], hiddens: DevicePtr) -> int:
         return self.catchup_drafter(st, prompt_tokens, hiddens, 0)
 
+    @exclusive()
     def catchup_drafter(self, st: ProposerState, tokens: Sequence[int], hiddens: DevicePtr,
                         row_base: int) -> int:
-        """Append rows ``row_base + r = (embed(tokens[r+1]), hiddens[r])``. Returns rows written."""
+        """Append rows ``row_base + r = (embed(tokens[r+1]), hiddens[r])``. Returns rows written.
+        The hidden rows are checked first (one read, one sync): a NaN or an Inf in any of them is
+        refused, naming the row, and nothing is written."""
         self._live(st)
-        rows = len(tokens) - 1
+        row_base = as_int(row_base, "row_base")
+        toks = self._check_tokens(tokens)
+        rows = len(toks) - 1
         if rows <= 0:
             return 0
-        toks = self._check_tokens(tokens)
         st.dsa.check_advance(row_base, rows)
         self._check_buffer(hiddens, rows * self.cfg.hidden_size * 2, "hiddens")
         gpu, s, H = self.gpu, self.stream, self.cfg.hidden_size
+        bad = first_nonfinite_row(gpu, hiddens, rows, H, st.finite_row, s)
+        if bad is not None:
+            raise ProposerError(
+                f"catch-up of the sequence in slot {st.slot}: hidden row {bad} (drafter row "
+                f"{row_base + bad}) is not finite (NaN or Inf); nothing was written"
+            )
         ch = self.opt.context_chunk
         for c in range(0, rows, ch):
             n = min(ch, rows - c)
@@ -341,10 +431,11 @@ class MtpProposer:
         cache-only path (a context row's attention and MoE output is never read)."""
         self.layer.context_rows(st.x, n, st.scratch, st.dsa, self.kv, st.row, 0, self.stream)
 
+    @exclusive()
     def rewind_to(self, st: ProposerState, n: int) -> None:
         """Drop rows ``n..``: the caches keep their bytes, which later feeds overwrite."""
         self._live(st)
-        st.dsa.rewind_to(n)
+        st.dsa.rewind_to(as_int(n, "n"))
         st.last_drafted = 0
 
     # ---- drafting -------------------------------------------------------------------------------
@@ -352,15 +443,29 @@ class MtpProposer:
     # diagnostic subclass replaces (bench/bench_propose.py ArmProposer, the tests' full-block
     # context rows); the proposer itself has no switch for them.
 
+    @exclusive()
     def propose(self, st: ProposerState, last_token: int, target_hidden: DevicePtr, position: int,
                 k: int) -> list[int]:
-        """k drafts. Draft 1 consumes the target's hidden, drafts 2..k the drafter's own output."""
+        """k drafts. Draft 1 consumes the target's hidden, drafts 2..k the drafter's own output.
+
+        Non-finite values: the step's kernels raise flag bytes that come back with the drafts (no
+        extra sync): the first kernel of each draft when its hidden row is not finite (the target's
+        for draft 1), the head when its winning logit is not (every logit NaN, or the largest
+        infinite). Then, after the wait, this raises a ProposerError naming the slot and the first
+        cause, and no draft is committed: the row count and ``last_pair_key`` are as before the
+        call. If the drafter was ahead of ``position`` the rewind to ``position`` stands (rows
+        ``position..`` were rewritten by the step, so they cannot be kept): then it holds
+        ``position`` rows and ``after_verify`` has nothing to trim, as after ``rewind_to``."""
         t_enter = time.perf_counter()
         self._live(st)
+        k = as_int(k, "k")
+        last_token = as_int(last_token, "last_token")
+        position = as_int(position, "position")
         if not 1 <= k <= self.opt.max_draft_tokens:
             raise ProposerError(f"k={k} outside 1..{self.opt.max_draft_tokens} (max_draft_tokens)")
-        if not 0 <= int(last_token) < self.cfg.vocab_size:  # one token: no array round trip
-            self._check_tokens([last_token])
+        if not 0 <= last_token < self.cfg.vocab_size:
+            raise ProposerError(
+                f"last_token {last_token} is outside the vocabulary 0..{self.cfg.vocab_size - 1}")
         if position < 0 or position + k > self.rows_cap:
             raise ProposerError(
                 f"propose at position {position} with k={k} runs past the {self.rows_cap} rows "
@@ -372,7 +477,8 @@ class MtpProposer:
                 "the missing rows first"
             )
         self._check_buffer(target_hidden, self.cfg.hidden_size * 2, "target_hidden")
-        if st.rows > position:
+        rewound = st.rows > position
+        if rewound:
             st.dsa.rewind_to(position)
         gpu, s = self.gpu, self.stream
         # Read by the step's first kernel, inside the graph when there is one: the host writes two
@@ -380,14 +486,24 @@ class MtpProposer:
         # since propose waits for its drafts).
         step_host = st.step_in.host.view(np.uint32)
         step_host[0], step_host[1] = position, last_token
+        out_host = st.drafts_host  # the drafts, then the step's flag word (st.flags_host)
+        out_host[-1] = 0
         gpu.copy_d2d(st.hidden_in, target_hidden, self.cfg.hidden_size * 2, s)
         self._launch_step(st, k)
         t_wait = time.perf_counter()
         self._wait(s)
         t_done = time.perf_counter()
+        if out_host[-1]:  # a kernel of the step raised a non-finite flag
+            if rewound:
+                st.last_drafted = 0
+            raise ProposerError(
+                f"propose for the sequence in slot {st.slot} at position {position}: "
+                f"{nonfinite_problem(st.flags_host)}; no draft was committed (the drafter holds "
+                f"{st.rows} rows)"
+            )
         st.dsa.length = position + k
         st.last_drafted = k
-        drafts = [int(t) for t in st.drafts_host[:k]]
+        drafts = [int(t) for t in out_host[:k]]
         st.last_host_s = (t_wait - t_enter) + (time.perf_counter() - t_done)
         return drafts
 
@@ -425,7 +541,7 @@ class MtpProposer:
         hidden = st.hidden_in if i == 0 else st.xn
         # Both input norms are every block's prologue of eh_proj (one launch, no concat round trip).
         mtp_input_gemv(gpu, self.tables.embed, st.token, self.enorm, hidden, self.hnorm, self.eh_proj,
-                       st.x, V, H, H, eps, s)
+                       st.x, V, H, H, eps, s, flag=st.flag(FLAG_TARGET_HIDDEN if i == 0 else FLAG_OWN_HIDDEN))
         self._block(st, i)
         self._head(st, i, publish)
 
@@ -454,7 +570,8 @@ class MtpProposer:
         if not self.head_sharded:
             # One launch: head GEMV, argmax, commit of the draft token (st.key stays zero).
             draft_head.head_argmax(gpu, w, sc, st.xn, st.logits, st.key, st.head_counter, st.token,
-                                   st.drafts, i, st.drafts_out.device, publish, n, H, s)
+                                   st.drafts, i, st.drafts_out.device, publish, n, H, s,
+                                   flag=st.flag(FLAG_LOGITS))
             return
         if sc is not None:
             gemv_fp8w(gpu, w, sc, st.xn, st.logits, 1, n, H, s)
@@ -463,7 +580,8 @@ class MtpProposer:
         argmax_bf16(gpu, st.logits, st.am_idx, st.am_val, n, s)
         draft_head.argmax_pack(gpu, st.am_idx, st.am_val, st.key, self.head_v0, s)
         self.comm.all_reduce(st.key, 1, CommDtype.UINT64, ReduceOp.MAX, stream=s)
-        draft_head.draft_commit(gpu, st.key, st.token, st.drafts, i, st.drafts_out.device, publish, s)
+        draft_head.draft_commit(gpu, st.key, st.token, st.drafts, i, st.drafts_out.device, publish, s,
+                                flag=st.flag(FLAG_LOGITS))
 
     def _wait(self, stream: int) -> None:
         """Wait for the drafts. With peers in the step a dead rank would leave the stream
@@ -474,10 +592,12 @@ class MtpProposer:
             wait(stream, self.opt.comm_timeout_s)
         self.gpu.synchronize(stream)
 
+    @exclusive()
     def after_verify(self, st: ProposerState, accepted: int) -> None:
         """Keep ``min(drafted, accepted + 1)`` of the rows the last propose wrote. Row 0 pairs the
         committed token with the target's hidden and is never trimmed; with one draft nothing is."""
         self._live(st)
+        accepted = as_int(accepted, "accepted")
         if accepted < 0 or accepted > st.last_drafted:
             raise ProposerError(f"accepted={accepted} outside 0..{st.last_drafted} (drafts proposed)")
         keep = min(st.last_drafted, accepted + 1)
@@ -489,18 +609,14 @@ class MtpProposer:
     # ---- checks ---------------------------------------------------------------------------------
 
     def _check_tokens(self, tokens: Sequence[int]) -> np.ndarray:
-        t = np.asarray(tokens, dtype=np.int64)
-        bad = np.nonzero((t < 0) | (t >= self.cfg.vocab_size))[0]
-        if bad.size:
-            raise ProposerError(
-                f"token {int(t[bad[0]])} at index {int(bad[0])} is outside the vocabulary "
-                f"0..{self.cfg.vocab_size - 1}"
-            )
-        return t.astype(np.uint32)
+        return as_tokens(tokens, self.cfg.vocab_size)
 
     def _check_buffer(self, ptr: DevicePtr, nbytes: int, what: str) -> None:
         if not isinstance(ptr, DevicePtr) or not ptr:
             raise ProposerError(f"{what} must be a non-null DevicePtr")
-        have = self.gpu.bytes_from(ptr)
+        try:
+            have = self.gpu.bytes_from(ptr)
+        except MemoryFault as e:  # freed, or never allocated on this backend
+            raise ProposerError(f"{what} is not a live allocation: {e}") from None
         if have < nbytes:
             raise ProposerError(f"{what} holds {have} bytes from its pointer; {nbytes} are needed")

@@ -42,9 +42,10 @@ class SpecStats:
                 self.accepted_at[i] += 1
 
     @property
-    def acceptance(self) -> list[float]:
-        """P(draft i accepted | drafts before it accepted), i = 1..k."""
-        return [a / r if r else float("nan") for a, r in zip(self.accepted_at, self.reached)]
+    def acceptance(self) -> list[float | None]:
+        """P(draft i accepted | drafts before it accepted), i = 1..k; None where draft i was never
+        reached (JSON null: NaN is not JSON)."""
+        return [a / r if r else None for a, r in zip(self.accepted_at, self.reached)]
 
     @property
     def mean_accepted(self) -> float:
@@ -54,7 +55,7 @@ class SpecStats:
         return {
             "k": self.k,
             "steps": self.steps,
-            "acceptance": [round(a, 4) for a in self.acceptance],
+            "acceptance": [None if a is None else round(a, 4) for a in self.acceptance],
             "mean_accepted_drafts": round(self.mean_accepted, 4),
             "tokens_per_step": round(self.mean_accepted + 1, 4),
             "drafter_ms_per_step": round(1e3 * self.drafter_s / max(self.steps, 1), 3),

@@ -1,12 +1,13 @@
 // Argmax over x[n] BF16: out_idx (u32) = the lowest index holding the largest value, out_val (f32)
-// = that value. NaN never wins; -inf is a value like any other. If every element is NaN (or
-// n == 0), out_idx = 0xFFFFFFFF and out_val = NaN, so the caller sees it.
+// = that value. NaN never wins: it compares below every number, -inf included. If every element
+// is NaN, out_idx = 0 (the lowest index: always a valid index, so a caller that commits it never
+// reads past its table) and out_val = NaN, which is the flag; only n == 0 gives 0xFFFFFFFF.
+// The all-NaN case is settled once at the end, not in the compare chain, which stays as it was.
 //
 // One thread-block cluster of ARGMAX_BLOCKS blocks x 1024 threads (launch helper: grid =
 // ARGMAX_BLOCKS, block 1024; the cluster shape is compiled in, so a plain cuLaunchKernel forms it).
-// A single 1024-thread block took 18.5 us per launch at n = 154880 on the H200 (measured in a
-// graph, 2026-11-29): one SM issuing the compare chain for 151 elements per thread is the limit.
-// A cluster spreads that over 8 SMs and still needs no workspace, no second launch and no
+// One SM issuing the compare chain is the limit of a single block (BENCHMARKS.md, "Drafter kernel
+// notes"). A cluster spreads that over 8 SMs and still needs no workspace, no second launch and no
 // cross-block atomics: the blocks' partial results meet through distributed shared memory, so the
 // kernel stays graph-capturable, deterministic and safe to run concurrently on several streams.
 #include "common.cuh"
@@ -111,7 +112,7 @@ extern "C" __global__ void __cluster_dims__(ARGMAX_BLOCKS, 1, 1) __launch_bounds
             consider(ov, oi, best, bi);
         }
         if (lane == 0) {
-            *out_idx = bi;
+            *out_idx = bi != NONE ? bi : (n ? 0u : NONE);
             *out_val = bi == NONE ? __uint_as_float(0x7FC00000u) : best;
         }
     }

@@ -1,24 +1,36 @@
 // The draft's exchange key and commit (model/kernels/draft_head.py), and the single-rank head that
 // fuses the logits GEMV, the argmax and the commit into one launch.
 //
-// Key: (order-preserving bits of the f32 logit) << 32 | (0xFFFFFFFF - global index): a larger key
-// is a larger logit, or on a tie the lower index.
+// Key: ordered_key(f32 logit) << 32 | (0xFFFFFFFF - global index): a larger key is a larger
+// logit, or on a tie the lower index. ordered_key maps NaN to 0, below -inf, so a NaN logit loses
+// to every number and NaNs tie-break by index like numbers: a draft is always a valid index (all
+// NaN gives the lowest), and the winning key says whether its logit was a number (key_nonfinite).
+//
+// Non-finite flag: every commit takes `flag`, one byte the proposer reads back with the drafts
+// (mapped pinned memory); the committing thread stores key_nonfinite's code there when the winning
+// logit is not a number (every logit NaN: 1) or infinite (2), and stores nothing otherwise. The
+// check is on the one winning key, so the logits get no extra pass.
 #include "model_common.cuh"
 #include "fp8_xsmem.cuh"  // dot16s, stage_x, x_smem, dynamic_smem_bytes
 
 namespace {
-// draft_head.ordered_bits: -0 counts as +0 (the lower index must win their tie) and NaN as -inf.
-__device__ __forceinline__ uint32_t ordered_bits(float v) {
-    if (isnan(v)) v = -INFINITY;
-    else if (v == 0.0f) v = 0.0f;
-    const uint32_t b = __float_as_uint(v);
-    return b < 0x80000000u ? (b ^ 0x80000000u) : ~b;
+constexpr uint32_t KEY_POS_INF = 0xFF800000u;  // ordered_key(+inf)
+constexpr uint32_t KEY_NEG_INF = 0x007FFFFFu;  // ordered_key(-inf)
+
+// 0: the winning logit is a number; 1: no logit is (every one NaN, or no rows); 2: it is +-inf.
+__device__ __forceinline__ uint32_t key_nonfinite(unsigned long long k) {
+    const uint32_t hi = (uint32_t)(k >> 32);
+    return hi == 0u ? 1u : (hi == KEY_POS_INF || hi == KEY_NEG_INF) ? 2u : 0u;
+}
+
+// The index a key commits; a zero key (no candidate at all: no rows) commits 0, a valid index.
+__device__ __forceinline__ uint32_t key_index(unsigned long long k) {
+    return k ? 0xFFFFFFFFu - (uint32_t)(k & 0xFFFFFFFFull) : 0u;
 }
 
 constexpr int WARPS = 8;
-// Rows per warp, 2 for both heads. Four rows per warp for the FP8 copy (128 KB per block, as the
-// BF16 head moves, so half as many per-block handshakes) measured slower on the H200: 194 us per
-// draft against 181 us with two rows (bench/bench_propose.py profile, 2026-11-29).
+// Rows per warp, 2 for both heads: four for the FP8 copy measured slower (BENCHMARKS.md, "Drafter
+// kernel notes").
 constexpr int ROWS_BF16 = 2;
 constexpr int ROWS_FP8 = 2;
 constexpr int U_FP8 = 4;  // 16-byte loads per row per lane in flight (gemv_fp8w_m2's UNROLL1)
@@ -83,12 +95,12 @@ __device__ __forceinline__ void publish_drafts(const uint32_t* drafts, uint32_t*
     host_drafts[slot] = t;
 }
 
-// Per block: candidate key of this block's rows (0 if none is a number) -> atomicMax into *key;
-// the last block commits the winner's index to token and drafts[slot], publishes the drafts when
-// asked (publish_drafts) and re-zeroes key.
+// Per block: candidate key of this block's rows (0 if it has none) -> atomicMax into *key; the
+// last block commits the winner's index to token and drafts[slot], raises *flag when the winner is
+// not finite, publishes the drafts when asked (publish_drafts) and re-zeroes key.
 __device__ __forceinline__ void argmax_commit(unsigned long long cand, unsigned long long* key, uint32_t* counter,
                                               uint32_t* token, uint32_t* drafts, uint32_t slot,
-                                              uint32_t* host_drafts, uint32_t publish) {
+                                              uint32_t* host_drafts, uint32_t publish, uint8_t* flag) {
     __shared__ unsigned long long best_s[WARPS];
     const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
@@ -106,7 +118,9 @@ __device__ __forceinline__ void argmax_commit(unsigned long long cand, unsigned 
     if (!last_block_done(counter)) return;
     if (threadIdx.x == 0) {
         const unsigned long long k = atomicOr(key, 0ull);
-        const uint32_t t = 0xFFFFFFFFu - (uint32_t)(k & 0xFFFFFFFFull);  // 0xFFFFFFFF: every logit NaN
+        const uint32_t t = key_index(k);
+        const uint32_t bad = key_nonfinite(k);
+        if (bad) *flag = (uint8_t)bad;
         *token = t;
         drafts[slot] = t;
         if (publish) publish_drafts(drafts, host_drafts, slot, t);
@@ -114,14 +128,13 @@ __device__ __forceinline__ void argmax_commit(unsigned long long cand, unsigned 
     }
 }
 
-// The logit of `row` (warp-reduced v), rounded to BF16 and stored; its candidate key (0 for NaN).
-// -0 is folded onto +0 so that equal logits always tie-break by index, as argmax_bf16 does.
+// The logit of `row` (warp-reduced v), rounded to BF16 and stored; its candidate key (never 0: a
+// NaN logit has high word 0 and still its index). -0 is folded onto +0 so that equal logits always
+// tie-break by index, as argmax_bf16 does.
 __device__ __forceinline__ unsigned long long store_logit(float v, uint32_t row, uint16_t* logits) {
     const uint16_t b = f32_to_bf16_bits(v);
     logits[row] = b;
-    const float vb = bf16_bits_to_f32(b);
-    if (isnan(vb)) return 0ull;
-    return ((unsigned long long)ordered_key(vb) << 32) | (0xFFFFFFFFu - row);
+    return ((unsigned long long)ordered_key(bf16_bits_to_f32(b)) << 32) | (0xFFFFFFFFu - row);
 }
 }  // namespace
 
@@ -130,29 +143,35 @@ extern "C" __global__ void __launch_bounds__(32) argmax_pack(const uint32_t* __r
                                                              unsigned long long* __restrict__ key, uint32_t v0) {
     if (threadIdx.x != 0) return;
     const uint32_t i = *idx;
-    // A shard whose logits are all NaN (argmax index 0xFFFFFFFF) packs 0: it never wins.
-    *key = i == 0xFFFFFFFFu ? 0ull : ((unsigned long long)ordered_bits(*val) << 32) | (0xFFFFFFFFu - (i + v0));
+    // A shard whose logits are all NaN (argmax_bf16: index 0, value NaN) packs high word 0: it
+    // loses to any number on another rank, and among all-NaN shards the lowest index wins. An
+    // empty shard (index 0xFFFFFFFF) packs 0 and never wins.
+    *key = i == 0xFFFFFFFFu ? 0ull : ((unsigned long long)ordered_key(*val) << 32) | (0xFFFFFFFFu - (i + v0));
 }
 
 extern "C" __global__ void __launch_bounds__(32) draft_commit(const unsigned long long* __restrict__ key,
                                                               uint32_t* __restrict__ token, uint32_t* drafts,
                                                               uint32_t slot, uint32_t* __restrict__ host_drafts,
-                                                              uint32_t publish) {
+                                                              uint32_t publish, uint8_t* __restrict__ flag) {
     if (threadIdx.x != 0) return;
-    const uint32_t t = 0xFFFFFFFFu - (uint32_t)(*key & 0xFFFFFFFFull);
+    const unsigned long long k = *key;
+    const uint32_t t = key_index(k);
+    const uint32_t bad = key_nonfinite(k);
+    if (bad) *flag = (uint8_t)bad;
     *token = t;
     drafts[slot] = t;
     if (publish) publish_drafts(drafts, host_drafts, slot, t);
 }
 
-// logits = W @ x (BF16 head), draft = argmax(logits) (lowest index on ties, NaN never wins),
-// *token = drafts[slot] = draft. Grid ceil(n / 16), block 256: 8 warps x 2 rows, 4 x 2 loads of
+// logits = W @ x (BF16 head), draft = argmax(logits) (lowest index on ties, NaN below every
+// number), *token = drafts[slot] = draft, *flag raised when the winning logit is not finite. Grid ceil(n / 16), block 256: 8 warps x 2 rows, 4 x 2 loads of
 // 16 bytes per lane in flight. `key` (u64) and `counter` (u32) are zeroed scratch the kernel
 // leaves zeroed; every replay of a graph reuses them.
 extern "C" __global__ void __launch_bounds__(256) head_argmax_bf16(
     const uint16_t* __restrict__ w, const uint16_t* __restrict__ x, uint16_t* __restrict__ logits,
     unsigned long long* key, uint32_t* counter, uint32_t* __restrict__ token, uint32_t* drafts,
-    uint32_t slot, uint32_t* __restrict__ host_drafts, uint32_t publish, uint32_t n, uint32_t k) {
+    uint32_t slot, uint32_t* __restrict__ host_drafts, uint32_t publish, uint32_t n, uint32_t k,
+    uint8_t* __restrict__ flag) {
     constexpr int ROWS = ROWS_BF16;
     const uint32_t lane = threadIdx.x & 31;
     const uint32_t row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
@@ -171,7 +190,7 @@ extern "C" __global__ void __launch_bounds__(256) head_argmax_bf16(
         }
     }
     wait_then_release();  // a warp without rows never reached the wait in warp_gemv_bf16
-    argmax_commit(cand, key, counter, token, drafts, slot, host_drafts, publish);
+    argmax_commit(cand, key, counter, token, drafts, slot, host_drafts, publish, flag);
 }
 
 // As head_argmax_bf16 with the FP8 copy of the head: logit = scale[row] * (Wq[row] . x), the f32
@@ -220,7 +239,8 @@ __device__ __forceinline__ bool head_fp8_group(const uint8_t* __restrict__ wq, c
 extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_fp8(
     const uint8_t* __restrict__ wq, const float* __restrict__ scale, const uint16_t* __restrict__ x,
     uint16_t* __restrict__ logits, unsigned long long* key, uint32_t* counter, uint32_t* __restrict__ token,
-    uint32_t* drafts, uint32_t slot, uint32_t* __restrict__ host_drafts, uint32_t publish, uint32_t n, uint32_t k) {
+    uint32_t* drafts, uint32_t slot, uint32_t* __restrict__ host_drafts, uint32_t publish, uint32_t n, uint32_t k,
+    uint8_t* __restrict__ flag) {
     constexpr int ROWS = ROWS_FP8;
     const uint32_t lane = threadIdx.x & 31;
     const bool vec = (k % 16u == 0) && aligned16(wq) && aligned16(x);
@@ -250,5 +270,5 @@ extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_fp8(
     for (; g < groups; g += gridDim.x) {
         if (!head_fp8_group<false>(wq, scale, x, logits, g, n, k, vec, smem, pre, cand)) break;
     }
-    argmax_commit(cand, key, counter, token, drafts, slot, host_drafts, publish);
+    argmax_commit(cand, key, counter, token, drafts, slot, host_drafts, publish, flag);
 }

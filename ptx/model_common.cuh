@@ -361,21 +361,27 @@ __device__ __forceinline__ bool rms_stage_ok(const uint16_t* x, const uint16_t* 
 }
 
 // Prologue: xs[0..n) = bf16((x / r) * w), r the RMS divisor of x (rmsnorm.cu's arithmetic).
+// Returns r, the same in every thread: it is not finite exactly when the row's f32 sum of squares
+// is not, i.e. when x holds a NaN or an Inf (or |x| so large that the sum overflows), which is how
+// a caller checks its input row without another pass over it.
 struct RmsNormToSmem {
     const uint16_t* x;
     const uint16_t* w;
     uint32_t n;
     float eps;
     float* scratch;  // 64 floats
-    __device__ __forceinline__ void operator()(uint16_t* xs) const {
+    __device__ __forceinline__ float operator()(uint16_t* xs) const {
+        float d;
         if (rms_stage_ok(x, w, xs, n)) {
             float ss = stage_row_sumsq(x, xs, n), unused = 0.0f;
             block_sum2(ss, unused, scratch);
-            scale_staged_row(xs, w, n, sqrtf(ss / (float)n + eps));
+            d = sqrtf(ss / (float)n + eps);
+            scale_staged_row(xs, w, n, d);
         } else {
-            const float d = rms_divisor(x, n, eps, scratch);
+            d = rms_divisor(x, n, eps, scratch);
             rms_apply(x, w, xs, n, d);
         }
         __syncthreads();
+        return d;
     }
 };

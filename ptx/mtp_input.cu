@@ -86,10 +86,15 @@ __device__ __forceinline__ float eh_half_dot_scalar(const uint16_t* __restrict__
 //
 // One row per warp, grid-stride over the rows with at most EH_ROWS_PER_WARP rows per warp, grid
 // and block fixed by the launch helper; dynamic smem 2 * h * 2 bytes; __launch_bounds__(256, 4).
+//
+// Non-finite flag: `flag` is one byte the proposer reads back with the drafts (mapped pinned
+// memory). Block 0's first thread stores 1 there when the hidden row is not finite (its RMS
+// divisor, which the prologue computes anyway, is NaN or Inf), 2 when the token is not in the
+// vocabulary, 3 for both, and stores nothing otherwise; after the wait, as a BESIDE kernel must.
 extern "C" __global__ void __launch_bounds__(256, 4) mtp_input_gemv(
     const uint16_t* __restrict__ table, const uint32_t* __restrict__ token, const uint16_t* __restrict__ enorm,
     const uint16_t* __restrict__ hidden, const uint16_t* __restrict__ hnorm, const uint16_t* __restrict__ w,
-    uint16_t* __restrict__ y, uint32_t vocab, uint32_t h, uint32_t n, float eps) {
+    uint16_t* __restrict__ y, uint32_t vocab, uint32_t h, uint32_t n, float eps, uint8_t* __restrict__ flag) {
     extern __shared__ __align__(16) uint16_t xs[];  // [normed embedding row ; normed hidden row]
     __shared__ float scratch[64];
     __shared__ float part[EH_ROWS_PER_WARP * EH_WARPS];  // hidden-half sums, lane 0 of each warp
@@ -102,7 +107,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) mtp_input_gemv(
     uint4 wv[EH_U];
 
     if (vec && row0 < n) eh_load_batch(reinterpret_cast<const uint4*>(w + row0 * k + h), 0, hc, wv);
-    RmsNormToSmem{hidden, hnorm, h, eps, scratch}(xs + h);
+    const float hidden_rms = RmsNormToSmem{hidden, hnorm, h, eps, scratch}(xs + h);
     uint32_t i = 0;
     for (uint32_t row = row0; row < n; row += warps, ++i) {
         const uint16_t* wr = w + row * k + h;
@@ -118,6 +123,10 @@ extern "C" __global__ void __launch_bounds__(256, 4) mtp_input_gemv(
     // Through L2, not the read-only path: the head was still running when this grid started, so
     // the token is not read-only over this kernel's lifetime (see ptx/common.cuh).
     const uint32_t t = __ldcg(token);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        const uint32_t bad = (isfinite(hidden_rms) ? 0u : 1u) | (t < vocab ? 0u : 2u);
+        if (bad) *flag = (uint8_t)bad;
+    }
     if (t < vocab) {
         RmsNormToSmem{table + (size_t)t * h, enorm, h, eps, scratch}(xs);
     } else {

@@ -252,7 +252,7 @@ def test_layout_at_reference_shapes_matches_the_spec():
     nbytes = {n: np.prod(s.shape) * DTYPES[s.dtype].itemsize for n, s in mtp.items()}
     experts = sum(b for n, b in nbytes.items() if ".mlp.experts." in n)
     block = sum(nbytes.values()) - experts
-    # REFERENCE.md: a draft reads about 0.37 GB of block and 0.40 GB for 8 experts.
+    # At the GLM-5.3-Flash shapes a draft reads about 0.37 GB of block and 0.40 GB for 8 experts.
     assert abs(block / 1e9 - 0.37) < 0.01
     assert abs(experts * 8 / 288 / 1e9 - 0.40) < 0.01
     assert shared_layout(cfg)[LM_HEAD].shape == (154880, 4096)

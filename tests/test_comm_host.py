@@ -570,7 +570,7 @@ def test_comm_dtype_table() -> None:
              CommDtype.INT64: 8, CommDtype.UINT64: 8, CommDtype.FLOAT16: 2, CommDtype.FLOAT32: 4,
              CommDtype.FLOAT64: 8, CommDtype.BFLOAT16: 2, CommDtype.FP8_E4M3: 1}
     assert {d: d.itemsize for d in CommDtype} == sizes
-    # NCCL's ncclDataType_t / ncclRedOp_t values (REFERENCE.md).
+    # NCCL's ncclDataType_t / ncclRedOp_t values (nccl.h).
     assert [int(d) for d in CommDtype] == list(range(11))
     assert [int(o) for o in ReduceOp] == [0, 1, 2, 3, 4]
     assert CommDtype.of(ml_dtypes.bfloat16) is CommDtype.BFLOAT16

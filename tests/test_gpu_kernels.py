@@ -19,6 +19,7 @@ from kernel_util import abs_dot, assert_dot_close, dot_bound, random_bf16
 from runtime.dtypes import BF16, FP8, quantize_rows_fp8
 from runtime.host_backend import HostBackend
 from runtime.kernels.add_bf16 import add_bf16
+from runtime.kernels.all_finite_bf16 import NONE as FINITE, all_finite_bf16, first_nonfinite_row_ref
 from runtime.kernels.argmax_bf16 import argmax_bf16, argmax_ref
 from runtime.kernels.embed_gather_bf16 import embed_gather_bf16
 from runtime.kernels.gemv_bf16 import gemv_bf16, gemv_bf16_ref
@@ -166,6 +167,35 @@ def test_read_xor(cuda, n16, blocks, l2_256b):
     assert np.bitwise_xor.reduce(g["out"].view(np.uint32)) == np.bitwise_xor.reduce(words)
 
 
+@pytest.mark.parametrize("rows,h,mis", [(1, 4096, 0), (7, 4096, 0), (300, 4096, 0), (5, 37, 0), (9, 4096, 2),
+                                        (3, 1, 0)])
+def test_all_finite(cuda, rows, h, mis):
+    """The lowest row holding a NaN or an Inf (every kind, anywhere in the row, in several rows at
+    once), or NONE; the output is poisoned before the launch (the helper resets it)."""
+    rng = np.random.default_rng()
+    x = random_bf16(rng, (rows, h))
+
+    def check(x: np.ndarray) -> int:
+        g, hh = both(cuda, lambda gpu, x, out: all_finite_bf16(gpu, x, rows, h, out), {"x": x}, {"out": 4},
+                     {"x": mis})
+        assert g["out"].tobytes() == hh["out"].tobytes()
+        return int(g["out"].view(np.uint32)[0])
+
+    assert check(x) == FINITE
+    for bad in (np.nan, np.inf, -np.inf):
+        y = x.copy()
+        r = sorted(rng.choice(rows, size=min(rows, 3), replace=False))
+        for rr in r:
+            y[rr, int(rng.integers(h))] = bad
+        assert check(y) == r[0] == first_nonfinite_row_ref(y)
+    y = x.copy()
+    y[rows - 1, h - 1] = np.nan  # the very last element (the scalar tail when h is odd)
+    assert check(y) == rows - 1
+    big = x.copy()
+    big[0, 0] = 2.0**127  # huge is finite
+    assert check(big) == FINITE
+
+
 def _argmax_both(cuda, x: np.ndarray, mis: int = 0) -> tuple[tuple[int, bytes], tuple[int, bytes]]:
     n = len(x)
     g, h = both(
@@ -199,13 +229,19 @@ def test_argmax(cuda, n, mis):
     y[where[1]] = top
     g, h = _argmax_both(cuda, y, mis)
     assert g == h and g[0] == argmax_ref(y)[0]
-    # all NaN: NONE and NaN; -inf among NaN: it wins
+    # all NaN: index 0 (a valid index) flagged by the NaN value; -inf among NaN: it wins
     z = np.full(n, np.nan, np.float32)
     g, h = _argmax_both(cuda, z, mis)
-    assert g[0] == h[0] == 0xFFFFFFFF and np.isnan(np.frombuffer(g[1], np.float32)[0])
+    assert g[0] == h[0] == 0 and np.isnan(np.frombuffer(g[1], np.float32)[0])
+    assert np.isnan(np.frombuffer(h[1], np.float32)[0])
     z[n - 2] = -np.inf
     g, h = _argmax_both(cuda, z, mis)
     assert g == h and g[0] == n - 2
+    # +inf is a value too: the lowest +inf wins over NaN and numbers
+    y[where[2]] = np.inf
+    y[where[1]] = np.inf
+    g, h = _argmax_both(cuda, y, mis)
+    assert g == h and g[0] == where[1]
 
 
 # ---- GEMVs ---------------------------------------------------------------------------------------------

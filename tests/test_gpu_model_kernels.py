@@ -35,7 +35,7 @@ from kernel_util import abs_dot, assert_dot_close, dot_bound, random_bf16
 from model.kernels import bgemv as bg
 from model.kernels import draft_head, dsa_cache, dsa_select, moe, sparse_mla
 from model.kernels.dsa_select import TOPK_MAX_POOLS, select_rows_ref
-from model.kernels.mtp_input import mtp_embed_norm, mtp_input_gemv
+from model.kernels.mtp_input import HIDDEN_NONFINITE, TOKEN_OUTSIDE, mtp_embed_norm, mtp_input_gemv
 from runtime.dtypes import BF16, FP8, quantize_rows_fp8
 from runtime.host_backend import HostBackend
 from runtime.kernels.rmsnorm import rmsnorm_ref
@@ -173,17 +173,41 @@ def test_mtp_input_gemv(cuda, n, h, token):
     vocab = 1000
     bufs = {"table": random_bf16(rng, (vocab, h)), "tok": np.array([token], np.uint32),
             "enorm": random_bf16(rng, h, exp_lo=-1), "hidden": random_bf16(rng, h),
-            "hnorm": random_bf16(rng, h, exp_lo=-1), "w": random_bf16(rng, (n, 2 * h), exp_lo=-8), "y": 2 * n}
-    g, hh = both(cuda, lambda gpu, table, tok, enorm, hidden, hnorm, w, y: mtp_input_gemv(
-        gpu, table, tok, enorm, hidden, hnorm, w, y, vocab, h, n, 1e-5), bufs)
+            "hnorm": random_bf16(rng, h, exp_lo=-1), "w": random_bf16(rng, (n, 2 * h), exp_lo=-8), "y": 2 * n,
+            "flag": np.zeros(4, np.uint8)}
+    g, hh = both(cuda, lambda gpu, table, tok, enorm, hidden, hnorm, w, y, flag: mtp_input_gemv(
+        gpu, table, tok, enorm, hidden, hnorm, w, y, vocab, h, n, 1e-5, flag=flag), bufs)
     gy, hy = as_(g["y"], BF16), as_(hh["y"], BF16)
+    assert g["flag"].tobytes() == hh["flag"].tobytes()
     if token >= vocab:
         assert np.isnan(gy.astype(np.float32)).all(), "an out-of-vocabulary token gives NaN, never a read past the table"
+        assert g["flag"].tolist() == [TOKEN_OUTSIDE, 0, 0, 0], "and raises the flag"
         return
+    assert not g["flag"].any(), "finite inputs raise no flag"
     xn = np.concatenate([rmsnorm_ref(bufs["table"][token], bufs["enorm"], 1e-5),
                          rmsnorm_ref(bufs["hidden"], bufs["hnorm"], 1e-5)])
     ref = hy.astype(np.float64)
     assert_dot_close(gy, ref, _norm_gemv_bound(xn, bufs["w"], ref, 2 * h), f"mtp_input_gemv n={n} h={h}")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("h,mis", [(HIDDEN, 0), (37, 0), (HIDDEN, 2)])
+def test_mtp_input_gemv_flags_a_nonfinite_hidden(cuda, bad, h, mis):
+    """One NaN or Inf in the hidden row raises HIDDEN_NONFINITE (vector and scalar norm paths),
+    as the twin does; the output is NaN on both (the row is unusable, the flag says so)."""
+    rng = np.random.default_rng()
+    vocab, n = 1000, 300
+    hidden = random_bf16(rng, h)
+    hidden[int(rng.integers(h))] = bad
+    bufs = {"table": random_bf16(rng, (vocab, h)), "tok": np.array([7], np.uint32),
+            "enorm": random_bf16(rng, h, exp_lo=-1), "hidden": hidden,
+            "hnorm": random_bf16(rng, h, exp_lo=-1), "w": random_bf16(rng, (n, 2 * h), exp_lo=-8), "y": 2 * n,
+            "flag": np.zeros(4, np.uint8)}
+    g, hh = both(cuda, lambda gpu, table, tok, enorm, hidden, hnorm, w, y, flag: mtp_input_gemv(
+        gpu, table, tok, enorm, hidden, hnorm, w, y, vocab, h, n, 1e-5, flag=flag), bufs, {"hidden": mis})
+    assert g["flag"].tolist() == hh["flag"].tolist() == [HIDDEN_NONFINITE, 0, 0, 0]
+    assert np.isnan(as_(g["y"], BF16).astype(np.float32)).all()
+    assert np.isnan(as_(hh["y"], BF16).astype(np.float32)).all()
 
 
 @pytest.mark.parametrize("beside", [False, True], ids=["wait", "beside"])
@@ -716,15 +740,19 @@ def test_experts_read_only_the_chosen_of_288(cuda):
                                         (float("nan"), 9, 0)])
 @pytest.mark.parametrize("publish", [0, 1])
 def test_argmax_pack_and_commit_exact(cuda, val, idx, v0, publish):
-    def run(gpu, i, v, key, tok, drafts, out):
+    def run(gpu, i, v, key, tok, drafts, out, flag):
         draft_head.argmax_pack(gpu, i, v, key, v0)
-        draft_head.draft_commit(gpu, key, tok, drafts, 2, out, publish)
+        draft_head.draft_commit(gpu, key, tok, drafts, 2, out, publish, flag=flag)
 
     prior = np.array([11, 22, 0xFFFFFFFF, 0xFFFFFFFF], np.uint32)  # drafts 0 and 1 of the step
     g, h = both(cuda, run, {"i": np.array([idx], np.uint32), "v": np.array([val], np.float32), "key": 8,
-                            "tok": 4, "drafts": prior, "out": 16})
+                            "tok": 4, "drafts": prior, "out": 16, "flag": np.zeros(4, np.uint8)})
     assert g["key"].tobytes() == h["key"].tobytes()
     assert g["out"].tobytes() == h["out"].tobytes()
+    assert g["flag"].tobytes() == h["flag"].tobytes()
+    # a NaN logit commits its (valid) index and raises NONFINITE_NAN, an infinite one NONFINITE_INF
+    want = (draft_head.NONFINITE_NAN if np.isnan(val) else draft_head.NONFINITE_INF if np.isinf(val) else 0)
+    assert g["flag"].tolist() == [want, 0, 0, 0]
     assert int(as_(g["key"], np.uint64)[0]) == draft_head.pack_key(val, idx + v0)
     assert int(as_(g["tok"], np.uint32)[0]) == idx + v0 == int(as_(g["drafts"], np.uint32)[2])
     assert (g["drafts"][12:] == 0xFF).all()
@@ -734,10 +762,31 @@ def test_argmax_pack_and_commit_exact(cuda, val, idx, v0, publish):
         assert (g["out"] == 0xFF).all()
 
 
-def test_argmax_pack_of_an_all_nan_shard_is_zero(cuda):
-    g, h = both(cuda, lambda gpu, i, v, key: draft_head.argmax_pack(gpu, i, v, key, 77440),
-                {"i": np.array([0xFFFFFFFF], np.uint32), "v": np.array([np.nan], np.float32), "key": 8})
-    assert int(as_(g["key"], np.uint64)[0]) == 0 and g["key"].tobytes() == h["key"].tobytes()
+def test_argmax_pack_of_an_all_nan_shard_loses_to_every_number(cuda):
+    """argmax_bf16 of an all-NaN shard is (0, NaN): its key has high word 0 and keeps its index,
+    below the key of -inf on any other rank; an empty shard (0xFFFFFFFF) packs 0."""
+    def pack(i, v):
+        g, h = both(cuda, lambda gpu, i, v, key: draft_head.argmax_pack(gpu, i, v, key, 77440),
+                    {"i": np.array([i], np.uint32), "v": np.array([v], np.float32), "key": 8})
+        assert g["key"].tobytes() == h["key"].tobytes()
+        return int(as_(g["key"], np.uint64)[0])
+
+    nan_key = pack(0, np.nan)
+    assert nan_key == 0xFFFFFFFF - 77440 and draft_head.unpack_index(nan_key) == 77440
+    assert pack(5, -np.inf) > nan_key
+    assert pack(0xFFFFFFFF, np.nan) == 0
+
+
+def test_draft_commit_of_an_empty_key_is_a_valid_token(cuda):
+    """The zero key (no candidate at all) commits token 0, flagged NaN: never 0xFFFFFFFF."""
+    def run(gpu, key, tok, drafts, out, flag):
+        draft_head.draft_commit(gpu, key, tok, drafts, 0, out, True, flag=flag)
+
+    g, h = both(cuda, run, {"key": np.zeros(1, np.uint64), "tok": 4, "drafts": 4, "out": 4,
+                            "flag": np.zeros(4, np.uint8)})
+    for b in (g, h):
+        assert int(as_(b["tok"], np.uint32)[0]) == 0 == int(as_(b["out"], np.uint32)[0])
+        assert b["flag"].tolist() == [draft_head.NONFINITE_NAN, 0, 0, 0]
 
 
 @pytest.fixture(scope="module")
@@ -764,14 +813,15 @@ def head_w(cuda):
 def _head_run(gpu, w, scale, x, n, k, slot=1, launches=1):
     """The head ``launches`` times; the last one publishes drafts 0..slot to ``out``."""
     zero8, zero4 = np.zeros(1, np.uint64), np.zeros(1, np.uint32)
-    bufs = {"w": w, "x": x, "logits": 2 * n, "key": zero8, "ctr": zero4, "tok": 4, "drafts": 16, "out": 16}
+    bufs = {"w": w, "x": x, "logits": 2 * n, "key": zero8, "ctr": zero4, "tok": 4, "drafts": 16, "out": 16,
+            "flag": np.zeros(4, np.uint8)}
     if scale is not None:
         bufs["sc"] = scale
 
-    def run(gpu, w, x, logits, key, ctr, tok, drafts, out, sc=None):
+    def run(gpu, w, x, logits, key, ctr, tok, drafts, out, flag, sc=None):
         for i in range(launches):
             draft_head.head_argmax(gpu, w, sc, x, logits, key, ctr, tok, drafts, slot, out,
-                                   i == launches - 1, n, k)
+                                   i == launches - 1, n, k, flag=flag)
 
     return run_on(gpu, run, bufs)
 
@@ -793,6 +843,7 @@ def test_head_argmax_full_vocab(cuda, head_w, fp8):
     assert (g["drafts"][:4] == 0xFF).all() and (g["drafts"][8:] == 0xFF).all()
     assert g["out"][:8].tobytes() == g["drafts"][:8].tobytes() and (g["out"][8:] == 0xFF).all()
     assert int(as_(g["key"], np.uint64)[0]) == 0 and int(as_(g["ctr"], np.uint32)[0]) == 0
+    assert not g["flag"].any(), "finite logits raise no flag"
     top = np.sort(ref)[-2:]
     if top[1] - top[0] > 4 * 2.0**-8 * abs(top[1]):  # the twin's draft where rounding cannot flip it
         assert tok == int(np.argmax(ref))
@@ -809,12 +860,12 @@ def test_head_argmax_ties_and_awkward_sizes(cuda, n, k, mis, fp8):
     q, s = quantize_rows_fp8(w)
     zero8, zero4 = np.zeros(1, np.uint64), np.zeros(1, np.uint32)
     bufs = {"w": q if fp8 else w, "x": x, "logits": 2 * n, "key": zero8, "ctr": zero4, "tok": 4,
-            "drafts": 16, "out": 16}
+            "drafts": 16, "out": 16, "flag": np.zeros(4, np.uint8)}
     if fp8:
         bufs["sc"] = s
 
-    def run(gpu, w, x, logits, key, ctr, tok, drafts, out, sc=None):
-        draft_head.head_argmax(gpu, w, sc, x, logits, key, ctr, tok, drafts, 3, out, False, n, k)
+    def run(gpu, w, x, logits, key, ctr, tok, drafts, out, flag, sc=None):
+        draft_head.head_argmax(gpu, w, sc, x, logits, key, ctr, tok, drafts, 3, out, False, n, k, flag=flag)
 
     gd, hd = both(cuda, run, bufs, {"x": mis})
     gl, hl = as_(gd["logits"], BF16).astype(np.float32), as_(hd["logits"], BF16).astype(np.float32)
@@ -823,6 +874,58 @@ def test_head_argmax_ties_and_awkward_sizes(cuda, n, k, mis, fp8):
     assert tok == a, f"tie between rows {a} and {b}: the lower index wins, got {tok}"
     assert gd["tok"].tobytes() == hd["tok"].tobytes() and gd["drafts"].tobytes() == hd["drafts"].tobytes()
     assert (gd["out"] == 0xFF).all(), "a draft that is not the step's last publishes nothing"
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("case", ["nan_x", "inf_x", "nan_rows", "inf_logit"])
+def test_head_argmax_nonfinite(cuda, fp8, case):
+    """NaN never wins and every draft is a valid index: a NaN in x makes every logit NaN (token 0,
+    NONFINITE_NAN); an Inf in x or an overflowing row makes the largest logit +inf (the lowest such
+    row, NONFINITE_INF); NaN weight rows lose to the numbers (no flag). Device and twin agree."""
+    rng = np.random.default_rng()
+    n, k = 1000, 256
+    w = random_bf16(rng, (n, k), exp_lo=-6)
+    x = np.abs(random_bf16(rng, (1, k), exp_lo=-1).astype(np.float32)).astype(BF16)
+    want_tok, want_flag = None, 0
+    if case == "nan_x":
+        x[0, 7] = np.nan
+        want_tok, want_flag = 0, draft_head.NONFINITE_NAN
+    elif case == "inf_x":
+        x[0, 7] = np.inf
+        want_flag = draft_head.NONFINITE_INF
+    elif case == "nan_rows":
+        nan_rows = rng.choice(n, 50, replace=False)
+        w[nan_rows] = np.nan
+    else:
+        r = int(rng.integers(1, n))
+        w[r] = 2.0**126  # x > 0: the logit overflows to +inf on both heads
+        want_tok, want_flag = r, draft_head.NONFINITE_INF
+    if fp8:
+        if case == "nan_rows":
+            return  # the FP8 copy of a NaN row is quantize_fp8's business (its scale is NaN)
+        q, sc = quantize_rows_fp8(w)
+    bufs = {"w": q if fp8 else w, "x": x, "logits": 2 * n, "key": np.zeros(1, np.uint64),
+            "ctr": np.zeros(1, np.uint32), "tok": 4, "drafts": 16, "out": 16, "flag": np.zeros(4, np.uint8)}
+    if fp8:
+        bufs["sc"] = sc
+
+    def run(gpu, w, x, logits, key, ctr, tok, drafts, out, flag, sc=None):
+        draft_head.head_argmax(gpu, w, sc, x, logits, key, ctr, tok, drafts, 1, out, True, n, k, flag=flag)
+
+    gd, hd = both(cuda, run, bufs)
+    tok = int(as_(gd["tok"], np.uint32)[0])
+    assert 0 <= tok < n, f"draft {tok} is not a valid index"
+    assert gd["tok"].tobytes() == hd["tok"].tobytes() and gd["flag"].tobytes() == hd["flag"].tobytes()
+    assert gd["flag"].tolist() == [want_flag, 0, 0, 0]
+    assert int(as_(gd["out"], np.uint32)[1]) == tok
+    if want_tok is not None:
+        assert tok == want_tok
+    gl = as_(gd["logits"], BF16).astype(np.float32)
+    if case == "inf_x":
+        assert tok == int(np.flatnonzero(gl == np.inf)[0]), "the lowest +inf row wins"
+    if case == "nan_rows":
+        assert not np.isnan(gl[tok]) and gl[tok] == np.nanmax(gl)
+    assert int(as_(gd["key"], np.uint64)[0]) == 0 and int(as_(gd["ctr"], np.uint32)[0]) == 0
 
 
 # ---- capacities shared between Python and CUDA ----------------------------------------------------

@@ -243,3 +243,45 @@ def test_bad_input(cuda):
             feed(prop, st, world, 20, 1)
     finally:
         prop.close()
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("fp8_head", [False, True], ids=["bf16", "fp8"])
+def test_nonfinite_input_is_refused_on_the_device(cuda, graphs, fp8_head):
+    """A NaN or an Inf in the target's hidden comes back as the step's flag with the drafts (no
+    extra sync): ProposerError naming the slot, rows unchanged, only valid token ids committed, and
+    the next propose drafts exactly what a state that never saw it drafts. A non-finite context
+    row is refused by all_finite_bf16 before anything is written."""
+    w = bf16_weights(CFG, 8)
+    prop = make_proposer(CFG, w, gpu=cuda, use_graphs=graphs, fp8_head=fp8_head)
+    world = World(CFG, 8, 64)
+    try:
+        st, ref = prop.alloc_state(), prop.alloc_state()
+        feed(prop, st, world, 0, 20)
+        feed(prop, ref, world, 0, 20)
+        for bad in (np.nan, np.inf, -np.inf):
+            hid = world.hiddens[20:21].copy()
+            hid[0, 3] = bad
+            p = upload_rows(cuda, hid)
+            try:
+                with pytest.raises(ProposerError, match=rf"slot {st.slot} at position 20: target_hidden is not finite"):
+                    prop.propose(st, int(world.tokens[21]), p, 20, 3)
+            finally:
+                cuda.free(p)
+            assert st.rows == 20 and prop.last_pair_key(st) == 19
+            assert (st.drafts_host[:3] < CFG.vocab_size).all()
+        assert propose(prop, st, world, 20, 3) == propose(prop, ref, world, 20, 3)
+        rows = world.hiddens[23:27].copy()
+        rows[2, 5] = np.nan
+        p = upload_rows(cuda, rows)
+        try:
+            with pytest.raises(ProposerError, match=r"hidden row 2 \(drafter row 25\) is not finite"):
+                prop.catchup_drafter(st, world.tokens[23:28], p, 23)
+        finally:
+            cuda.free(p)
+        assert st.rows == 23
+        feed(prop, st, world, 23, 4)
+        feed(prop, ref, world, 23, 4)
+        assert propose(prop, st, world, 27, 2) == propose(prop, ref, world, 27, 2)
+    finally:
+        prop.close()

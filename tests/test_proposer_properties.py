@@ -46,11 +46,42 @@ def _propose(prop, st, world: World, pos: int, k: int, gpu):
         gpu.free(p)
 
 
+def _refusal(prop, st, world: World, rows: int, kind: str, gpu) -> None:
+    """One input the proposer must refuse (ProposerError) at the drafter's current length."""
+    hid = world.hiddens[rows:rows + 2].copy()
+    if kind == "nan_feed":
+        hid[1, 3] = np.nan
+    p = upload_rows(gpu, hid)
+    tok = int(world.tokens[rows + 1])
+    try:
+        with pytest.raises(ProposerError):
+            if kind == "nan_feed":
+                prop.catchup_drafter(st, world.tokens[rows:rows + 3], p, rows)
+            elif kind == "float_position":
+                prop.propose(st, tok, p, float(rows), 1)
+            elif kind == "bool_token":
+                prop.propose(st, True, p, rows, 1)
+            elif kind == "float_row_base":
+                prop.catchup_drafter(st, world.tokens[rows:rows + 3], p, float(rows))
+            elif kind == "float_token":
+                prop.catchup_drafter(st, world.tokens[rows:rows + 3].astype(np.float64), p, rows)
+            elif kind == "float_accept":
+                prop.after_verify(st, 0.0)
+            else:
+                raise AssertionError(kind)
+    finally:
+        gpu.free(p)
+
+
+REFUSALS = ["nan_feed", "float_position", "bool_token", "float_row_base", "float_token", "float_accept"]
+
 ops = st_.lists(
     st_.one_of(
         st_.tuples(st_.just("feed"), st_.integers(1, 9)),
         st_.tuples(st_.just("propose"), st_.integers(1, 4), st_.integers(0, 4), st_.integers(0, 3)),
         st_.tuples(st_.just("bad_feed"), st_.integers(-3, 3)),
+        st_.tuples(st_.just("nan_propose"), st_.integers(1, 4), st_.integers(0, 3)),
+        st_.tuples(st_.just("refuse"), st_.sampled_from(REFUSALS)),
     ),
     min_size=3,
     max_size=14,
@@ -91,13 +122,40 @@ def test_rollback_matches_a_history_that_never_drafted_the_rejected_rows(history
             rows = pos + keep
             if k == 1:
                 assert rows == pos + 1  # with one draft nothing is ever trimmed
+        elif op[0] == "nan_propose":
+            # A NaN in the target's hidden: refused after the step, no draft committed. Behind the
+            # drafter the rewind to the position stands (the shadow is rewound through the API).
+            _, k, back = op
+            pos = max(rows - back, 0)
+            if pos + k > prop.drafter_context_rows:
+                continue
+            before = cache_snapshot(prop, main), gpu.stats().live_bytes
+            hid = world.hiddens[pos:pos + 1].copy()
+            hid[0, int(seed) % H] = np.nan
+            p = upload_rows(gpu, hid)
+            with pytest.raises(ProposerError, match="not finite"):
+                prop.propose(main, int(world.tokens[pos + 1]), p, pos, k)
+            gpu.free(p)
+            assert main.rows == pos and gpu.stats().live_bytes == before[1]
+            if pos < rows:
+                prop.rewind_to(shadow, pos)
+            else:
+                assert_same_caches(before[0], cache_snapshot(prop, main))
+            rows = pos
+        elif op[0] == "refuse":
+            if rows + 3 > prop.drafter_context_rows:
+                continue
+            before = cache_snapshot(prop, main), gpu.stats().live_bytes
+            _refusal(prop, main, world, rows, op[1], gpu)
+            assert main.rows == rows and gpu.stats().live_bytes == before[1]
+            assert_same_caches(before[0], cache_snapshot(prop, main))
         else:
             delta = op[1] or 1
             start = rows + delta if rows + delta >= 0 else rows + 1  # a hole or an overwrite
             before = cache_snapshot(prop, main), gpu.stats()
             with pytest.raises(DsaSizingError):
                 _feed(prop, main, world, start, 2, gpu)
-            assert main.rows == rows
+            assert main.rows == rows and gpu.stats().live_bytes == before[1].live_bytes
             assert_same_caches(before[0], cache_snapshot(prop, main))
         assert prop.drafter_rows(main) == prop.drafter_rows(shadow) == rows
         assert prop.last_pair_key(main) == (rows - 1 if rows else None)

@@ -219,7 +219,7 @@ def gemv_rows(gpu, kind: str, w, scale, x, norm_w, n: int, k: int) -> bytes:
     if kind.startswith("head"):
         # key and counter are zeroed scratch the kernel leaves zeroed
         inputs.update(key=np.zeros(1, np.uint64), counter=np.zeros(1, np.uint32))
-        outs.update(token=4, drafts=4, host_drafts=4)
+        outs.update(token=4, drafts=4, host_drafts=4, flag=4)
 
     def fn(gpu, w, scale, x, norm_w, y, **head):
         if kind == "bf16":
@@ -231,7 +231,7 @@ def gemv_rows(gpu, kind: str, w, scale, x, norm_w, n: int, k: int) -> bytes:
         else:
             draft_head.head_argmax(gpu, w, scale if kind == "head_fp8" else None, x, y, head["key"],
                                    head["counter"], head["token"], head["drafts"], 0,
-                                   head["host_drafts"], True, n, k)
+                                   head["host_drafts"], True, n, k, flag=head["flag"])
 
     return run(gpu, fn, inputs, outs)["y"]
 

@@ -109,15 +109,18 @@ class Checkpoint:
 
     @cached_property
     def hf_config(self) -> dict[str, Any]:
-        """The raw ``config.json``."""
-        fpath = self.path / CONFIG_FILE
+        """The raw ``config.json``; a file that is not a JSON object is refused by name."""
+        path = self.path / CONFIG_FILE
+        text = path.read_bytes()
+        if not text.strip():
+            raise CheckpointError(f"{path} is empty")
         try:
-            cfg = json.loads(fpath.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CheckpointError(f"{fpath}: not valid JSON ({e})") from e
-        if not isinstance(cfg, dict):
-            raise CheckpointError(f"{fpath}: not a JSON object")
-        return cfg
+            raw = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{path}: expected a JSON object, found {type(raw).__name__}")
+        return raw
 
     @cached_property
     def layout(self) -> NameLayout:

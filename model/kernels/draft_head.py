@@ -9,6 +9,11 @@ On one rank (or a head every rank sweeps whole) ``head_argmax_bf16`` / ``head_ar
 head GEMV, the argmax and the commit in one launch: each block folds its rows' best key into a u64
 with atomicMax and the last block commits, which also saves the single-block argmax's second read
 of the logits.
+
+Non-finite logits: NaN compares below every number (its key's high word is 0), so a draft is always
+a valid index (every logit NaN gives the lowest). Every commit takes ``flag``, one byte it sets when
+the winning logit is not finite (``NONFINITE_NAN``: no logit is a number; ``NONFINITE_INF``: the
+largest is infinite) and leaves alone otherwise; the proposer reads it back with the drafts.
 """
 
 from __future__ import annotations
@@ -23,13 +28,20 @@ from runtime.kernels.gemv_fp8w import gemv_fp8w_ref
 from runtime.launch import grid_stride_blocks, launch
 
 
+# What a commit stores in its flag byte (ptx/draft_head.cu key_nonfinite); 0 is never stored.
+NONFINITE_NAN = 1
+NONFINITE_INF = 2
+_KEY_POS_INF, _KEY_NEG_INF = 0xFF80_0000, 0x007F_FFFF  # ordered_bits(+inf), ordered_bits(-inf)
+
+
 def ordered_bits(v: np.float32) -> int:
-    """Monotone u32 image of an f32. -0.0 counts as +0.0 (they tie in the unsharded argmax, so the
-    lower index must win, not the sign bit) and NaN as -inf (a NaN never wins the argmax)."""
+    """Monotone u32 image of an f32 (ordered_key in ptx/model_common.cuh). -0.0 counts as +0.0
+    (they tie in the unsharded argmax, so the lower index must win, not the sign bit) and NaN as 0,
+    below -inf (a NaN loses to every number, and NaNs tie-break by index)."""
     v = np.float32(v)
     if np.isnan(v):
-        v = np.float32(-np.inf)
-    elif v == 0:
+        return 0
+    if v == 0:
         v = np.float32(0.0)
     b = int(np.array([v], np.float32).view(np.uint32)[0])
     return (b ^ 0x8000_0000) if b < 0x8000_0000 else (~b & 0xFFFF_FFFF)
@@ -40,7 +52,22 @@ def pack_key(val: float, index: int) -> int:
 
 
 def unpack_index(key: int) -> int:
-    return 0xFFFF_FFFF - (key & 0xFFFF_FFFF)
+    """The index a key commits; the zero key (no candidate: an empty head) commits 0."""
+    return 0xFFFF_FFFF - (key & 0xFFFF_FFFF) if key else 0
+
+
+def key_nonfinite(key: int) -> int:
+    """0 when the winning key's logit is a number, else the flag code a commit stores."""
+    hi = key >> 32
+    if hi == 0:
+        return NONFINITE_NAN
+    return NONFINITE_INF if hi in (_KEY_POS_INF, _KEY_NEG_INF) else 0
+
+
+def _raise_flag(mem, flag, key: int) -> None:
+    code = key_nonfinite(key)
+    if code:
+        mem.write(flag, np.array([code], np.uint8))
 
 
 @declare(
@@ -50,7 +77,8 @@ def unpack_index(key: int) -> int:
     writes=("key",),
 )
 def ARGMAX_PACK(mem, idx, val, key, v0):
-    """A shard with no valid logit (argmax index 0xFFFFFFFF: all NaN) packs key 0 and never wins."""
+    """An all-NaN shard (argmax index 0, value NaN) packs high word 0: it loses to any number
+    elsewhere. An empty shard (index 0xFFFFFFFF) packs key 0 and never wins."""
     i = int(mem.scalar(idx, np.uint32))
     v = mem.read(val, np.float32, 1)[0]
     k = 0 if i == 0xFFFF_FFFF else pack_key(v, i + v0)
@@ -73,25 +101,30 @@ _PUBLISH = [("host_drafts", PTR), ("publish", U32)]
 @declare(
     "draft_head",
     "draft_commit",
-    [("key", PTR), ("token", PTR), ("drafts", PTR), ("slot", U32), *_PUBLISH],
-    writes=("token", "drafts", "host_drafts"),
+    [("key", PTR), ("token", PTR), ("drafts", PTR), ("slot", U32), *_PUBLISH, ("flag", PTR)],
+    writes=("token", "drafts", "host_drafts", "flag"),
 )
-def DRAFT_COMMIT(mem, key, token, drafts, slot, host_drafts, publish):
-    t = np.array([unpack_index(int(mem.scalar(key, np.uint64)))], np.uint32)
-    _commit(mem, t, token, drafts, slot, host_drafts, publish)
+def DRAFT_COMMIT(mem, key, token, drafts, slot, host_drafts, publish, flag):
+    k = int(mem.scalar(key, np.uint64))
+    _raise_flag(mem, flag, k)
+    _commit(mem, np.array([unpack_index(k)], np.uint32), token, drafts, slot, host_drafts, publish)
 
 
 _HEAD_TAIL = [("logits", PTR), ("key", PTR), ("counter", PTR), ("token", PTR), ("drafts", PTR),
-              ("slot", U32), *_PUBLISH, ("n", U32), ("k", U32)]
-_HEAD_WRITES = ("logits", "key", "counter", "token", "drafts", "host_drafts")
+              ("slot", U32), *_PUBLISH, ("n", U32), ("k", U32), ("flag", PTR)]
+_HEAD_WRITES = ("logits", "key", "counter", "token", "drafts", "host_drafts", "flag")
 
 
-def _commit_argmax(mem, logits_bf16, logits, key, counter, token, drafts, slot, host_drafts, publish):
+def _commit_argmax(mem, logits_bf16, logits, key, counter, token, drafts, slot, host_drafts, publish,
+                   flag):
     """Store the logits, commit their argmax (gemv -> argmax_bf16 -> argmax_pack(v0=0) ->
-    draft_commit on one rank), and leave the scratch key and counter zeroed as the kernel does."""
+    draft_commit on one rank) and raise the flag as that commit does, and leave the scratch key and
+    counter zeroed as the kernel does."""
     mem.write(logits, logits_bf16)
-    idx, _ = argmax_ref(logits_bf16)
-    _commit(mem, np.array([idx], np.uint32), token, drafts, slot, host_drafts, publish)
+    idx, val = argmax_ref(logits_bf16)
+    best = pack_key(val, idx) if idx != 0xFFFF_FFFF else 0  # the key the last block commits
+    _raise_flag(mem, flag, best)
+    _commit(mem, np.array([unpack_index(best)], np.uint32), token, drafts, slot, host_drafts, publish)
     mem.write(key, np.zeros(1, np.uint64))
     mem.write(counter, np.zeros(1, np.uint32))
 
@@ -100,20 +133,25 @@ def _commit_argmax(mem, logits_bf16, logits, key, counter, token, drafts, slot, 
 # (mtp_input_gemv, Pdl.BESIDE) streams its hidden half in the head's tail.
 @declare("draft_head", "head_argmax_bf16", [("w", PTR), ("x", PTR), *_HEAD_TAIL], writes=_HEAD_WRITES, pdl=True,
          releases=True)
-def HEAD_ARGMAX_BF16(mem, w, x, logits, key, counter, token, drafts, slot, host_drafts, publish, n, k):
+def HEAD_ARGMAX_BF16(mem, w, x, logits, key, counter, token, drafts, slot, host_drafts, publish, n, k,
+                     flag):
     """Single-rank head in one launch: logits = W x (BF16), draft = argmax (lowest index on ties,
-    NaN never; 0xFFFFFFFF if every logit is NaN), *token = drafts[slot] = draft."""
-    y = gemv_bf16_ref(mem.view(w, BF16, (n, k)), mem.read(x, BF16, (1, k)))[0]
-    _commit_argmax(mem, y, logits, key, counter, token, drafts, slot, host_drafts, publish)
+    NaN below every number: 0 if every logit is NaN), *token = drafts[slot] = draft, *flag raised
+    when the winning logit is not finite."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = gemv_bf16_ref(mem.view(w, BF16, (n, k)), mem.read(x, BF16, (1, k)))[0]
+    _commit_argmax(mem, y, logits, key, counter, token, drafts, slot, host_drafts, publish, flag)
 
 
 @declare("draft_head", "head_argmax_fp8", [("wq", PTR), ("scale", PTR), ("x", PTR), *_HEAD_TAIL],
          writes=_HEAD_WRITES, pdl=True, releases=True)
 def HEAD_ARGMAX_FP8(mem, wq, scale, x, logits, key, counter, token, drafts, slot, host_drafts, publish,
-                    n, k):
+                    n, k, flag):
     """head_argmax_bf16 with the FP8 copy of the head (gemv_fp8w's arithmetic)."""
-    y = gemv_fp8w_ref(mem.view(wq, FP8, (n, k)), mem.read(scale, np.float32, n), mem.read(x, BF16, (1, k)))[0]
-    _commit_argmax(mem, y, logits, key, counter, token, drafts, slot, host_drafts, publish)
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = gemv_fp8w_ref(mem.view(wq, FP8, (n, k)), mem.read(scale, np.float32, n),
+                          mem.read(x, BF16, (1, k)))[0]
+    _commit_argmax(mem, y, logits, key, counter, token, drafts, slot, host_drafts, publish, flag)
 
 
 # ptx/draft_head.cu: 8 warps x 2 rows per block (per 16-row group for the FP8 head) for both heads.
@@ -135,23 +173,25 @@ def head_fp8_launch(gpu, n: int, k: int) -> tuple[int, int]:
 
 
 def head_argmax(gpu, w, scale, x, logits, key, counter, token, drafts, slot, host_drafts, publish, n, k,
-                stream=None):
+                stream=None, *, flag):
     """The FP8 head when ``scale`` is given (w is then the FP8 copy), else the BF16 head.
-    ``publish``: also copy drafts[0..slot] to ``host_drafts`` (the last draft of a step)."""
+    ``publish``: also copy drafts[0..slot] to ``host_drafts`` (the last draft of a step). ``flag``:
+    the byte raised when the winning logit is not finite (NONFINITE_NAN / NONFINITE_INF)."""
     publish = int(bool(publish))
     if scale is None:
         launch(gpu, gpu.kernel(*HEAD_ARGMAX_BF16.key), -(-n // HEAD_ROWS_PER_BLOCK_BF16), 256, w, x,
-               logits, key, counter, token, drafts, slot, host_drafts, publish, n, k, stream=stream)
+               logits, key, counter, token, drafts, slot, host_drafts, publish, n, k, flag, stream=stream)
     else:
         grid, smem = head_fp8_launch(gpu, n, k)
         launch(gpu, gpu.kernel(*HEAD_ARGMAX_FP8.key), grid, 256, w, scale, x, logits, key, counter,
-               token, drafts, slot, host_drafts, publish, n, k, smem=smem, stream=stream)
+               token, drafts, slot, host_drafts, publish, n, k, flag, smem=smem, stream=stream)
 
 
 def argmax_pack(gpu, idx, val, key, v0, stream=None):
     launch(gpu, gpu.kernel(*ARGMAX_PACK.key), 1, 32, idx, val, key, v0, stream=stream)
 
 
-def draft_commit(gpu, key, token, drafts, slot, host_drafts, publish, stream=None):
+def draft_commit(gpu, key, token, drafts, slot, host_drafts, publish, stream=None, *, flag):
+    """*token = drafts[slot] = the all-reduced key's index; ``flag`` as for ``head_argmax``."""
     launch(gpu, gpu.kernel(*DRAFT_COMMIT.key), 1, 32, key, token, drafts, slot, host_drafts,
-           int(bool(publish)), stream=stream)
+           int(bool(publish)), flag, stream=stream)

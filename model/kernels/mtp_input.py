@@ -2,6 +2,12 @@
 
 The embedding row is read in place from the target's table at a token id held in device memory
 (graph replays feed draft i's token to draft i+1 without the host). CUDA: ptx/mtp_input.cu.
+
+``mtp_input_gemv`` (a draft's first kernel) also checks its inputs for the proposer: it sets its
+``flag`` byte to ``HIDDEN_NONFINITE`` when the hidden row is not finite (its RMS divisor, computed
+anyway for the norm, is NaN or Inf: a NaN or an Inf in the row, or an f32 sum of squares that
+overflows), ``|`` ``TOKEN_OUTSIDE`` when the token is not in the vocabulary, and leaves it alone
+otherwise.
 """
 
 from __future__ import annotations
@@ -13,6 +19,10 @@ from runtime.kernel import F32, PTR, U32, Pdl, declare
 from runtime.kernels.gemv_bf16 import gemv_bf16_ref
 from runtime.kernels.rmsnorm import rmsnorm_ref
 from runtime.launch import grid_stride_blocks, launch
+
+# What mtp_input_gemv stores in its flag byte (bits; 0 is never stored).
+HIDDEN_NONFINITE = 1
+TOKEN_OUTSIDE = 2
 
 
 @declare(
@@ -43,24 +53,31 @@ def MTP_EMBED_NORM(mem, table, tokens, enorm, hidden, hnorm, out, rows, vocab, h
     "mtp_input_gemv",
     [
         ("table", PTR), ("token", PTR), ("enorm", PTR), ("hidden", PTR), ("hnorm", PTR), ("w", PTR),
-        ("y", PTR), ("vocab", U32), ("h", U32), ("n", U32), ("eps", F32),
+        ("y", PTR), ("vocab", U32), ("h", U32), ("n", U32), ("eps", F32), ("flag", PTR),
     ],
-    writes=("y",),
+    writes=("y", "flag"),
     # The hidden half runs before the wait, beside the head that released it (ptx/mtp_input.cu).
     pdl=Pdl.BESIDE,
 )
-def MTP_INPUT_GEMV(mem, table, token, enorm, hidden, hnorm, w, y, vocab, h, n, eps):
+def MTP_INPUT_GEMV(mem, table, token, enorm, hidden, hnorm, w, y, vocab, h, n, eps, flag):
     """y = W @ [rmsnorm(table[*token]) * enorm ; rmsnorm(hidden) * hnorm] for one row (W [n, 2h]):
     mtp_embed_norm (rows = 1) and gemv_bf16 in sequence, in one launch on the device (which sums
-    the two half-rows separately, within the GEMV's rounding of this)."""
+    the two half-rows separately, within the GEMV's rounding of this). ``flag`` as the module says."""
     t = int(mem.scalar(token, np.uint32))
     x = np.empty(2 * h, BF16)
-    if t >= vocab:
-        x[:h] = np.float32(np.nan)
-    else:
-        x[:h] = rmsnorm_ref(mem.read(table.offset(t * h * 2), BF16, h), mem.read(enorm, BF16, h), eps)
-    x[h:] = rmsnorm_ref(mem.read(hidden, BF16, h), mem.read(hnorm, BF16, h), eps)
-    mem.write(y, gemv_bf16_ref(mem.view(w, BF16, (n, 2 * h)), x[None])[0])
+    hid = mem.read(hidden, BF16, h)
+    with np.errstate(over="ignore", invalid="ignore"):
+        hf = hid.astype(np.float32)
+        divisor = np.sqrt(np.mean(hf * hf, dtype=np.float32) + np.float32(eps))  # rmsnorm_ref's
+        bad = (0 if np.isfinite(divisor) else HIDDEN_NONFINITE) | (0 if t < vocab else TOKEN_OUTSIDE)
+        if bad:
+            mem.write(flag, np.array([bad], np.uint8))
+        if t >= vocab:
+            x[:h] = np.float32(np.nan)
+        else:
+            x[:h] = rmsnorm_ref(mem.read(table.offset(t * h * 2), BF16, h), mem.read(enorm, BF16, h), eps)
+        x[h:] = rmsnorm_ref(hid, mem.read(hnorm, BF16, h), eps)
+        mem.write(y, gemv_bf16_ref(mem.view(w, BF16, (n, 2 * h)), x[None])[0])
 
 
 # ptx/mtp_input.cu mtp_input_gemv: one row per warp, 8 warps per block, grid-stride over the rows
@@ -78,9 +95,9 @@ def mtp_input_grid(gpu, n: int, h: int) -> int:
     return max(grid, -(-units // MTP_INPUT_ROWS_PER_WARP))
 
 
-def mtp_input_gemv(gpu, table, token, enorm, hidden, hnorm, w, y, vocab, h, n, eps, stream=None):
+def mtp_input_gemv(gpu, table, token, enorm, hidden, hnorm, w, y, vocab, h, n, eps, stream=None, *, flag):
     launch(gpu, gpu.kernel(*MTP_INPUT_GEMV.key), mtp_input_grid(gpu, n, h), 256, table, token, enorm,
-           hidden, hnorm, w, y, vocab, h, n, eps, smem=4 * h, stream=stream)
+           hidden, hnorm, w, y, vocab, h, n, eps, flag, smem=4 * h, stream=stream)
 
 
 def mtp_embed_norm(gpu, table, tokens, enorm, hidden, hnorm, out, rows, vocab, h, eps, stream=None):

@@ -1,6 +1,7 @@
 """Argmax over a BF16 vector: the lowest index holding the largest value, and that value as f32.
-NaN never wins; if there is no non-NaN element the index is ``NONE`` (0xFFFFFFFF) and the value
-NaN.
+NaN never wins (it compares below every number, -inf included). If every element is NaN the index
+is 0, the lowest, so it is always a valid index, and the value NaN, which flags it; only an empty
+vector gives ``NONE`` (0xFFFFFFFF).
 
 CUDA source: ptx/argmax_bf16.cu. One cluster of ``BLOCKS`` blocks of 1024 threads (the cluster shape
 is compiled into the kernel), no workspace, no host sync: capturable and safe on concurrent streams.
@@ -25,7 +26,7 @@ def argmax_ref(x: np.ndarray) -> tuple[int, float]:
     v = np.asarray(x, np.float32).reshape(-1)
     valid = ~np.isnan(v)
     if not valid.any():
-        return NONE, float("nan")
+        return (0 if v.size else NONE), float("nan")
     best = v[valid].max()
     return int(np.flatnonzero(v == best)[0]), float(best)
 
