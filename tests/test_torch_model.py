@@ -27,7 +27,6 @@ if HAVE_TORCH:
         import_config_module,
         init_weights,
         load_model,
-        mtp_losses,
         mtp_rows,
         save_checkpoint,
         selection_mask,
