@@ -18,6 +18,8 @@ the caches (random latents, indexer keys and gates, BF16 pool keys); each draft 
 4. MoE: sigmoid router, top-8 of score + bias, normalised weights x scaling; the chosen experts'
    weights are gathered (``index_select`` on the stacked [E, I, H] tensors, which keeps the step
    capturable: no host sync) and applied as batched GEMVs; the shared expert with weight 1 (ungated);
+   with ``index_share_for_mtp_iteration`` (GLM-5.3-Flash) drafts 2..k skip the indexer and attend
+   draft 1's selection plus the rows drafted since, as the runtime does;
 5. ``lm_head`` GEMV on ``rmsnorm(x) * shared_head.norm`` and ``argmax``, which feeds draft i+1 on
    the device (embedding row and the normalised ``x`` as the next hidden).
 
@@ -119,6 +121,10 @@ class DraftStep:
         self.hid_in = torch.randn(H, device=dev, dtype=dtype, generator=g)
         self.drafts = torch.zeros(8, dtype=torch.long, device=dev)
         self.last_hidden = torch.zeros(H, device=dev, dtype=dtype)
+        # The propose's first row and the rows it selected (drafts after it reuse them when the
+        # config shares the selection, index_share_for_mtp_iteration).
+        self._first_row = rows
+        self._first_rows = torch.zeros(0, dtype=torch.long, device=dev)
 
     # ---- one draft -----------------------------------------------------------------------------
 
@@ -144,7 +150,12 @@ class DraftStep:
             wts = torch.softmax(_up(self.gates[s]) + _up(W["ix_ape"]), dim=0)
             self.pool_keys[ncomp - 1] = (wts * _up(self.keys[s])).sum(0).to(self.dtype)
         K = d.index_topk // kp
-        if ncomp > K:
+        if d.share_for_mtp_iteration and n > self._first_row:
+            # Drafts 2..k reuse draft 1's selection, plus the rows drafted since (model/dsa.py).
+            rows = torch.cat([self._first_rows,
+                              torch.arange(self._first_row + 1, n + 1, device=self.device)])
+            c = self.latents.index_select(0, rows)
+        elif ncomp > K:
             qi = F.linear(qa, W["ix_wq_b"]).view(d.index_n_heads, d.index_head_dim)
             wh = _up(F.linear(y, W["ix_weights"])) / math.sqrt(d.index_n_heads)
             sc = torch.relu(_up(qi @ self.pool_keys[:ncomp].T))  # [ih, P]
@@ -154,8 +165,10 @@ class DraftStep:
             if ncomp * kp <= n:
                 rows = torch.cat([rows, torch.arange(ncomp * kp, n + 1, device=self.device)])
             c = self.latents.index_select(0, rows)
+            self._first_rows = rows
         else:
             c = self.latents[: n + 1]
+            self._first_rows = torch.arange(n + 1, device=self.device)
         # Absorbed MLA.
         q_lat = torch.bmm(q[:, None, : a.qk_nope_head_dim], self.w_uk)[:, 0]  # [nh, kl]
         p = torch.softmax(_up(q_lat @ c.T) * a.softmax_scale, dim=-1).to(self.dtype)
@@ -188,6 +201,7 @@ class DraftStep:
     def propose(self, context: int, k: int) -> torch.Tensor:
         """k drafts from (tok_in, hid_in), rows context .. context+k-1; drafts land in self.drafts."""
         tok, h = self.tok_in, self.hid_in
+        self._first_row = context
         for i in range(k):
             tok, h, _ = self._draft(tok, h, context + i)
             self.drafts[i: i + 1].copy_(tok)

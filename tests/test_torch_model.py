@@ -531,3 +531,37 @@ def test_published_layout_round_trip_and_the_runtime_reads_it(tmp_path):
         assert torch.equal(a[k], b[k]), k
     ckpt = Checkpoint(tmp_path)
     assert ckpt.config == cfg and len(mtp_tensors(ckpt)) > 0
+
+
+@needs_torch
+def test_bench_step_shares_the_selection_as_the_runtime_does():
+    """bench/torch_step.py with index_share_for_mtp_iteration (GLM-5.3-Flash's setting): its
+    drafts are the float64 reference's sharing drafts."""
+    import dataclasses
+
+    from bench.torch_step import DraftStep, weights_from_state_dict
+
+    ref_mod = pytest.importorskip("tests.reference_f64")
+    base = _cfg(index_topk=4, index_kpool=2)
+    cfg = dataclasses.replace(base, dsa=dataclasses.replace(base.dsa, share_for_mtp_iteration=True))
+    m = _model(base, dtype=torch.float64)  # TorchModel re-selects: it only fills the caches here
+    w = {k: v.detach().numpy() for k, v in m.state_dict().items()}
+    g = torch.Generator().manual_seed(2)
+    T, ctx = 40, 29
+    toks = torch.randint(0, cfg.vocab_size, (1, T), generator=g)
+    hid = torch.randn(1, T, cfg.hidden_size, dtype=torch.float64, generator=g)
+    ref = ref_mod.ReferenceDrafter(cfg, w, fp8_cache=False)
+    ref.feed(toks[0, :ctx].tolist(), hid[0, :ctx].numpy())
+    want, _, hiddens = ref.propose(int(toks[0, ctx]), hid[0, ctx].numpy(), 3)
+    with torch.no_grad():
+        st = m.mtp(toks[:, :ctx], hid[:, :ctx], opts=RunOpts(moe_dense=False)).state
+        ds = DraftStep(cfg, rows=64, device="cpu", dtype=torch.float64,
+                       weights=weights_from_state_dict(cfg, m.state_dict(), dtype=torch.float64))
+        ds.latents[:ctx], ds.keys[:ctx], ds.gates[:ctx] = st[0]["c"][0], st[0]["k"][0], st[0]["g"][0]
+        P = ctx // cfg.dsa.index_kpool
+        ds.pool_keys[:P] = m.mtp_layer.self_attn.indexer.pool_keys(st[0]["k"], st[0]["g"], False)[0]
+        ds.tok_in[0] = toks[0, ctx]
+        ds.hid_in.copy_(hid[0, ctx])
+        got = ds.propose(ctx, 3).tolist()
+    assert got == want
+    np.testing.assert_allclose(ds.last_hidden.numpy(), hiddens[-1], rtol=1e-9, atol=1e-9)
