@@ -16,6 +16,7 @@ import hashlib
 import itertools
 import json
 import logging
+import numbers
 import threading
 import time
 from dataclasses import dataclass, field
@@ -63,7 +64,12 @@ class ProposerOptions:
     comm_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if as_int(self.max_draft_tokens, "max_draft_tokens") < 1:
+        # Every count is an integer: a float one (2.0) sizes buffers and ranges wrongly or fails
+        # deep inside with a TypeError.
+        for name in ("served_max_seq_len", "max_draft_tokens", "max_sequences", "context_chunk",
+                     "o_proj_groups"):
+            as_int(getattr(self, name), name)
+        if self.max_draft_tokens < 1:
             raise ProposerError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
         if 0 < self.served_max_seq_len < self.max_draft_tokens:
             # A propose of k drafts writes k drafter rows, which the served context bounds (the
@@ -76,6 +82,10 @@ class ProposerOptions:
             raise ProposerError(f"context_chunk must be 1..{GEMV_MAX_M} (rows one GEMV reads W for)")
         if self.max_sequences < 1:
             raise ProposerError("max_sequences must be >= 1")
+        if self.o_proj_groups < 1:
+            raise ProposerError(f"o_proj_groups must be >= 1, got {self.o_proj_groups}")
+        if not isinstance(self.comm_timeout_s, numbers.Real) or not self.comm_timeout_s > 0:
+            raise ProposerError(f"comm_timeout_s must be positive, got {self.comm_timeout_s}")
 
 
 @dataclass

@@ -587,3 +587,19 @@ def test_max_draft_tokens_is_bounded_by_what_the_drafter_holds():
     world = World(15, cap + 2)
     assert len(propose(prop, st, world, 0, cap)) == cap  # the largest k the rows allow
     prop.close()
+
+
+@pytest.mark.parametrize("field,bad,msg", [
+    ("served_max_seq_len", 64.0, "served_max_seq_len must be an integer"),
+    ("max_sequences", 2.0, "max_sequences must be an integer"),
+    ("context_chunk", 4.0, "context_chunk must be an integer"),
+    ("o_proj_groups", 4.0, "o_proj_groups must be an integer"),
+    ("o_proj_groups", 0, "o_proj_groups must be >= 1"),
+    ("comm_timeout_s", 0, "comm_timeout_s must be positive"),
+    ("comm_timeout_s", None, "comm_timeout_s must be positive"),
+])
+def test_every_option_is_checked_as_the_options_are_made(field, bad, msg):
+    """A float count (2.0 sequences) would fail later inside range() or size a buffer wrongly; zero
+    o_proj_groups divided by zero in the sharding."""
+    with pytest.raises(ProposerError, match=msg):
+        ProposerOptions(**{"served_max_seq_len": 64, field: bad})
