@@ -373,7 +373,7 @@ def test_propose_refuses_a_non_integer(arg, bad):
 
 
 @pytest.mark.parametrize("case", ["float_base", "bool_base", "float_tokens", "bool_token", "float_list",
-                                  "2d_tokens", "huge_token"])
+                                  "2d_tokens", "huge_token", "no_tokens"])
 def test_catchup_refuses_non_integer_rows_and_tokens(case):
     prop = make_proposer(CFG, WEIGHTS, served=64)
     world = World(9, 64)
@@ -394,6 +394,9 @@ def test_catchup_refuses_non_integer_rows_and_tokens(case):
     elif case == "2d_tokens":
         toks = np.asarray(toks).reshape(2, 2)
         match = "one-dimensional"
+    elif case == "no_tokens":
+        toks = None
+        match = "must be a sequence of token ids, got NoneType"
     else:
         toks[3] = 2**70
         match = "outside the vocabulary"
