@@ -303,23 +303,26 @@ class MtpProposer:
         cfg, gpu, H = self.cfg, self.gpu, self.cfg.hidden_size
         arena = DeviceArena(gpu)
         dsa = None
+        mapped: list[MappedBuffer] = []  # not the arena's: freed here if a later allocation fails
         try:
             dsa = DsaState.alloc(gpu, cfg.dsa, self.rows_cap, self.kv)
             ch = self.opt.context_chunk
             scratch = LayerScratch.alloc(arena, cfg, self.sharding, ch, self.rows_cap,
                                          self.layer.attn.fused_rows)
             z = arena.zeros
+            for nbytes in (8, self.opt.max_draft_tokens * 4 + FLAG_BYTES):
+                mapped.append(gpu.alloc_mapped(nbytes))
             st = ProposerState(
                 slot=self._slots_free[-1], dsa=dsa, scratch=scratch, arena=arena,
                 concat=z(ch * 2 * H * 2), x=z(ch * H * 2), xn=z(H * 2), hidden_in=z(H * 2),
                 logits=z(self.head_n * 2), am_idx=z(4), am_val=z(4), key=z(8), step=z(8),
                 drafts=z(self.opt.max_draft_tokens * 4), ctx_tokens=z(ch * 4),
                 head_counter=z(4),
-                step_in=gpu.alloc_mapped(8),
-                drafts_out=gpu.alloc_mapped(self.opt.max_draft_tokens * 4 + FLAG_BYTES),
-                owner=self.label, finite_row=z(4),
+                step_in=mapped[0], drafts_out=mapped[1], owner=self.label, finite_row=z(4),
             )
         except Exception:
+            for m in mapped:
+                gpu.free_mapped(m)
             if dsa is not None:
                 dsa.free(gpu, self.kv)
             arena.free()

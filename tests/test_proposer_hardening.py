@@ -21,6 +21,7 @@ from model.proposer import ProposerError, ProposerOptions
 from model.tensors import first_nonfinite
 from model.weights import WeightError
 from runtime.dtypes import BF16
+from runtime.errors import OutOfMemoryError
 from runtime.host_backend import HostBackend
 from runtime.kernels.all_finite_bf16 import NONE, first_nonfinite_row
 from tests.proposer_fixtures import (assert_same_caches, bf16_weights, cache_snapshot, make_proposer,
@@ -606,3 +607,31 @@ def test_every_option_is_checked_as_the_options_are_made(field, bad, msg):
     o_proj_groups divided by zero in the sharding."""
     with pytest.raises(ProposerError, match=msg):
         ProposerOptions(**{"served_max_seq_len": 64, field: bad})
+
+
+class MappedRunsOut(HostBackend):
+    """Mapped memory runs out after ``left`` more buffers."""
+
+    left = 1 << 30
+
+    def alloc_mapped(self, nbytes: int):
+        if self.left == 0:
+            raise OutOfMemoryError(f"alloc_mapped of {nbytes} bytes: no mapped memory left")
+        self.left -= 1
+        return super().alloc_mapped(nbytes)
+
+
+@pytest.mark.parametrize("left", [0, 1])
+def test_alloc_state_that_runs_out_of_mapped_memory_leaks_nothing(left):
+    gpu = MappedRunsOut()
+    prop = make_proposer(CFG, WEIGHTS, gpu=gpu, served=64)
+    before = gpu.stats()
+    gpu.left = left  # the step's scalars, then the drafts and their flags: fail either one
+    with pytest.raises(OutOfMemoryError):
+        prop.alloc_state()
+    assert gpu.stats().live_bytes == before.live_bytes
+    assert gpu.stats().live_allocations == before.live_allocations
+    gpu.left = 1 << 30
+    st = prop.alloc_state()
+    assert st.slot == 0  # the slot was not taken either
+    prop.close()
