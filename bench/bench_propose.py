@@ -39,7 +39,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import math
 import statistics
 import sys
 import time

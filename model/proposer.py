@@ -20,7 +20,7 @@ import numbers
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -40,7 +40,7 @@ from runtime.kv_cache import PagedKvCache
 
 from .block import DecoderLayer, LayerScratch
 from .config import ModelConfig
-from .dsa import DsaSizingError, DsaState, drafter_context_rows, latent_cache_config
+from .dsa import DsaState, drafter_context_rows, latent_cache_config
 from .kernels import draft_head
 from .kernels.mtp_input import mtp_embed_norm, mtp_input_gemv
 from .proposer_checks import (FLAG_BYTES, FLAG_LOGITS, FLAG_OWN_HIDDEN, FLAG_TARGET_HIDDEN, ProposerError,
