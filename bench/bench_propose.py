@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime
 import json
 import statistics
@@ -172,7 +173,7 @@ def draft_bytes(prop: Any, context_row: int, fp8_head: bool) -> dict[str, int]:
         "wk_t": hl * C * a.qk_nope_head_dim * 2,
         "wv": hl * a.v_head_dim * C * 2,
         "o_proj": sh.groups * H * sh.group_heads * a.v_head_dim * 2,
-        "router": (m.n_routed_experts + int(m.n_shared_experts > 0)) * H * 2,
+        "router": m.n_routed_experts * H * 2,
         "experts": m.num_experts_per_tok * 3 * I * H * 2,
         "shared_expert": 3 * I * m.n_shared_experts * H * 2 if m.n_shared_experts else 0,
         "head": prop.head_n * H + prop.head_n * 4 if fp8_head else prop.head_n * H * 2,
@@ -348,8 +349,12 @@ def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None =
 
         gpu = CudaBackend(ptx_dir=getattr(args, "ptx_dir", None))
     cfg = cfg or glm5_flash()
+    if not getattr(args, "share_selection", True):
+        # The arm for what index_share_for_mtp_iteration saves: every draft runs the indexer.
+        cfg = dataclasses.replace(cfg, dsa=dataclasses.replace(cfg.dsa, share_for_mtp_iteration=False))
     prog = getattr(args, "prog", "python3 bench/bench_propose.py")  # or "mtpdraft bench"
-    res: dict[str, Any] = {"date": datetime.date.today().isoformat(), "device": getattr(gpu, "device_name", gpu.name),
+    res: dict[str, Any] = {"share_selection": cfg.dsa.share_for_mtp_iteration,
+                           "date": datetime.date.today().isoformat(), "device": getattr(gpu, "device_name", gpu.name),
                            "sm_count": getattr(gpu, "sm_count", None),
                            "command": " ".join([prog, *args.argv])}
     log = print
@@ -590,6 +595,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
                     help="comma-separated heads to measure (fp8,bf16)")
     ap.add_argument("--ks", type=lambda s: tuple(int(c) for c in s.split(",")), default=KS,
                     help="comma-separated draft counts to measure")
+    ap.add_argument("--no-share-selection", dest="share_selection", action="store_false",
+                    help="drafts 2..k run the indexer again instead of reusing draft 1's pool "
+                         "selection (GLM-5.3-Flash's index_share_for_mtp_iteration is true): the "
+                         "arm for what sharing saves per propose")
     ap.add_argument("--rows-only", action="store_true",
                     help="only the timing rows: no arms, equality check, profile or PyTorch")
     ap.add_argument("--contexts", type=lambda s: tuple(int(c) for c in s.split(",")), default=CONTEXTS,

@@ -17,7 +17,9 @@ the caches (random latents, indexer keys and gates, BF16 pool keys); each draft 
    value half), ``o_proj``;
 4. MoE: sigmoid router, top-8 of score + bias, normalised weights x scaling; the chosen experts'
    weights are gathered (``index_select`` on the stacked [E, I, H] tensors, which keeps the step
-   capturable: no host sync) and applied as batched GEMVs; the gated shared expert;
+   capturable: no host sync) and applied as batched GEMVs; the shared expert with weight 1 (ungated);
+   with ``index_share_for_mtp_iteration`` (GLM-5.3-Flash) drafts 2..k skip the indexer and attend
+   draft 1's selection plus the rows drafted since, as the runtime does;
 5. ``lm_head`` GEMV on ``rmsnorm(x) * shared_head.norm`` and ``argmax``, which feeds draft i+1 on
    the device (embedding row and the normalised ``x`` as the next hidden).
 
@@ -94,7 +96,7 @@ class DraftStep:
                 "router": lin(E, H),
                 "router_bias": torch.zeros(E, device=dev, dtype=torch.float32),
                 "shared_gate_proj": lin(I, H), "shared_up_proj": lin(I, H),
-                "shared_down_proj": lin(H, I), "shared_expert_gate": lin(1, H),
+                "shared_down_proj": lin(H, I),
             }
             # Stacked routed experts [E, I, H] / [E, H, I], drawn expert by expert (no 2x peak).
             for name, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
@@ -119,6 +121,10 @@ class DraftStep:
         self.hid_in = torch.randn(H, device=dev, dtype=dtype, generator=g)
         self.drafts = torch.zeros(8, dtype=torch.long, device=dev)
         self.last_hidden = torch.zeros(H, device=dev, dtype=dtype)
+        # The propose's first row and the rows it selected (drafts after it reuse them when the
+        # config shares the selection, index_share_for_mtp_iteration).
+        self._first_row = rows
+        self._first_rows = torch.zeros(0, dtype=torch.long, device=dev)
 
     # ---- one draft -----------------------------------------------------------------------------
 
@@ -144,7 +150,12 @@ class DraftStep:
             wts = torch.softmax(_up(self.gates[s]) + _up(W["ix_ape"]), dim=0)
             self.pool_keys[ncomp - 1] = (wts * _up(self.keys[s])).sum(0).to(self.dtype)
         K = d.index_topk // kp
-        if ncomp > K:
+        if d.share_for_mtp_iteration and n > self._first_row:
+            # Drafts 2..k reuse draft 1's selection, plus the rows drafted since (model/dsa.py).
+            rows = torch.cat([self._first_rows,
+                              torch.arange(self._first_row + 1, n + 1, device=self.device)])
+            c = self.latents.index_select(0, rows)
+        elif ncomp > K:
             qi = F.linear(qa, W["ix_wq_b"]).view(d.index_n_heads, d.index_head_dim)
             wh = _up(F.linear(y, W["ix_weights"])) / math.sqrt(d.index_n_heads)
             sc = torch.relu(_up(qi @ self.pool_keys[:ncomp].T))  # [ih, P]
@@ -154,8 +165,10 @@ class DraftStep:
             if ncomp * kp <= n:
                 rows = torch.cat([rows, torch.arange(ncomp * kp, n + 1, device=self.device)])
             c = self.latents.index_select(0, rows)
+            self._first_rows = rows
         else:
             c = self.latents[: n + 1]
+            self._first_rows = torch.arange(n + 1, device=self.device)
         # Absorbed MLA.
         q_lat = torch.bmm(q[:, None, : a.qk_nope_head_dim], self.w_uk)[:, 0]  # [nh, kl]
         p = torch.softmax(_up(q_lat @ c.T) * a.softmax_scale, dim=-1).to(self.dtype)
@@ -180,8 +193,7 @@ class DraftStep:
         routed = (_up(torch.bmm(wd, act)[..., 0]) * w[:, None].to(_up(act).dtype)).sum(0)
         sh = F.linear(F.silu(F.linear(y2, W["shared_gate_proj"]).clamp(max=L))
                       * F.linear(y2, W["shared_up_proj"]).clamp(-L, L), W["shared_down_proj"])
-        sg = torch.sigmoid(_up(F.linear(y2, W["shared_expert_gate"])))
-        x = x + (routed + sg * _up(sh)).to(self.dtype)
+        x = x + (routed + _up(sh)).to(self.dtype)
         out = _rms(x, W["head_norm"], eps)
         logits = F.linear(out, W["head"])
         return torch.argmax(logits).reshape(1), out, logits
@@ -189,6 +201,7 @@ class DraftStep:
     def propose(self, context: int, k: int) -> torch.Tensor:
         """k drafts from (tok_in, hid_in), rows context .. context+k-1; drafts land in self.drafts."""
         tok, h = self.tok_in, self.hid_in
+        self._first_row = context
         for i in range(k):
             tok, h, _ = self._draft(tok, h, context + i)
             self.drafts[i: i + 1].copy_(tok)
@@ -217,13 +230,12 @@ def weights_from_state_dict(cfg, sd: dict, device="cpu", dtype=torch.float32) ->
         "o_proj": t(A + "o_proj.weight"),
         "ix_wq_b": t(X + "wq_b.weight"), "ix_wk": t(X + "wk.weight"),
         "ix_ln_w": t(X + "k_norm.weight"), "ix_ln_b": t(X + "k_norm.bias"),
-        "ix_weights": t(X + "weights_proj.weight"), "ix_gate": t(X + "compress_gate.weight"),
-        "ix_ape": t(X + "compress_ape"), "router": t(M + "gate.weight"),
+        "ix_weights": t(X + "weights_proj.weight"), "ix_gate": t(X + "index_kpool_compress_gate"),
+        "ix_ape": t(X + "index_kpool_compress_ape"), "router": t(M + "gate.weight"),
         "router_bias": sd[M + "gate.e_score_correction_bias"].to(device=device, dtype=torch.float32),
         "shared_gate_proj": t(M + "shared_experts.gate_proj.weight"),
         "shared_up_proj": t(M + "shared_experts.up_proj.weight"),
         "shared_down_proj": t(M + "shared_experts.down_proj.weight"),
-        "shared_expert_gate": t(M + "shared_expert_gate.weight"),
     }
     for name in ("gate_proj", "up_proj", "down_proj"):
         W["experts_" + name] = torch.stack(

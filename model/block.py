@@ -63,13 +63,15 @@ class LayerScratch:
 
     @classmethod
     def alloc(cls, arena: DeviceArena, cfg: ModelConfig, sh: Sharding, chunk: int, rows: int,
-              fused_rows: int) -> "LayerScratch":
+              fused_rows: int, selection_extra: int = 0) -> "LayerScratch":
+        """``selection_extra``: rows a shared selection gains after it was made
+        (``DecoderLayer.selection_extra``)."""
         a, d, m, H = cfg.attention, cfg.dsa, cfg.moe, cfg.hidden_size
         slots = m.num_experts_per_tok + 1
         inter = max(m.moe_intermediate_size, cfg.intermediate_size)
         b = arena.zeros
-        part_bytes, ml_bytes = sparse_mla.split_workspace(sh.local_heads, a.kv_lora_rank,
-                                                          selection_rows(d, rows))
+        sel_rows = selection_rows(d, rows, selection_extra)
+        part_bytes, ml_bytes = sparse_mla.split_workspace(sh.local_heads, a.kv_lora_rank, sel_rows)
         return cls(
             y=b(chunk * H * 2),
             fused=b(chunk * fused_rows * 2),
@@ -82,13 +84,13 @@ class LayerScratch:
             attn_parts=b(sh.groups * H * 4),
             h1=b(H * 2),
             y2=b(H * 2),
-            rscores=b((m.n_routed_experts + 1) * 4),
+            rscores=b(m.n_routed_experts * 4),
             ids=b(slots * 4),
             wts=b(slots * 4),
             act=b(slots * inter * 2),
             moe_parts=b(slots * H * 4),
             iscores=b(max(rows // d.index_kpool, 1) * 4),
-            selected=b(max(selection_rows(d, rows), 1) * 4),
+            selected=b(max(sel_rows, 1) * 4),
             count=b(4),
             router_counter=b(4),
             attn_part=b(part_bytes),
@@ -98,10 +100,14 @@ class LayerScratch:
 
 class DecoderLayer:
     """A layer's weights and its launch sequence. ``comm`` is required when the layer is sharded:
-    a sharded layer without one would draft from a partial sum, so construction refuses it."""
+    a sharded layer without one would draft from a partial sum, so construction refuses it.
+
+    ``selection_extra``: rows a selection may gain after it is made, when rows drafted later
+    reuse it (``attention(reuse_selection=True)``); the selection buffers and the attention
+    launches are sized for it."""
 
     def __init__(self, gpu: GpuBackend, cfg: ModelConfig, sh: Sharding, attn: AttentionWeights,
-                 mlp: MlpWeights, comm=None, kv_layer: int = 0) -> None:
+                 mlp: MlpWeights, comm=None, kv_layer: int = 0, selection_extra: int = 0) -> None:
         if sh.world_size > 1 and comm is None:
             raise ValueError(
                 f"layer sharded over {sh.world_size} ranks needs a communicator: without one it "
@@ -113,6 +119,7 @@ class DecoderLayer:
             )
         self.gpu, self.cfg, self.sh, self.attn, self.mlp, self.comm = gpu, cfg, sh, attn, mlp, comm
         self.kv_layer = kv_layer
+        self.selection_extra = selection_extra
         a, d = cfg.attention, cfg.dsa
         self.ctx_rows = a.kv_lora_rank + 2 * d.index_head_dim  # rows of fused_in a context row needs
 
@@ -142,14 +149,19 @@ class DecoderLayer:
 
     def full_row(self, x: DevicePtr, s: LayerScratch, st: DsaState, kv: PagedKvCache,
                  row_ptr: DevicePtr, row_add: int, rows_capacity: int, stream=None,
-                 next_norm: tuple[DevicePtr, DevicePtr] | None = None) -> None:
+                 next_norm: tuple[DevicePtr, DevicePtr] | None = None,
+                 reuse_selection: bool = False) -> None:
         """x [H] in place: x = x + attn(norm(x)); x = x + mlp(norm(x)). With ``next_norm = (w, out)``
         the consumer's RMSNorm ``out = rmsnorm(x) * w`` is fused into the last residual add."""
-        self.attention(x, s, st, kv, row_ptr, row_add, rows_capacity, stream)
+        self.attention(x, s, st, kv, row_ptr, row_add, rows_capacity, stream, reuse_selection)
         self.mlp_forward(s, x, stream, next_norm)
 
     def attention(self, x: DevicePtr, s: LayerScratch, st: DsaState, kv: PagedKvCache,
-                  row_ptr: DevicePtr, row_add: int, rows_capacity: int, stream=None) -> None:
+                  row_ptr: DevicePtr, row_add: int, rows_capacity: int, stream=None,
+                  reuse_selection: bool = False) -> None:
+        """With ``reuse_selection`` the row attends the selection the previous full row of this
+        scratch made (no indexer scores, no top-k), extended by its own row when the tail is
+        selected (``model.dsa``, "Shared selection"); the caller sized ``selection_extra``."""
         cfg, gpu, w, sh = self.cfg, self.gpu, self.attn, self.sh
         a, d, H, eps = cfg.attention, cfg.dsa, cfg.hidden_size, cfg.rms_norm_eps
         C, idim, ih = a.kv_lora_rank, d.index_head_dim, d.index_n_heads
@@ -163,17 +175,20 @@ class DecoderLayer:
         bg.rmsnorm_gemv(gpu, q_a, w.q_a_norm, w.q_fused, s.q_fused, nq, a.q_lora_rank, eps, stream,
                         beside=True)
         iw = q_a.offset(a.q_lora_rank * 2)  # weights_proj y
-        dsa_select.indexer_scores(gpu, s.q_fused.offset(hl * a.qk_head_dim * 2), iw, st.pool_keys,
-                                  st.pool_scales, s.iscores, row_ptr, row_add, ih, idim,
-                                  d.index_kpool, 1.0 / ih ** 0.5,
-                                  max(rows_capacity // d.index_kpool, 1), stream)
-        dsa_select.select_topk_pools(gpu, s.iscores, s.selected, s.count, row_ptr, row_add,
-                                     d.topk_pools, d.index_kpool, stream)
+        if not reuse_selection:
+            dsa_select.indexer_scores(gpu, s.q_fused.offset(hl * a.qk_head_dim * 2), iw,
+                                      st.pool_keys, st.pool_scales, s.iscores, row_ptr, row_add,
+                                      ih, idim, d.index_kpool, 1.0 / ih ** 0.5,
+                                      max(rows_capacity // d.index_kpool, 1), stream)
+            dsa_select.select_topk_pools(gpu, s.iscores, s.selected, s.count, row_ptr, row_add,
+                                         d.topk_pools, d.index_kpool, d.always_select_tail, stream)
+        elif d.always_select_tail:
+            dsa_select.extend_selection(gpu, s.selected, s.count, row_ptr, row_add, stream)
         # The absorbed query needs only the q projection, so it streams wk_t beside the selection
         # (one block on one SM) instead of after it.
         bg.bgemv(gpu, w.wk_t, s.q_fused, s.q_abs, hl, C, a.qk_nope_head_dim, out_f32=True,
                  beside=True, stream=stream)
-        sel_cap = selection_rows(d, rows_capacity)
+        sel_cap = selection_rows(d, rows_capacity, self.selection_extra)
         if sparse_mla.split_supported(C, sel_cap):
             sparse_mla.sparse_mla_split(gpu, s.q_abs, kv.data[self.kv_layer], kv.scales[self.kv_layer],
                                         st.table.device, s.selected, s.count, s.attn_part, s.attn_ml,

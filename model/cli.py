@@ -3,6 +3,7 @@
 - ``generate``: prompt in, text out, with acceptance statistics (host backend by default).
 - ``eval``: acceptance per draft position on held-out text.
 - ``bench``: the GPU benchmark of the drafter (needs a CUDA GPU; ``mtpdraft bench --help``).
+- ``inspect``: whether a drafter can be built from a checkpoint (``model/inspect_checkpoint.py``).
 
 User errors (a bad prompt, option, backend or checkpoint) print one line and exit with status 2;
 ``-v`` also prints the traceback behind one.
@@ -280,6 +281,12 @@ def cmd_bench(args, bench_args: list[str]) -> int:
 # ---- parser -----------------------------------------------------------------------------------
 
 
+def cmd_inspect(args) -> int:
+    from model.inspect_checkpoint import run
+
+    return run(args.path, sys.stdout, sys.stderr)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mtpdraft", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -330,6 +337,11 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--prompt-len", type=int, default=64, help="with --decode: prompt bytes")
     e.add_argument("--new-tokens", type=int, default=128, help="with --decode: tokens generated")
     e.set_defaults(func=cmd_eval)
+
+    i = sub.add_parser("inspect", help="whether a drafter can be built from a checkpoint, read "
+                                       "from config.json, the index and the headers only")
+    i.add_argument("path", help="checkpoint directory")
+    i.set_defaults(func=cmd_inspect)
 
     # No options of its own (not even -h): main() hands everything after "bench" to the benchmark.
     b = sub.add_parser("bench", add_help=False,

@@ -7,6 +7,7 @@ Field names follow the Hugging Face names of GLM-5 / DeepSeek-V3.2 configs where
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -43,6 +44,12 @@ class DsaConfig:
     ``max_context`` is the indexer cache reservation in tokens (what a serving engine reserves per
     sequence); ``max_dsa_context`` in ``model.dsa`` rounds it down to whole pools and clamps it to
     the top-k kernel's capacity.
+
+    ``always_select_tail`` (``index_kpool_always_select_tail``): the rows of the incomplete tail
+    pool are attended besides the selected pools. Without it a row attends complete pools only,
+    and a row with no complete pool attends nothing (its attention output is zero).
+    ``share_for_mtp_iteration`` (``index_share_for_mtp_iteration``): drafts 2..k of one propose
+    reuse draft 1's pool selection (``model.dsa``, "Shared selection").
     """
 
     index_n_heads: int
@@ -51,6 +58,7 @@ class DsaConfig:
     index_kpool: int
     always_select_tail: bool
     max_context: int
+    share_for_mtp_iteration: bool = False
 
     @property
     def topk_pools(self) -> int:
@@ -163,9 +171,19 @@ class ModelConfig:
     ) -> "ModelConfig":
         """Build from a ``config.json`` mapping. A missing required field names itself.
 
-        ``dsa_max_context`` overrides the indexer reservation; otherwise ``index_max_context``
-        from the file, else ``max_position_embeddings``.
+        Two forms: flat (every field at the top, as GLM-5 and this project's own checkpoints
+        store it), and nested as GLM-5.3-Flash is published (``model_type: glm5_next``, the text
+        model's fields under ``text_config``). ``dsa_max_context`` overrides the indexer
+        reservation; otherwise ``index_max_context`` from the file, else
+        ``max_position_embeddings``.
         """
+        where = "config.json"
+        if "text_config" in d:
+            d = d["text_config"]
+            where = "config.json text_config"
+            if not isinstance(d, Mapping):
+                raise ConfigError(f"config.json field 'text_config' must be an object, found "
+                                  f"{type(d).__name__}")
 
         def typed(name: str, v: Any, kind: type) -> Any:
             # A silent int("64.5") or bool("false") would size buffers from a typo; refuse instead.
@@ -176,19 +194,38 @@ class ModelConfig:
             }[kind]
             if not ok:
                 raise ConfigError(
-                    f"config.json field {name!r} must be {kind.__name__}, found {v!r} "
+                    f"{where} field {name!r} must be {kind.__name__}, found {v!r} "
                     f"({type(v).__name__})"
                 )
             return kind(v)
 
         def req(name: str, kind: type = int) -> Any:
             if name not in d:
-                raise ConfigError(f"config.json is missing required field {name!r}")
+                raise ConfigError(f"{where} is missing required field {name!r}")
             return typed(name, d[name], kind)
 
         def opt(name: str, default: Any, kind: type = int) -> Any:
             return typed(name, d[name], kind) if name in d else default
 
+        # Group-limited routing (DeepSeek-V3's n_group experts groups, topk_group of them kept)
+        # is not what this block's router does: refuse it rather than route over all experts.
+        n_group, topk_group = opt("n_group", 1), opt("topk_group", opt("n_group", 1))
+        if n_group != 1:
+            raise ConfigError(f"{where} field 'n_group' is {n_group}: this block routes over all "
+                              "experts at once and needs n_group 1 (no group-limited routing)")
+        if topk_group < n_group:
+            raise ConfigError(f"{where} field 'topk_group' is {topk_group}, below n_group "
+                              f"{n_group}: group-limited routing is not implemented")
+        if opt("num_nextn_predict_layers", 1) < 1:
+            raise ConfigError(f"{where} field 'num_nextn_predict_layers' is "
+                              f"{d['num_nextn_predict_layers']}: the checkpoint has no MTP layer")
+        # The published name, then the name this project wrote before it followed the published
+        # config (flat checkpoints written by earlier versions).
+        tail_key = ("index_kpool_always_select_tail" if "index_kpool_always_select_tail" in d
+                    else "index_always_select_tail")
+        # swiglu_limit null: no clamp; absent: transformers' Glm5NextTextConfig default, 10.
+        limit = (math.inf if "swiglu_limit" in d and d["swiglu_limit"] is None
+                 else opt("swiglu_limit", 10.0, float))
         max_pos = req("max_position_embeddings")
         reservation = (dsa_max_context if dsa_max_context is not None
                        else opt("index_max_context", max_pos))
@@ -211,9 +248,11 @@ class ModelConfig:
                     index_n_heads=req("index_n_heads"),
                     index_head_dim=req("index_head_dim"),
                     index_topk=req("index_topk"),
+                    # Required: transformers' class default (16) is not the published value (4).
                     index_kpool=req("index_kpool"),
-                    always_select_tail=opt("index_always_select_tail", True, bool),
+                    always_select_tail=opt(tail_key, True, bool),
                     max_context=int(reservation),
+                    share_for_mtp_iteration=opt("index_share_for_mtp_iteration", False, bool),
                 ),
                 moe=MoeConfig(
                     n_routed_experts=req("n_routed_experts"),
@@ -222,7 +261,7 @@ class ModelConfig:
                     n_shared_experts=opt("n_shared_experts", 1),
                     routed_scaling_factor=opt("routed_scaling_factor", 1.0, float),
                     norm_topk_prob=opt("norm_topk_prob", True, bool),
-                    swiglu_limit=opt("swiglu_limit", 10.0, float),
+                    swiglu_limit=limit,
                 ),
                 first_k_dense_replace=opt("first_k_dense_replace", 0),
                 intermediate_size=opt("intermediate_size", 0),
@@ -231,7 +270,7 @@ class ModelConfig:
         except (TypeError, ValueError) as e:
             if isinstance(e, ConfigError):
                 raise
-            raise ConfigError(f"config.json has a field of the wrong type: {e}") from e
+            raise ConfigError(f"{where} has a field of the wrong type: {e}") from e
 
     @classmethod
     def from_json(cls, path: str | Path, **kw: Any) -> "ModelConfig":
@@ -248,10 +287,12 @@ class ModelConfig:
             raise ConfigError(f"{path}: expected a JSON object, found {type(raw).__name__}")
         return cls.from_hf_dict(raw, **kw)
 
-    def to_hf_dict(self) -> dict[str, Any]:
+    def to_hf_dict(self, *, nested: bool = False) -> dict[str, Any]:
+        """The flat ``config.json`` (``glm_moe_dsa``), or with ``nested`` the published form:
+        ``model_type: glm5_next`` with the text model's fields under ``text_config``."""
         a, d, m = self.attention, self.dsa, self.moe
         out: dict[str, Any] = {
-            "model_type": "glm_moe_dsa",
+            "model_type": "glm5_next_text" if nested else "glm_moe_dsa",
             "hidden_size": self.hidden_size,
             "vocab_size": self.vocab_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -261,13 +302,22 @@ class ModelConfig:
             "first_k_dense_replace": self.first_k_dense_replace,
             "intermediate_size": self.intermediate_size,
             "index_max_context": d.max_context,
-            "index_always_select_tail": d.always_select_tail,
+            "index_kpool_always_select_tail": d.always_select_tail,
+            "index_share_for_mtp_iteration": d.share_for_mtp_iteration,
+            "n_group": 1,
+            "topk_group": 1,
         }
+        renamed = ("max_context", "always_select_tail", "share_for_mtp_iteration")
         for part in (a, d, m):
             for f in fields(part):
-                if f.name not in ("max_context", "always_select_tail"):
+                if f.name not in renamed:
                     out[f.name] = getattr(part, f.name)
-        return out
+        if math.isinf(m.swiglu_limit):
+            out["swiglu_limit"] = None  # no clamp (JSON has no infinity)
+        if not nested:
+            return out
+        return {"model_type": "glm5_next", "architectures": ["Glm5NextForConditionalGeneration"],
+                "text_config": out}
 
     def with_parallel(self, rank: int, world_size: int) -> "ModelConfig":
         return replace(self, parallel=ParallelConfig(rank=rank, world_size=world_size))
@@ -285,7 +335,7 @@ def glm5_flash(max_context: int = 16384) -> ModelConfig:
         rms_norm_eps=1e-5,
         max_position_embeddings=202752,
         attention=AttentionConfig(64, 1536, 512, 256, 0, 256),
-        dsa=DsaConfig(32, 128, 2048, 4, True, max_context),
+        dsa=DsaConfig(32, 128, 2048, 4, True, max_context, share_for_mtp_iteration=True),
         moe=MoeConfig(288, 8, 2048, 1, 2.5, True, 10.0),
         first_k_dense_replace=1,
         intermediate_size=10240,
@@ -303,6 +353,8 @@ def tiny(
     n_routed_experts: int = 8,
     num_experts_per_tok: int = 2,
     max_context: int = 256,
+    always_select_tail: bool = True,
+    share_for_mtp_iteration: bool = False,
 ) -> ModelConfig:
     """A config of the same form, small enough for a CPU test; awkward sizes on purpose."""
     return ModelConfig(
@@ -312,7 +364,8 @@ def tiny(
         rms_norm_eps=1e-5,
         max_position_embeddings=max_context,
         attention=AttentionConfig(heads, 48, 32, 16, 0, 16),
-        dsa=DsaConfig(2, 16, index_topk, index_kpool, True, max_context),
+        dsa=DsaConfig(2, 16, index_topk, index_kpool, always_select_tail, max_context,
+                      share_for_mtp_iteration),
         moe=MoeConfig(n_routed_experts, num_experts_per_tok, 24, 1, 2.5, True, 10.0),
         first_k_dense_replace=1,
         intermediate_size=80,

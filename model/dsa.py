@@ -1,6 +1,15 @@
 """Per-sequence DSA state of one layer: the latent rows in the layer's paged FP8 pool, the
 indexer's per-token keys and gates, the compressed FP8 pool keys, and the row count.
 
+Shared selection (``index_share_for_mtp_iteration``, true in the published GLM-5.3-Flash config):
+draft 1 of a propose runs the indexer and the top-k; drafts 2..k reuse draft 1's selected pools
+without scoring again (as vLLM's MTP drafter reuses draft 1's top-k). What this project adds, where
+the published description is silent: with ``index_kpool_always_select_tail`` the rows drafted after
+draft 1 are attended too, so draft j at row n + j - 1 attends draft 1's pools, draft 1's tail and
+rows n + 1 .. n + j - 1 (itself included), in that ascending order; without the tail it attends
+draft 1's selection unchanged. Draft 1's selection is a function of its own row only, so a
+rollback needs nothing beyond the row count.
+
 Rewinding is moving the count: rows and pools past it are unreachable (the selection reads only
 complete pools below the current row, attention only selected rows), and a pool that a rewind cut
 open is recompressed from its per-token keys and gates when a re-feed completes it again, so
@@ -110,6 +119,15 @@ class DsaState:
         self.length = n
 
 
-def selection_rows(cfg: DsaConfig, rows: int) -> int:
-    """Capacity of the selected-row list for a state of ``rows`` rows."""
-    return selection_capacity(rows, cfg.topk_pools, cfg.index_kpool)
+def selection_rows(cfg: DsaConfig, rows: int, extra: int = 0) -> int:
+    """Capacity of the selected-row list for a state of ``rows`` rows, ``extra`` rows appended to
+    a shared selection included."""
+    return selection_capacity(rows, cfg.topk_pools, cfg.index_kpool, extra)
+
+
+def shared_selection_extra(cfg: DsaConfig, max_draft_tokens: int) -> int:
+    """Rows a shared selection gains over one propose: drafts 2..k each append their own row
+    when the tail is selected (none otherwise)."""
+    if cfg.share_for_mtp_iteration and cfg.always_select_tail:
+        return max(max_draft_tokens - 1, 0)
+    return 0

@@ -40,7 +40,7 @@ from runtime.kv_cache import PagedKvCache
 
 from .block import DecoderLayer, LayerScratch
 from .config import ModelConfig
-from .dsa import DsaState, drafter_context_rows, latent_cache_config
+from .dsa import DsaState, drafter_context_rows, latent_cache_config, shared_selection_extra
 from .kernels import draft_head
 from .kernels.mtp_input import mtp_embed_norm, mtp_input_gemv
 from .proposer_checks import (FLAG_BYTES, FLAG_LOGITS, FLAG_OWN_HIDDEN, FLAG_TARGET_HIDDEN, ProposerError,
@@ -215,7 +215,9 @@ class MtpProposer:
             self.eh_proj = arena.upload(src.checked(P + "eh_proj.weight", (H, 2 * H)))
             attn = load_attention(arena, src, P, cfg, sh)
             mlp = load_moe(arena, src, P, cfg, sh)
-            self.layer = DecoderLayer(gpu, cfg, sh, attn, mlp, comm)
+            self.layer = DecoderLayer(
+                gpu, cfg, sh, attn, mlp, comm,
+                selection_extra=shared_selection_extra(cfg.dsa, options.max_draft_tokens))
             if tables is None:
                 emb = P + "embed_tokens.weight" if P + "embed_tokens.weight" in src else "model.embed_tokens.weight"
                 head = P + "shared_head.head.weight" if P + "shared_head.head.weight" in src else "lm_head.weight"
@@ -308,7 +310,7 @@ class MtpProposer:
             dsa = DsaState.alloc(gpu, cfg.dsa, self.rows_cap, self.kv)
             ch = self.opt.context_chunk
             scratch = LayerScratch.alloc(arena, cfg, self.sharding, ch, self.rows_cap,
-                                         self.layer.attn.fused_rows)
+                                         self.layer.attn.fused_rows, self.layer.selection_extra)
             z = arena.zeros
             for nbytes in (8, self.opt.max_draft_tokens * 4 + FLAG_BYTES):
                 mapped.append(gpu.alloc_mapped(nbytes))
@@ -554,8 +556,10 @@ class MtpProposer:
         """Draft i's block over ``st.x`` at row ``*st.row + i``, leaving the head's input
         ``st.xn = rmsnorm(x) * head_norm``."""
         # The head's RMSNorm rides on the block's last residual add (one launch for both).
+        # Drafts 2..k reuse draft 1's pool selection when the config shares it.
         self.layer.full_row(st.x, st.scratch, st.dsa, self.kv, st.row, i, self.rows_cap, self.stream,
-                            next_norm=(self.head_norm, st.xn))
+                            next_norm=(self.head_norm, st.xn),
+                            reuse_selection=i > 0 and self.cfg.dsa.share_for_mtp_iteration)
 
     def _head(self, st: ProposerState, i: int, publish: bool) -> None:
         """Draft i's token from ``st.xn``, with the FP8 copy of the head when there is one."""

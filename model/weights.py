@@ -12,7 +12,7 @@ Layouts chosen at load (each saves a pass over memory or a launch per draft):
   several: the sharded result is bit-identical to one rank's for any world size dividing
   ``groups``.
 - experts as ``[n_local, 2I, H]`` (gate rows then up rows) and ``[n_local, H, I]``; the router as
-  ``[E (+1 shared gate), H]``.
+  ``[E, H]`` (the shared expert has no gate).
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ class MlpWeights:
     n_local: int
     expert_base: int
     # MoE only
-    router: DevicePtr | None = None  # [E (+1), H]
+    router: DevicePtr | None = None  # [E, H]
     bias: DevicePtr | None = None  # [E] f32
     shared_gate_up: DevicePtr | None = None
     shared_down: DevicePtr | None = None
@@ -169,7 +169,7 @@ def load_attention(arena: DeviceArena, src: TensorLookup, prefix: str, cfg: Mode
     fused = np.concatenate([
         kv_a,
         src.checked(ix + "wk.weight", (idim, H)),
-        src.checked(ix + "compress_gate.weight", (idim, H)),
+        src.checked(ix + "index_kpool_compress_gate", (idim, H)),
         src.checked(at + "q_a_proj.weight", (ql, H)),
         src.checked(ix + "weights_proj.weight", (ih, H)),
     ])
@@ -194,7 +194,7 @@ def load_attention(arena: DeviceArena, src: TensorLookup, prefix: str, cfg: Mode
         q_fused=arena.upload(q_fused),
         k_norm_w=arena.upload(src.checked(ix + "k_norm.weight", (idim,))),
         k_norm_b=arena.upload(src.checked(ix + "k_norm.bias", (idim,))),
-        ape=arena.upload(src.checked(ix + "compress_ape", (d.index_kpool, idim))),
+        ape=arena.upload(src.checked(ix + "index_kpool_compress_ape", (d.index_kpool, idim))),
         wk_t=arena.upload(wk_t),
         wv=arena.upload(wv),
         o_proj=arena.upload(np.ascontiguousarray(o_local)),
@@ -206,9 +206,7 @@ def load_moe(arena: DeviceArena, src: TensorLookup, prefix: str, cfg: ModelConfi
     m, H = cfg.moe, cfg.hidden_size
     I, E = m.moe_intermediate_size, m.n_routed_experts
     mp = prefix + "mlp."
-    router = [src.checked(mp + "gate.weight", (E, H))]
-    if m.n_shared_experts:
-        router.append(src.checked(mp + "shared_expert_gate.weight", (1, H)))
+    router = src.checked(mp + "gate.weight", (E, H))  # the shared expert has no gate
     gate_up = np.empty((sh.local_experts, 2 * I, H), BF16)
     down = np.empty((sh.local_experts, H, I), BF16)
     for j in range(sh.local_experts):
@@ -224,7 +222,7 @@ def load_moe(arena: DeviceArena, src: TensorLookup, prefix: str, cfg: ModelConfi
         inter=I,
         n_local=sh.local_experts,
         expert_base=sh.expert_base,
-        router=arena.upload(np.concatenate(router)),
+        router=arena.upload(router),
         bias=arena.upload(src.checked(mp + "gate.e_score_correction_bias", (E,), np.float32)),
     )
     if m.n_shared_experts and sh.owns_shared_expert:

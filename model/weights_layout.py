@@ -29,6 +29,9 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: str  # safetensors dtype name of the logical (loaded) dtype: "BF16" or "F32"
     init: Init
+    # Stored dtypes that also stand for it, converted at load (beside FP8 block-scaled weights,
+    # which any 2-D BF16 tensor may be): a BF16 release may store norms and the router in F32.
+    accept: tuple[str, ...] = ()
 
     @property
     def fan_in(self) -> int:
@@ -54,9 +57,12 @@ class _Builder:
     def __init__(self) -> None:
         self.layout: Layout = {}
 
-    def add(self, name: str, shape: tuple[int, ...], init: Init, dtype: str = "BF16") -> None:
+    def add(self, name: str, shape: tuple[int, ...], init: Init, dtype: str = "BF16",
+            accept: tuple[str, ...] | None = None) -> None:
         assert name not in self.layout, name
-        self.layout[name] = TensorSpec(name, tuple(int(s) for s in shape), dtype, init)
+        if accept is None:
+            accept = ("F32",) if init is Init.NORM else ()
+        self.layout[name] = TensorSpec(name, tuple(int(s) for s in shape), dtype, init, accept)
 
 
 def _attention(b: _Builder, cfg: ModelConfig, p: str) -> None:
@@ -75,11 +81,12 @@ def _attention(b: _Builder, cfg: ModelConfig, p: str) -> None:
     b.add(ix + "wq_b.weight", (d.index_n_heads * d.index_head_dim, a.q_lora_rank), L)
     b.add(ix + "wk.weight", (d.index_head_dim, h), L)
     b.add(ix + "k_norm.weight", (d.index_head_dim,), N)
-    b.add(ix + "k_norm.bias", (d.index_head_dim,), Init.SMALL)
+    b.add(ix + "k_norm.bias", (d.index_head_dim,), Init.SMALL, accept=("F32",))
     b.add(ix + "weights_proj.weight", (d.index_n_heads, h), L)
-    b.add(ix + "compress_gate.weight", (d.index_head_dim, h), L)
-    # No ".weight" suffix: a parameter of the indexer, not of a submodule.
-    b.add(ix + "compress_ape", (d.index_kpool, d.index_head_dim), Init.SMALL)
+    # No ".weight" suffix: parameters of the indexer itself, not of a submodule (the published
+    # names, transformers' Glm5NextTextIndexer).
+    b.add(ix + "index_kpool_compress_gate", (d.index_head_dim, h), L)
+    b.add(ix + "index_kpool_compress_ape", (d.index_kpool, d.index_head_dim), Init.SMALL)
 
 
 def _swiglu(b: _Builder, p: str, hidden: int, inter: int) -> None:
@@ -90,15 +97,15 @@ def _swiglu(b: _Builder, p: str, hidden: int, inter: int) -> None:
 
 def _moe(b: _Builder, cfg: ModelConfig, p: str) -> None:
     m, h = cfg.moe, cfg.hidden_size
-    b.add(p + "mlp.gate.weight", (m.n_routed_experts, h), Init.LINEAR)
+    b.add(p + "mlp.gate.weight", (m.n_routed_experts, h), Init.LINEAR, accept=("F32",))
     # The only F32 tensor: the router adds it to sigmoid scores of O(1e-2) spacing, where BF16
     # would round the bias away.
     b.add(p + "mlp.gate.e_score_correction_bias", (m.n_routed_experts,), Init.SMALL, "F32")
     for e in range(m.n_routed_experts):
         _swiglu(b, p + f"mlp.experts.{e}.", h, m.moe_intermediate_size)
     if m.n_shared_experts:
+        # Added with weight 1: no shared_expert_gate (the published checkpoints have none).
         _swiglu(b, p + "mlp.shared_experts.", h, m.moe_intermediate_size * m.n_shared_experts)
-        b.add(p + "mlp.shared_expert_gate.weight", (1, h), Init.LINEAR)
 
 
 def _decoder_layer(b: _Builder, cfg: ModelConfig, p: str, dense: bool) -> None:
@@ -169,3 +176,12 @@ def target_layout(cfg: ModelConfig) -> Layout:
 
 def is_routed_expert(name: str) -> bool:
     return ".mlp.experts." in name
+
+
+# The projections GLM-5.3-Flash publishes as F8_E4M3 with 128x128 block scales (REFERENCE.md).
+_PUBLISHED_FP8 = (".mlp.experts.", ".mlp.shared_experts.", ".self_attn.q_a_proj.",
+                  ".self_attn.q_b_proj.", ".self_attn.kv_a_proj_with_mqa.", ".self_attn.o_proj.")
+
+
+def is_published_fp8(name: str) -> bool:
+    return name.endswith(".weight") and any(part in name for part in _PUBLISHED_FP8)

@@ -97,16 +97,18 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores(
 // One block of 1024 threads; dynamic smem holds one u32 key per pool (TOPK_MAX_POOLS * 4 bytes,
 // 64 KiB for 16384 pools, above the 48 KB default: the backend raises the limit at launch).
 //
-// With npools <= topk_pools the selection is dense: rows 0..row. Otherwise the topk_pools largest
+// With npools <= topk_pools the selection is every complete pool's rows. Otherwise the topk_pools largest
 // scores (ties: lower pool index first) are found by an exact radix select on order-preserving
 // keys (4 passes of 8 bits, histograms with warp-aggregated shared atomics: scores of one
 // magnitude share their top byte, so plain atomics would serialise on one bin), then the chosen
 // pools are compacted in ascending pool order with two block scans (one for the tie quota, one
-// for output positions), expanded to their kpool rows, and the tail rows of the incomplete pool
-// are appended. The result is exactly select_rows_ref's.
+// for output positions), expanded to their kpool rows. With `tail` the rows of the incomplete pool
+// are appended in both cases (index_kpool_always_select_tail). The result is exactly
+// select_rows_ref's.
 extern "C" __global__ void __launch_bounds__(1024) select_topk_pools(
     const float* __restrict__ scores, uint32_t* __restrict__ selected, uint32_t* __restrict__ count,
-    const uint32_t* __restrict__ row_ptr, uint32_t row_add, uint32_t topk_pools, uint32_t kpool) {
+    const uint32_t* __restrict__ row_ptr, uint32_t row_add, uint32_t topk_pools, uint32_t kpool,
+    uint32_t tail) {
     extern __shared__ uint32_t keys_s[];
     __shared__ uint32_t hist[256];
     __shared__ uint32_t scan_scratch[32];
@@ -117,9 +119,10 @@ extern "C" __global__ void __launch_bounds__(1024) select_topk_pools(
     wait_then_release();
     const uint32_t row = *row_ptr + row_add;
     const uint32_t npools = (row + 1u) / kpool;
+    const uint32_t tail0 = npools * kpool, tail_n = tail ? row + 1u - tail0 : 0u;
     if (npools <= topk_pools) {
-        for (uint32_t i = tid; i <= row; i += nt) selected[i] = i;
-        if (tid == 0) *count = row + 1u;
+        for (uint32_t i = tid; i < tail0 + tail_n; i += nt) selected[i] = i;
+        if (tid == 0) *count = tail0 + tail_n;
         return;
     }
     if (npools > TOPK_MAX_POOLS_CUDA) {  // past the sizing the proposer enforces: a visible failure
@@ -208,7 +211,22 @@ extern "C" __global__ void __launch_bounds__(1024) select_topk_pools(
             ++pos;
         }
     }
-    const uint32_t tail0 = npools * kpool, base = topk_pools * kpool;
-    for (uint32_t i = tid; tail0 + i <= row; i += nt) selected[base + i] = tail0 + i;
-    if (tid == 0) *count = base + (row + 1u - tail0);
+    const uint32_t base = topk_pools * kpool;
+    for (uint32_t i = tid; i < tail_n; i += nt) selected[base + i] = tail0 + i;
+    if (tid == 0) *count = base + tail_n;
+}
+
+// ---- extend_selection -------------------------------------------------------------------------
+// A draft after the first of a propose that shares draft 1's pool selection
+// (index_share_for_mtp_iteration): append its own row to the list draft 1 selected and the drafts
+// since extended. One thread's work; launched as <<<1, 32>>> in select_topk_pools' place, so it
+// waits and releases as that kernel does.
+extern "C" __global__ void __launch_bounds__(32) extend_selection(
+    uint32_t* __restrict__ selected, uint32_t* __restrict__ count, const uint32_t* __restrict__ row_ptr,
+    uint32_t row_add) {
+    wait_then_release();
+    if (threadIdx.x != 0) return;
+    const uint32_t n = *count;
+    selected[n] = *row_ptr + row_add;
+    *count = n + 1u;
 }

@@ -76,7 +76,6 @@ __device__ __forceinline__ void route_warp_n(const float* scores, const float* _
     unsigned long long key[ROUTE_MAX_PER_LANE];
     float raw[ROUTE_MAX_PER_LANE];  // the sigmoid scores themselves: the winner's lane records its
                                     // weight, instead of a second L2 round trip per chosen expert
-    const float shared_gate = (shared && lane == 0) ? __ldcg(scores + n_experts) : 0.0f;
 #pragma unroll
     for (int c = 0; c < ROUTE_MAX_PER_LANE; ++c) {
         const uint32_t i = lane + 32u * c;
@@ -113,9 +112,9 @@ __device__ __forceinline__ void route_warp_n(const float* scores, const float* _
             const float wv = norm ? wsel[r] / sum : wsel[r];
             weights[r] = __fmul_rn(wv, scale);
         }
-        if (shared) {
+        if (shared) {  // the shared expert is added with weight 1: it has no gate
             ids[topk] = 0u;
-            weights[topk] = shared_gate;
+            weights[topk] = 1.0f;
         }
     }
 }
@@ -202,8 +201,8 @@ extern "C" __global__ void __launch_bounds__(32) router_topk(const float* __rest
 }
 
 // router_scores + router_topk in one launch: the last block to finish its rows runs the top-k
-// (last_block_done; `counter` is a zeroed u32 the kernel leaves zeroed). Grid ceil((n_experts +
-// shared) / 8), block 256.
+// (last_block_done; `counter` is a zeroed u32 the kernel leaves zeroed). Grid ceil(n_experts / 8),
+// block 256.
 constexpr int ROUTER_BIAS_PER_THREAD = 4;  // 1024 experts at most, over 256 threads
 extern "C" __global__ void __launch_bounds__(256) router_fused(
     const uint16_t* __restrict__ w, const uint16_t* __restrict__ y, const float* __restrict__ bias,
@@ -225,7 +224,7 @@ extern "C" __global__ void __launch_bounds__(256) router_fused(
         const uint32_t i = threadIdx.x + (uint32_t)q * blockDim.x;
         bias_r[q] = i < nb ? __ldg(bias + i) : 0.0f;
     }
-    router_rows<true>(w, y, scores, n_experts + (shared ? 1u : 0u), h);
+    router_rows<true>(w, y, scores, n_experts, h);
 #pragma unroll
     for (int q = 0; q < ROUTER_BIAS_PER_THREAD; ++q) {
         const uint32_t i = threadIdx.x + (uint32_t)q * blockDim.x;

@@ -73,7 +73,8 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_attend(
         for (uint32_t d = d0 + threadIdx.x; d < min(dim, d0 + quarter); d += blockDim.x) {
             float o = 0.0f;
             for (int w = 0; w < 8; ++w) o += acc_s[w][d - d0];
-            out[(size_t)h * dim + d] = f32_to_bf16_bits(o / L);
+            // An empty selection (no complete pool, no tail) attends nothing: output zero.
+            out[(size_t)h * dim + d] = f32_to_bf16_bits(n ? o / L : 0.0f);
         }
         __syncthreads();
     }
@@ -399,6 +400,7 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_combine(
         r.z = __fadd_rn(r.z, a.z);
         r.w = __fadd_rn(r.w, a.w);
     }
+    if (splits == 0u) r = make_float4(0.0f, 0.0f, 0.0f, 0.0f), L = 1.0f;  // empty selection: zero
     *reinterpret_cast<uint2*>(out + (size_t)h * dim + d) = make_uint2(pack_bf16x2(r.x / L, r.y / L),
                                                                      pack_bf16x2(r.z / L, r.w / L));
 }

@@ -118,8 +118,6 @@ class ReferenceDrafter:
         a, d, m = cfg.attention, cfg.dsa, cfg.moe
         if a.qk_rope_head_dim != 0:
             raise ValueError("reference covers NoPE MLA only (qk_rope_head_dim == 0)")
-        if not d.always_select_tail:
-            raise ValueError("the SPEC only defines selection with always_select_tail=True")
         if cfg.parallel.world_size != 1:
             raise ValueError("the reference is the unsharded drafter (world_size 1)")
         self.cfg = cfg
@@ -176,8 +174,8 @@ class ReferenceDrafter:
         self.ix_weights = get(X + "weights_proj.weight", (ih, H))
         self.ix_ln_w = get(X + "k_norm.weight", (idim,))
         self.ix_ln_b = get(X + "k_norm.bias", (idim,))
-        self.ix_gate = get(X + "compress_gate.weight", (idim, H))
-        self.ix_ape = get(X + "compress_ape", (kp, idim))
+        self.ix_gate = get(X + "index_kpool_compress_gate", (idim, H))
+        self.ix_ape = get(X + "index_kpool_compress_ape", (kp, idim))
 
         M = P + "mlp."
         self.router = get(M + "gate.weight", (E, H))
@@ -192,8 +190,7 @@ class ReferenceDrafter:
         if m.n_shared_experts:
             self.shared = (get(M + "shared_experts.gate_proj.weight", (I * m.n_shared_experts, H)),
                            get(M + "shared_experts.up_proj.weight", (I * m.n_shared_experts, H)),
-                           get(M + "shared_experts.down_proj.weight", (H, I * m.n_shared_experts)),
-                           get(M + "shared_expert_gate.weight", (1, H)))
+                           get(M + "shared_experts.down_proj.weight", (H, I * m.n_shared_experts)))
 
         # Per-row state (row r at index r) and per-pool compressed keys.
         self._y: list[np.ndarray] = []        # normalised block input (kept to recompute selection)
@@ -294,7 +291,10 @@ class ReferenceDrafter:
         return (w @ rel) / math.sqrt(d.index_head_dim)
 
     def selection(self, n: int | None = None) -> np.ndarray:
-        """Sorted rows that row n (already written) attends to."""
+        """Sorted rows that row n (already written) attends to: the top ``index_topk / kpool``
+        complete pools (all of them when there are no more), plus with always_select_tail the
+        rows of the incomplete pool. Without the tail a row before its first complete pool
+        attends nothing."""
         if n is None:
             n = self.rows - 1
         if not 0 <= n < self.rows:
@@ -302,17 +302,27 @@ class ReferenceDrafter:
         d = self.cfg.dsa
         kp, T = d.index_kpool, d.topk_pools
         complete = (n + 1) // kp
+        tail = list(range(complete * kp, n + 1)) if d.always_select_tail else []
         if complete <= T:
-            return np.arange(n + 1)
-        scores = self.pool_scores(self._y[n], complete)
-        pools = sorted(top_k_desc(scores, T))
-        sel = [p * kp + s for p in pools for s in range(kp)]
-        sel += list(range(complete * kp, n + 1))
+            pools = list(range(complete))
+        else:
+            pools = sorted(top_k_desc(self.pool_scores(self._y[n], complete), T))
+        sel = [p * kp + s for p in pools for s in range(kp)] + tail
         return np.array(sel, dtype=np.int64)
 
+    def shared_selection(self, first: np.ndarray, n_first: int, n: int) -> np.ndarray:
+        """The selection of row n drafted after row n_first in one propose, when drafts share
+        draft 1's selection (index_share_for_mtp_iteration): draft 1's rows, and with the tail
+        every row drafted since (n_first + 1 .. n)."""
+        extra = range(n_first + 1, n + 1) if self.cfg.dsa.always_select_tail else range(0)
+        return np.concatenate([first, np.array(list(extra), dtype=np.int64)])
+
     def attention(self, y: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """Absorbed NoPE MLA over the given latent rows; returns o_proj output [H]."""
+        """Absorbed NoPE MLA over the given latent rows; returns o_proj output [H] (zero over no
+        rows: softmax over an empty set attends nothing)."""
         a = self.cfg.attention
+        if len(rows) == 0:
+            return np.zeros(self.cfg.hidden_size)
         q = (self.q_b @ self.q_latent(y)).reshape(a.num_attention_heads, a.qk_nope_head_dim)
         qa = np.einsum("hdk,hd->hk", self.w_uk, q)              # [nh, kl]
         c = self.latents[rows]                                 # [S, kl]
@@ -337,13 +347,12 @@ class ReferenceDrafter:
         out = np.zeros(self.cfg.hidden_size)
         for e, we in zip(chosen, w):
             out += we * clamped_swiglu(y2, *self.experts[e], L)
-        if self.shared is not None:
-            sg, su, sd, sgate = self.shared
-            out += sigmoid(sgate @ y2)[0] * clamped_swiglu(y2, sg, su, sd, L)
+        if self.shared is not None:  # weight 1: the shared expert has no gate
+            out += clamped_swiglu(y2, *self.shared, L)
         return out
 
-    def block(self, x: np.ndarray, y: np.ndarray, n: int) -> np.ndarray:
-        h1 = x + self.attention(y, self.selection(n))
+    def block(self, x: np.ndarray, y: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        h1 = x + self.attention(y, rows)
         return h1 + self.moe(rmsnorm(h1, self.post_norm, self.cfg.rms_norm_eps))
 
     def head_logits(self, out: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -360,9 +369,11 @@ class ReferenceDrafter:
         for t, h in zip(tokens, hiddens, strict=True):
             self._append(int(t), h)
 
-    def draft_row(self, token: int, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def draft_row(self, token: int, hidden: np.ndarray, rows: np.ndarray | None = None
+                  ) -> tuple[np.ndarray, np.ndarray]:
+        """Append a row and run it through the block over ``rows`` (default: its own selection)."""
         x, y = self._append(token, hidden)
-        out = self.block(x, y, self.rows - 1)
+        out = self.block(x, y, self.selection() if rows is None else rows)
         return self.head_logits(out)
 
     def propose(self, last_token: int, target_hidden: np.ndarray, k: int, *,
@@ -379,8 +390,14 @@ class ReferenceDrafter:
             self.rewind_to(position)
         drafts, logits, hiddens = [], [], []
         tok, hid = int(last_token), target_hidden
-        for _ in range(k):
-            lg, xn = self.draft_row(tok, hid)
+        n_first, first = self.rows, None
+        for i in range(k):
+            rows = None
+            if i > 0 and self.cfg.dsa.share_for_mtp_iteration:
+                rows = self.shared_selection(first, n_first, n_first + i)
+            lg, xn = self.draft_row(tok, hid, rows)
+            if i == 0:  # draft 1's own selection, once its row is written
+                first = self.selection(n_first)
             tok, hid = argmax_lowest(lg), xn
             drafts.append(tok)
             logits.append(lg)
@@ -435,8 +452,8 @@ def random_mtp_weights(cfg: ModelConfig, seed: int = 0, dtype=np.float32) -> dic
         X + "wq_b.weight": lin(ih * idim, ql), X + "wk.weight": lin(idim, H),
         X + "weights_proj.weight": lin(ih, H),
         X + "k_norm.weight": norm(idim), X + "k_norm.bias": (0.1 * rng.standard_normal(idim)).astype(dtype),
-        X + "compress_gate.weight": lin(idim, H),
-        X + "compress_ape": rng.standard_normal((d.index_kpool, idim)).astype(dtype),
+        X + "index_kpool_compress_gate": lin(idim, H),
+        X + "index_kpool_compress_ape": rng.standard_normal((d.index_kpool, idim)).astype(dtype),
         M + "gate.weight": lin(E, H),
         M + "gate.e_score_correction_bias": (0.1 * rng.standard_normal(E)).astype(np.float32),
     }
@@ -448,5 +465,4 @@ def random_mtp_weights(cfg: ModelConfig, seed: int = 0, dtype=np.float32) -> dic
         w[M + "shared_experts.gate_proj.weight"] = lin(I, H)
         w[M + "shared_experts.up_proj.weight"] = lin(I, H)
         w[M + "shared_experts.down_proj.weight"] = lin(H, I)
-        w[M + "shared_expert_gate.weight"] = lin(1, H)
     return w

@@ -65,7 +65,8 @@ def ckpts(tmp_path_factory) -> Path:
     t.pop("lm_head.weight")
     write_checkpoint(root / "missing", TINY, t, progress=False)
     t = _tensors()
-    t["model.norm.weight"] = t["model.norm.weight"].astype(np.float32)
+    # F16 (F32 norms are accepted: a BF16 release stores them so).
+    t["model.norm.weight"] = t["model.norm.weight"].astype(np.float16)
     write_checkpoint(root / "dtype", TINY, t, progress=False)
     t = _tensors()
     t["model.embed_tokens.weight"] = t["model.embed_tokens.weight"][:, :8].copy()
@@ -94,7 +95,7 @@ USER_ERRORS = [
     (["generate", "--prompt", "AB", "--checkpoint", "{ck}/missing"],
      "tensor lm_head.weight is missing from checkpoint"),
     (["generate", "--prompt", "AB", "--checkpoint", "{ck}/dtype"],
-     "tensor model.norm.weight: expected dtype BF16, found F32"),
+     "tensor model.norm.weight: expected dtype BF16, found F16"),
     (["generate", "--prompt", "AB", "--checkpoint", "{ck}/shape"],
      "tensor model.embed_tokens.weight: expected shape [97, 64], found [97, 8]"),
     (["generate", "--prompt", "Az", "--checkpoint", "{ck}/ok"],

@@ -393,10 +393,11 @@ def test_indexer_scores(cuda, heads, dim, kpool, row, cap):
         assert_dot_close(gs[:npools], hs[:npools].astype(np.float64), bound, "indexer_scores")
 
 
-def _select(cuda_or_host, scores, row, topk, kpool, cap_rows):
+def _select(cuda_or_host, scores, row, topk, kpool, cap_rows, tail=True):
+    add = min(row, 3)  # the row is *row_ptr + row_add
     return run_on(cuda_or_host, lambda gpu, sc, sel, cnt, rowp: dsa_select.select_topk_pools(
-        gpu, sc, sel, cnt, rowp, 3, topk, kpool),
-        {"sc": scores, "sel": cap_rows * 4, "cnt": 4, "rowp": np.array([row - 3], np.uint32)})
+        gpu, sc, sel, cnt, rowp, add, topk, kpool, tail),
+        {"sc": scores, "sel": max(cap_rows, 1) * 4, "cnt": 4, "rowp": np.array([row - add], np.uint32)})
 
 
 @pytest.mark.parametrize("row,topk,kpool,kind", [
@@ -409,8 +410,10 @@ def _select(cuda_or_host, scores, row, topk, kpool, cap_rows):
     (2051, 512, 4, "specials"),     # 513 pools: -0/+0, NaN, -inf
     (60, 8, 3, "ties"),             # odd kpool, small top-k
     (999, 1, 2, "ties"),            # top-1
+    (3, 4, 4, "random"),            # the first row that completes a pool (no tail either way)
 ])
-def test_select_topk_pools_exact(cuda, row, topk, kpool, kind):
+@pytest.mark.parametrize("tail", [True, False], ids=["tail", "no-tail"])
+def test_select_topk_pools_exact(cuda, row, topk, kpool, kind, tail):
     rng = np.random.default_rng()
     npools = (row + 1) // kpool
     n = max(npools, 1)
@@ -425,12 +428,38 @@ def test_select_topk_pools_exact(cuda, row, topk, kpool, kind):
         scores[rng.choice(n, 5, replace=False)] = np.nan
         scores[rng.choice(n, 5, replace=False)] = -np.inf
     cap = min(row + 1, topk * kpool + kpool - 1)
-    g = _select(cuda, scores, row, topk, kpool, cap)
-    h = _select(HostBackend(), scores, row, topk, kpool, cap)
-    ref = select_rows_ref(scores, row, topk, kpool)
+    g = _select(cuda, scores, row, topk, kpool, cap, tail)
+    h = _select(HostBackend(), scores, row, topk, kpool, cap, tail)
+    ref = select_rows_ref(scores, row, topk, kpool, tail)
     cnt = int(as_(g["cnt"], np.uint32)[0])
     assert cnt == ref.size == int(as_(h["cnt"], np.uint32)[0])
     np.testing.assert_array_equal(as_(g["sel"], np.uint32)[:cnt], ref)
+    assert g["sel"].tobytes() == h["sel"].tobytes()
+
+
+@pytest.mark.parametrize("row", [0, 2])
+def test_select_without_tail_before_the_first_pool_is_empty(cuda, row):
+    """index_kpool_always_select_tail false: a row before its first complete pool selects
+    nothing (count 0, the list untouched)."""
+    g = _select(cuda, np.zeros(1, np.float32), row, 8, 4, 8, tail=False)
+    h = _select(HostBackend(), np.zeros(1, np.float32), row, 8, 4, 8, tail=False)
+    assert int(as_(g["cnt"], np.uint32)[0]) == 0 == int(as_(h["cnt"], np.uint32)[0])
+    assert g["sel"].tobytes() == h["sel"].tobytes()
+
+
+def test_extend_selection_appends_the_row(cuda):
+    """Drafts 2..k of a shared selection (index_share_for_mtp_iteration) append their own row."""
+    sel = np.zeros(12, np.uint32)
+    sel[:5] = [4, 5, 6, 7, 9]
+
+    def run(gpu, sel, cnt, rowp):
+        dsa_select.extend_selection(gpu, sel, cnt, rowp, 1)
+        dsa_select.extend_selection(gpu, sel, cnt, rowp, 2)
+
+    g, h = both(cuda, run, {"sel": sel, "cnt": np.array([5], np.uint32),
+                            "rowp": np.array([9], np.uint32)})
+    assert as_(g["cnt"], np.uint32)[0] == 7 == as_(h["cnt"], np.uint32)[0]
+    np.testing.assert_array_equal(as_(g["sel"], np.uint32)[:7], [4, 5, 6, 7, 9, 10, 11])
     assert g["sel"].tobytes() == h["sel"].tobytes()
 
 
@@ -470,6 +499,27 @@ def test_sparse_mla_attend(cuda, heads, dim, count, context):
     assert_close(go, ho, 2.0**-7, float(np.abs(ho).max()) * 2.0**-9, "sparse_mla_attend")
 
 
+@pytest.mark.parametrize("heads,dim", [(64, 512), (4, 32)])
+def test_sparse_mla_of_an_empty_selection_is_zero(cuda, heads, dim):
+    """No selected row (no complete pool, tail not selected): both kernels output exact zeros."""
+    rng = np.random.default_rng()
+    bufs = _attn_case(rng, heads, dim, 1, 40)
+    bufs["cnt"] = np.array([0], np.uint32)
+    pb, mb = sparse_mla.split_workspace(heads, dim, 64)
+    bufs.update(part=pb, ml=mb, out=heads * dim * 2)
+
+    def attend(gpu, q, cache, scales, table, sel, cnt, part, ml, out):
+        sparse_mla.sparse_mla_attend(gpu, q, cache, scales, table, sel, cnt, out, heads, dim, 16, 0.1)
+
+    def split(gpu, q, cache, scales, table, sel, cnt, part, ml, out):
+        sparse_mla.sparse_mla_split(gpu, q, cache, scales, table, sel, cnt, part, ml, out, heads,
+                                    dim, 16, 0.1, 64)
+
+    for fn in (attend,) + ((split,) if sparse_mla.split_supported(dim, 64) else ()):
+        g, h = both(cuda, fn, bufs)
+        assert not as_(g["out"], np.uint16).any() and not as_(h["out"], np.uint16).any(), fn.__name__
+
+
 @pytest.mark.parametrize("heads,dim,count,context", ATTN_CASES)
 def test_sparse_mla_split_pair(cuda, heads, dim, count, context):
     rng = np.random.default_rng()
@@ -506,11 +556,11 @@ def test_sparse_mla_split_pair(cuda, heads, dim, count, context):
 def test_router_scores_topk_and_fused(cuda):
     rng = np.random.default_rng()
     E, H, k = 288, HIDDEN, 8
-    w = random_bf16(rng, (E + 1, H), exp_lo=-12)
+    w = random_bf16(rng, (E, H), exp_lo=-12)  # no shared-expert gate row
     y = random_bf16(rng, H, exp_lo=-3)
     bias = (0.05 * rng.standard_normal(E)).astype(np.float32)
-    g, h = both(cuda, lambda gpu, w, y, s: moe.router_scores(gpu, w, y, s, E + 1, H),
-                {"w": w, "y": y, "s": (E + 1) * 4})
+    g, h = both(cuda, lambda gpu, w, y, s: moe.router_scores(gpu, w, y, s, E, H),
+                {"w": w, "y": y, "s": E * 4})
     gs, hs = as_(g["s"], np.float32), as_(h["s"], np.float32)
     absd = abs_dot(y[None], w)[0]
     # sigmoid' <= 1/4: the score moves by at most a quarter of the dot's error, plus f32 exp.
@@ -521,13 +571,15 @@ def test_router_scores_topk_and_fused(cuda):
         moe.router_topk(gpu, s, b, ids, wts, E, k, True, 2.5, True)
     gt, ht = both(cuda, topk, {"s": gs, "b": bias, "ids": (k + 1) * 4, "wts": (k + 1) * 4})
     assert gt["ids"].tobytes() == ht["ids"].tobytes() and gt["wts"].tobytes() == ht["wts"].tobytes()
+    assert as_(gt["wts"], np.float32)[k] == 1.0, "the shared expert is added with weight 1"
 
     def fused(gpu, w, y, b, s, ids, wts, ctr):
         moe.router_fused(gpu, w, y, b, s, ids, wts, ctr, E, H, k, True, 2.5, True)
     zero = np.zeros(1, np.uint32)
     for _ in range(2):  # the counter the last block resets serves the next launch
-        gf = run_on(cuda, fused, {"w": w, "y": y, "b": bias, "s": (E + 1) * 4, "ids": (k + 1) * 4,
+        gf = run_on(cuda, fused, {"w": w, "y": y, "b": bias, "s": E * 4, "ids": (k + 1) * 4,
                                   "wts": (k + 1) * 4, "ctr": zero})
+        assert as_(gf["wts"], np.float32)[k] == 1.0, "the shared expert is added with weight 1"
         assert as_(gf["ctr"], np.uint32)[0] == 0, "router_fused must leave its counter at zero"
         assert_close(as_(gf["s"], np.float32), hs, 2.0**-20, 0.25 * 4 * H * 2.0**-24 * float(absd.max()),
                      "router_fused scores")
@@ -540,12 +592,14 @@ def test_router_scores_topk_and_fused(cuda):
 @pytest.mark.parametrize("E,k,norm,shared", [(37, 5, True, False), (9, 9, False, True), (300, 8, True, True)])
 def test_router_topk_ties_and_nan(cuda, E, k, norm, shared):
     rng = np.random.default_rng()
-    s = (rng.integers(1, 5, E + 1) / 8.0).astype(np.float32)  # few values: ties decide
+    s = (rng.integers(1, 5, E) / 8.0).astype(np.float32)  # few values: ties decide
     b = np.zeros(E, np.float32)
     b[rng.choice(E, 2, replace=False)] = np.nan
     g, h = both(cuda, lambda gpu, s, b, ids, wts: moe.router_topk(gpu, s, b, ids, wts, E, k, norm, 1.5, shared),
                 {"s": s, "b": b, "ids": (k + 1) * 4, "wts": (k + 1) * 4})
     assert g["ids"].tobytes() == h["ids"].tobytes() and g["wts"].tobytes() == h["wts"].tobytes()
+    if shared:
+        assert as_(g["wts"], np.float32)[k] == 1.0, "the shared expert is added with weight 1"
 
 
 def _experts_case(rng, n_local: int, inter: int, h: int):

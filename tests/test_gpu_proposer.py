@@ -100,6 +100,14 @@ def rel_margin(lg: np.ndarray) -> float:
     (CFG, 0, 120, True),    # 60 complete pools against a top-k of 4
     (CFG, 1, 37, False),    # odd prefill: propose rows start inside a pool; BF16 head
     (CFG4, 2, 150, True),   # kpool 4 (3-row tails), top-3 experts
+    # The published config's index_share_for_mtp_iteration: drafts 2..k reuse draft 1's pools and
+    # append their rows (extend_selection in place of the indexer and the top-k).
+    (tiny(index_topk=8, index_kpool=2, max_context=256, share_for_mtp_iteration=True), 3, 121, True),
+    # index_kpool_always_select_tail false, with and without sharing; prefill 2 starts before the
+    # first complete pool, where a draft attends nothing (sparse_mla of an empty selection).
+    (tiny(index_topk=16, index_kpool=4, max_context=256, always_select_tail=False), 4, 150, True),
+    (tiny(index_topk=16, index_kpool=4, max_context=256, always_select_tail=False,
+          share_for_mtp_iteration=True), 5, 2, False),
 ])
 def test_cuda_drafts_match_host_eager_and_graph(cuda, cfg, seed, prefill, fp8_head):
     w = bf16_weights(cfg, seed)

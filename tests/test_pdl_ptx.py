@@ -54,7 +54,8 @@ def test_the_drafter_step_kernels_take_part():
             "head_argmax_fp8", "head_argmax_bf16"} <= {f for f, m in modes.items() if m is Pdl.WAIT}
     assert {f for f, m in modes.items() if m is Pdl.BESIDE} == {"bgemv_bf16_f32_beside", "moe_gate_up",
                                                                 "rmsnorm_gemv_beside", "mtp_input_gemv"}
-    assert {d.function for d in RELEASING} == {"copy_words", "select_topk_pools", "router_fused", "dsa_cache_write",
+    assert {d.function for d in RELEASING} == {"copy_words", "select_topk_pools", "extend_selection",
+                                               "router_fused", "dsa_cache_write",
                                                "head_argmax_bf16", "head_argmax_fp8", "indexer_scores",
                                                "sparse_mla_partial", "sparse_mla_combine",
                                                "sum_rows_residual_rmsnorm", "bgemv_bf16_f32",

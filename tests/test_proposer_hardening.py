@@ -5,7 +5,6 @@ time, and the bound on max_draft_tokens. Each refusal leaves the state as it was
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import threading
@@ -270,15 +269,15 @@ def test_first_nonfinite_covers_the_weight_dtypes():
 
 
 def test_cli_prints_a_nan_checkpoint_as_one_line(tmp_path, capsys):
-    from model.checkpoint.safetensors_io import read_header
     from model.cli import DEFAULT_CHECKPOINT, main
+
+    from model.checkpoint import Checkpoint
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(DEFAULT_CHECKPOINT, ckpt)
-    index = json.loads((ckpt / "model.safetensors.index.json").read_text())
-    L = json.loads((ckpt / "config.json").read_text())["num_hidden_layers"]
-    name = f"model.layers.{L}.eh_proj.weight"
-    info = read_header(ckpt / index["weight_map"][name])[0][name]
+    c = Checkpoint(ckpt)
+    name = f"model.layers.{c.config.num_hidden_layers}.eh_proj.weight"  # logical; stored:
+    info = c.info(c.disk_name(name))
     with open(info.path, "r+b") as f:
         f.seek(info.begin + 2 * 12345)
         f.write(np.array([np.nan], np.float32).astype(BF16).tobytes())

@@ -165,7 +165,7 @@ def test_dense_selection_ignores_indexer_weights():
     rng = np.random.default_rng(99)
     X = _prefix(cfg) + "self_attn.indexer."
     for name in ("wq_b.weight", "wk.weight", "weights_proj.weight", "k_norm.weight", "k_norm.bias",
-                 "compress_gate.weight", "compress_ape"):
+                 "index_kpool_compress_gate", "index_kpool_compress_ape"):
         w2[X + name] = rng.standard_normal(w1[X + name].shape).astype(np.float32)
     toks, hid = _rows(cfg, 20, 8)
     a, b = ReferenceDrafter(cfg, w1), ReferenceDrafter(cfg, w2)
@@ -180,7 +180,7 @@ def test_dense_selection_ignores_indexer_weights():
     cfg_s = tiny(index_topk=4, index_kpool=2)
     w1s = random_mtp_weights(cfg_s, 7)
     w2s = dict(w1s)
-    for name in ("wq_b.weight", "wk.weight", "weights_proj.weight", "compress_gate.weight"):
+    for name in ("wq_b.weight", "wk.weight", "weights_proj.weight", "index_kpool_compress_gate"):
         w2s[X + name] = rng.standard_normal(w1s[X + name].shape).astype(np.float32)
     a, b = ReferenceDrafter(cfg_s, w1s), ReferenceDrafter(cfg_s, w2s)
     a.feed(toks, hid)
@@ -278,7 +278,7 @@ def test_moe_bias_picks_experts_but_weights_use_unbiased_scores():
     assert chosen == [0, 1]
     np.testing.assert_allclose(w, [sf / 2, sf / 2], rtol=1e-14)
 
-    # Full MoE output against a hand computation (clamped SwiGLU, gated shared expert).
+    # Full MoE output against a hand computation (clamped SwiGLU, shared expert with weight 1).
     weights[M + "gate.weight"] = gate
     weights[M + "gate.e_score_correction_bias"] = np.zeros(8, np.float32)
     dr = ReferenceDrafter(cfg, weights)
@@ -297,7 +297,7 @@ def test_moe_bias_picks_experts_but_weights_use_unbiased_scores():
 
     chosen, w = dr.route(y)
     want = sum(w[i] * expert(M + f"experts.{e}.") for i, e in enumerate(chosen))
-    want = want + 1 / (1 + np.exp(-(f(M + "shared_expert_gate.weight") @ y)[0])) * expert(M + "shared_experts.")
+    want = want + expert(M + "shared_experts.")
     np.testing.assert_allclose(dr.moe(y), want, rtol=1e-12, atol=1e-13)
 
 
@@ -401,10 +401,13 @@ def test_fp8_cache_and_head_options():
     for dr in (exact, cache, head):
         dr.feed(toks[:7], hid[:7])
         res.append(dr.propose(int(toks[7]), hid[7], 3))
-    # FP8 storage perturbs the numbers but only a little
+    # FP8 storage perturbs the numbers but only a little (compared while the drafts agree: a
+    # draft that differs feeds the next one another token)
     for r in res[1:]:
-        assert not np.array_equal(r[1], res[0][1])
-        np.testing.assert_allclose(r[1], res[0][1], atol=0.15 * np.abs(res[0][1]).max())
+        assert not np.array_equal(r[1][0], res[0][1][0])
+        same = next((i for i in range(3) if r[0][i] != res[0][0][i]), 2) + 1
+        np.testing.assert_allclose(r[1][:same], res[0][1][:same],
+                                   atol=0.15 * np.abs(res[0][1]).max())
     np.testing.assert_array_equal(cache.latents[:8], fp8_rows(exact.latents[:8]))  # same inputs
     np.testing.assert_array_equal(head.head, fp8_rows(np.asarray(weights["lm_head.weight"], np.float64)))
 

@@ -92,8 +92,8 @@ def test_state_dict_names_match_the_checkpoint_layout():
         assert tuple(tensors[name].shape) == spec.shape, name
         assert tensors[name].dtype == (torch.float32 if spec.dtype == "F32" else torch.bfloat16), name
     P = f"model.layers.{cfg.num_hidden_layers}."
-    assert P + "self_attn.indexer.compress_ape" in tensors
-    assert tensors[P + "mlp.shared_expert_gate.weight"].shape == (1, cfg.hidden_size)
+    assert P + "self_attn.indexer.index_kpool_compress_ape" in tensors
+    assert not any("shared_expert_gate" in n for n in tensors)
 
 
 @needs_torch
@@ -409,3 +409,159 @@ def test_short_training_reduces_the_loss():
     assert math.isfinite(last["indexer_kl"])
     biases = [moe.gate.e_score_correction_bias for moe in m.moe_layers()]
     assert all(b.dtype == torch.float32 for b in biases) and any(bool(b.abs().sum() > 0) for b in biases)
+
+
+# ---- the unrolled MTP objective and the published layout ---------------------------------------
+
+
+def _unrolled(m, toks, hid, opts, depth):
+    """Depth 1 .. depth outputs of every base row with true tokens (what mtp_losses trains)."""
+    t_rows, h_rows = mtp_rows(toks, hid)
+    import dataclasses
+
+    mo = m.mtp(t_rows, h_rows, opts=dataclasses.replace(opts, record=True))
+    base_c, allowed = mo.state[0]["c"], m.mtp_layer.self_attn.last["allowed"]
+    outs, logits, prev_c, prev = [mo.hidden], [mo.logits], [], mo.hidden
+    T = toks.shape[1]
+    for j in range(2, depth + 1):
+        o, lg, c = m.mtp_unrolled(toks[:, j:], prev[:, :T - j], base_c, allowed, prev_c, opts)
+        outs.append(o)
+        logits.append(lg)
+        prev, prev_c = o, [*prev_c, c]
+    return mo, outs, logits
+
+
+@needs_torch
+def test_unrolled_drafts_equal_drafting_one_row_at_a_time_when_dense():
+    """Dense attention: draft j of base row r, all rows at once, equals the drafter's incremental
+    step over rows 0..r plus the drafts before it (true tokens: the drafts that were accepted)."""
+    cfg = _cfg(index_topk=64, index_kpool=2)  # 32 pools: dense at these lengths
+    m = _model(cfg, dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    T = 24
+    toks = torch.randint(0, cfg.vocab_size, (2, T), generator=g)
+    hid = torch.randn(2, T, cfg.hidden_size, dtype=torch.float64, generator=g)
+    opts = RunOpts(sparse=False, moe_dense=False)
+    with torch.no_grad():
+        mo, outs, logits = _unrolled(m, toks, hid, opts, 3)
+        for r in (0, 5, 17, T - 4):
+            st = slice_state(mo.state, r + 1)
+            h = outs[0][:, r:r + 1]
+            for j in (2, 3):
+                step = m.mtp(toks[:, r + j:r + j + 1], h, st, opts)
+                torch.testing.assert_close(step.logits[:, 0], logits[j - 1][:, r], rtol=1e-10,
+                                           atol=1e-10)
+                st, h = step.state, step.hidden
+
+
+@needs_torch
+def test_unrolled_drafts_equal_the_shared_selection_of_the_float64_reference():
+    """Sparse attention: draft j attends draft 1's selection plus the rows drafted since, the
+    reference's index_share_for_mtp_iteration semantics."""
+    import dataclasses
+
+    ref_mod = pytest.importorskip("tests.reference_f64")
+    cfg = _cfg(index_topk=4, index_kpool=2)  # 2 pools selected: sparse from row 5
+    m = _model(cfg, dtype=torch.float64)
+    g = torch.Generator().manual_seed(5)
+    T = 30
+    toks = torch.randint(0, cfg.vocab_size, (1, T), generator=g)
+    hid = torch.randn(1, T, cfg.hidden_size, dtype=torch.float64, generator=g)
+    with torch.no_grad():
+        _, outs, logits = _unrolled(m, toks, hid, RunOpts(sparse=True, moe_dense=False), 3)
+    w = {k: v.detach().numpy() for k, v in m.state_dict().items()}
+    share = dataclasses.replace(cfg, dsa=dataclasses.replace(cfg.dsa, share_for_mtp_iteration=True))
+    for r in (9, 16, 23):
+        ref = ref_mod.ReferenceDrafter(share, w, fp8_cache=False)
+        ref.feed(toks[0, 1:r + 1].tolist(), hid[0, :r].numpy())
+        lg, xn = ref.draft_row(int(toks[0, r + 1]), hid[0, r].numpy())
+        first = ref.selection(r)
+        for j in (2, 3):
+            lg, xn = ref.draft_row(int(toks[0, r + j]), xn, ref.shared_selection(first, r, r + j - 1))
+            np.testing.assert_allclose(logits[j - 1][0, r].numpy(), lg, rtol=1e-9, atol=1e-9)
+
+
+@needs_torch
+def test_unrolled_training_lowers_every_depth():
+    cfg = _cfg(vocab_size=32)
+    torch.manual_seed(0)
+    m = TorchModel(cfg)
+    init_weights(m, seed=0)
+    m.train()
+    opt = torch.optim.AdamW(m.parameters(), lr=3e-3)
+    pattern = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4] * 4)
+    first = last = None
+    for step in range(40):
+        off = step % 20
+        x = torch.stack([pattern[off: off + 48], pattern[(off + 7) % 20: (off + 7) % 20 + 48]])
+        losses = training_losses(m, x, RunOpts(sparse=step >= 10, kl=True), unroll=3)
+        assert set(losses) == {"target_ce", "mtp_ce", "mtp_ce_2", "mtp_ce_3", "indexer_kl"}
+        loss = (losses["target_ce"] + 0.5 * losses["mtp_ce"] + losses["indexer_kl"]
+                + 0.25 * (losses["mtp_ce_2"] + losses["mtp_ce_3"]))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        update_routing_bias(m, 1e-3)
+        if first is None:
+            first = {k: float(v.detach()) for k, v in losses.items()}
+        last = {k: float(v.detach()) for k, v in losses.items()}
+    for k in ("mtp_ce", "mtp_ce_2", "mtp_ce_3"):
+        assert last[k] < 0.7 * first[k], (k, first[k], last[k])
+
+
+@needs_torch
+def test_published_layout_round_trip_and_the_runtime_reads_it(tmp_path):
+    pytest.importorskip("safetensors")
+    import json
+
+    from model.checkpoint import Checkpoint, mtp_tensors
+
+    cfg = _cfg()
+    m = _model(cfg)
+    save_checkpoint(m, tmp_path, published=True)
+    conf = json.loads((tmp_path / "config.json").read_text())
+    assert conf["model_type"] == "glm5_next" and "text_config" in conf
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert all(n.startswith("model.language_model.") or n == "lm_head.weight" for n in index)
+    mtp_shard = {f for n, f in index.items() if ".layers.2." in n}
+    assert mtp_shard == {"model-00002-of-00002.safetensors"}
+    back = load_model(tmp_path)
+    a, b = hf_tensors(m), hf_tensors(back)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    ckpt = Checkpoint(tmp_path)
+    assert ckpt.config == cfg and len(mtp_tensors(ckpt)) > 0
+
+
+@needs_torch
+def test_bench_step_shares_the_selection_as_the_runtime_does():
+    """bench/torch_step.py with index_share_for_mtp_iteration (GLM-5.3-Flash's setting): its
+    drafts are the float64 reference's sharing drafts."""
+    import dataclasses
+
+    from bench.torch_step import DraftStep, weights_from_state_dict
+
+    ref_mod = pytest.importorskip("tests.reference_f64")
+    base = _cfg(index_topk=4, index_kpool=2)
+    cfg = dataclasses.replace(base, dsa=dataclasses.replace(base.dsa, share_for_mtp_iteration=True))
+    m = _model(base, dtype=torch.float64)  # TorchModel re-selects: it only fills the caches here
+    w = {k: v.detach().numpy() for k, v in m.state_dict().items()}
+    g = torch.Generator().manual_seed(2)
+    T, ctx = 40, 29
+    toks = torch.randint(0, cfg.vocab_size, (1, T), generator=g)
+    hid = torch.randn(1, T, cfg.hidden_size, dtype=torch.float64, generator=g)
+    ref = ref_mod.ReferenceDrafter(cfg, w, fp8_cache=False)
+    ref.feed(toks[0, :ctx].tolist(), hid[0, :ctx].numpy())
+    want, _, hiddens = ref.propose(int(toks[0, ctx]), hid[0, ctx].numpy(), 3)
+    with torch.no_grad():
+        st = m.mtp(toks[:, :ctx], hid[:, :ctx], opts=RunOpts(moe_dense=False)).state
+        ds = DraftStep(cfg, rows=64, device="cpu", dtype=torch.float64,
+                       weights=weights_from_state_dict(cfg, m.state_dict(), dtype=torch.float64))
+        ds.latents[:ctx], ds.keys[:ctx], ds.gates[:ctx] = st[0]["c"][0], st[0]["k"][0], st[0]["g"][0]
+        P = ctx // cfg.dsa.index_kpool
+        ds.pool_keys[:P] = m.mtp_layer.self_attn.indexer.pool_keys(st[0]["k"], st[0]["g"], False)[0]
+        ds.tok_in[0] = toks[0, ctx]
+        ds.hid_in.copy_(hid[0, ctx])
+        got = ds.propose(ctx, 3).tolist()
+    assert got == want
+    np.testing.assert_allclose(ds.last_hidden.numpy(), hiddens[-1], rtol=1e-9, atol=1e-9)

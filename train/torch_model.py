@@ -42,6 +42,7 @@ gradient).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -181,9 +182,9 @@ class MoE(nn.Module):
             SwiGLU(H, m.moe_intermediate_size, m.swiglu_limit) for _ in range(m.n_routed_experts)
         )
         if m.n_shared_experts:
+            # Added with weight 1: there is no shared_expert_gate (transformers' Glm5NextTextMoE).
             self.shared_experts = SwiGLU(H, m.moe_intermediate_size * m.n_shared_experts,
                                          m.swiglu_limit)
-            self.shared_expert_gate = _linear(H, 1)
         self.last_load: torch.Tensor | None = None  # tokens per expert in the last forward
 
     def route(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,8 +206,10 @@ class MoE(nn.Module):
         idx, w = self.route(y)
         if self.training:
             flat = idx.reshape(-1)  # scatter_add, not bincount: no host sync on a GPU
-            self.last_load = torch.zeros(E, device=y.device).scatter_add_(
+            load = torch.zeros(E, device=y.device).scatter_add_(
                 0, flat, torch.ones(flat.shape, device=y.device)).detach()
+            # Summed over the calls of one step (the MTP block runs once per unrolled depth).
+            self.last_load = load if self.last_load is None else self.last_load + load
         if opts.moe_dense:
             I = self.cfg.moe_intermediate_size
             combine = torch.zeros(N, E, device=y.device, dtype=w.dtype).scatter(1, idx, w)
@@ -225,8 +228,7 @@ class MoE(nn.Module):
                 r = _up(self.experts[e](y[tok])) * w[tok, slot].unsqueeze(-1)
                 out.index_add_(0, tok, r)
         if self.cfg.n_shared_experts:
-            sg = torch.sigmoid(_up(self.shared_expert_gate(y)))
-            out = out + sg * _up(self.shared_experts(y))
+            out = out + _up(self.shared_experts(y))
         return out.view(*shape[:-1], shape[-1])
 
 
@@ -241,21 +243,22 @@ class Indexer(nn.Module):
         self.wk = _linear(H, d.index_head_dim)
         self.k_norm = nn.LayerNorm(d.index_head_dim, eps=INDEXER_LN_EPS)
         self.weights_proj = _linear(H, d.index_n_heads)
-        self.compress_gate = _linear(H, d.index_head_dim)
-        self.compress_ape = nn.Parameter(torch.zeros(d.index_kpool, d.index_head_dim))
+        # Bare parameters under the published names (transformers' Glm5NextTextIndexer).
+        self.index_kpool_compress_gate = nn.Parameter(torch.zeros(d.index_head_dim, H))
+        self.index_kpool_compress_ape = nn.Parameter(torch.zeros(d.index_kpool, d.index_head_dim))
 
     def row_keys(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-row key LayerNorm(wk.y) and gate compress_gate.y, float32 [B, m, idim]."""
+        """Per-row key LayerNorm(wk.y) and gate index_kpool_compress_gate.y, float32 [B, m, idim]."""
         k = F.layer_norm(_up(self.wk(y)), (self.idim,), _up(self.k_norm.weight),
                          _up(self.k_norm.bias), INDEXER_LN_EPS)
-        return k, _up(self.compress_gate(y))
+        return k, _up(F.linear(y, self.index_kpool_compress_gate.to(y.dtype)))
 
     def pool_keys(self, k: torch.Tensor, g: torch.Tensor, fp8: bool) -> torch.Tensor:
         """Complete pools of rows [B, n, idim] -> [B, n // kpool, idim] (FP8 round trip if fp8)."""
         B, n, D = k.shape
         P = n // self.kpool
         kk = _up(k[:, : P * self.kpool].reshape(B, P, self.kpool, D))
-        gg = _up(g[:, : P * self.kpool].reshape(B, P, self.kpool, D)) + _up(self.compress_ape)
+        gg = _up(g[:, : P * self.kpool].reshape(B, P, self.kpool, D)) + _up(self.index_kpool_compress_ape)
         key = (torch.softmax(gg, dim=2) * kk).sum(2)
         return fp8_rows(key) if fp8 else key
 
@@ -382,6 +385,46 @@ class DsaAttention(nn.Module):
         return (per_row * rows).sum() / (B * n_rows)
 
 
+    def attend_unrolled(self, y: torch.Tensor, base_c: torch.Tensor, base_allowed: torch.Tensor,
+                        prev_c: list[torch.Tensor], opts: RunOpts):
+        """Attention of the drafts after the first, as served, for every base row at once.
+
+        Query i of ``y`` [B, m, H] is the depth-j draft (j = len(prev_c) + 2) of the propose whose
+        first draft is base row i: it attends the base rows that draft 1 attended
+        (``base_allowed`` [B, >= m, n] over ``base_c`` [B, n, C], the depth-1 latents as stored),
+        plus the latents of depths 2 .. j at its own base row (``prev_c``, each [B, >= m, C], and
+        its own, written first). That is the runtime's selection when drafts share draft 1's
+        (index_share_for_mtp_iteration); without sharing the runtime re-selects, which differs
+        only where the rows drafted complete a pool whose score misses the top-k. The indexer is
+        not trained here. Returns (o_proj output, own latent).
+        """
+        a = self.a
+        nh, dv, nope = a.num_attention_heads, a.v_head_dim, a.qk_nope_head_dim
+        B, m, _ = y.shape
+        n = base_c.shape[1]
+        qa = self.q_a_layernorm(self.q_a_proj(y))
+        q = self.q_b_proj(qa).view(B, m, nh, a.qk_head_dim).transpose(1, 2)  # [B, nh, m, dq]
+        c_own = self.kv_a_layernorm(self.kv_a_proj_with_mqa(y)[..., : a.kv_lora_rank])
+        if opts.fp8:
+            c_own = fp8_rows(c_own)
+        kv = self.kv_b_proj(base_c).view(B, n, nh, nope + dv)
+        key, val = (t.transpose(1, 2) for t in kv.split([nope, dv], dim=-1))  # [B, nh, n, *]
+        s = [_up(torch.matmul(q, key.transpose(-1, -2))) * a.softmax_scale]  # [B, nh, m, n]
+        s[0] = s[0].masked_fill(~base_allowed[:, None, :m], float("-inf"))
+        vals = []
+        for c in [*(p[:, :m] for p in prev_c), c_own]:
+            kd, vd = (t.transpose(1, 2) for t in
+                      self.kv_b_proj(c).view(B, m, nh, nope + dv).split([nope, dv], dim=-1))
+            s.append(_up((q * kd).sum(-1, keepdim=True)) * a.softmax_scale)  # [B, nh, m, 1]
+            vals.append(vd)
+        probs = torch.softmax(torch.cat(s, dim=-1), dim=-1)
+        o = torch.matmul(probs[..., :n].to(val.dtype), val)
+        for d, vd in enumerate(vals):
+            o = o + probs[..., n + d: n + d + 1].to(vd.dtype) * vd
+        o = o.transpose(1, 2).reshape(B, m, nh * dv)
+        return self.o_proj(o), c_own
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, dense: bool) -> None:
         super().__init__()
@@ -434,6 +477,13 @@ class TorchModel(nn.Module):
 
     def __init__(self, cfg) -> None:
         super().__init__()
+        # The selection here always keeps the tail and every draft runs its own indexer; a config
+        # asking otherwise would be evaluated with semantics the runtime does not use.
+        if not cfg.dsa.always_select_tail or cfg.dsa.share_for_mtp_iteration:
+            raise NotImplementedError(
+                "train/torch_model.py implements index_kpool_always_select_tail true and "
+                "index_share_for_mtp_iteration false only (the runtime and tests/reference_f64.py "
+                "implement both options)")
         self.cfg = cfg
         self.model = _Inner(cfg)
         self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
@@ -482,6 +532,22 @@ class TorchModel(nn.Module):
         out = L.shared_head.norm(x)
         return Out(out, self.head(out, fp8_head), [st], [kl] if kl is not None else [])
 
+    def mtp_unrolled(self, tokens: torch.Tensor, hidden: torch.Tensor, base_c: torch.Tensor,
+                     base_allowed: torch.Tensor, prev_c: list[torch.Tensor], opts: RunOpts,
+                     fp8_head: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Depth-j drafts (j >= 2) of every base row: (token, the previous depth's normalised
+        output) pairs [B, m], [B, m, H] through the block as ``DsaAttention.attend_unrolled``
+        attends. Returns (normalised output, logits, own latent)."""
+        L = self.mtp_layer
+        e = L.enorm(self.model.embed_tokens(tokens))
+        x = _up(L.eh_proj(torch.cat([e, L.hnorm(hidden)], dim=-1)))
+        a, c_own = L.self_attn.attend_unrolled(L.input_layernorm(x), base_c, base_allowed, prev_c,
+                                               opts)
+        x = x + _up(a)
+        x = x + _up(L.mlp(L.post_attention_layernorm(x), opts))
+        out = L.shared_head.norm(x)
+        return out, self.head(out, fp8_head), c_own
+
 
 # ---- initialisation, losses, routing bias ------------------------------------------------------
 
@@ -511,20 +577,46 @@ def mtp_rows(tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, 
     return tokens[:, 1:], hidden[:, :-1]
 
 
+def mtp_losses(model: TorchModel, tokens: torch.Tensor, hidden: torch.Tensor, opts: RunOpts,
+               unroll: int = 1) -> tuple[list[torch.Tensor], Out]:
+    """MTP CE per draft depth 1 .. ``unroll`` over every base row, the way the drafter serves:
+    depth 1 is row r = (tokens[r+1], hidden[r]) predicting tokens[r+2]; depth j >= 2 consumes
+    tokens[r+j] (the draft, where the drafts so far were accepted) and depth j-1's own normalised
+    output, attends as ``DsaAttention.attend_unrolled`` describes, and predicts tokens[r+j+1].
+    Returns (CEs by depth, the depth-1 output)."""
+    V, T = model.cfg.vocab_size, tokens.shape[1]
+    t_rows, h_rows = mtp_rows(tokens, hidden)
+    unroll = max(1, min(unroll, T - 2))
+    mo = model.mtp(t_rows, h_rows, opts=dataclasses.replace(opts, record=opts.record or unroll > 1))
+    ces = [F.cross_entropy(_up(mo.logits[:, :-1]).reshape(-1, V), tokens[:, 2:].reshape(-1))]
+    if unroll > 1:
+        base_c = mo.state[0]["c"]
+        base_allowed = model.mtp_layer.self_attn.last["allowed"]
+        prev_out, prev_c = mo.hidden, []
+        for j in range(2, unroll + 1):
+            m = T - j  # base rows r with a token tokens[r + j]
+            out_j, logits_j, c_j = model.mtp_unrolled(tokens[:, j:], prev_out[:, :m], base_c,
+                                                      base_allowed, prev_c, opts)
+            ces.append(F.cross_entropy(_up(logits_j[:, :-1]).reshape(-1, V),
+                                       tokens[:, j + 1:].reshape(-1)))
+            prev_out, prev_c = out_j, [*prev_c, c_j]
+    return ces, mo
+
+
 def training_losses(model: TorchModel, tokens: torch.Tensor, opts: RunOpts,
-                    detach_hidden: bool = False) -> dict[str, torch.Tensor]:
-    """Target next-token CE, MTP CE (row r predicts tokens[r+2]) and the mean indexer KL."""
+                    detach_hidden: bool = False, unroll: int = 1) -> dict[str, torch.Tensor]:
+    """Target next-token CE, MTP CE (row r predicts tokens[r+2]), with ``unroll`` > 1 the CE of
+    the MTP's own drafts 2 .. unroll (``mtp_ce_2`` ...: ``mtp_losses``), and the mean indexer KL."""
     V = model.cfg.vocab_size
     out = model.target(tokens, opts=opts)
     ce_t = F.cross_entropy(_up(out.logits[:, :-1]).reshape(-1, V), tokens[:, 1:].reshape(-1))
-    t_rows, h_rows = mtp_rows(tokens, out.hidden)
-    if detach_hidden:
-        h_rows = h_rows.detach()
-    mo = model.mtp(t_rows, h_rows, opts=opts)
-    ce_m = F.cross_entropy(_up(mo.logits[:, :-1]).reshape(-1, V), tokens[:, 2:].reshape(-1))
+    hidden = out.hidden.detach() if detach_hidden else out.hidden
+    ces, mo = mtp_losses(model, tokens, hidden, opts, unroll)
     kls = out.kl + mo.kl
     kl = torch.stack(kls).mean() if kls else torch.zeros((), device=tokens.device)
-    return {"target_ce": ce_t, "mtp_ce": ce_m, "indexer_kl": kl}
+    res = {"target_ce": ce_t, "mtp_ce": ces[0], "indexer_kl": kl}
+    res.update({f"mtp_ce_{j}": ce for j, ce in enumerate(ces[1:], start=2)})
+    return res
 
 
 @torch.no_grad()
@@ -551,23 +643,28 @@ def hf_tensors(model: TorchModel, dtype=torch.bfloat16) -> dict[str, torch.Tenso
     return out
 
 
-def save_checkpoint(model: TorchModel, directory, *, shard_mtp: bool = True) -> list[str]:
-    """Write config.json (ModelConfig.to_hf_dict()) and the weights: the target in shard 1, the MTP
-    block in shard 2, with model.safetensors.index.json (or one model.safetensors)."""
+def save_checkpoint(model: TorchModel, directory, *, shard_mtp: bool = True,
+                    published: bool = False) -> list[str]:
+    """Write config.json and the weights: the target in shard 1, the MTP block in shard 2, with
+    model.safetensors.index.json (or one model.safetensors). ``published``: GLM-5.3-Flash's layout
+    (the config nested under ``text_config``, text tensors under ``model.language_model.``;
+    docs/checkpoint.md), else the flat one."""
     import json
     from pathlib import Path
 
     from safetensors.torch import save_file
 
+    naming = import_naming_module()
+    layout = naming.NameLayout.PUBLISHED if published else naming.NameLayout.FLAT
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps(model.cfg.to_hf_dict(), indent=2) + "\n")
-    tensors = hf_tensors(model)
+    (d / "config.json").write_text(json.dumps(model.cfg.to_hf_dict(nested=published), indent=2) + "\n")
+    tensors = {naming.disk_name(k, layout): v for k, v in hf_tensors(model).items()}
     meta = {"format": "pt"}
     if not shard_mtp:
         save_file(tensors, str(d / "model.safetensors"), metadata=meta)
         return ["config.json", "model.safetensors"]
-    p = f"model.layers.{model.cfg.num_hidden_layers}."
+    p = naming.disk_name(f"model.layers.{model.cfg.num_hidden_layers}.", layout)
     shards = {
         "model-00001-of-00002.safetensors": {k: v for k, v in tensors.items() if not k.startswith(p)},
         "model-00002-of-00002.safetensors": {k: v for k, v in tensors.items() if k.startswith(p)},
@@ -584,7 +681,8 @@ def save_checkpoint(model: TorchModel, directory, *, shard_mtp: bool = True) -> 
 
 
 def load_tensors(directory) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint directory (sharded with an index, or one model.safetensors)."""
+    """All tensors of a checkpoint directory (sharded with an index, or one model.safetensors),
+    under their logical (flat) names whichever layout stores them."""
     import json
     from pathlib import Path
 
@@ -596,9 +694,14 @@ def load_tensors(directory) -> dict[str, torch.Tensor]:
         files = sorted(set(json.loads(idx.read_text())["weight_map"].values()))
     else:
         files = ["model.safetensors"]
+    naming = import_naming_module()
+    layout = naming.layout_of(json.loads((d / "config.json").read_text()))
     out: dict[str, torch.Tensor] = {}
     for f in files:
-        out.update(load_file(str(d / f)))
+        for name, t in load_file(str(d / f)).items():
+            logical = naming.logical_name(name, layout)
+            if logical is not None:  # a published checkpoint's tensors outside the text model
+                out[logical] = t
     return out
 
 
@@ -640,6 +743,23 @@ def import_config_module():
         sys.modules[spec.name] = mc
         spec.loader.exec_module(mc)
         return mc
+
+
+def import_naming_module():
+    """``model/checkpoint/naming.py`` loaded as a file (it needs only the standard library), so
+    the checkpoint package's NumPy-side imports are not needed here."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "_mtp_checkpoint_naming"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "model" / "checkpoint" / "naming.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
 
 
 def load_config(path):

@@ -10,7 +10,10 @@ What it does (all choices in one place, recorded in the TRAINING.md it writes):
   contexts do).
 * loss: target next-byte CE + ``--mtp-lambda`` * MTP CE (drafter row r = (embed(x[r+1]), h[r])
   predicts x[r+2]; ``h`` is the target's post-``model.norm`` hidden, NOT detached: the MTP loss
-  also trains the target) + ``--kl-weight`` * indexer KL. The indexers read detached inputs and
+  also trains the target) + ``--unroll-lambda`` * the CE of drafts 2 .. ``--unroll`` trained the
+  way they are served, unrolled: draft j consumes x[r+j] and draft j-1's own normalised output,
+  and attends draft 1's selection plus the rows drafted since (``train.torch_model.mtp_losses``)
+  + ``--kl-weight`` * indexer KL. The indexers read detached inputs and
   learn only from a KL loss toward the detached dense attention mass per complete pool (summed
   over heads), DeepSeek-V3.2 lightning-indexer style; selection is a non-differentiable mask.
   For the first ``--dense-frac`` of the time budget attention is dense (the indexer warm-up);
@@ -19,8 +22,10 @@ What it does (all choices in one place, recorded in the TRAINING.md it writes):
   after every step); the bias is saved (float32).
 * bf16 autocast, AdamW, warm-up then cosine decay over the wall-clock budget; no torch.compile
   (the step is small and mask/top-k heavy; compile time would eat a large share of the budget).
-* output: config.json (``ModelConfig.to_hf_dict()``), the weights in BF16 as two safetensors
-  shards (target / MTP block) + ``model.safetensors.index.json``, and TRAINING.md.
+* output: config.json, the weights in BF16 as two safetensors shards (target / MTP block) +
+  ``model.safetensors.index.json``, in the published GLM-5.3-Flash layout (``--layout published``,
+  the default: nested config, ``model.language_model.`` names; docs/checkpoint.md) or the flat one,
+  and TRAINING.md.
 """
 
 from __future__ import annotations
@@ -45,12 +50,13 @@ from train.torch_model import (  # noqa: E402
     TorchModel,
     import_config_module,
     init_weights,
+    mtp_losses,
     save_checkpoint,
     training_losses,
     update_routing_bias,
 )
 
-DATE = "2026-11-29"
+DATE = time.strftime("%Y-%m-%d")
 
 
 def stdlib_tiny_config(max_context: int = 2048):
@@ -108,8 +114,10 @@ def param_groups(model, wd: float):
 
 
 @torch.no_grad()
-def heldout_eval(model, files, device, T: int, n_windows: int, amp: bool, fp8: bool) -> dict:
-    """Held-out losses (sparse attention) on windows from the start of each held-out file."""
+def heldout_eval(model, files, device, T: int, n_windows: int, amp: bool, fp8: bool,
+                 unroll: int = 1) -> dict:
+    """Held-out losses (sparse attention) on windows from the start of each held-out file; with
+    ``unroll`` > 1 also the CE of the MTP's own drafts 2 .. unroll (``mtp_ce_2`` ...)."""
     model.eval()
     seqs = []
     for _, d in files:
@@ -119,14 +127,18 @@ def heldout_eval(model, files, device, T: int, n_windows: int, amp: bool, fp8: b
                 break
         if len(seqs) >= n_windows:
             break
-    tot = {"target_ce": 0.0, "mtp_ce": 0.0, "indexer_kl": 0.0}
+    tot = {"target_ce": 0.0, "mtp_ce": 0.0, "indexer_kl": 0.0,
+           **{f"mtp_ce_{j}": 0.0 for j in range(2, unroll + 1)}}
     acc_t = acc_m = 0.0
     nb = 0
     for i in range(0, len(seqs), 16):
         x = torch.tensor(seqs[i: i + 16], dtype=torch.long, device=device)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
             out = model.target(x, opts=RunOpts(sparse=True, kl=True, fp8=fp8))
-            mo = model.mtp(x[:, 1:], out.hidden[:, :-1], opts=RunOpts(sparse=True, kl=True, fp8=fp8))
+            ces, mo = mtp_losses(model, x, out.hidden, RunOpts(sparse=True, kl=True, fp8=fp8),
+                                 unroll)
+        for j, ce in enumerate(ces[1:], start=2):
+            tot[f"mtp_ce_{j}"] += float(ce)
         V = model.cfg.vocab_size
         tot["target_ce"] += float(torch.nn.functional.cross_entropy(
             out.logits[:, :-1].float().reshape(-1, V), x[:, 1:].reshape(-1)))
@@ -156,6 +168,13 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-steps", type=int, default=100)
     ap.add_argument("--wd", type=float, default=0.1)
     ap.add_argument("--mtp-lambda", type=float, default=0.5)
+    ap.add_argument("--unroll", type=int, default=3,
+                    help="drafts per base row trained as served (1: the MTP sees only the "
+                         "target's hidden, as the first shipped checkpoint was trained)")
+    ap.add_argument("--unroll-lambda", type=float, default=0.25,
+                    help="weight of each unrolled draft's CE (drafts 2 .. --unroll)")
+    ap.add_argument("--layout", choices=("published", "flat"), default="published",
+                    help="checkpoint layout written (docs/checkpoint.md)")
     ap.add_argument("--kl-weight", type=float, default=1.0)
     ap.add_argument("--dense-frac", type=float, default=0.1)
     ap.add_argument("--bias-rate", type=float, default=1e-3)
@@ -222,9 +241,11 @@ def main(argv=None) -> int:
             g["lr"] = args.lr * lr_scale
         x = windows.batch(args.batch, args.seq)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
-            losses = training_losses(model, x, RunOpts(sparse=sparse, kl=True, fp8=False))
+            losses = training_losses(model, x, RunOpts(sparse=sparse, kl=True, fp8=False),
+                                     unroll=args.unroll)
         loss = losses["target_ce"] + args.mtp_lambda * losses["mtp_ce"] \
-            + args.kl_weight * losses["indexer_kl"]
+            + args.kl_weight * losses["indexer_kl"] \
+            + args.unroll_lambda * sum(v for k, v in losses.items() if k.startswith("mtp_ce_"))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -251,12 +272,14 @@ def main(argv=None) -> int:
     bias_spread = [
         [round(float(m.gate.e_score_correction_bias.min()), 4),
          round(float(m.gate.e_score_correction_bias.max()), 4)] for m in model.moe_layers()]
-    held = heldout_eval(model, held_files, device, args.seq, args.heldout_windows, amp, fp8=False)
-    held_fp8 = heldout_eval(model, held_files, device, args.seq, args.heldout_windows, amp, fp8=True)
+    held = heldout_eval(model, held_files, device, args.seq, args.heldout_windows, amp, fp8=False,
+                        unroll=args.unroll)
+    held_fp8 = heldout_eval(model, held_files, device, args.seq, args.heldout_windows, amp, fp8=True,
+                            unroll=args.unroll)
     print("held-out", json.dumps(held), "fp8", json.dumps(held_fp8), flush=True)
 
     out = Path(args.out)
-    written = save_checkpoint(model, out)
+    written = save_checkpoint(model, out, published=args.layout == "published")
     sizes = {f: (out / f).stat().st_size for f in written}
     total_mb = sum(sizes.values()) / 1e6
     print(f"checkpoint {out}: {sizes} ({total_mb:.2f} MB)", flush=True)
@@ -288,6 +311,10 @@ def main(argv=None) -> int:
         f"MTP top-1 (x[r+2]) {held['mtp_top1']:.4f}",
         f"- held-out with the FP8 cache emulated: target CE {held_fp8['target_ce']:.4f}, "
         f"MTP CE {held_fp8['mtp_ce']:.4f}, MTP top-1 {held_fp8['mtp_top1']:.4f}",
+        "- held-out CE of the MTP's own drafts 2 .. k (unrolled, FP8 cache off / on): "
+        + (", ".join(f"draft {j} {held[f'mtp_ce_{j}']:.4f} / {held_fp8[f'mtp_ce_{j}']:.4f}"
+                     for j in range(2, args.unroll + 1)) or "not trained (--unroll 1)"),
+        f"- layout: {args.layout} (docs/checkpoint.md)",
         f"- routing correction bias range per MoE layer: {bias_spread}",
         "",
         "## Hyperparameters",
@@ -295,8 +322,11 @@ def main(argv=None) -> int:
         f"- optimiser AdamW lr {args.lr} (betas 0.9/0.95, wd {args.wd} on matrices), warm-up "
         f"{args.warmup_steps} steps, cosine to {args.min_lr_frac} x lr over the {budget:.0f} s "
         "budget, grad clip 1.0, bf16 autocast, float32 master weights, no torch.compile",
-        f"- loss = target CE + {args.mtp_lambda} x MTP CE + {args.kl_weight} x indexer KL; the "
-        "MTP block reads the target's post-norm hidden NOT detached (its loss trains the target too)",
+        f"- loss = target CE + {args.mtp_lambda} x MTP CE + {args.unroll_lambda} x (CE of drafts 2 .. "
+        f"{args.unroll}, unrolled) + {args.kl_weight} x indexer KL; the MTP block reads the target's "
+        "post-norm hidden NOT detached (its loss trains the target too); unrolled draft j consumes "
+        "x[r+j] and draft j-1's own normalised output and attends draft 1's selection plus the "
+        "rows drafted since (train/torch_model.py, mtp_losses)",
         "- indexer: inputs detached, KL(dense attention mass per complete pool, summed over heads, "
         "detached || softmax of pool scores) over rows with >= 2 complete pools; dense attention "
         f"for the first {args.dense_frac:.0%} of the budget, then sparse (selection is a mask, "
@@ -309,7 +339,7 @@ def main(argv=None) -> int:
         "## Config",
         "",
         "```json",
-        json.dumps(cfg.to_hf_dict(), indent=1),
+        json.dumps(cfg.to_hf_dict(nested=args.layout == "published"), indent=1),
         "```",
         "",
         "## Data",

@@ -24,6 +24,7 @@ from model.config import ModelConfig
 from model.weights_layout import (
     Init,
     TensorSpec,
+    is_published_fp8,
     is_routed_expert,
     mtp_layout,
     mtp_optional_layout,
@@ -34,6 +35,7 @@ from model.weights_layout import (
 from runtime.dtypes import BF16, FP8_MAX, to_fp8_saturating
 
 from . import fp8
+from .naming import NameLayout
 from .safetensors_io import DTYPES, PendingTensor
 from .writer import DEFAULT_MAX_SHARD_BYTES, write_checkpoint
 
@@ -123,6 +125,7 @@ def random_tensors(
     *,
     include_target: bool = True,
     fp8_experts: bool = False,
+    fp8_published: bool = False,
     store_mtp_head: bool = False,
     scale: float = 1.0,
     fp8_block: tuple[int, int] = fp8.DEFAULT_BLOCK,
@@ -132,7 +135,8 @@ def random_tensors(
     layout.update(mtp_layout(cfg))
     out: list[PendingTensor] = []
     for spec in layout.values():
-        if fp8_experts and is_routed_expert(spec.name):
+        if (fp8_experts and is_routed_expert(spec.name)) or (
+                fp8_published and is_published_fp8(spec.name)):
             out.extend(_fp8(spec, seed, scale, fp8_block))
         else:
             out.append(_dense(spec, spec.name, seed, scale, spec.name))
@@ -152,31 +156,37 @@ def random_checkpoint(
     *,
     include_target: bool = True,
     fp8_experts: bool = False,
+    fp8_published: bool = False,
     store_mtp_head: bool = False,
     scale: float = 1.0,
     fp8_block: tuple[int, int] = fp8.DEFAULT_BLOCK,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
     progress: bool = True,
+    layout: NameLayout = NameLayout.FLAT,
 ) -> Path:
     """Write random weights of ``cfg`` in the checkpoint layout and return the directory.
 
     ``include_target=False`` writes only the MTP block plus the shared embedding and head (what
     a drafter needs; the only option at reference shapes). ``fp8_experts`` stores the routed
     experts as F8_E4M3 + ``weight_scale_inv`` (and says so in ``quantization_config``);
-    ``store_mtp_head`` adds the block's own ``shared_head.head`` and ``embed_tokens``.
-    ``fp8_block`` (default 128x128, the real convention) lets tiny configs span several blocks.
-    ``scale`` multiplies the std of every projection and of the head.
+    ``fp8_published`` stores FP8 exactly what the published GLM-5.3-Flash does (routed and shared
+    experts, q_a, q_b, kv_a_proj_with_mqa, o_proj). ``store_mtp_head`` adds the block's own
+    ``shared_head.head`` and ``embed_tokens``. ``fp8_block`` (default 128x128, the real
+    convention) lets tiny configs span several blocks. ``scale`` multiplies the std of every
+    projection and of the head. ``layout`` PUBLISHED writes the published names and the nested
+    config.json.
     """
     tensors = random_tensors(cfg, seed, include_target=include_target, fp8_experts=fp8_experts,
-                             store_mtp_head=store_mtp_head, scale=scale, fp8_block=fp8_block)
+                             fp8_published=fp8_published, store_mtp_head=store_mtp_head,
+                             scale=scale, fp8_block=fp8_block)
     extra = None
-    if fp8_experts:
+    if fp8_experts or fp8_published:
         extra = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
                                          "activation_scheme": "dynamic",
                                          "weight_block_size": list(fp8_block)}}
     return write_checkpoint(directory, cfg, tensors, max_shard_bytes, extra_config=extra,
-                            overwrite=overwrite, progress=progress)
+                            overwrite=overwrite, progress=progress, layout=layout)
 
 
 # 64 MiB of random BF16 that every tiled weight is cut from.
@@ -223,8 +233,8 @@ def tiled_mtp_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
         X + "wq_b.weight": t(d.index_n_heads * d.index_head_dim, a.q_lora_rank),
         X + "wk.weight": t(d.index_head_dim, H), X + "weights_proj.weight": t(d.index_n_heads, H),
         X + "k_norm.weight": t(d.index_head_dim, scale_one=True), X + "k_norm.bias": t(d.index_head_dim),
-        X + "compress_gate.weight": t(d.index_head_dim, H),
-        X + "compress_ape": t(d.index_kpool, d.index_head_dim),
+        X + "index_kpool_compress_gate": t(d.index_head_dim, H),
+        X + "index_kpool_compress_ape": t(d.index_kpool, d.index_head_dim),
         M + "gate.weight": t(E, H),
         M + "gate.e_score_correction_bias": (0.01 * rng.standard_normal(E)).astype(np.float32),
     }
@@ -237,5 +247,4 @@ def tiled_mtp_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
         w[M + "shared_experts.gate_proj.weight"] = t(Is, H)
         w[M + "shared_experts.up_proj.weight"] = t(Is, H)
         w[M + "shared_experts.down_proj.weight"] = t(H, Is)
-        w[M + "shared_expert_gate.weight"] = t(1, H)
     return w

@@ -17,6 +17,7 @@ import numpy as np
 from model.config import ModelConfig, ParallelConfig
 
 from . import fp8
+from .naming import NameLayout, disk_name, layout_of
 from .safetensors_io import DTYPES, CheckpointError, SafetensorsFile, TensorInfo, dtype_name
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,9 @@ def _shape_str(shape: Iterable[int]) -> str:
 
 
 class Checkpoint:
-    """A checkpoint directory, its headers read on open, its data mapped on first access.
+    """A checkpoint directory: its index read on open, a shard's header when one of its tensors
+    is first asked for, its data mapped on first access. Names here are as stored; the project's
+    logical names map to them through ``disk_name`` (``naming``).
 
     ``parallel`` and ``dsa_max_context`` pass through to ``ModelConfig.from_hf_dict``.
     """
@@ -51,9 +54,11 @@ class Checkpoint:
         if not (self.path / CONFIG_FILE).is_file():
             raise CheckpointError(f"{self.path} is not a checkpoint: no {CONFIG_FILE}")
         self.files: dict[str, SafetensorsFile] = {}
-        self._where: dict[str, str] = {}  # tensor name -> file name
+        self._where: dict[str, str] = {}  # stored tensor name -> file name
+        self._present: dict[str, bool] = {}  # shard file name -> is it in the directory
+        self._by_file: dict[str, list[str]] = {}  # shard file name -> the index's names in it
         if (self.path / INDEX_FILE).is_file():
-            self._open_index()
+            self._read_index()
         elif (self.path / SINGLE_FILE).is_file():
             self._open_file(SINGLE_FILE)
             self._where = {n: SINGLE_FILE for n in self.files[SINGLE_FILE].tensors}
@@ -61,39 +66,44 @@ class Checkpoint:
             raise CheckpointError(
                 f"{self.path} is not a checkpoint: no {INDEX_FILE} and no {SINGLE_FILE}"
             )
-        log.debug("opened %s: %d tensors in %d files", self.path, len(self._where), len(self.files))
+        log.debug("opened %s: %d tensors in %d files", self.path, len(self._where),
+                  len(set(self._where.values())))
 
     # ---- opening -----------------------------------------------------------------------------
 
+    def shard_present(self, fname: str) -> bool:
+        if fname not in self._present:
+            self._present[fname] = (self.path / fname).is_file()
+        return self._present[fname]
+
     def _open_file(self, fname: str) -> SafetensorsFile:
+        """A shard's header, read on first use. The index is the authority on which tensors
+        exist; each tensor it puts in this shard must be there."""
         if fname not in self.files:
-            fpath = self.path / fname
-            if not fpath.is_file():
-                raise CheckpointError(f"{self.path}: {INDEX_FILE} names shard {fname}, "
-                                      "which does not exist")
-            self.files[fname] = SafetensorsFile(fpath)
+            f = SafetensorsFile(self.path / fname)
+            lacking = [n for n in self._by_file.get(fname, ()) if n not in f.tensors]
+            if lacking:
+                raise CheckpointError(f"{self.path}: {INDEX_FILE} puts tensor {lacking[0]} in "
+                                      f"{fname}, which lacks it")
+            self.files[fname] = f
         return self.files[fname]
 
-    def _open_index(self) -> None:
+    def _read_index(self) -> None:
+        """Only the index: shards are opened when one of their tensors is asked for, so a copy
+        that holds some shards of a published checkpoint (a drafter-only copy: the MTP layer, the
+        embedding and the head) opens, and opening reads no shard of a 76,000-name index."""
         try:
             index = json.loads((self.path / INDEX_FILE).read_text())
             weight_map = index["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{self.path / INDEX_FILE}: not a safetensors index ({e})") from e
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{self.path / INDEX_FILE}: weight_map is not an object")
-        # The index is the authority on which tensors exist; each must be where it says.
-        for name, fname in weight_map.items():
-            if name not in self._open_file(fname).tensors:
-                raise CheckpointError(
-                    f"{self.path}: {INDEX_FILE} puts tensor {name} in {fname}, which lacks it"
-                )
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{self.path / INDEX_FILE}: weight_map is not an object of "
+                                  "tensor name -> shard file name")
         self._where = dict(weight_map)
-        total = (index.get("metadata") or {}).get("total_size")
-        actual = sum(self.info(n).nbytes for n in self._where)
-        if total is not None and int(total) != actual:
-            # Published indexes disagree with their shards often enough that this only warns.
-            log.warning("%s: index total_size %s, tensors hold %d bytes", self.path, total, actual)
+        for name, fname in self._where.items():
+            self._by_file.setdefault(fname, []).append(name)
 
     # ---- config ------------------------------------------------------------------------------
 
@@ -113,6 +123,15 @@ class Checkpoint:
         return raw
 
     @cached_property
+    def layout(self) -> NameLayout:
+        """How tensor names are stored: flat, or as GLM-5.3-Flash is published."""
+        return layout_of(self.hf_config)
+
+    def disk_name(self, logical: str) -> str:
+        """The stored name of the tensor the project calls ``logical`` (``naming``)."""
+        return disk_name(logical, self.layout)
+
+    @cached_property
     def config(self) -> ModelConfig:
         """Parsed on first use, so a config this runtime rejects still lets raw tensors be read."""
         return ModelConfig.from_hf_dict(
@@ -121,7 +140,8 @@ class Checkpoint:
 
     @cached_property
     def fp8_block(self) -> tuple[int, int]:
-        q = self.hf_config.get("quantization_config") or {}
+        q = (self.hf_config.get("quantization_config")
+             or (self.hf_config.get("text_config") or {}).get("quantization_config") or {})
         block = q.get("weight_block_size") or fp8.DEFAULT_BLOCK
         return int(block[0]), int(block[1])
 
@@ -130,14 +150,26 @@ class Checkpoint:
     def names(self) -> list[str]:
         return sorted(self._where)
 
+    def shards(self) -> list[str]:
+        """The files the index names (present or not)."""
+        return sorted(set(self._where.values()))
+
+    def where(self, name: str) -> str | None:
+        """The file the index puts ``name`` in, None if it lists no such tensor."""
+        return self._where.get(name)
+
     def has(self, name: str) -> bool:
-        return name in self._where
+        """Listed, and its file is in the directory."""
+        return name in self._where and self.shard_present(self._where[name])
 
     def __contains__(self, name: object) -> bool:
-        return name in self._where
+        return isinstance(name, str) and self.has(name)
 
     def _missing(self, name: str, hint: bool = True) -> CheckpointError:
         msg = f"tensor {name} is missing from checkpoint {self.path}"
+        if name in self._where:
+            return CheckpointError(f"{msg}: {INDEX_FILE} puts it in {self._where[name]}, which "
+                                   "is not in the directory")
         if hint:
             # Only names of the same layer are candidates: difflib over a whole GLM-5
             # (~70k names) per miss would take seconds.
@@ -150,31 +182,34 @@ class Checkpoint:
         return CheckpointError(msg)
 
     def info(self, name: str) -> TensorInfo:
-        """Dtype, shape and location of a stored tensor, without reading it."""
-        if name not in self._where:
+        """Dtype, shape and location of a stored tensor, reading its file's header only."""
+        if not self.has(name):
             raise self._missing(name)
-        return self.files[self._where[name]].tensors[name]
+        return self._open_file(self._where[name]).tensors[name]
 
     def get(self, name: str) -> np.ndarray:
         """The stored tensor as a read-only memmap view: no copy, nothing read until used."""
-        if name not in self._where:
+        if not self.has(name):
             raise self._missing(name)
-        return self.files[self._where[name]].get(name)
+        return self._open_file(self._where[name]).get(name)
 
-    def get_rows(self, name: str, start: int, stop: int, dtype: str | np.dtype | None = None
-                 ) -> np.ndarray:
+    def get_rows(self, name: str, start: int, stop: int, dtype: str | np.dtype | None = None,
+                 accept: tuple[str, ...] = ()) -> np.ndarray:
         """Rows [start, stop) of axis 0, mapping only their bytes (vocab or expert sharding).
 
-        With ``dtype`` BF16 and an FP8 block-scaled tensor, the rows come back dequantised.
+        With ``dtype`` BF16 and an FP8 block-scaled tensor, the rows come back dequantised; a
+        stored dtype in ``accept`` is converted.
         """
         info = self.info(name)
         if not info.shape or not 0 <= start <= stop <= info.shape[0]:
             raise CheckpointError(
                 f"tensor {name}: rows [{start}, {stop}) outside shape {_shape_str(info.shape)}"
             )
-        rows = self.files[self._where[name]].rows(name, start, stop)
+        rows = self._open_file(self._where[name]).rows(name, start, stop)
         if dtype is None or dtype_name(dtype) == info.dtype:
             return rows
+        if info.dtype in accept:
+            return rows.astype(DTYPES[dtype_name(dtype)])
         problem = self._fp8_problem(name, info, dtype_name(dtype))
         if problem:
             raise CheckpointError(problem)
@@ -189,7 +224,7 @@ class Checkpoint:
         if info.dtype != "F8_E4M3" or want not in ("BF16", "F16", "F32") or len(info.shape) != 2:
             return found
         sname = fp8.scale_name(name)
-        if sname not in self._where:
+        if not self.has(sname):
             return f"{found} without its block scales {sname}"
         sinfo = self.info(sname)
         want_shape = fp8.scale_shape(info.shape, self.fp8_block)
@@ -199,32 +234,38 @@ class Checkpoint:
                     f"found {sinfo.dtype}{_shape_str(sinfo.shape)}")
         return None
 
-    def check(self, name: str, shape: tuple[int, ...], dtype: str | np.dtype) -> str | None:
-        """What is wrong with ``name`` as ``dtype[shape]`` (None if usable), reading no data."""
-        if name not in self._where:
+    def check(self, name: str, shape: tuple[int, ...], dtype: str | np.dtype,
+              accept: tuple[str, ...] = ()) -> str | None:
+        """What is wrong with ``name`` as ``dtype[shape]`` (None if usable), reading no data.
+        A stored dtype in ``accept`` stands for ``dtype`` (converted when read)."""
+        if not self.has(name):
             return str(self._missing(name, hint=False))
         info = self.info(name)
         want = dtype_name(dtype)
         if tuple(shape) != info.shape:
             return (f"tensor {name}: expected shape {_shape_str(shape)}, "
                     f"found {_shape_str(info.shape)}")
-        if info.dtype != want:
+        if info.dtype != want and info.dtype not in accept:
             return self._fp8_problem(name, info, want)
         return None
 
-    def get_checked(self, name: str, shape: tuple[int, ...], dtype: str | np.dtype) -> np.ndarray:
+    def get_checked(self, name: str, shape: tuple[int, ...], dtype: str | np.dtype,
+                    accept: tuple[str, ...] = ()) -> np.ndarray:
         """The tensor if it is ``dtype[shape]``, else CheckpointError naming it, expected, found.
 
         An F8_E4M3 tensor with ``.weight_scale_inv`` block scales, asked for as BF16, comes back
-        dequantised (a new array; every other case is a view of the file).
+        dequantised, and a stored dtype in ``accept`` converted (a new array; every other case is
+        a view of the file).
         """
-        problem = self.check(name, shape, dtype)
+        problem = self.check(name, shape, dtype, accept)
         if problem:
             raise CheckpointError(problem)
         info = self.info(name)
         want = dtype_name(dtype)
         if info.dtype == want:
             return self.get(name)
+        if info.dtype in accept:
+            return np.asarray(self.get(name)).astype(DTYPES[want])
         return fp8.dequantize(self.get(name), self.get(fp8.scale_name(name)), DTYPES[want],
                               0, self.fp8_block)
 
@@ -243,4 +284,4 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         return (f"Checkpoint({str(self.path)!r}, {len(self._where)} tensors, "
-                f"{len(self.files)} files)")
+                f"{len(set(self._where.values()))} files)")

@@ -32,7 +32,8 @@ MAX_LISTED_PROBLEMS = 20
 @dataclass(frozen=True)
 class Resolved:
     spec: TensorSpec  # what is expected, under the logical name
-    source: str       # the stored tensor it is read from (differs for shared aliases)
+    source: str       # the stored tensor it is read from (its layout's name; for a shared
+                      # alias, the shared tensor's)
 
 
 class TensorSet(Mapping[str, np.ndarray]):
@@ -45,7 +46,7 @@ class TensorSet(Mapping[str, np.ndarray]):
 
     def __getitem__(self, name: str) -> np.ndarray:
         r = self._resolved[name]
-        return self.checkpoint.get_checked(r.source, r.spec.shape, r.spec.dtype)
+        return self.checkpoint.get_checked(r.source, r.spec.shape, r.spec.dtype, r.spec.accept)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._resolved)
@@ -70,7 +71,7 @@ class TensorSet(Mapping[str, np.ndarray]):
     def rows(self, name: str, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) in the expected dtype, reading only those rows."""
         r = self._resolved[name]
-        return self.checkpoint.get_rows(r.source, start, stop, r.spec.dtype)
+        return self.checkpoint.get_rows(r.source, start, stop, r.spec.dtype, r.spec.accept)
 
     def load(self) -> dict[str, np.ndarray]:
         """Every tensor, as arrays (views of the file where no dequantisation is needed)."""
@@ -80,22 +81,26 @@ class TensorSet(Mapping[str, np.ndarray]):
 def _validate(
     ckpt: Checkpoint, what: str, layout: Layout, aliases: Mapping[str, str], optional: Layout
 ) -> TensorSet:
+    """Check every tensor of ``layout`` (logical names) under its stored name."""
     problems: list[str] = []
     resolved: dict[str, Resolved] = {}
     for name, spec in layout.items():
-        problem = ckpt.check(name, spec.shape, spec.dtype)
+        stored = ckpt.disk_name(name)
+        problem = ckpt.check(stored, spec.shape, spec.dtype, spec.accept)
         if problem:
             problems.append(problem)
-        resolved[name] = Resolved(spec, name)
+        resolved[name] = Resolved(spec, stored)
     for name, shared in aliases.items():
         spec = optional[name]
-        source = name if ckpt.has(name) else shared
+        own, shared = ckpt.disk_name(name), ckpt.disk_name(shared)
+        source = own if ckpt.has(own) else shared
         if not ckpt.has(source):
-            problems.append(f"tensor {name} is missing, and so is {shared}, which it would share")
+            problems.append(f"{ckpt.check(shared, spec.shape, spec.dtype)}, and so is {own}, "
+                            "the block's own copy, which would stand for it")
             continue
-        problem = ckpt.check(source, spec.shape, spec.dtype)
+        problem = ckpt.check(source, spec.shape, spec.dtype, spec.accept)
         if problem:
-            problems.append(problem if source == name else f"{problem} (shared as {name})")
+            problems.append(problem if source == own else f"{problem} (shared as {own})")
         resolved[name] = Resolved(spec, source)
     if problems:
         listed = problems[:MAX_LISTED_PROBLEMS]

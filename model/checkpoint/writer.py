@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from tqdm.auto import tqdm
 
 from model.config import ModelConfig
 
+from .naming import NameLayout, disk_name
 from .reader import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 from .safetensors_io import CheckpointError, PendingTensor, pending, write_safetensors_streamed
 
@@ -66,18 +68,23 @@ def write_checkpoint(
     extra_config: Mapping[str, Any] | None = None,
     overwrite: bool = False,
     progress: bool = False,
+    layout: NameLayout = NameLayout.FLAT,
 ) -> Path:
     """Write ``tensors`` as they are (no layout check: tests write broken checkpoints on purpose).
 
+    Names are the project's logical names, stored under ``layout``'s names (``naming``), and
+    config.json takes that layout's form (``PUBLISHED``: nested under ``text_config``).
     Arrays keep their dtype (an ml_dtypes bfloat16 array is stored BF16). ``PendingTensor``s are
     produced chunk by chunk, so at most one chunk is in memory. One shard -> ``model.safetensors``
-    and no index, as ``save_pretrained`` does. ``extra_config`` is merged into ``config.json``.
+    and no index, as ``save_pretrained`` does. ``extra_config`` is merged into the top level of
+    ``config.json`` (where the published checkpoint keeps ``quantization_config``).
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     _clear(directory, overwrite)
     items = ([pending(n, a) for n, a in tensors.items()] if isinstance(tensors, Mapping)
              else list(tensors))
+    items = [replace(t, name=disk_name(t.name, layout)) for t in items]
     shards = plan_shards(items, max_shard_bytes)
     total = sum(t.nbytes for t in items)
     files = [SINGLE_FILE] if len(shards) == 1 else [shard_name(i, len(shards))
@@ -94,6 +101,6 @@ def write_checkpoint(
                  "weight_map": dict(sorted(weight_map.items()))}
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     # config.json last: a directory is a checkpoint only once everything else is in place.
-    config = {**cfg.to_hf_dict(), **(extra_config or {})}
+    config = {**cfg.to_hf_dict(nested=layout is NameLayout.PUBLISHED), **(extra_config or {})}
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return directory

@@ -1,4 +1,6 @@
-"""KPool lightning-indexer scores and the top-k pool selection with the tail.
+"""KPool lightning-indexer scores, the top-k pool selection (with the tail, unless the config's
+``index_kpool_always_select_tail`` is false), and the extension of a shared selection by the rows
+drafted after it (``index_share_for_mtp_iteration``, ``model.dsa``, "Shared selection").
 
 ``TOPK_MAX_POOLS`` is the selection kernel's capacity (its per-block shared-memory budget holds one
 f32 score per pool); ``model.dsa.max_dsa_context`` derives the drafter's reach from it, so a kernel
@@ -22,8 +24,11 @@ def complete_pools(row: int, kpool: int) -> int:
     return (row + 1) // kpool
 
 
-def selection_capacity(rows: int, topk_pools: int, kpool: int) -> int:
-    return min(rows, topk_pools * kpool + kpool - 1)
+def selection_capacity(rows: int, topk_pools: int, kpool: int, extra: int = 0) -> int:
+    """Rows one selection can list: the top-k pools' rows and a tail of at most kpool - 1 rows,
+    plus ``extra`` rows appended by ``extend_selection`` (drafts after the first of a propose
+    that shares draft 1's selection)."""
+    return min(rows, topk_pools * kpool + kpool - 1 + extra)
 
 
 @declare(
@@ -54,17 +59,20 @@ def INDEXER_SCORES(mem, q, w, pool_keys, pool_scales, scores, row_ptr, row_add, 
     mem.write(scores, s.astype(np.float32))
 
 
-def select_rows_ref(scores: np.ndarray, row: int, topk_pools: int, kpool: int) -> np.ndarray:
-    """Selected rows in ascending order (scores over the complete pools only)."""
+def select_rows_ref(scores: np.ndarray, row: int, topk_pools: int, kpool: int,
+                    tail: bool = True) -> np.ndarray:
+    """Selected rows in ascending order (scores over the complete pools only). With ``tail`` the
+    rows of the incomplete pool are always added; without it a row attends complete pools only
+    (none at all before its first pool completes)."""
     npools = complete_pools(row, kpool)
+    tail_rows = np.arange(npools * kpool, row + 1) if tail else np.zeros(0, np.int64)
     if npools <= topk_pools:
-        return np.arange(row + 1, dtype=np.uint32)
+        return np.concatenate([np.arange(npools * kpool), tail_rows]).astype(np.uint32)
     # Higher score first, then lower pool index: a stable sort on -score keeps index order.
     order = np.argsort(-scores[:npools].astype(np.float64), kind="stable")[:topk_pools]
     pools = np.sort(order)
     rows = (pools[:, None] * kpool + np.arange(kpool)[None, :]).reshape(-1)
-    tail = np.arange(npools * kpool, row + 1)
-    return np.concatenate([rows, tail]).astype(np.uint32)
+    return np.concatenate([rows, tail_rows]).astype(np.uint32)
 
 
 @declare(
@@ -72,19 +80,38 @@ def select_rows_ref(scores: np.ndarray, row: int, topk_pools: int, kpool: int) -
     "select_topk_pools",
     [
         ("scores", PTR), ("selected", PTR), ("count", PTR), ("row_ptr", PTR), ("row_add", U32),
-        ("topk_pools", U32), ("kpool", U32),
+        ("topk_pools", U32), ("kpool", U32), ("tail", U32),
     ],
     writes=("selected", "count"),
     pdl=True,
     releases=True,  # the q_abs GEMV (bgemv_bf16_f32_beside) runs beside it
 )
-def SELECT_TOPK_POOLS(mem, scores, selected, count, row_ptr, row_add, topk_pools, kpool):
+def SELECT_TOPK_POOLS(mem, scores, selected, count, row_ptr, row_add, topk_pools, kpool, tail):
     row = int(mem.scalar(row_ptr, np.uint32)) + row_add
     npools = complete_pools(row, kpool)
     sc = mem.read(scores, np.float32, npools) if npools > topk_pools else np.zeros(0, np.float32)
-    rows = select_rows_ref(sc, row, topk_pools, kpool)
-    mem.write(selected, rows)
+    rows = select_rows_ref(sc, row, topk_pools, kpool, bool(tail))
+    if rows.size:
+        mem.write(selected, rows)
     mem.write(count, np.array([rows.size], np.uint32))
+
+
+@declare(
+    "dsa_select",
+    "extend_selection",
+    [("selected", PTR), ("count", PTR), ("row_ptr", PTR), ("row_add", U32)],
+    writes=("selected", "count"),
+    pdl=True,
+    releases=True,  # in select_topk_pools' place: the q_abs GEMV runs beside it
+)
+def EXTEND_SELECTION(mem, selected, count, row_ptr, row_add):
+    """Append row ``*row_ptr + row_add`` to the selection: a draft after the first of a propose
+    that reuses draft 1's pools still attends itself and the rows drafted since (they follow draft
+    1's tail, so the list stays ascending)."""
+    n = int(mem.scalar(count, np.uint32))
+    mem.write(selected.offset(n * 4), np.array([int(mem.scalar(row_ptr, np.uint32)) + row_add],
+                                               np.uint32))
+    mem.write(count, np.array([n + 1], np.uint32))
 
 
 # indexer_scores: a warp per pool, 8 per block, grid-stride. The grid is capped at two blocks per SM
@@ -106,7 +133,12 @@ def indexer_scores(gpu, q, w, pool_keys, pool_scales, scores, row_ptr, row_add, 
            stream=stream)
 
 
-def select_topk_pools(gpu, scores, selected, count, row_ptr, row_add, topk_pools, kpool,
+def select_topk_pools(gpu, scores, selected, count, row_ptr, row_add, topk_pools, kpool, tail=True,
                       stream=None):
     launch(gpu, gpu.kernel(*SELECT_TOPK_POOLS.key), 1, 1024, scores, selected, count, row_ptr,
-           row_add, topk_pools, kpool, smem=TOPK_MAX_POOLS * 4, stream=stream)
+           row_add, topk_pools, kpool, int(bool(tail)), smem=TOPK_MAX_POOLS * 4, stream=stream)
+
+
+def extend_selection(gpu, selected, count, row_ptr, row_add, stream=None):
+    launch(gpu, gpu.kernel(*EXTEND_SELECTION.key), 1, 32, selected, count, row_ptr, row_add,
+           stream=stream)

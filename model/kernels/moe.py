@@ -1,8 +1,9 @@
 """MoE: sigmoid router, top-k with correction bias, and expert GEMVs that read the chosen ids from
 device memory.
 
-Slots: the routed experts fill slots 0..topk-1; the gated shared expert, when present, is slot
-topk. ``expert_down`` writes one f32 row per slot (zero for an expert this rank does not hold), and
+Slots: the routed experts fill slots 0..topk-1; the shared expert, when present, is slot topk,
+with weight 1 (it has no gate: the published checkpoints store none, and transformers'
+``Glm5NextTextMoE`` adds it ungated). ``expert_down`` writes one f32 row per slot (zero for an expert this rank does not hold), and
 ``bgemv.sum_rows_residual`` adds the rows in slot order, so the zero-padded all-reduce of a sharded
 run reproduces one rank's arithmetic exactly. CUDA: ptx/moe.cu.
 """
@@ -58,12 +59,12 @@ def ROUTER_SCORES(mem, w, y, scores, n, h):
     writes=("ids", "weights"),
 )
 def ROUTER_TOPK(mem, scores, bias, ids, weights, n_experts, topk, norm, scale, shared):
-    """With ``shared``, slot topk gets id 0 and weight scores[n_experts] (the shared gate)."""
-    s = mem.read(scores, np.float32, n_experts + (1 if shared else 0))
-    i, w = route_ref(s[:n_experts], mem.read(bias, np.float32, n_experts), topk, bool(norm), scale)
+    """With ``shared``, slot topk gets id 0 and weight 1 (the ungated shared expert)."""
+    s = mem.read(scores, np.float32, n_experts)
+    i, w = route_ref(s, mem.read(bias, np.float32, n_experts), topk, bool(norm), scale)
     if shared:
         i = np.append(i, np.uint32(0))
-        w = np.append(w, s[n_experts]).astype(np.float32)
+        w = np.append(w, np.float32(1.0)).astype(np.float32)
     mem.write(ids, i)
     mem.write(weights, w)
 
@@ -127,9 +128,9 @@ def EXPERT_DOWN(mem, w, act, ids, weights, parts, slot0, nslots, expert_base, n_
 )
 def ROUTER_FUSED(mem, w, y, bias, scores, ids, weights, counter, n_experts, h, topk, norm, scale,
                  shared):
-    """router_scores over the n_experts (+ shared gate) rows, then router_topk, in one launch; the
-    last block runs the top-k. ``counter`` is a zeroed u32 the kernel leaves zeroed."""
-    ROUTER_SCORES.host(mem, w, y, scores, n_experts + (1 if shared else 0), h)
+    """router_scores over the n_experts rows, then router_topk, in one launch; the last block
+    runs the top-k. ``counter`` is a zeroed u32 the kernel leaves zeroed."""
+    ROUTER_SCORES.host(mem, w, y, scores, n_experts, h)
     ROUTER_TOPK.host(mem, scores, bias, ids, weights, n_experts, topk, norm, scale, shared)
     mem.write(counter, np.zeros(1, np.uint32))
 
@@ -212,8 +213,7 @@ def router_fused(gpu, w, y, bias, scores, ids, weights, counter, n_experts, h, t
                  shared, stream=None):
     if n_experts > 1024 or topk > min(128, n_experts):
         raise ValueError(f"router: {n_experts} experts / top-{topk} outside the kernel's 1024 / 128")
-    rows = n_experts + int(bool(shared))
-    launch(gpu, gpu.kernel(*ROUTER_FUSED.key), -(-rows // 8), 256, w, y, bias, scores, ids, weights,
+    launch(gpu, gpu.kernel(*ROUTER_FUSED.key), -(-n_experts // 8), 256, w, y, bias, scores, ids, weights,
            counter, n_experts, h, topk, int(norm), scale, int(bool(shared)), stream=stream)
 
 

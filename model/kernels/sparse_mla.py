@@ -2,7 +2,8 @@
 
 Per head: ``s_j = (q_h . c_j) * scale`` over the selected rows j, softmax, ``o_h = sum_j p_j c_j``.
 ``q`` is the absorbed query in latent space (f32, [heads, dim]); ``out`` is BF16 [heads, dim].
-The selection's row count is read from device memory. CUDA: ptx/sparse_mla.cu.
+The selection's row count is read from device memory; an empty selection (a row with no complete
+pool when the tail is not selected) attends nothing and outputs zero. CUDA: ptx/sparse_mla.cu.
 
 Two implementations of the same function: ``sparse_mla_attend`` (one launch, one block per head,
 CUDA cores) and the split pair ``sparse_mla_partial`` + ``sparse_mla_combine`` (flash-decoding:
@@ -23,6 +24,8 @@ from runtime.launch import launch
 def _gather(mem, cache, scales, block_table, selected, count, dim, block_size):
     """(count, the selected rows' FP8 latents widened to f32 and times their row scales)."""
     n = int(mem.scalar(count, np.uint32))
+    if n == 0:
+        return 0, np.zeros((0, dim), np.float32)
     rows = mem.read(selected, np.uint32, n).astype(np.int64)
     blocks = mem.read(block_table, np.uint32, int(rows.max()) // block_size + 1).astype(np.int64)
     slots = blocks[rows // block_size] * block_size + rows % block_size
@@ -44,7 +47,10 @@ def _gather(mem, cache, scales, block_table, selected, count, dim, block_size):
 )
 def SPARSE_MLA_ATTEND(mem, q, cache, scales, block_table, selected, count, out, heads, dim,
                       block_size, scale):
-    _, c = _gather(mem, cache, scales, block_table, selected, count, dim, block_size)
+    n, c = _gather(mem, cache, scales, block_table, selected, count, dim, block_size)
+    if n == 0:
+        mem.write(out, np.zeros((heads, dim), BF16))
+        return
     qv = mem.read(q, np.float32, (heads, dim))
     s = dot_rows(qv, c) * np.float32(scale)
     s -= s.max(1, keepdims=True)
@@ -97,6 +103,9 @@ def SPARSE_MLA_PARTIAL(mem, q, cache, scales, block_table, selected, count, part
 def SPARSE_MLA_COMBINE(mem, part, ml, count, out, heads, dim):
     """out[h] = sum_s w_s part[s][h] / sum_s w_s l_s with w_s = exp(m_s - max_s m_s)."""
     splits = -(-int(mem.scalar(count, np.uint32)) // SPLIT_ROWS)
+    if splits == 0:
+        mem.write(out, np.zeros((heads, dim), BF16))
+        return
     p = mem.read(part, np.float32, (splits, heads, dim))
     mlv = mem.read(ml, np.float32, (splits, heads, 2))
     w = np.exp(mlv[:, :, 0] - mlv[:, :, 0].max(0))
