@@ -40,7 +40,6 @@ import contextlib
 import dataclasses
 import datetime
 import json
-import math
 import statistics
 import sys
 import time

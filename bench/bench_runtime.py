@@ -35,16 +35,16 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runtime.cuda_backend import CudaBackend  # noqa: E402
-from cuda.bindings import driver  # noqa: E402
-from runtime.dtypes import BF16  # noqa: E402
-from runtime.launch import check_args  # noqa: E402
-from runtime.kernels.add_bf16 import ADD_BF16, add_bf16  # noqa: E402
-from runtime.kernels.argmax_bf16 import argmax_bf16, argmax_ref  # noqa: E402
-from runtime.kernels.gemv_bf16 import gemv_bf16  # noqa: E402
-from runtime.kernels.gemv_fp8w import gemv_fp8w  # noqa: E402
-from runtime.kernels.quantize_fp8 import quantize_fp8  # noqa: E402
-from runtime.kernels.read_xor import BLOCK as READ_BLOCK, read_xor, read_xor_decl  # noqa: E402
+from runtime.cuda_backend import CudaBackend  # noqa: E402 - after the sys.path insert
+from cuda.bindings import driver  # noqa: E402 - after the sys.path insert
+from runtime.dtypes import BF16  # noqa: E402 - after the sys.path insert
+from runtime.launch import check_args  # noqa: E402 - after the sys.path insert
+from runtime.kernels.add_bf16 import ADD_BF16, add_bf16  # noqa: E402 - after the sys.path insert
+from runtime.kernels.argmax_bf16 import argmax_bf16, argmax_ref  # noqa: E402 - after the sys.path insert
+from runtime.kernels.gemv_bf16 import gemv_bf16  # noqa: E402 - after the sys.path insert
+from runtime.kernels.gemv_fp8w import gemv_fp8w  # noqa: E402 - after the sys.path insert
+from runtime.kernels.quantize_fp8 import quantize_fp8  # noqa: E402 - after the sys.path insert
+from runtime.kernels.read_xor import BLOCK as READ_BLOCK, read_xor, read_xor_decl  # noqa: E402 - after the sys.path insert
 
 log = logging.getLogger("bench_runtime")
 

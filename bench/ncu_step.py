@@ -19,9 +19,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_propose import fill_context, random_weights  # noqa: E402
-from model.config import glm5_flash  # noqa: E402
-from runtime.dtypes import BF16  # noqa: E402
+from bench.bench_propose import fill_context, random_weights  # noqa: E402 - after the sys.path insert
+from model.config import glm5_flash  # noqa: E402 - after the sys.path insert
+from runtime.dtypes import BF16  # noqa: E402 - after the sys.path insert
 
 
 def main(argv: list[str] | None = None) -> int:

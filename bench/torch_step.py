@@ -41,10 +41,10 @@ from pathlib import Path
 if not __package__:  # run as a script (python bench/torch_step.py): find model/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch  # noqa: E402 - after the sys.path insert
+import torch.nn.functional as F  # noqa: E402 - after the sys.path insert
 
-from model.config import glm5_flash  # noqa: E402
+from model.config import glm5_flash  # noqa: E402 - after the sys.path insert
 
 
 def _up(x: torch.Tensor) -> torch.Tensor:

@@ -16,10 +16,11 @@ import hashlib
 import itertools
 import json
 import logging
+import numbers
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -39,13 +40,7 @@ from runtime.kv_cache import PagedKvCache
 
 from .block import DecoderLayer, LayerScratch
 from .config import ModelConfig
-from .dsa import (
-    DsaSizingError,
-    DsaState,
-    drafter_context_rows,
-    latent_cache_config,
-    shared_selection_extra,
-)
+from .dsa import DsaState, drafter_context_rows, latent_cache_config, shared_selection_extra
 from .kernels import draft_head
 from .kernels.mtp_input import mtp_embed_norm, mtp_input_gemv
 from .proposer_checks import (FLAG_BYTES, FLAG_LOGITS, FLAG_OWN_HIDDEN, FLAG_TARGET_HIDDEN, ProposerError,
@@ -69,7 +64,12 @@ class ProposerOptions:
     comm_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if as_int(self.max_draft_tokens, "max_draft_tokens") < 1:
+        # Every count is an integer: a float one (2.0) sizes buffers and ranges wrongly or fails
+        # deep inside with a TypeError.
+        for name in ("served_max_seq_len", "max_draft_tokens", "max_sequences", "context_chunk",
+                     "o_proj_groups"):
+            as_int(getattr(self, name), name)
+        if self.max_draft_tokens < 1:
             raise ProposerError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
         if 0 < self.served_max_seq_len < self.max_draft_tokens:
             # A propose of k drafts writes k drafter rows, which the served context bounds (the
@@ -82,6 +82,10 @@ class ProposerOptions:
             raise ProposerError(f"context_chunk must be 1..{GEMV_MAX_M} (rows one GEMV reads W for)")
         if self.max_sequences < 1:
             raise ProposerError("max_sequences must be >= 1")
+        if self.o_proj_groups < 1:
+            raise ProposerError(f"o_proj_groups must be >= 1, got {self.o_proj_groups}")
+        if not isinstance(self.comm_timeout_s, numbers.Real) or not self.comm_timeout_s > 0:
+            raise ProposerError(f"comm_timeout_s must be positive, got {self.comm_timeout_s}")
 
 
 @dataclass
@@ -301,23 +305,26 @@ class MtpProposer:
         cfg, gpu, H = self.cfg, self.gpu, self.cfg.hidden_size
         arena = DeviceArena(gpu)
         dsa = None
+        mapped: list[MappedBuffer] = []  # not the arena's: freed here if a later allocation fails
         try:
             dsa = DsaState.alloc(gpu, cfg.dsa, self.rows_cap, self.kv)
             ch = self.opt.context_chunk
             scratch = LayerScratch.alloc(arena, cfg, self.sharding, ch, self.rows_cap,
                                          self.layer.attn.fused_rows, self.layer.selection_extra)
             z = arena.zeros
+            for nbytes in (8, self.opt.max_draft_tokens * 4 + FLAG_BYTES):
+                mapped.append(gpu.alloc_mapped(nbytes))
             st = ProposerState(
                 slot=self._slots_free[-1], dsa=dsa, scratch=scratch, arena=arena,
                 concat=z(ch * 2 * H * 2), x=z(ch * H * 2), xn=z(H * 2), hidden_in=z(H * 2),
                 logits=z(self.head_n * 2), am_idx=z(4), am_val=z(4), key=z(8), step=z(8),
                 drafts=z(self.opt.max_draft_tokens * 4), ctx_tokens=z(ch * 4),
                 head_counter=z(4),
-                step_in=gpu.alloc_mapped(8),
-                drafts_out=gpu.alloc_mapped(self.opt.max_draft_tokens * 4 + FLAG_BYTES),
-                owner=self.label, finite_row=z(4),
+                step_in=mapped[0], drafts_out=mapped[1], owner=self.label, finite_row=z(4),
             )
         except Exception:
+            for m in mapped:
+                gpu.free_mapped(m)
             if dsa is not None:
                 dsa.free(gpu, self.kv)
             arena.free()

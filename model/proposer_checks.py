@@ -42,6 +42,10 @@ def as_tokens(tokens: Sequence[int] | np.ndarray, vocab: int, what: str = "token
         if t.dtype.kind not in "iu":
             raise ProposerError(f"{what} must be integers, got an array of {t.dtype}")
     else:
+        try:
+            tokens = list(tokens)
+        except TypeError:  # None, an int: not a sequence of ids at all
+            raise ProposerError(f"{what} must be a sequence of token ids, got {type(tokens).__name__}") from None
         bad = next((i for i, v in enumerate(tokens)
                     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))), None)
         if bad is not None:

@@ -15,7 +15,8 @@ from runtime.dtypes import BF16, FP8
 
 
 class WeightError(ValueError):
-    """A tensor is missing or has the wrong shape or dtype, or the weights do not fit the config."""
+    """A tensor is missing, has the wrong shape or dtype or holds a NaN or an Inf, or the weights do
+    not fit the config."""
 
 
 class TensorLookup:

@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import build  # noqa: E402
+import build  # noqa: E402 - after the sys.path insert
 
 HAVE_NVCC = build.find_nvcc() is not None
 

@@ -17,11 +17,11 @@ from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import ml_dtypes  # noqa: E402
-import numpy as np  # noqa: E402
+import ml_dtypes  # noqa: E402 - after the sys.path insert
+import numpy as np  # noqa: E402 - after the sys.path insert
 
-from runtime.errors import CommError  # noqa: E402
-from runtime.rendezvous import DistEnv, rendezvous  # noqa: E402
+from runtime.errors import CommError  # noqa: E402 - after the sys.path insert
+from runtime.rendezvous import DistEnv, rendezvous  # noqa: E402 - after the sys.path insert
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,11 +49,11 @@ if __name__ == "__main__" and "--rendezvous-worker" in sys.argv:
     sys.exit(_rendezvous_worker(sys.argv[sys.argv.index("--rendezvous-worker") + 1 :]))
 
 
-import pytest  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+import pytest  # noqa: E402 - below the rank worker's exit
+from hypothesis import HealthCheck, given, settings  # noqa: E402 - below the rank worker's exit
+from hypothesis import strategies as st  # noqa: E402 - below the rank worker's exit
 
-from runtime.comm import (  # noqa: E402
+from runtime.comm import (  # noqa: E402 - below the rank worker's exit
     CommDtype,
     Communicator,
     HostCommGroup,
@@ -62,10 +62,10 @@ from runtime.comm import (  # noqa: E402
     SingleRankCommunicator,
     load_nccl,
 )
-from runtime.device_ptr import DevicePtr  # noqa: E402
-from runtime.errors import GraphLifetimeError, MemoryFault  # noqa: E402
-from runtime.host_backend import HostBackend  # noqa: E402
-from runtime.launcher import free_port, nccl_env, spawn  # noqa: E402
+from runtime.device_ptr import DevicePtr  # noqa: E402 - below the rank worker's exit
+from runtime.errors import GraphLifetimeError, MemoryFault  # noqa: E402 - below the rank worker's exit
+from runtime.host_backend import HostBackend  # noqa: E402 - below the rank worker's exit
+from runtime.launcher import free_port, nccl_env, spawn  # noqa: E402 - below the rank worker's exit
 
 # ---- helpers ------------------------------------------------------------------------------------
 

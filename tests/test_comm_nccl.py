@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
+import numpy as np  # noqa: E402 - after the sys.path insert
 
 REPO = Path(__file__).resolve().parent.parent
 _CASES = [("float32", "sum"), ("float32", "max"), ("bfloat16", "sum"), ("bfloat16", "max"),
@@ -95,10 +95,10 @@ if __name__ == "__main__" and "--nccl-worker" in sys.argv:
     sys.exit(_nccl_worker(Path(sys.argv[sys.argv.index("--nccl-worker") + 1])))
 
 
-import pytest  # noqa: E402
+import pytest  # noqa: E402 - below the rank worker's exit
 
-from runtime.comm import CommDtype, NcclCommunicator, ReduceOp, load_nccl, reduce_arrays  # noqa: E402
-from runtime.errors import CommError, GraphLifetimeError, MemoryFault  # noqa: E402
+from runtime.comm import CommDtype, NcclCommunicator, ReduceOp, load_nccl, reduce_arrays  # noqa: E402 - below the rank worker's exit
+from runtime.errors import CommError, GraphLifetimeError, MemoryFault  # noqa: E402 - below the rank worker's exit
 
 pytestmark = pytest.mark.gpu
 

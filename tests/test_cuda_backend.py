@@ -306,7 +306,7 @@ def test_close_frees_everything(cuda):
 def test_resident_blocks_follow_the_kernels_occupancy(cuda):
     """The grid of a one-wave grid-stride kernel comes from the occupancy calculator: the FP8 head
     is bounded to 4 blocks of 256 per SM; a 1024-thread block fits twice in an SM's 2048 threads."""
-    import model.kernels  # noqa: F401
+    import model.kernels  # noqa: F401 - declares the model's kernels
 
     head = cuda.kernel("draft_head", "head_argmax_fp8")
     assert cuda.resident_blocks(head, 256, 16384) == 4 * cuda.sm_count

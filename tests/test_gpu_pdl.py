@@ -111,7 +111,7 @@ def test_pdl_switch_is_per_launch(cuda):
     benchmarks' comparison arm), and kernels not declared pdl never get the attribute."""
     from runtime.kernel import lookup
 
-    import model.kernels  # noqa: F401
+    import model.kernels  # noqa: F401 - declares the model's kernels
 
     h = cuda.kernel("bgemv", "bgemv_bf16_f32")
     assert lookup("bgemv", "bgemv_bf16_f32").pdl and h.native.pdl_config is not None

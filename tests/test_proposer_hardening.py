@@ -20,6 +20,7 @@ from model.proposer import ProposerError, ProposerOptions
 from model.tensors import first_nonfinite
 from model.weights import WeightError
 from runtime.dtypes import BF16
+from runtime.errors import OutOfMemoryError
 from runtime.host_backend import HostBackend
 from runtime.kernels.all_finite_bf16 import NONE, first_nonfinite_row
 from tests.proposer_fixtures import (assert_same_caches, bf16_weights, cache_snapshot, make_proposer,
@@ -43,6 +44,17 @@ def feed(prop, st, world: World, base: int, n: int, hiddens: np.ndarray | None =
         return prop.catchup_drafter(st, world.tokens[base:base + n + 1], p, base)
     finally:
         prop.gpu.free(p)
+
+
+def fed(seed: int, rows: int, states: int = 1, **opts):
+    """A proposer sized for 64 rows, World(seed), and ``states`` states each fed its rows
+    0..rows-1: ``prop, world, *states``."""
+    prop = make_proposer(CFG, WEIGHTS, served=64, **opts)
+    world = World(seed, 64)
+    sts = [prop.alloc_state() for _ in range(states)]
+    for st in sts:
+        feed(prop, st, world, 0, rows)
+    return (prop, world, *sts)
 
 
 def propose(prop, st, world: World, pos: int, k: int, hidden: np.ndarray | None = None) -> list[int]:
@@ -71,11 +83,7 @@ def assert_unchanged(prop, st, snap) -> None:
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("fp8_head", [False, True])
 def test_a_nonfinite_target_hidden_is_refused_and_changes_nothing(bad, fp8_head):
-    prop = make_proposer(CFG, WEIGHTS, served=64, fp8_head=fp8_head)
-    world = World(1, 64)
-    st, ref = prop.alloc_state(), prop.alloc_state()
-    feed(prop, st, world, 0, 12)
-    feed(prop, ref, world, 0, 12)
+    prop, world, st, ref = fed(1, 12, 2, fp8_head=fp8_head)
     hid = world.hiddens[12:13].copy()
     hid[0, 5] = bad
     snap = snapshot(prop, st)
@@ -112,11 +120,7 @@ def test_a_refused_propose_behind_the_drafter_keeps_its_rewind():
 
 
 def test_a_nonfinite_context_row_is_refused_before_anything_is_written():
-    prop = make_proposer(CFG, WEIGHTS, served=64)
-    world = World(3, 64)
-    st, ref = prop.alloc_state(), prop.alloc_state()
-    feed(prop, st, world, 0, 6)
-    feed(prop, ref, world, 0, 6)
+    prop, world, st, ref = fed(3, 6, 2)
     for bad in (np.nan, np.inf):
         rows = world.hiddens[6:14].copy()
         rows[3, 7] = bad
@@ -155,10 +159,7 @@ def test_prefill_with_one_nan_row_is_refused_and_poisons_nothing():
 def test_the_step_flags_say_which_input_was_not_finite():
     """Draft 1's input is the target's hidden, drafts 2..k the drafter's own; the head flags a
     winning logit that is not a number. The host twins raise the same bytes as the kernels."""
-    prop = make_proposer(CFG, WEIGHTS, served=64)
-    world = World(5, 64)
-    st = prop.alloc_state()
-    feed(prop, st, world, 0, 8)
+    prop, world, st = fed(5, 8)
     hid = world.hiddens[8:9].copy()
     hid[0, 1] = np.nan
     with pytest.raises(ProposerError):
@@ -354,10 +355,7 @@ BAD_INTS = [20.0, True, np.float64(3.0), "3", None, np.bool_(False)]
 @pytest.mark.parametrize("bad", BAD_INTS, ids=repr)
 @pytest.mark.parametrize("arg", ["position", "last_token", "k"])
 def test_propose_refuses_a_non_integer(arg, bad):
-    prop = make_proposer(CFG, WEIGHTS, served=64)
-    world = World(8, 64)
-    st = prop.alloc_state()
-    feed(prop, st, world, 0, 20)
+    prop, world, st = fed(8, 20)
     hid = upload_rows(prop.gpu, world.hiddens[20:21])
     kw = dict(last_token=int(world.tokens[21]), target_hidden=hid, position=20, k=2)
     kw[arg] = bad
@@ -372,12 +370,9 @@ def test_propose_refuses_a_non_integer(arg, bad):
 
 
 @pytest.mark.parametrize("case", ["float_base", "bool_base", "float_tokens", "bool_token", "float_list",
-                                  "2d_tokens", "huge_token"])
+                                  "2d_tokens", "huge_token", "no_tokens"])
 def test_catchup_refuses_non_integer_rows_and_tokens(case):
-    prop = make_proposer(CFG, WEIGHTS, served=64)
-    world = World(9, 64)
-    st = prop.alloc_state()
-    feed(prop, st, world, 0, 5)
+    prop, world, st = fed(9, 5)
     toks, base = list(int(t) for t in world.tokens[5:9]), 5
     match = "must be"
     if case == "float_base":
@@ -393,6 +388,9 @@ def test_catchup_refuses_non_integer_rows_and_tokens(case):
     elif case == "2d_tokens":
         toks = np.asarray(toks).reshape(2, 2)
         match = "one-dimensional"
+    elif case == "no_tokens":
+        toks = None
+        match = "must be a sequence of token ids, got NoneType"
     else:
         toks[3] = 2**70
         match = "outside the vocabulary"
@@ -407,10 +405,7 @@ def test_catchup_refuses_non_integer_rows_and_tokens(case):
 
 @pytest.mark.parametrize("bad", [1.0, True])
 def test_after_verify_and_rewind_refuse_non_integers(bad):
-    prop = make_proposer(CFG, WEIGHTS, served=64)
-    world = World(10, 64)
-    st = prop.alloc_state()
-    feed(prop, st, world, 0, 8)
+    prop, world, st = fed(10, 8)
     propose(prop, st, world, 8, 3)
     snap = snapshot(prop, st)
     with pytest.raises(ProposerError, match="accepted must be an integer"):
@@ -426,10 +421,7 @@ def test_after_verify_and_rewind_refuse_non_integers(bad):
 
 def test_every_refusal_of_input_is_a_proposer_error():
     assert issubclass(DsaSizingError, ProposerError)
-    prop = make_proposer(CFG, WEIGHTS, served=64)
-    world = World(11, 64)
-    st = prop.alloc_state()
-    feed(prop, st, world, 0, 8)
+    prop, world, st = fed(11, 8)
     snap = snapshot(prop, st)
     p = upload_rows(prop.gpu, world.hiddens[:8])
     for call in (lambda: prop.prefill_drafter(st, world.tokens[:9], p),  # a re-prefill
@@ -456,10 +448,7 @@ def test_every_refusal_of_input_is_a_proposer_error():
 
 
 def test_queries_on_a_freed_state_raise():
-    prop = make_proposer(CFG, WEIGHTS, served=64)
-    world = World(12, 64)
-    st = prop.alloc_state()
-    feed(prop, st, world, 0, 8)
+    prop, world, st = fed(12, 8)
     prop.free_state(st)
     for call in (lambda: prop.drafter_rows(st), lambda: prop.last_pair_key(st),
                  lambda: prop.rewind_to(st, 0), lambda: prop.after_verify(st, 0)):
@@ -472,11 +461,7 @@ def test_queries_on_a_freed_state_raise():
 
 
 def test_a_second_thread_is_refused_while_the_first_is_inside():
-    prop = make_proposer(CFG, WEIGHTS, served=64)
-    world = World(13, 64)
-    a, b = prop.alloc_state(), prop.alloc_state()
-    feed(prop, a, world, 0, 10)
-    feed(prop, b, world, 0, 10)
+    prop, world, a, b = fed(13, 10, 2)
     inside, release = threading.Event(), threading.Event()
     real_wait = prop._wait
 
@@ -524,11 +509,7 @@ def _raised(call):
 def test_threads_hammering_one_proposer_get_only_the_clear_error():
     """Four threads, one state each, switching every few microseconds: calls collide, and every
     collision is the clear refusal; every call that ran drafted what a lone thread drafts."""
-    prop = make_proposer(CFG, WEIGHTS, served=64, max_sequences=4)
-    world = World(14, 64)
-    states = [prop.alloc_state() for _ in range(4)]
-    for st in states:
-        feed(prop, st, world, 0, 10)
+    prop, world, *states = fed(14, 10, 4, max_sequences=4)
     want = propose(prop, states[0], world, 10, 2)
     prop.rewind_to(states[0], 10)
     # Uploaded up front: the threads call only the proposer (the host backend's heap is not
@@ -585,4 +566,48 @@ def test_max_draft_tokens_is_bounded_by_what_the_drafter_holds():
     st = prop.alloc_state()
     world = World(15, cap + 2)
     assert len(propose(prop, st, world, 0, cap)) == cap  # the largest k the rows allow
+    prop.close()
+
+
+@pytest.mark.parametrize("field,bad,msg", [
+    ("served_max_seq_len", 64.0, "served_max_seq_len must be an integer"),
+    ("max_sequences", 2.0, "max_sequences must be an integer"),
+    ("context_chunk", 4.0, "context_chunk must be an integer"),
+    ("o_proj_groups", 4.0, "o_proj_groups must be an integer"),
+    ("o_proj_groups", 0, "o_proj_groups must be >= 1"),
+    ("comm_timeout_s", 0, "comm_timeout_s must be positive"),
+    ("comm_timeout_s", None, "comm_timeout_s must be positive"),
+])
+def test_every_option_is_checked_as_the_options_are_made(field, bad, msg):
+    """A float count (2.0 sequences) would fail later inside range() or size a buffer wrongly; zero
+    o_proj_groups divided by zero in the sharding."""
+    with pytest.raises(ProposerError, match=msg):
+        ProposerOptions(**{"served_max_seq_len": 64, field: bad})
+
+
+class MappedRunsOut(HostBackend):
+    """Mapped memory runs out after ``left`` more buffers."""
+
+    left = 1 << 30
+
+    def alloc_mapped(self, nbytes: int):
+        if self.left == 0:
+            raise OutOfMemoryError(f"alloc_mapped of {nbytes} bytes: no mapped memory left")
+        self.left -= 1
+        return super().alloc_mapped(nbytes)
+
+
+@pytest.mark.parametrize("left", [0, 1])
+def test_alloc_state_that_runs_out_of_mapped_memory_leaks_nothing(left):
+    gpu = MappedRunsOut()
+    prop = make_proposer(CFG, WEIGHTS, gpu=gpu, served=64)
+    before = gpu.stats()
+    gpu.left = left  # the step's scalars, then the drafts and their flags: fail either one
+    with pytest.raises(OutOfMemoryError):
+        prop.alloc_state()
+    assert gpu.stats().live_bytes == before.live_bytes
+    assert gpu.stats().live_allocations == before.live_allocations
+    gpu.left = 1 << 30
+    st = prop.alloc_state()
+    assert st.slot == 0  # the slot was not taken either
     prop.close()
