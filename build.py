@@ -110,7 +110,7 @@ def parse_header(text: str) -> tuple[Header | None, str]:
         if not line.startswith(HEADER_TAG):
             break
         n += 1
-        rest = line[len(HEADER_TAG):].strip()
+        rest = line[len(HEADER_TAG) :].strip()
         key, _, value = rest.partition(" ")
         fields[key] = value
     body = "".join(lines[n:])

@@ -43,9 +43,10 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 if not __package__:  # run as a script (python bench/bench_propose.py): find model/ and runtime/
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -144,8 +145,9 @@ class LaunchRecorder:
         finally:
             self.launch = self._gpu.launch
 
-    def _recorded_launch(self, kernel: Any, grid: Any, block: Any, args: Any, smem: int = 0,
-                         stream: Any = None) -> None:
+    def _recorded_launch(
+        self, kernel: Any, grid: Any, block: Any, args: Any, smem: int = 0, stream: Any = None
+    ) -> None:
         a, b = self._gpu.event_create(), self._gpu.event_create()
         self._gpu.event_record(a, stream)
         self._gpu.launch(kernel, grid, block, args, smem, stream)
@@ -213,7 +215,7 @@ def fill_context(prop: Any, st: Any, rows: int, rng: np.random.Generator) -> Non
     C, idim, kp = cfg.attention.kv_lora_rank, cfg.dsa.index_head_dim, cfg.dsa.index_kpool
     bs = prop.kv.config.block_size
     # FP8 E4M3 with the exponent's top bit clear: finite values below 2, never NaN.
-    lat = (rng.integers(0, 256, (rows, C), dtype=np.uint8) & np.uint8(0xBF))
+    lat = rng.integers(0, 256, (rows, C), dtype=np.uint8) & np.uint8(0xBF)
     sc = (0.02 + 0.01 * rng.random(rows)).astype(np.float32)
     blocks = st.dsa.table.blocks
     for b in range(-(-rows // bs)):
@@ -237,8 +239,16 @@ def _median_ms(xs: list[float]) -> float:
     return statistics.median(xs) * 1e3
 
 
-def time_propose(prop: Any, st: Any, hidden: Any, context: int, k: int, iters: int,
-                 rng: np.random.Generator, host: list[float] | None = None) -> tuple[float, list[int]]:
+def time_propose(
+    prop: Any,
+    st: Any,
+    hidden: Any,
+    context: int,
+    k: int,
+    iters: int,
+    rng: np.random.Generator,
+    host: list[float] | None = None,
+) -> tuple[float, list[int]]:
     """Median wall milliseconds of ``propose`` (perf_counter around the call) and the last drafts;
     ``host`` collects each call's host time without the device wait (``st.last_host_s``)."""
     vocab = prop.cfg.vocab_size
@@ -287,8 +297,9 @@ def time_graph(prop: Any, st: Any, k: int, iters: int) -> float:
             gpu.event_destroy(b)
 
 
-def profile_step(prop: ArmProposer, st: Any, hidden: Any, context: int, k: int,
-                 blocker_bytes: int) -> dict[str, Any]:
+def profile_step(
+    prop: ArmProposer, st: Any, hidden: Any, context: int, k: int, blocker_bytes: int
+) -> dict[str, Any]:
     """Device time of every launch of one eager k-draft propose (``prop`` built on a
     LaunchRecorder). A long device copy is queued first so the host enqueues the whole step before
     the GPU reaches it: the kernels then run back to back, as in a graph, and each one's events
@@ -304,8 +315,14 @@ def profile_step(prop: ArmProposer, st: Any, hidden: Any, context: int, k: int,
         launches = []
         for i, (name, grid, e0, e1) in enumerate(marks):
             gap = rec.event_elapsed_ms(marks[i - 1][3], e0) if i else 0.0
-            launches.append({"kernel": name, "grid": list(grid), "us": rec.event_elapsed_ms(e0, e1) * 1e3,
-                             "gap_us": gap * 1e3})
+            launches.append(
+                {
+                    "kernel": name,
+                    "grid": list(grid),
+                    "us": rec.event_elapsed_ms(e0, e1) * 1e3,
+                    "gap_us": gap * 1e3,
+                }
+            )
         span = rec.event_elapsed_ms(marks[0][2], marks[-1][3]) * 1e3
         return {"context": context, "k": k, "span_us": span, "launches": launches}
     finally:
@@ -322,23 +339,35 @@ def profile_text(p: dict[str, Any]) -> str:
         per.setdefault(x["kernel"], []).append(x["us"])
     k = p["k"]
     busy = sum(x["us"] for x in p["launches"])
-    lines = [f"Per-launch device time of one eager k={k} propose at context {p['context']} (FP8 head), queued "
-             f"behind a long copy so the kernels run back to back: span {p['span_us']:.0f} us, kernels "
-             f"{busy:.0f} us, gaps and events {p['span_us'] - busy:.0f} us.", "",
-             "| kernel | launches | us per draft |", "|---|---:|---:|"]
+    lines = [
+        f"Per-launch device time of one eager k={k} propose at context {p['context']} (FP8 head), queued "
+        f"behind a long copy so the kernels run back to back: span {p['span_us']:.0f} us, kernels "
+        f"{busy:.0f} us, gaps and events {p['span_us'] - busy:.0f} us.",
+        "",
+        "| kernel | launches | us per draft |",
+        "|---|---:|---:|",
+    ]
     for name, us in sorted(per.items(), key=lambda kv: -sum(kv[1])):
         count = str(len(us) // k) if len(us) % k == 0 else f"{len(us)}/{k}"  # once per step: 1/k
         lines.append(f"| {name} | {count} | {sum(us) / k:.1f} |")
     lines += ["", "The step's own launches, then draft 0, in order (grid: us):", ""]
     per_step = sum(len(us) for us in per.values() if len(us) % k)
     n0 = per_step + (len(p["launches"]) - per_step) // k
-    lines.append("; ".join(f"{x['kernel'].split('.')[-1]} {tuple(x['grid'])}: {x['us']:.1f}"
-                           for x in p["launches"][:n0]))
+    lines.append(
+        "; ".join(
+            f"{x['kernel'].split('.')[-1]} {tuple(x['grid'])}: {x['us']:.1f}" for x in p["launches"][:n0]
+        )
+    )
     return "\n".join(lines)
 
 
-def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None = None,
-            contexts: tuple[int, ...] = CONTEXTS, copy_bytes: int = 2 << 30) -> dict[str, Any]:
+def measure(
+    args: argparse.Namespace,
+    gpu: Any = None,
+    cfg: ModelConfig | None = None,
+    contexts: tuple[int, ...] = CONTEXTS,
+    copy_bytes: int = 2 << 30,
+) -> dict[str, Any]:
     """The whole run on ``gpu`` (default: a new CudaBackend) at ``cfg`` (default: glm5_flash). The
     host backend with a tiny config runs the same code (tests/test_bench_propose.py)."""
     from model.proposer import ProposerOptions
@@ -353,23 +382,36 @@ def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None =
         # The arm for what index_share_for_mtp_iteration saves: every draft runs the indexer.
         cfg = dataclasses.replace(cfg, dsa=dataclasses.replace(cfg.dsa, share_for_mtp_iteration=False))
     prog = getattr(args, "prog", "python3 bench/bench_propose.py")  # or "mtpdraft bench"
-    res: dict[str, Any] = {"share_selection": cfg.dsa.share_for_mtp_iteration,
-                           "date": datetime.date.today().isoformat(), "device": getattr(gpu, "device_name", gpu.name),
-                           "sm_count": getattr(gpu, "sm_count", None),
-                           "command": " ".join([prog, *args.argv])}
+    res: dict[str, Any] = {
+        "share_selection": cfg.dsa.share_for_mtp_iteration,
+        "date": datetime.date.today().isoformat(),
+        "device": getattr(gpu, "device_name", gpu.name),
+        "sm_count": getattr(gpu, "sm_count", None),
+        "command": " ".join([prog, *args.argv]),
+    }
     log = print
     try:
         import subprocess
 
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem",
-                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        smi = subprocess.run(
+            [
+                "nvidia-smi",
+                "--query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem",
+                "--format=csv,noheader",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        )
         res["nvidia_smi"] = smi.stdout.strip()
     except Exception as e:  # informational only
         res["nvidia_smi"] = f"unavailable: {e}"
     bw = copy_bandwidth(gpu, copy_bytes)
     res["copy_bw_GBps"] = bw / 1e9
-    log(f"device {res['device']}, {res['sm_count']} SMs; copy bandwidth {bw / 1e12:.3f} TB/s (read + write)",
-        flush=True)
+    log(
+        f"device {res['device']}, {res['sm_count']} SMs; copy bandwidth {bw / 1e12:.3f} TB/s (read + write)",
+        flush=True,
+    )
 
     t0 = time.time()
     weights = random_weights(cfg)
@@ -378,7 +420,10 @@ def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None =
     prop = ArmProposer(LaunchRecorder(gpu), cfg, weights, opt)
     del weights
     assert prop.head_fp8 is not None, "the FP8 head kernels must load"
-    log(f"weights built and uploaded in {time.time() - t0:.1f} s ({prop.arena.nbytes / 2**30:.2f} GiB)", flush=True)
+    log(
+        f"weights built and uploaded in {time.time() - t0:.1f} s ({prop.arena.nbytes / 2**30:.2f} GiB)",
+        flush=True,
+    )
     rng = np.random.default_rng(1)
     hid = (rng.standard_normal(cfg.hidden_size, dtype=np.float32)).astype(BF16)
     hidden = gpu.alloc(hid.nbytes)
@@ -395,8 +440,12 @@ def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None =
                 res["bytes"][f"{ctx}/{'fp8' if fp8 else 'bf16'}"] = b
                 per_draft = sum(b.values())
                 for k in ks:
-                    row = {"context": ctx, "head": "fp8" if fp8 else "bf16", "k": k,
-                           "bytes_per_draft": per_draft}
+                    row = {
+                        "context": ctx,
+                        "head": "fp8" if fp8 else "bf16",
+                        "k": k,
+                        "bytes_per_draft": per_draft,
+                    }
                     # draft i reads row ctx + i's selection: count each draft's own cache bytes
                     floor_bytes = sum(sum(draft_bytes(prop, ctx + i, fp8).values()) for i in range(k))
                     row["floor_ms"] = floor_bytes / bw * 1e3
@@ -429,28 +478,39 @@ def measure(args: argparse.Namespace, gpu: Any = None, cfg: ModelConfig | None =
                             prop.free_state(st)
                     row["graph_over_floor"] = row["graph_device_ms"] / row["floor_ms"]
                     rows.append(row)
-                    log(f"ctx {ctx:>5} head {row['head']:>4} k {k}: floor {row['floor_ms']:.3f} ms, "
+                    log(
+                        f"ctx {ctx:>5} head {row['head']:>4} k {k}: floor {row['floor_ms']:.3f} ms, "
                         f"graph {row['graph_device_ms']:.3f} ms device ({row['graph_over_floor']:.2f}x floor), "
                         f"{row['graph_wall_ms']:.3f} ms wall (host {row['host_us']:.0f} us, CPU {row['host_cpu_us']:.0f} us), "
-                        f"eager {row['eager_wall_ms']:.3f} ms", flush=True)
+                        f"eager {row['eager_wall_ms']:.3f} ms",
+                        flush=True,
+                    )
         if getattr(args, "rows_only", False):
             return res
         # Arms that place a gap: the block alone, the head alone (context 4096, k = 3, graph).
         arms_out = []
         for fp8 in (True, False):
             for skip_block, skip_head in ((True, False), (False, True), (True, True)):
-                st = prop.alloc_state(Arm(fp8=fp8, graphs=True, skip_block=skip_block,
-                                          skip_head=skip_head))
+                st = prop.alloc_state(Arm(fp8=fp8, graphs=True, skip_block=skip_block, skip_head=skip_head))
                 try:
                     fill_context(prop, st, contexts[0], rng)
                     time_propose(prop, st, hidden, contexts[0], 3, 3, rng)
                     ms = time_graph(prop, st, 3, args.iters)
                 finally:
                     prop.free_state(st)
-                arms_out.append({"head": "fp8" if fp8 else "bf16", "skip_block": skip_block,
-                                 "skip_head": skip_head, "graph_device_ms": ms})
-                log(f"arm head {'fp8' if fp8 else 'bf16'} skip_block={skip_block} skip_head={skip_head}: "
-                    f"{ms:.3f} ms", flush=True)
+                arms_out.append(
+                    {
+                        "head": "fp8" if fp8 else "bf16",
+                        "skip_block": skip_block,
+                        "skip_head": skip_head,
+                        "graph_device_ms": ms,
+                    }
+                )
+                log(
+                    f"arm head {'fp8' if fp8 else 'bf16'} skip_block={skip_block} skip_head={skip_head}: "
+                    f"{ms:.3f} ms",
+                    flush=True,
+                )
         res["arms"] = arms_out
         # Same inputs, eager vs graph, PDL on and off: identical drafts (deterministic kernels).
         same = True
@@ -529,20 +589,33 @@ def table(res: dict[str, Any]) -> str:
             f"{r['graph_device_ms']:.3f} | {r['graph_over_floor']:.2f} | {r.get('graph_nopdl_device_ms', float('nan')):.3f} | "
             f"{r['graph_wall_ms']:.3f} | "
             f"{r['host_us']:.0f} | {r.get('host_cpu_us', float('nan')):.0f} | {r['eager_wall_ms']:.3f} | {tg:.3f} | {te:.3f} | "
-            f"{tg / r['graph_device_ms']:.2f} |")
+            f"{tg / r['graph_device_ms']:.2f} |"
+        )
     if "skipped" in torch:
         lines.append(f"\nPyTorch rows skipped: {torch['skipped']}")
     if res.get("arms"):
-        lines += ["", "Timing arms (context 4096, k = 3, graph, device ms):", "",
-                  "| head | skip_block | skip_head | ms |", "|---|---|---|---:|"]
+        lines += [
+            "",
+            "Timing arms (context 4096, k = 3, graph, device ms):",
+            "",
+            "| head | skip_block | skip_head | ms |",
+            "|---|---|---|---:|",
+        ]
         for a in res["arms"]:
-            lines.append(f"| {a['head']} | {a['skip_block']} | {a['skip_head']} | {a['graph_device_ms']:.3f} |")
+            lines.append(
+                f"| {a['head']} | {a['skip_block']} | {a['skip_head']} | {a['graph_device_ms']:.3f} |"
+            )
     b = res["bytes"].get("4096/fp8")
     if b:
-        lines += ["", "Bytes per draft at context 4096 (FP8 head): " +
-                  ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in b.items())]
-    lines.append(f"\nEager and graph drafts (PDL on and off) identical on the same inputs: "
-                 f"{res.get('eager_equals_graph')}")
+        lines += [
+            "",
+            "Bytes per draft at context 4096 (FP8 head): "
+            + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in b.items()),
+        ]
+    lines.append(
+        f"\nEager and graph drafts (PDL on and off) identical on the same inputs: "
+        f"{res.get('eager_equals_graph')}"
+    )
     if res.get("profile"):
         lines += ["", profile_text(res["profile"])]
     return "\n".join(lines)
@@ -591,27 +664,50 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--from-json", type=Path, help="render a previous run's results (no GPU needed)")
     ap.add_argument("--no-torch", dest="torch", action="store_false", help="skip the PyTorch rows")
     ap.add_argument("--ptx-dir", type=Path, help="load the kernels' PTX from here (a variant build)")
-    ap.add_argument("--heads", type=lambda s: tuple(s.split(",")), default=("fp8", "bf16"),
-                    help="comma-separated heads to measure (fp8,bf16)")
-    ap.add_argument("--ks", type=lambda s: tuple(int(c) for c in s.split(",")), default=KS,
-                    help="comma-separated draft counts to measure")
-    ap.add_argument("--no-share-selection", dest="share_selection", action="store_false",
-                    help="drafts 2..k run the indexer again instead of reusing draft 1's pool "
-                         "selection (GLM-5.3-Flash's index_share_for_mtp_iteration is true): the "
-                         "arm for what sharing saves per propose")
-    ap.add_argument("--rows-only", action="store_true",
-                    help="only the timing rows: no arms, equality check, profile or PyTorch")
-    ap.add_argument("--contexts", type=lambda s: tuple(int(c) for c in s.split(",")), default=CONTEXTS,
-                    help="comma-separated contexts to measure (default 4096,16000; the arms and the "
-                         "profile use the first)")
+    ap.add_argument(
+        "--heads",
+        type=lambda s: tuple(s.split(",")),
+        default=("fp8", "bf16"),
+        help="comma-separated heads to measure (fp8,bf16)",
+    )
+    ap.add_argument(
+        "--ks",
+        type=lambda s: tuple(int(c) for c in s.split(",")),
+        default=KS,
+        help="comma-separated draft counts to measure",
+    )
+    ap.add_argument(
+        "--no-share-selection",
+        dest="share_selection",
+        action="store_false",
+        help="drafts 2..k run the indexer again instead of reusing draft 1's pool "
+        "selection (GLM-5.3-Flash's index_share_for_mtp_iteration is true): the "
+        "arm for what sharing saves per propose",
+    )
+    ap.add_argument(
+        "--rows-only",
+        action="store_true",
+        help="only the timing rows: no arms, equality check, profile or PyTorch",
+    )
+    ap.add_argument(
+        "--contexts",
+        type=lambda s: tuple(int(c) for c in s.split(",")),
+        default=CONTEXTS,
+        help="comma-separated contexts to measure (default 4096,16000; the arms and the "
+        "profile use the first)",
+    )
     args = ap.parse_args(argv)
     args.argv = argv
     args.prog = "python3 bench/bench_propose.py" if prog == "bench_propose.py" else prog
     if args.iters < 1:
         return _error(prog, f"--iters must be at least 1, got {args.iters}")
     # Every file is checked before a GPU minute is spent on the run.
-    for opt, path, mode in (("--json", args.json, "a"), ("--update-md", args.update_md, "a"),
-                            ("--notes", args.notes, "r"), ("--from-json", args.from_json, "r")):
+    for opt, path, mode in (
+        ("--json", args.json, "a"),
+        ("--update-md", args.update_md, "a"),
+        ("--notes", args.notes, "r"),
+        ("--from-json", args.from_json, "r"),
+    ):
         problem = path and _unusable(path, mode)
         if problem:
             return _error(prog, f"{opt} {path}: {problem}")

@@ -26,25 +26,27 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runtime.cuda_backend import CudaBackend  # noqa: E402 - after the sys.path insert
 from cuda.bindings import driver  # noqa: E402 - after the sys.path insert
+
+from runtime.cuda_backend import CudaBackend  # noqa: E402 - after the sys.path insert
 from runtime.dtypes import BF16  # noqa: E402 - after the sys.path insert
-from runtime.launch import check_args  # noqa: E402 - after the sys.path insert
 from runtime.kernels.add_bf16 import ADD_BF16, add_bf16  # noqa: E402 - after the sys.path insert
 from runtime.kernels.argmax_bf16 import argmax_bf16, argmax_ref  # noqa: E402 - after the sys.path insert
 from runtime.kernels.gemv_bf16 import gemv_bf16  # noqa: E402 - after the sys.path insert
 from runtime.kernels.gemv_fp8w import gemv_fp8w  # noqa: E402 - after the sys.path insert
 from runtime.kernels.quantize_fp8 import quantize_fp8  # noqa: E402 - after the sys.path insert
-from runtime.kernels.read_xor import BLOCK as READ_BLOCK, read_xor, read_xor_decl  # noqa: E402 - after the sys.path insert
+from runtime.kernels.read_xor import BLOCK as READ_BLOCK  # noqa: E402 - after the sys.path insert
+from runtime.kernels.read_xor import read_xor, read_xor_decl  # noqa: E402 - after the sys.path insert
+from runtime.launch import check_args  # noqa: E402 - after the sys.path insert
 
 log = logging.getLogger("bench_runtime")
 
@@ -69,7 +71,9 @@ def random_bf16_bits(rng: np.random.Generator, n: int, exp_lo: int = -5) -> np.n
     return (r & np.uint16(0x807F)) | (exp << np.uint16(7))
 
 
-def time_device(gpu: CudaBackend, fn: Callable[[], None], reps: int, inner: int = 5, warmup: int = 3) -> float:
+def time_device(
+    gpu: CudaBackend, fn: Callable[[], None], reps: int, inner: int = 5, warmup: int = 3
+) -> float:
     """Median device milliseconds of one ``fn``: events around ``inner`` back-to-back calls,
     recorded while an earlier call still runs. Events around a single call from an idle GPU would
     also time the Python launch (the first run measured gemv_bf16 at 335 us that way; ncu put
@@ -115,7 +119,9 @@ def driver_version() -> str:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20,
+            capture_output=True,
+            text=True,
+            timeout=20,
         )
         return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
     except (OSError, subprocess.TimeoutExpired):
@@ -160,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from tqdm import tqdm
     except ImportError:  # progress bars are a convenience
+
         def tqdm(it, **_):  # type: ignore[no-redef]
             return it
 
@@ -176,7 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     gpu.memset(src, 0x5A, nbytes)
     t_copy = time_device(gpu, lambda: gpu.copy_d2d(dst, src, nbytes), reps)
     copy_bw = 2 * nbytes / (t_copy * 1e-3)
-    rows.append(Row(f"device copy {nbytes >> 30} GiB (read + write)", f"{t_copy:.3f} ms", f"{copy_bw / 1e12:.3f} TB/s", "1.000"))
+    rows.append(
+        Row(
+            f"device copy {nbytes >> 30} GiB (read + write)",
+            f"{t_copy:.3f} ms",
+            f"{copy_bw / 1e12:.3f} TB/s",
+            "1.000",
+        )
+    )
     gpu.free(src)
     gpu.free(dst)
     stages.update()
@@ -190,7 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     t_gemv = time_device(gpu, lambda: gemv_bf16(gpu, pw, px, py, 1, VOCAB, HIDDEN), reps)
     gemv_bytes = w_bits.nbytes + x_bits.nbytes + 2 * VOCAB
     bw = gemv_bytes / (t_gemv * 1e-3)
-    rows.append(Row(f"gemv_bf16 {VOCAB}x{HIDDEN}, m=1", f"{t_gemv * 1e3:.1f} us", f"{bw / 1e12:.3f} TB/s", f"{bw / copy_bw:.3f}"))
+    rows.append(
+        Row(
+            f"gemv_bf16 {VOCAB}x{HIDDEN}, m=1",
+            f"{t_gemv * 1e3:.1f} us",
+            f"{bw / 1e12:.3f} TB/s",
+            f"{bw / copy_bw:.3f}",
+        )
+    )
     stages.update()
 
     # ---- 3. FP8-weight GEMV (weights quantised on the device by quantize_fp8) -------------------
@@ -198,10 +219,24 @@ def main(argv: list[str] | None = None) -> int:
     quantize_fp8(gpu, pw, pq, ps, VOCAB, HIDDEN)
     t_fp8 = time_device(gpu, lambda: gemv_fp8w(gpu, pq, ps, px, py8, 1, VOCAB, HIDDEN), reps)
     bw8 = VOCAB * HIDDEN / (t_fp8 * 1e-3)
-    rows.append(Row(f"gemv_fp8w {VOCAB}x{HIDDEN}, m=1 (weight bytes)", f"{t_fp8 * 1e3:.1f} us", f"{bw8 / 1e12:.3f} TB/s", f"{bw8 / copy_bw:.3f}"))
+    rows.append(
+        Row(
+            f"gemv_fp8w {VOCAB}x{HIDDEN}, m=1 (weight bytes)",
+            f"{t_fp8 * 1e3:.1f} us",
+            f"{bw8 / 1e12:.3f} TB/s",
+            f"{bw8 / copy_bw:.3f}",
+        )
+    )
     t_q = time_device(gpu, lambda: quantize_fp8(gpu, pw, pq, ps, VOCAB, HIDDEN), max(5, reps // 5), inner=2)
     qbw = (w_bits.nbytes + VOCAB * HIDDEN + 4 * VOCAB) / (t_q * 1e-3)
-    rows.append(Row(f"quantize_fp8 {VOCAB}x{HIDDEN}", f"{t_q * 1e3:.1f} us", f"{qbw / 1e12:.3f} TB/s", f"{qbw / copy_bw:.3f}"))
+    rows.append(
+        Row(
+            f"quantize_fp8 {VOCAB}x{HIDDEN}",
+            f"{t_q * 1e3:.1f} us",
+            f"{qbw / 1e12:.3f} TB/s",
+            f"{qbw / copy_bw:.3f}",
+        )
+    )
 
     # ---- 3b. a kernel that only reads: the same 635 MB with the weight loads' cache policy, and
     # with the .L2::256B prefetch-size hint those loads had before it measured slower
@@ -214,14 +249,24 @@ def main(argv: list[str] | None = None) -> int:
     for l2_256b in (False, True):
         full = gpu.resident_blocks(gpu.kernel(*read_xor_decl(l2_256b).key), READ_BLOCK)
         for blocks in sorted({4 * gpu.sm_count, min(full, 8 * gpu.sm_count)}):
-            t_rd = time_device(gpu, lambda b=blocks, h=l2_256b: read_xor(gpu, pq, read_bytes, out, b, l2_256b=h), reps)
+            t_rd = time_device(
+                gpu, lambda b=blocks, h=l2_256b: read_xor(gpu, pq, read_bytes, out, b, l2_256b=h), reps
+            )
             rbw = read_bytes / (t_rd * 1e-3)
             hint = ", .L2::256B hint" if l2_256b else ""
-            rows.append(Row(f"read_xor {read_bytes >> 20} MiB, {blocks // gpu.sm_count} blocks per SM{hint}",
-                            f"{t_rd * 1e3:.1f} us", f"{rbw / 1e12:.3f} TB/s", f"{rbw / copy_bw:.3f}"))
+            rows.append(
+                Row(
+                    f"read_xor {read_bytes >> 20} MiB, {blocks // gpu.sm_count} blocks per SM{hint}",
+                    f"{t_rd * 1e3:.1f} us",
+                    f"{rbw / 1e12:.3f} TB/s",
+                    f"{rbw / copy_bw:.3f}",
+                )
+            )
             parts = np.empty(blocks, np.uint32)
             gpu.copy_d2h(parts, out)
-            assert np.bitwise_xor.reduce(parts) == expect, f"read_xor ({blocks} blocks{hint}) did not read every word"
+            assert np.bitwise_xor.reduce(parts) == expect, (
+                f"read_xor ({blocks} blocks{hint}) did not read every word"
+            )
     gpu.free(out)
     gpu.free(pq)
     gpu.free(ps)
@@ -236,7 +281,9 @@ def main(argv: list[str] | None = None) -> int:
     idx = np.empty(1, np.uint32)
     gpu.copy_d2h(idx, pi)
     assert int(idx[0]) == argmax_ref(logits.view(BF16))[0], "argmax disagrees with its twin"
-    rows.append(Row(f"argmax_bf16 n={VOCAB} (eager, back-to-back: Python-launch bound)", f"{t_am * 1e3:.2f} us"))
+    rows.append(
+        Row(f"argmax_bf16 n={VOCAB} (eager, back-to-back: Python-launch bound)", f"{t_am * 1e3:.2f} us")
+    )
     # In the drafter argmax runs inside a graph; time it there, over 64 copies of the logits
     # (64 x 310 KB = 20 MB) in turn, so consecutive launches do not reuse one L2-resident input.
     copies = 64
@@ -279,7 +326,14 @@ def main(argv: list[str] | None = None) -> int:
             f = torch.nn.functional.linear
             t_tg = time_torch(lambda: f(xt, wt), reps)
             tbw = gemv_bytes / (t_tg * 1e-3)
-            rows.append(Row("torch F.linear (cuBLAS), same shape", f"{t_tg * 1e3:.1f} us", f"{tbw / 1e12:.3f} TB/s", f"{tbw / copy_bw:.3f}"))
+            rows.append(
+                Row(
+                    "torch F.linear (cuBLAS), same shape",
+                    f"{t_tg * 1e3:.1f} us",
+                    f"{tbw / 1e12:.3f} TB/s",
+                    f"{tbw / copy_bw:.3f}",
+                )
+            )
             t_ta = time_torch(lambda: torch.argmax(lt), reps, inner=20)
             rows.append(Row(f"torch.argmax n={VOCAB} (eager, back-to-back)", f"{t_ta * 1e3:.2f} us"))
             g_t = torch.cuda.CUDAGraph()
@@ -302,7 +356,14 @@ def main(argv: list[str] | None = None) -> int:
     # version is the noise any comparison above has to beat
     t_gemv2 = time_device(gpu, lambda: gemv_bf16(gpu, pw, px, py, 1, VOCAB, HIDDEN), reps)
     bw2 = gemv_bytes / (t_gemv2 * 1e-3)
-    rows.append(Row("gemv_bf16 again (late in the run)", f"{t_gemv2 * 1e3:.1f} us", f"{bw2 / 1e12:.3f} TB/s", f"{bw2 / copy_bw:.3f}"))
+    rows.append(
+        Row(
+            "gemv_bf16 again (late in the run)",
+            f"{t_gemv2 * 1e3:.1f} us",
+            f"{bw2 / 1e12:.3f} TB/s",
+            f"{bw2 / copy_bw:.3f}",
+        )
+    )
 
     # ---- 6. host-side launch cost ------------------------------------------------------------------
     pa = gpu.alloc(64)

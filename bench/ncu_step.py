@@ -39,9 +39,17 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = glm5_flash()
     gpu = CudaBackend(ptx_dir=args.ptx_dir)
-    prop = MtpProposer(gpu, cfg, random_weights(cfg),
-                       ProposerOptions(served_max_seq_len=args.context + args.k, max_draft_tokens=args.k,
-                                       max_sequences=1, fp8_head=not args.bf16_head))
+    prop = MtpProposer(
+        gpu,
+        cfg,
+        random_weights(cfg),
+        ProposerOptions(
+            served_max_seq_len=args.context + args.k,
+            max_draft_tokens=args.k,
+            max_sequences=1,
+            fp8_head=not args.bf16_head,
+        ),
+    )
     rng = np.random.default_rng(1)
     hidden = gpu.alloc(cfg.hidden_size * 2)
     gpu.copy_h2d(hidden, rng.standard_normal(cfg.hidden_size, dtype=np.float32).astype(BF16))

@@ -62,9 +62,23 @@ def build(out: Path) -> None:
     for module, w, r, u, smem, mb, tag in VARIANTS:
         d = out / variant_name(module, w, r, u, smem, mb, tag)
         d.mkdir(exist_ok=True)
-        cmd = ["nvcc", "-arch=sm_90", "-cubin", "-O3", "-std=c++17", f"-DGEMV_WARPS={w}",
-               f"-DGEMV_ROWS={r}", f"-DGEMV_UNROLL1={u}", f"-DGEMV_X_SMEM={smem}", f"-DGEMV_MIN_BLOCKS={mb}",
-               "-Xptxas", "-v", str(ROOT / "ptx" / f"{module}.cu"), "-o", str(d / f"{module}.ptx")]
+        cmd = [
+            "nvcc",
+            "-arch=sm_90",
+            "-cubin",
+            "-O3",
+            "-std=c++17",
+            f"-DGEMV_WARPS={w}",
+            f"-DGEMV_ROWS={r}",
+            f"-DGEMV_UNROLL1={u}",
+            f"-DGEMV_X_SMEM={smem}",
+            f"-DGEMV_MIN_BLOCKS={mb}",
+            "-Xptxas",
+            "-v",
+            str(ROOT / "ptx" / f"{module}.cu"),
+            "-o",
+            str(d / f"{module}.ptx"),
+        ]
         res = subprocess.run(cmd, capture_output=True, text=True, check=True)
         regs = re.findall(r"Used (\d+) registers", res.stderr)
         spill = re.findall(r"(\d+) bytes spill stores", res.stderr)
@@ -100,7 +114,11 @@ def sweep(variants: Path, reps: int) -> None:
         gpu = CudaBackend(ptx_dir=d)
         try:
             # the kernel the launch helper uses for m = 1 (gemv_fp8w_m2 where the PTX has it)
-            k = gpu.try_kernel(module, "gemv_fp8w_m2") if module == "gemv_fp8w" else gpu.kernel(module, module)
+            k = (
+                gpu.try_kernel(module, "gemv_fp8w_m2")
+                if module == "gemv_fp8w"
+                else gpu.kernel(module, module)
+            )
             k = k or gpu.kernel(module, module)
             grid, block = (VOCAB + nw * nr - 1) // (nw * nr), nw * 32
             smem = HIDDEN * 4 if module == "gemv_fp8w" else 0  # x staged as f32 where compiled in
@@ -140,7 +158,10 @@ def sweep(variants: Path, reps: int) -> None:
                     times.append(gpu.event_elapsed_ms(e0, e1) / inner)
             t = statistics.median(times)
             results.append((d.name, t * 1e3, nbytes / (t * 1e-3) / 1e12, err))
-            print(f"{d.name:28s} {t * 1e3:8.1f} us  {nbytes / (t * 1e-3) / 1e12:6.3f} TB/s  max rel err {err:.2e}", flush=True)
+            print(
+                f"{d.name:28s} {t * 1e3:8.1f} us  {nbytes / (t * 1e-3) / 1e12:6.3f} TB/s  max rel err {err:.2e}",
+                flush=True,
+            )
             for p in (py, px, *extra):
                 gpu.free(p)
         finally:

@@ -59,8 +59,9 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 class DraftStep:
     """Weights and caches of one MTP block, and its k-draft propose."""
 
-    def __init__(self, cfg, rows: int, device="cuda", dtype=torch.bfloat16, seed: int = 0,
-                 weights: dict | None = None) -> None:
+    def __init__(
+        self, cfg, rows: int, device="cuda", dtype=torch.bfloat16, seed: int = 0, weights: dict | None = None
+    ) -> None:
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         a, d, m = cfg.attention, cfg.dsa, cfg.moe
         H, V = cfg.hidden_size, cfg.vocab_size
@@ -81,21 +82,30 @@ class DraftStep:
             W = {
                 "embed": torch.randn(V, H, device=dev, dtype=dtype, generator=g),
                 "head": lin(V, H),
-                "enorm": norm(H), "hnorm": norm(H), "in_norm": norm(H), "post_norm": norm(H),
-                "head_norm": norm(H), "eh_proj": lin(H, 2 * H),
-                "q_a": lin(a.q_lora_rank, H), "q_a_norm": norm(a.q_lora_rank),
+                "enorm": norm(H),
+                "hnorm": norm(H),
+                "in_norm": norm(H),
+                "post_norm": norm(H),
+                "head_norm": norm(H),
+                "eh_proj": lin(H, 2 * H),
+                "q_a": lin(a.q_lora_rank, H),
+                "q_a_norm": norm(a.q_lora_rank),
                 "q_b": lin(nh * a.qk_head_dim, a.q_lora_rank),
-                "kv_a": lin(a.kv_lora_rank, H), "kv_a_norm": norm(a.kv_lora_rank),
+                "kv_a": lin(a.kv_lora_rank, H),
+                "kv_a_norm": norm(a.kv_lora_rank),
                 "kv_b": lin(nh * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank),
                 "o_proj": lin(H, nh * a.v_head_dim),
                 "ix_wq_b": lin(d.index_n_heads * d.index_head_dim, a.q_lora_rank),
-                "ix_wk": lin(d.index_head_dim, H), "ix_ln_w": norm(d.index_head_dim),
+                "ix_wk": lin(d.index_head_dim, H),
+                "ix_ln_w": norm(d.index_head_dim),
                 "ix_ln_b": torch.zeros(d.index_head_dim, device=dev, dtype=dtype),
-                "ix_weights": lin(d.index_n_heads, H), "ix_gate": lin(d.index_head_dim, H),
+                "ix_weights": lin(d.index_n_heads, H),
+                "ix_gate": lin(d.index_head_dim, H),
                 "ix_ape": torch.zeros(d.index_kpool, d.index_head_dim, device=dev, dtype=dtype),
                 "router": lin(E, H),
                 "router_bias": torch.zeros(E, device=dev, dtype=torch.float32),
-                "shared_gate_proj": lin(I, H), "shared_up_proj": lin(I, H),
+                "shared_gate_proj": lin(I, H),
+                "shared_up_proj": lin(I, H),
                 "shared_down_proj": lin(H, I),
             }
             # Stacked routed experts [E, I, H] / [E, H, I], drawn expert by expert (no 2x peak).
@@ -109,13 +119,14 @@ class DraftStep:
         self.W = W
         kvb = W["kv_b"].view(nh, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)
         self.w_uk = kvb[:, : a.qk_nope_head_dim, :]  # [nh, nope, kl]
-        self.w_uv_t = kvb[:, a.qk_nope_head_dim:, :].transpose(1, 2)  # [nh, kl, v]
+        self.w_uv_t = kvb[:, a.qk_nope_head_dim :, :].transpose(1, 2)  # [nh, kl, v]
         # Caches of the DSA state: latents, indexer keys and gates per row, pool keys per pool.
         self.latents = torch.randn(rows, a.kv_lora_rank, device=dev, dtype=dtype, generator=g)
         self.keys = torch.randn(rows, d.index_head_dim, device=dev, dtype=dtype, generator=g)
         self.gates = torch.randn(rows, d.index_head_dim, device=dev, dtype=dtype, generator=g)
-        self.pool_keys = torch.randn(rows // d.index_kpool, d.index_head_dim, device=dev,
-                                     dtype=dtype, generator=g)
+        self.pool_keys = torch.randn(
+            rows // d.index_kpool, d.index_head_dim, device=dev, dtype=dtype, generator=g
+        )
         # Static inputs / outputs (what a graph reads and writes).
         self.tok_in = torch.zeros(1, dtype=torch.long, device=dev)
         self.hid_in = torch.randn(H, device=dev, dtype=dtype, generator=g)
@@ -141,8 +152,9 @@ class DraftStep:
         q = F.linear(qa, W["q_b"]).view(nh, a.qk_head_dim)
         self.latents[n] = _rms(F.linear(y, W["kv_a"]), W["kv_a_norm"], eps)
         # Indexer: this row's key and gate, then the pool it completes.
-        self.keys[n] = F.layer_norm(_up(F.linear(y, W["ix_wk"])), (d.index_head_dim,),
-                                    _up(W["ix_ln_w"]), _up(W["ix_ln_b"]), 1e-6).to(self.dtype)
+        self.keys[n] = F.layer_norm(
+            _up(F.linear(y, W["ix_wk"])), (d.index_head_dim,), _up(W["ix_ln_w"]), _up(W["ix_ln_b"]), 1e-6
+        ).to(self.dtype)
         self.gates[n] = F.linear(y, W["ix_gate"])
         ncomp = (n + 1) // kp
         if (n + 1) % kp == 0:
@@ -152,8 +164,7 @@ class DraftStep:
         K = d.index_topk // kp
         if d.share_for_mtp_iteration and n > self._first_row:
             # Drafts 2..k reuse draft 1's selection, plus the rows drafted since (model/dsa.py).
-            rows = torch.cat([self._first_rows,
-                              torch.arange(self._first_row + 1, n + 1, device=self.device)])
+            rows = torch.cat([self._first_rows, torch.arange(self._first_row + 1, n + 1, device=self.device)])
             c = self.latents.index_select(0, rows)
         elif ncomp > K:
             qi = F.linear(qa, W["ix_wq_b"]).view(d.index_n_heads, d.index_head_dim)
@@ -179,7 +190,8 @@ class DraftStep:
         y2 = _rms(x, W["post_norm"], eps)
         sc = torch.sigmoid(F.linear(_up(y2), _up(W["router"])))
         idx = torch.sort(sc + W["router_bias"], descending=True, stable=True).indices[
-            : m.num_experts_per_tok]  # ties: lower expert
+            : m.num_experts_per_tok
+        ]  # ties: lower expert
         w = sc[idx]
         if m.norm_topk_prob:
             w = w / w.sum()
@@ -191,8 +203,11 @@ class DraftStep:
         yb = y2[None, :, None].expand(idx.numel(), -1, 1)
         act = F.silu(torch.bmm(wg, yb).clamp(max=L)) * torch.bmm(wu, yb).clamp(-L, L)
         routed = (_up(torch.bmm(wd, act)[..., 0]) * w[:, None].to(_up(act).dtype)).sum(0)
-        sh = F.linear(F.silu(F.linear(y2, W["shared_gate_proj"]).clamp(max=L))
-                      * F.linear(y2, W["shared_up_proj"]).clamp(-L, L), W["shared_down_proj"])
+        sh = F.linear(
+            F.silu(F.linear(y2, W["shared_gate_proj"]).clamp(max=L))
+            * F.linear(y2, W["shared_up_proj"]).clamp(-L, L),
+            W["shared_down_proj"],
+        )
         x = x + (routed + _up(sh)).to(self.dtype)
         out = _rms(x, W["head_norm"], eps)
         logits = F.linear(out, W["head"])
@@ -204,7 +219,7 @@ class DraftStep:
         self._first_row = context
         for i in range(k):
             tok, h, _ = self._draft(tok, h, context + i)
-            self.drafts[i: i + 1].copy_(tok)
+            self.drafts[i : i + 1].copy_(tok)
         self.last_hidden.copy_(h)
         return self.drafts[:k]
 
@@ -220,18 +235,29 @@ def weights_from_state_dict(cfg, sd: dict, device="cpu", dtype=torch.float32) ->
         return sd[name].to(device=device, dtype=dtype)
 
     W = {
-        "embed": t("model.embed_tokens.weight"), "head": t("lm_head.weight"),
-        "enorm": t(P + "enorm.weight"), "hnorm": t(P + "hnorm.weight"),
-        "in_norm": t(P + "input_layernorm.weight"), "post_norm": t(P + "post_attention_layernorm.weight"),
-        "head_norm": t(P + "shared_head.norm.weight"), "eh_proj": t(P + "eh_proj.weight"),
-        "q_a": t(A + "q_a_proj.weight"), "q_a_norm": t(A + "q_a_layernorm.weight"),
-        "q_b": t(A + "q_b_proj.weight"), "kv_a": t(A + "kv_a_proj_with_mqa.weight")[:kl],
-        "kv_a_norm": t(A + "kv_a_layernorm.weight"), "kv_b": t(A + "kv_b_proj.weight"),
+        "embed": t("model.embed_tokens.weight"),
+        "head": t("lm_head.weight"),
+        "enorm": t(P + "enorm.weight"),
+        "hnorm": t(P + "hnorm.weight"),
+        "in_norm": t(P + "input_layernorm.weight"),
+        "post_norm": t(P + "post_attention_layernorm.weight"),
+        "head_norm": t(P + "shared_head.norm.weight"),
+        "eh_proj": t(P + "eh_proj.weight"),
+        "q_a": t(A + "q_a_proj.weight"),
+        "q_a_norm": t(A + "q_a_layernorm.weight"),
+        "q_b": t(A + "q_b_proj.weight"),
+        "kv_a": t(A + "kv_a_proj_with_mqa.weight")[:kl],
+        "kv_a_norm": t(A + "kv_a_layernorm.weight"),
+        "kv_b": t(A + "kv_b_proj.weight"),
         "o_proj": t(A + "o_proj.weight"),
-        "ix_wq_b": t(X + "wq_b.weight"), "ix_wk": t(X + "wk.weight"),
-        "ix_ln_w": t(X + "k_norm.weight"), "ix_ln_b": t(X + "k_norm.bias"),
-        "ix_weights": t(X + "weights_proj.weight"), "ix_gate": t(X + "index_kpool_compress_gate"),
-        "ix_ape": t(X + "index_kpool_compress_ape"), "router": t(M + "gate.weight"),
+        "ix_wq_b": t(X + "wq_b.weight"),
+        "ix_wk": t(X + "wk.weight"),
+        "ix_ln_w": t(X + "k_norm.weight"),
+        "ix_ln_b": t(X + "k_norm.bias"),
+        "ix_weights": t(X + "weights_proj.weight"),
+        "ix_gate": t(X + "index_kpool_compress_gate"),
+        "ix_ape": t(X + "index_kpool_compress_ape"),
+        "router": t(M + "gate.weight"),
         "router_bias": sd[M + "gate.e_score_correction_bias"].to(device=device, dtype=torch.float32),
         "shared_gate_proj": t(M + "shared_experts.gate_proj.weight"),
         "shared_up_proj": t(M + "shared_experts.up_proj.weight"),
@@ -239,7 +265,8 @@ def weights_from_state_dict(cfg, sd: dict, device="cpu", dtype=torch.float32) ->
     }
     for name in ("gate_proj", "up_proj", "down_proj"):
         W["experts_" + name] = torch.stack(
-            [t(M + f"experts.{e}.{name}.weight") for e in range(cfg.moe.n_routed_experts)])
+            [t(M + f"experts.{e}.{name}.weight") for e in range(cfg.moe.n_routed_experts)]
+        )
     return W
 
 
@@ -288,8 +315,7 @@ def run(context: int, k: int, graph: bool, iters: int = 200, warmup: int = 10) -
         gr.replay()
     torch.cuda.synchronize()
     times = []
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-          for _ in range(iters)]
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
     for a, b in ev:
         a.record()
         gr.replay()
@@ -300,8 +326,7 @@ def run(context: int, k: int, graph: bool, iters: int = 200, warmup: int = 10) -
     g_drafts = st.drafts[:k].clone()
     st.propose(context, k)
     if not torch.equal(g_drafts, st.drafts[:k]):
-        print(f"warning: graph drafts {g_drafts.tolist()} != eager {st.drafts[:k].tolist()}",
-              file=sys.stderr)
+        print(f"warning: graph drafts {g_drafts.tolist()} != eager {st.drafts[:k].tolist()}", file=sys.stderr)
     del gr
     return statistics.median(times)
 
@@ -317,9 +342,12 @@ def main(argv=None) -> int:
         return 2
     t0 = time.time()
     _step(max(args.contexts) + max(args.ks) + 1)
-    print(f"{torch.cuda.get_device_name()} torch {torch.__version__}:"
-          f" weights and caches built in {time.time() - t0:.1f} s, "
-          f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated", flush=True)
+    print(
+        f"{torch.cuda.get_device_name()} torch {torch.__version__}:"
+        f" weights and caches built in {time.time() - t0:.1f} s, "
+        f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated",
+        flush=True,
+    )
     rows = []
     print(f"{'context':>8} {'k':>3} {'eager ms':>9} {'graph ms':>9} {'graph ms/draft':>15}")
     for c in args.contexts:
@@ -332,8 +360,10 @@ def main(argv=None) -> int:
                 g = float("nan")
             rows.append({"context": c, "k": k, "eager_ms": round(e, 4), "graph_ms": round(g, 4)})
             print(f"{c:>8} {k:>3} {e:>9.3f} {g:>9.3f} {g / k:>15.3f}", flush=True)
-    print("TORCH_STEP_JSON " + json.dumps({"device": torch.cuda.get_device_name(),
-                                           "torch": torch.__version__, "rows": rows}))
+    print(
+        "TORCH_STEP_JSON "
+        + json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows})
+    )
     return 0
 
 

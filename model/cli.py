@@ -23,7 +23,7 @@ from tqdm import tqdm
 log = logging.getLogger("mtpdraft")
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent / "checkpoints" / "glm-tiny-stdlib"
-DEFAULT_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+DEFAULT_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 MAX_K = 8
 BYTE_VOCAB = 256  # prompts and held-out text are fed as bytes: token = byte value
 
@@ -99,8 +99,9 @@ def open_checkpoint(path: Path):
     if not path.exists():
         raise UserError(f"checkpoint directory {path} does not exist")
     if not path.is_dir():
-        raise UserError(f"--checkpoint {path} is a file; give the checkpoint's directory "
-                        "(config.json + safetensors)")
+        raise UserError(
+            f"--checkpoint {path} is a file; give the checkpoint's directory (config.json + safetensors)"
+        )
     try:
         ckpt = Checkpoint(path)
         _ = ckpt.config
@@ -125,9 +126,15 @@ def build(args, ckpt, *, served: int):
     try:
         target = TargetModel(gpu, cfg, target_tensors(ckpt, cfg), served)
         drafter = MtpProposer(
-            gpu, cfg, mtp_tensors(ckpt, cfg),
-            ProposerOptions(served_max_seq_len=served, max_draft_tokens=args.k,
-                            max_sequences=1, use_graphs=args.backend == "cuda" and args.graphs),
+            gpu,
+            cfg,
+            mtp_tensors(ckpt, cfg),
+            ProposerOptions(
+                served_max_seq_len=served,
+                max_draft_tokens=args.k,
+                max_sequences=1,
+                use_graphs=args.backend == "cuda" and args.graphs,
+            ),
             tables=target.tables,
         )
     except CheckpointError as e:  # its text names the checkpoint
@@ -189,14 +196,23 @@ def cmd_generate(args) -> int:
     vocab = ckpt.config.vocab_size
     if max(prompt) >= vocab:
         at = next(i for i, b in enumerate(prompt) if b >= vocab)
-        raise UserError(f"the prompt's byte 0x{prompt[at]:02x} (offset {at}) is outside the "
-                        f"checkpoint's vocabulary 0..{vocab - 1} (tokens are bytes)")
+        raise UserError(
+            f"the prompt's byte 0x{prompt[at]:02x} (offset {at}) is outside the "
+            f"checkpoint's vocabulary 0..{vocab - 1} (tokens are bytes)"
+        )
     target, drafter = build(args, ckpt, served=args.max_context)
     try:
         with tqdm(total=args.max_new_tokens, desc="generate", unit="tok", disable=args.quiet) as bar:
-            out, stats = run_model(speculative_decode, target, drafter, prompt, args.max_new_tokens,
-                                   args.k, refeed_target_hidden=args.refeed_target_hidden,
-                                   progress=bar)
+            out, stats = run_model(
+                speculative_decode,
+                target,
+                drafter,
+                prompt,
+                args.max_new_tokens,
+                args.k,
+                refeed_target_hidden=args.refeed_target_hidden,
+                progress=bar,
+            )
         print(args.prompt + decode(out))
         summary = stats.summary()
         if args.check_lossless:
@@ -221,8 +237,10 @@ def cmd_eval(args) -> int:
         if args.records:
             raise UserError("--records writes the protocol's samples; it does not apply to --decode")
         if args.prompt_len < 2:
-            raise UserError(f"--prompt-len must be at least 2 (decoding starts from a target "
-                            f"row and its token), got {args.prompt_len}")
+            raise UserError(
+                f"--prompt-len must be at least 2 (decoding starts from a target "
+                f"row and its token), got {args.prompt_len}"
+            )
         if args.new_tokens < 1:
             raise UserError(f"--new-tokens must be at least 1, got {args.new_tokens}")
         served = args.prompt_len + args.new_tokens + args.k + 2
@@ -237,26 +255,45 @@ def cmd_eval(args) -> int:
     ckpt = open_checkpoint(Path(args.checkpoint))
     cap = context_rows(ckpt.config, served)
     if served > cap:
-        raise UserError(f"{what} ({served - args.k - 2}) plus k + 2 exceeds the model's context "
-                        f"of {cap} tokens")
+        raise UserError(
+            f"{what} ({served - args.k - 2}) plus k + 2 exceeds the model's context of {cap} tokens"
+        )
     if ckpt.config.vocab_size < BYTE_VOCAB:
-        raise UserError(f"eval feeds held-out text as bytes 0..255; the checkpoint's vocabulary "
-                        f"is 0..{ckpt.config.vocab_size - 1}")
+        raise UserError(
+            f"eval feeds held-out text as bytes 0..255; the checkpoint's vocabulary "
+            f"is 0..{ckpt.config.vocab_size - 1}"
+        )
     target, drafter = build(args, ckpt, served=served)
     try:
         if args.decode:
             for refeed in (False, True):
-                res = run_model(decode_acceptance, target, drafter, k=args.k, prompts=args.samples,
-                                prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                                refeed=refeed, quiet=args.quiet)
+                res = run_model(
+                    decode_acceptance,
+                    target,
+                    drafter,
+                    k=args.k,
+                    prompts=args.samples,
+                    prompt_len=args.prompt_len,
+                    new_tokens=args.new_tokens,
+                    refeed=refeed,
+                    quiet=args.quiet,
+                )
                 if res["prompts"] == 0:
-                    raise UserError(f"no held-out file is longer than --prompt-len "
-                                    f"{args.prompt_len} bytes")
+                    raise UserError(f"no held-out file is longer than --prompt-len {args.prompt_len} bytes")
                 print_json(res)
             return 0
         records: list | None = [] if args.records else None
-        res = run_model(evaluate_acceptance, target, drafter, Path(args.checkpoint), k=args.k,
-                        samples=args.samples, max_t=args.max_t, quiet=args.quiet, records=records)
+        res = run_model(
+            evaluate_acceptance,
+            target,
+            drafter,
+            Path(args.checkpoint),
+            k=args.k,
+            samples=args.samples,
+            max_t=args.max_t,
+            quiet=args.quiet,
+            records=records,
+        )
         if args.records:
             try:
                 Path(args.records).write_text(json.dumps(records, allow_nan=False))
@@ -288,64 +325,103 @@ def cmd_inspect(args) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mtpdraft", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-v", "--verbose", action="store_true",
-                   help="log progress at INFO level; print the traceback behind an error")
+    p = argparse.ArgumentParser(
+        prog="mtpdraft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log progress at INFO level; print the traceback behind an error",
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp):
         # Also after the subcommand; SUPPRESS keeps a -v given before it.
-        sp.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                        help="as mtpdraft -v")
-        sp.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT),
-                        help="checkpoint directory (config.json + safetensors); default: the "
-                             "shipped tiny model trained on Python's standard library")
-        sp.add_argument("--backend", default="host", choices=["host", "cuda"],
-                        help="host: NumPy, runs anywhere (default); cuda: the GPU")
-        sp.add_argument("-k", type=int, default=3,
-                        help=f"drafts proposed per step, 1..{MAX_K} (default 3)")
-        sp.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
-                        help="on cuda, replay propose as one CUDA graph per k (default on)")
+        sp.add_argument(
+            "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="as mtpdraft -v"
+        )
+        sp.add_argument(
+            "--checkpoint",
+            default=str(DEFAULT_CHECKPOINT),
+            help="checkpoint directory (config.json + safetensors); default: the "
+            "shipped tiny model trained on Python's standard library",
+        )
+        sp.add_argument(
+            "--backend",
+            default="host",
+            choices=["host", "cuda"],
+            help="host: NumPy, runs anywhere (default); cuda: the GPU",
+        )
+        sp.add_argument("-k", type=int, default=3, help=f"drafts proposed per step, 1..{MAX_K} (default 3)")
+        sp.add_argument(
+            "--graphs",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="on cuda, replay propose as one CUDA graph per k (default on)",
+        )
         sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
     g = sub.add_parser("generate", help="generate text with speculative decoding")
     common(g)
-    g.add_argument("--prompt", default=DEFAULT_PROMPT,
-                   help="the prompt text, UTF-8 (its bytes are the tokens)")
+    g.add_argument(
+        "--prompt", default=DEFAULT_PROMPT, help="the prompt text, UTF-8 (its bytes are the tokens)"
+    )
     g.add_argument("--max-new-tokens", type=int, default=48, help="tokens to generate (default 48)")
-    g.add_argument("--max-context", type=int, default=1024,
-                   help="served context in tokens; the drafter's reach is this, capped by "
-                        "its DSA reservation (default 1024)")
-    g.add_argument("--refeed-target-hidden", action="store_true",
-                   help="re-feed accepted draft rows with the target's own hidden rows")
-    g.add_argument("--check-lossless", action="store_true",
-                   help="also decode with the target alone and check the outputs are identical")
+    g.add_argument(
+        "--max-context",
+        type=int,
+        default=1024,
+        help="served context in tokens; the drafter's reach is this, capped by "
+        "its DSA reservation (default 1024)",
+    )
+    g.add_argument(
+        "--refeed-target-hidden",
+        action="store_true",
+        help="re-feed accepted draft rows with the target's own hidden rows",
+    )
+    g.add_argument(
+        "--check-lossless",
+        action="store_true",
+        help="also decode with the target alone and check the outputs are identical",
+    )
     g.set_defaults(func=cmd_generate)
 
     e = sub.add_parser("eval", help="acceptance per draft position on held-out text")
     common(e)
-    e.add_argument("--samples", type=int, default=512,
-                   help="positions sampled, in the protocol's order (default 512)")
-    e.add_argument("--max-t", type=int, default=1000,
-                   help="last position a sample may sit at; the served context follows "
-                        "(default 1000, as train/eval_acceptance.py)")
+    e.add_argument(
+        "--samples", type=int, default=512, help="positions sampled, in the protocol's order (default 512)"
+    )
+    e.add_argument(
+        "--max-t",
+        type=int,
+        default=1000,
+        help="last position a sample may sit at; the served context follows "
+        "(default 1000, as train/eval_acceptance.py)",
+    )
     e.add_argument("--records", metavar="FILE", help="write every sample's record as JSON")
-    e.add_argument("--decode", action="store_true",
-                   help="instead: acceptance inside speculative decoding on held-out prompts "
-                        "(--samples prompts), with and without --refeed-target-hidden")
+    e.add_argument(
+        "--decode",
+        action="store_true",
+        help="instead: acceptance inside speculative decoding on held-out prompts "
+        "(--samples prompts), with and without --refeed-target-hidden",
+    )
     e.add_argument("--prompt-len", type=int, default=64, help="with --decode: prompt bytes")
     e.add_argument("--new-tokens", type=int, default=128, help="with --decode: tokens generated")
     e.set_defaults(func=cmd_eval)
 
-    i = sub.add_parser("inspect", help="whether a drafter can be built from a checkpoint, read "
-                                       "from config.json, the index and the headers only")
+    i = sub.add_parser(
+        "inspect",
+        help="whether a drafter can be built from a checkpoint, read "
+        "from config.json, the index and the headers only",
+    )
     i.add_argument("path", help="checkpoint directory")
     i.set_defaults(func=cmd_inspect)
 
     # No options of its own (not even -h): main() hands everything after "bench" to the benchmark.
-    b = sub.add_parser("bench", add_help=False,
-                       help="GPU benchmark of propose (mtpdraft bench --help for its options)")
+    b = sub.add_parser(
+        "bench", add_help=False, help="GPU benchmark of propose (mtpdraft bench --help for its options)"
+    )
     b.set_defaults(func=cmd_bench)
     return p
 
@@ -355,8 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = p.parse_known_args(argv)
     if rest and args.func is not cmd_bench:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
         return args.func(args, rest) if args.func is cmd_bench else args.func(args)
     except UserError as e:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -138,17 +139,12 @@ class ModelConfig:
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"config field {name} must be a positive integer, got {value!r}")
         if a.qk_rope_head_dim != 0:
-            raise ConfigError(
-                f"qk_rope_head_dim is {a.qk_rope_head_dim}: this block is NoPE MLA and needs 0"
-            )
+            raise ConfigError(f"qk_rope_head_dim is {a.qk_rope_head_dim}: this block is NoPE MLA and needs 0")
         if d.index_topk % d.index_kpool:
-            raise ConfigError(
-                f"index_topk {d.index_topk} is not a multiple of index_kpool {d.index_kpool}"
-            )
+            raise ConfigError(f"index_topk {d.index_topk} is not a multiple of index_kpool {d.index_kpool}")
         if m.num_experts_per_tok > m.n_routed_experts:
             raise ConfigError(
-                f"num_experts_per_tok {m.num_experts_per_tok} exceeds n_routed_experts "
-                f"{m.n_routed_experts}"
+                f"num_experts_per_tok {m.num_experts_per_tok} exceeds n_routed_experts {m.n_routed_experts}"
             )
         if m.n_shared_experts not in (0, 1):
             raise ConfigError(f"n_shared_experts must be 0 or 1, got {m.n_shared_experts}")
@@ -168,7 +164,7 @@ class ModelConfig:
         *,
         parallel: ParallelConfig | None = None,
         dsa_max_context: int | None = None,
-    ) -> "ModelConfig":
+    ) -> ModelConfig:
         """Build from a ``config.json`` mapping. A missing required field names itself.
 
         Two forms: flat (every field at the top, as GLM-5 and this project's own checkpoints
@@ -182,8 +178,9 @@ class ModelConfig:
             d = d["text_config"]
             where = "config.json text_config"
             if not isinstance(d, Mapping):
-                raise ConfigError(f"config.json field 'text_config' must be an object, found "
-                                  f"{type(d).__name__}")
+                raise ConfigError(
+                    f"config.json field 'text_config' must be an object, found {type(d).__name__}"
+                )
 
         def typed(name: str, v: Any, kind: type) -> Any:
             # A silent int("64.5") or bool("false") would size buffers from a typo; refuse instead.
@@ -194,8 +191,7 @@ class ModelConfig:
             }[kind]
             if not ok:
                 raise ConfigError(
-                    f"{where} field {name!r} must be {kind.__name__}, found {v!r} "
-                    f"({type(v).__name__})"
+                    f"{where} field {name!r} must be {kind.__name__}, found {v!r} ({type(v).__name__})"
                 )
             return kind(v)
 
@@ -211,24 +207,35 @@ class ModelConfig:
         # is not what this block's router does: refuse it rather than route over all experts.
         n_group, topk_group = opt("n_group", 1), opt("topk_group", opt("n_group", 1))
         if n_group != 1:
-            raise ConfigError(f"{where} field 'n_group' is {n_group}: this block routes over all "
-                              "experts at once and needs n_group 1 (no group-limited routing)")
+            raise ConfigError(
+                f"{where} field 'n_group' is {n_group}: this block routes over all "
+                "experts at once and needs n_group 1 (no group-limited routing)"
+            )
         if topk_group < n_group:
-            raise ConfigError(f"{where} field 'topk_group' is {topk_group}, below n_group "
-                              f"{n_group}: group-limited routing is not implemented")
+            raise ConfigError(
+                f"{where} field 'topk_group' is {topk_group}, below n_group "
+                f"{n_group}: group-limited routing is not implemented"
+            )
         if opt("num_nextn_predict_layers", 1) < 1:
-            raise ConfigError(f"{where} field 'num_nextn_predict_layers' is "
-                              f"{d['num_nextn_predict_layers']}: the checkpoint has no MTP layer")
+            raise ConfigError(
+                f"{where} field 'num_nextn_predict_layers' is "
+                f"{d['num_nextn_predict_layers']}: the checkpoint has no MTP layer"
+            )
         # The published name, then the name this project wrote before it followed the published
         # config (flat checkpoints written by earlier versions).
-        tail_key = ("index_kpool_always_select_tail" if "index_kpool_always_select_tail" in d
-                    else "index_always_select_tail")
+        tail_key = (
+            "index_kpool_always_select_tail"
+            if "index_kpool_always_select_tail" in d
+            else "index_always_select_tail"
+        )
         # swiglu_limit null: no clamp; absent: transformers' Glm5NextTextConfig default, 10.
-        limit = (math.inf if "swiglu_limit" in d and d["swiglu_limit"] is None
-                 else opt("swiglu_limit", 10.0, float))
+        limit = (
+            math.inf
+            if "swiglu_limit" in d and d["swiglu_limit"] is None
+            else opt("swiglu_limit", 10.0, float)
+        )
         max_pos = req("max_position_embeddings")
-        reservation = (dsa_max_context if dsa_max_context is not None
-                       else opt("index_max_context", max_pos))
+        reservation = dsa_max_context if dsa_max_context is not None else opt("index_max_context", max_pos)
         try:
             return cls(
                 hidden_size=req("hidden_size"),
@@ -273,7 +280,7 @@ class ModelConfig:
             raise ConfigError(f"{where} has a field of the wrong type: {e}") from e
 
     @classmethod
-    def from_json(cls, path: str | Path, **kw: Any) -> "ModelConfig":
+    def from_json(cls, path: str | Path, **kw: Any) -> ModelConfig:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
@@ -316,10 +323,13 @@ class ModelConfig:
             out["swiglu_limit"] = None  # no clamp (JSON has no infinity)
         if not nested:
             return out
-        return {"model_type": "glm5_next", "architectures": ["Glm5NextForConditionalGeneration"],
-                "text_config": out}
+        return {
+            "model_type": "glm5_next",
+            "architectures": ["Glm5NextForConditionalGeneration"],
+            "text_config": out,
+        }
 
-    def with_parallel(self, rank: int, world_size: int) -> "ModelConfig":
+    def with_parallel(self, rank: int, world_size: int) -> ModelConfig:
         return replace(self, parallel=ParallelConfig(rank=rank, world_size=world_size))
 
     def describe(self) -> str:
@@ -364,8 +374,9 @@ def tiny(
         rms_norm_eps=1e-5,
         max_position_embeddings=max_context,
         attention=AttentionConfig(heads, 48, 32, 16, 0, 16),
-        dsa=DsaConfig(2, 16, index_topk, index_kpool, always_select_tail, max_context,
-                      share_for_mtp_iteration),
+        dsa=DsaConfig(
+            2, 16, index_topk, index_kpool, always_select_tail, max_context, share_for_mtp_iteration
+        ),
         moe=MoeConfig(n_routed_experts, num_experts_per_tok, 24, 1, 2.5, True, 10.0),
         first_k_dense_replace=1,
         intermediate_size=80,

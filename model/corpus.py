@@ -18,8 +18,8 @@ from __future__ import annotations
 import hashlib
 import os
 import sysconfig
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 HELDOUT_MODULUS = 50
 
@@ -49,8 +49,9 @@ def list_py_files(root: Path | None = None) -> list[str]:
         if parts and (parts[0] in ("site-packages", "dist-packages") or "__pycache__" in parts):
             dirnames[:] = []
             continue
-        dirnames[:] = sorted(d for d in dirnames if d not in ("__pycache__", "site-packages",
-                                                               "dist-packages"))
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in ("__pycache__", "site-packages", "dist-packages")
+        )
         for f in filenames:
             if f.endswith(".py"):
                 out.append((rel_dir / f).as_posix())
@@ -77,10 +78,14 @@ def heldout_files(root: Path | None = None) -> list[tuple[str, bytes]]:
     return load_corpus(root)[1]
 
 
-def sample_positions(files: Iterable[tuple[str, int]] | Sequence[tuple[str, bytes]], *,
-                     start: int = SAMPLE_START, stride: int = SAMPLE_STRIDE,
-                     max_t: int = SAMPLE_MAX_T, n_samples: int | None = SAMPLE_COUNT
-                     ) -> list[tuple[str, int]]:
+def sample_positions(
+    files: Iterable[tuple[str, int]] | Sequence[tuple[str, bytes]],
+    *,
+    start: int = SAMPLE_START,
+    stride: int = SAMPLE_STRIDE,
+    max_t: int = SAMPLE_MAX_T,
+    n_samples: int | None = SAMPLE_COUNT,
+) -> list[tuple[str, int]]:
     """The protocol's samples as (relpath, t): files in sorted relpath order, t = start, start +
     stride, ... while t < len(file) and t <= max_t, truncated to the first n_samples.
 

@@ -71,8 +71,9 @@ class DsaState:
     owns_table: bool = True  # False when the table is shared with other layers (see ``alloc``)
 
     @classmethod
-    def alloc(cls, gpu: GpuBackend, cfg: DsaConfig, rows: int, kv: PagedKvCache,
-              table: BlockTable | None = None) -> "DsaState":
+    def alloc(
+        cls, gpu: GpuBackend, cfg: DsaConfig, rows: int, kv: PagedKvCache, table: BlockTable | None = None
+    ) -> DsaState:
         """With ``table``, the rows share another layer's block table (the target's layers do:
         one claim per sequence, one pool per layer); the caller then owns the table."""
         idim = cfg.index_head_dim

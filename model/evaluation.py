@@ -17,9 +17,17 @@ from .proposer import MtpProposer
 from .target import TargetModel
 
 
-def evaluate_acceptance(target: TargetModel, drafter: MtpProposer, checkpoint: Path, *, k: int,
-                        samples: int = SAMPLE_COUNT, max_t: int = SAMPLE_MAX_T,
-                        quiet: bool = False, records: list | None = None) -> dict:
+def evaluate_acceptance(
+    target: TargetModel,
+    drafter: MtpProposer,
+    checkpoint: Path,
+    *,
+    k: int,
+    samples: int = SAMPLE_COUNT,
+    max_t: int = SAMPLE_MAX_T,
+    quiet: bool = False,
+    records: list | None = None,
+) -> dict:
     """``records``, when given, receives one dict per sample (file, t, target continuation,
     drafts, accepted) for comparison with another implementation's records."""
     files = dict(heldout_files())
@@ -38,7 +46,7 @@ def evaluate_acceptance(target: TargetModel, drafter: MtpProposer, checkpoint: P
         try:
             for t in ts:
                 # Real text up to row t, then its greedy token.
-                logits = target.forward(tst, toks[tst.length:t + 1], tst.length)
+                logits = target.forward(tst, toks[tst.length : t + 1], tst.length)
                 g1 = int(np.argmax(logits[-1]))
                 # The greedy continuation g_2..g_{k+1} from rows t+1.., then back to the text.
                 cont = [g1]
@@ -50,7 +58,7 @@ def evaluate_acceptance(target: TargetModel, drafter: MtpProposer, checkpoint: P
                 drafter.rewind_to(dst, min(dst.rows, t))
                 if dst.rows < t:
                     base = dst.rows
-                    drafter.catchup_drafter(dst, toks[base:t + 1], target.hidden_rows(tst, base), base)
+                    drafter.catchup_drafter(dst, toks[base : t + 1], target.hidden_rows(tst, base), base)
                 drafts = drafter.propose(dst, g1, target.hidden_rows(tst, t), t, k)
                 a = 0
                 while a < k and drafts[a] == cont[a + 1]:
@@ -80,8 +88,17 @@ def evaluate_acceptance(target: TargetModel, drafter: MtpProposer, checkpoint: P
     }
 
 
-def decode_acceptance(target: TargetModel, drafter: MtpProposer, *, k: int, prompts: int,
-                      prompt_len: int, new_tokens: int, refeed: bool, quiet: bool = False) -> dict:
+def decode_acceptance(
+    target: TargetModel,
+    drafter: MtpProposer,
+    *,
+    k: int,
+    prompts: int,
+    prompt_len: int,
+    new_tokens: int,
+    refeed: bool,
+    quiet: bool = False,
+) -> dict:
     """Acceptance inside the speculative decoding loop, on prompts cut from the held-out files
     (the first ``prompt_len`` bytes of each, in sorted order). Unlike the protocol above, later
     steps run on rows the loop built, so this is where re-feeding accepted draft rows with the
@@ -90,9 +107,10 @@ def decode_acceptance(target: TargetModel, drafter: MtpProposer, *, k: int, prom
 
     total = SpecStats(k)
     files = [(rel, data) for rel, data in heldout_files() if len(data) > prompt_len][:prompts]
-    for rel, data in tqdm(files, desc=f"decode refeed={refeed}", disable=quiet):
-        _, s = speculative_decode(target, drafter, list(data[:prompt_len]), new_tokens, k,
-                                  refeed_target_hidden=refeed)
+    for _rel, data in tqdm(files, desc=f"decode refeed={refeed}", disable=quiet):
+        _, s = speculative_decode(
+            target, drafter, list(data[:prompt_len]), new_tokens, k, refeed_target_hidden=refeed
+        )
         total.steps += s.steps
         total.accepted_total += s.accepted_total
         total.reached = [a + b for a, b in zip(total.reached, s.reached)]

@@ -47,7 +47,7 @@ class Report:
     expected: int
     mtp_stored_prefix: str
     problems: list[str] = field(default_factory=list)
-    dtypes: Counter = field(default_factory=Counter)       # stored dtype -> tensors
+    dtypes: Counter = field(default_factory=Counter)  # stored dtype -> tensors
     dtype_bytes: Counter = field(default_factory=Counter)  # stored dtype -> bytes
     weight_bytes: int = 0
     fp8_head_bytes: int = 0
@@ -90,8 +90,18 @@ def inspect(path: str | Path) -> Report:
         model_type += f" (text model {hf['text_config'].get('model_type', '?')})"
     expected: dict[str, TensorSpec] = dict(mtp_layout(cfg))
     optional = mtp_optional_layout(cfg)
-    rep = Report(Path(path), model_type, ckpt.layout.value, cfg, len(ckpt.names()),
-                 len(ckpt.shards()), [], [], 0, ckpt.disk_name(mtp_prefix(cfg)))
+    rep = Report(
+        Path(path),
+        model_type,
+        ckpt.layout.value,
+        cfg,
+        len(ckpt.names()),
+        len(ckpt.shards()),
+        [],
+        [],
+        0,
+        ckpt.disk_name(mtp_prefix(cfg)),
+    )
     stored: dict[str, TensorSpec] = {}  # stored name -> what it must be
     stands_for: dict[str, str] = {}  # a shared tensor read for the block's own absent copy
     for name, spec in expected.items():
@@ -138,22 +148,28 @@ def render(rep: Report, out: TextIO) -> None:
     w = out.write
     w(f"checkpoint: {rep.path}\n")
     w(f"model type: {rep.model_type}; layout: {rep.layout}\n")
-    w(f"config: hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, {cfg.num_hidden_layers} target "
-      f"layers, {cfg.moe.n_routed_experts} experts top-{cfg.moe.num_experts_per_tok}, index_kpool "
-      f"{cfg.dsa.index_kpool}, tail {'selected' if cfg.dsa.always_select_tail else 'not selected'}"
-      f", selection {'shared by' if cfg.dsa.share_for_mtp_iteration else 'run for'} drafts 2..k\n")
+    w(
+        f"config: hidden {cfg.hidden_size}, vocab {cfg.vocab_size}, {cfg.num_hidden_layers} target "
+        f"layers, {cfg.moe.n_routed_experts} experts top-{cfg.moe.num_experts_per_tok}, index_kpool "
+        f"{cfg.dsa.index_kpool}, tail {'selected' if cfg.dsa.always_select_tail else 'not selected'}"
+        f", selection {'shared by' if cfg.dsa.share_for_mtp_iteration else 'run for'} drafts 2..k\n"
+    )
     w(f"MTP layer: {cfg.mtp_layer_index} (tensors {rep.mtp_stored_prefix}*)\n")
-    w(f"index: {rep.names} tensors in {rep.shards} files; the drafter reads {rep.expected} tensors "
-      f"from {len(rep.shards_needed)} of them"
-      + (f" ({len(rep.shards_absent)} absent: {', '.join(rep.shards_absent)})"
-         if rep.shards_absent else "") + "\n")
+    w(
+        f"index: {rep.names} tensors in {rep.shards} files; the drafter reads {rep.expected} tensors "
+        f"from {len(rep.shards_needed)} of them"
+        + (f" ({len(rep.shards_absent)} absent: {', '.join(rep.shards_absent)})" if rep.shards_absent else "")
+        + "\n"
+    )
     if rep.dtypes:
         w("stored dtypes of the drafter's tensors:\n")
         for dt, n in sorted(rep.dtypes.items(), key=lambda kv: -rep.dtype_bytes[kv[0]]):
             w(f"  {dt:<20} {n:6d} tensors  {_gib(rep.dtype_bytes[dt])}\n")
-    w(f"device bytes the drafter would hold (one rank): {_gib(rep.weight_bytes)} of weights "
-      f"(embedding and head included, FP8 projections as BF16) + {_gib(rep.fp8_head_bytes)} for "
-      "the FP8 copy of the head; per-sequence caches come on top, sized by the served context\n")
+    w(
+        f"device bytes the drafter would hold (one rank): {_gib(rep.weight_bytes)} of weights "
+        f"(embedding and head included, FP8 projections as BF16) + {_gib(rep.fp8_head_bytes)} for "
+        "the FP8 copy of the head; per-sequence caches come on top, sized by the served context\n"
+    )
     if rep.problems:
         w(f"{len(rep.problems)} problem{'s' * (len(rep.problems) != 1)}:\n")
         for p in rep.problems:

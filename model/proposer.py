@@ -19,21 +19,22 @@ import logging
 import numbers
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
 from runtime.allocations import MappedBuffer
-from runtime.graph import Graph
 from runtime.backend import GpuBackend
 from runtime.comm.base import CommDtype, ReduceOp
 from runtime.device_ptr import DevicePtr
 from runtime.errors import CommError, MemoryFault
+from runtime.graph import Graph
 from runtime.kernels.all_finite_bf16 import first_nonfinite_row
 from runtime.kernels.argmax_bf16 import argmax_bf16
 from runtime.kernels.copy_words import copy_words
-from runtime.kernels.gemv_bf16 import MAX_M as GEMV_MAX_M, gemv_bf16
+from runtime.kernels.gemv_bf16 import MAX_M as GEMV_MAX_M
+from runtime.kernels.gemv_bf16 import gemv_bf16
 from runtime.kernels.gemv_fp8w import gemv_fp8w
 from runtime.kernels.quantize_fp8 import quantize_fp8
 from runtime.kv_cache import PagedKvCache
@@ -43,8 +44,17 @@ from .config import ModelConfig
 from .dsa import DsaState, drafter_context_rows, latent_cache_config, shared_selection_extra
 from .kernels import draft_head
 from .kernels.mtp_input import mtp_embed_norm, mtp_input_gemv
-from .proposer_checks import (FLAG_BYTES, FLAG_LOGITS, FLAG_OWN_HIDDEN, FLAG_TARGET_HIDDEN, ProposerError,
-                              as_int, as_tokens, exclusive, nonfinite_problem)
+from .proposer_checks import (
+    FLAG_BYTES,
+    FLAG_LOGITS,
+    FLAG_OWN_HIDDEN,
+    FLAG_TARGET_HIDDEN,
+    ProposerError,
+    as_int,
+    as_tokens,
+    exclusive,
+    nonfinite_problem,
+)
 from .tensors import TensorLookup
 from .weights import DeviceArena, Sharding, SharedTables, WeightError, load_attention, load_moe
 
@@ -66,8 +76,13 @@ class ProposerOptions:
     def __post_init__(self) -> None:
         # Every count is an integer: a float one (2.0) sizes buffers and ranges wrongly or fails
         # deep inside with a TypeError.
-        for name in ("served_max_seq_len", "max_draft_tokens", "max_sequences", "context_chunk",
-                     "o_proj_groups"):
+        for name in (
+            "served_max_seq_len",
+            "max_draft_tokens",
+            "max_sequences",
+            "context_chunk",
+            "o_proj_groups",
+        ):
             as_int(getattr(self, name), name)
         if self.max_draft_tokens < 1:
             raise ProposerError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
@@ -175,8 +190,17 @@ class MtpProposer:
     checked as they are read (``TensorLookup``); tables passed in as device pointers are not.
     """
 
-    def __init__(self, gpu: GpuBackend, cfg: ModelConfig, tensors, options: ProposerOptions, *,
-                 comm=None, tables: SharedTables | None = None, stream: int | None = None) -> None:
+    def __init__(
+        self,
+        gpu: GpuBackend,
+        cfg: ModelConfig,
+        tensors,
+        options: ProposerOptions,
+        *,
+        comm=None,
+        tables: SharedTables | None = None,
+        stream: int | None = None,
+    ) -> None:
         self.label = f"MtpProposer#{next(_SERIALS)}"
         self._lock = threading.RLock()
         self._closed = False
@@ -207,6 +231,7 @@ class MtpProposer:
         self._slots_free = list(range(options.max_sequences - 1, -1, -1))
         self._states: list[ProposerState] = []
         try:
+
             def vec(name: str) -> DevicePtr:
                 return arena.upload(src.checked(P + name, (H,)))
 
@@ -216,13 +241,28 @@ class MtpProposer:
             attn = load_attention(arena, src, P, cfg, sh)
             mlp = load_moe(arena, src, P, cfg, sh)
             self.layer = DecoderLayer(
-                gpu, cfg, sh, attn, mlp, comm,
-                selection_extra=shared_selection_extra(cfg.dsa, options.max_draft_tokens))
+                gpu,
+                cfg,
+                sh,
+                attn,
+                mlp,
+                comm,
+                selection_extra=shared_selection_extra(cfg.dsa, options.max_draft_tokens),
+            )
             if tables is None:
-                emb = P + "embed_tokens.weight" if P + "embed_tokens.weight" in src else "model.embed_tokens.weight"
-                head = P + "shared_head.head.weight" if P + "shared_head.head.weight" in src else "lm_head.weight"
-                tables = SharedTables(arena.upload(src.checked(emb, (V, H))),
-                                      arena.upload(src.checked(head, (V, H))), V, H)
+                emb = (
+                    P + "embed_tokens.weight"
+                    if P + "embed_tokens.weight" in src
+                    else "model.embed_tokens.weight"
+                )
+                head = (
+                    P + "shared_head.head.weight"
+                    if P + "shared_head.head.weight" in src
+                    else "lm_head.weight"
+                )
+                tables = SharedTables(
+                    arena.upload(src.checked(emb, (V, H))), arena.upload(src.checked(head, (V, H))), V, H
+                )
             if (tables.vocab, tables.hidden) != (V, H):
                 raise WeightError(
                     f"shared embedding/head tables are [{tables.vocab}, {tables.hidden}] but the "
@@ -243,17 +283,23 @@ class MtpProposer:
         except Exception:
             arena.free()
             raise
-        log.info("MTP proposer: %d context rows, head %s, %.1f MiB of weights",
-                 self.rows_cap, "FP8" if self.head_fp8 else "BF16", arena.nbytes / 2**20)
+        log.info(
+            "MTP proposer: %d context rows, head %s, %.1f MiB of weights",
+            self.rows_cap,
+            "FP8" if self.head_fp8 else "BF16",
+            arena.nbytes / 2**20,
+        )
 
     def _agree_with_peers(self, options: ProposerOptions) -> None:
         """Every rank must run the same model with the same sharding options, or their collectives
         would pair up different tensors. One all-gather of a config fingerprint settles it before
         any weight is loaded; a dead peer surfaces here as the communicator's timeout."""
-        what = {"config": {k: v for k, v in self.cfg.to_hf_dict().items()},
-                "o_proj_groups": options.o_proj_groups, "fp8_head": options.fp8_head}
-        fp = int.from_bytes(hashlib.sha256(json.dumps(what, sort_keys=True).encode()).digest()[:8],
-                            "little")
+        what = {
+            "config": {k: v for k, v in self.cfg.to_hf_dict().items()},
+            "o_proj_groups": options.o_proj_groups,
+            "fp8_head": options.fp8_head,
+        }
+        fp = int.from_bytes(hashlib.sha256(json.dumps(what, sort_keys=True).encode()).digest()[:8], "little")
         W, gpu = self.cfg.parallel.world_size, self.gpu
         send, recv = gpu.alloc(8), gpu.alloc(8 * W)
         try:
@@ -280,8 +326,11 @@ class MtpProposer:
         head = ("gemv_fp8w", "gemv_fp8w") if self.head_sharded else draft_head.HEAD_ARGMAX_FP8.key
         missing = [k for k in (("quantize_fp8", "quantize_fp8"), head) if not self.gpu.try_kernel(*k)]
         if missing:
-            log.warning("FP8 draft head unavailable on the %s backend (no %s); drafting with the "
-                        "BF16 head", self.gpu.name, ", ".join(".".join(k) for k in missing))
+            log.warning(
+                "FP8 draft head unavailable on the %s backend (no %s); drafting with the BF16 head",
+                self.gpu.name,
+                ", ".join(".".join(k) for k in missing),
+            )
             return
         H, n = self.cfg.hidden_size, self.head_n
         self.head_fp8 = self.arena.zeros(n * H)
@@ -309,18 +358,39 @@ class MtpProposer:
         try:
             dsa = DsaState.alloc(gpu, cfg.dsa, self.rows_cap, self.kv)
             ch = self.opt.context_chunk
-            scratch = LayerScratch.alloc(arena, cfg, self.sharding, ch, self.rows_cap,
-                                         self.layer.attn.fused_rows, self.layer.selection_extra)
+            scratch = LayerScratch.alloc(
+                arena,
+                cfg,
+                self.sharding,
+                ch,
+                self.rows_cap,
+                self.layer.attn.fused_rows,
+                self.layer.selection_extra,
+            )
             z = arena.zeros
             for nbytes in (8, self.opt.max_draft_tokens * 4 + FLAG_BYTES):
                 mapped.append(gpu.alloc_mapped(nbytes))
             st = ProposerState(
-                slot=self._slots_free[-1], dsa=dsa, scratch=scratch, arena=arena,
-                concat=z(ch * 2 * H * 2), x=z(ch * H * 2), xn=z(H * 2), hidden_in=z(H * 2),
-                logits=z(self.head_n * 2), am_idx=z(4), am_val=z(4), key=z(8), step=z(8),
-                drafts=z(self.opt.max_draft_tokens * 4), ctx_tokens=z(ch * 4),
+                slot=self._slots_free[-1],
+                dsa=dsa,
+                scratch=scratch,
+                arena=arena,
+                concat=z(ch * 2 * H * 2),
+                x=z(ch * H * 2),
+                xn=z(H * 2),
+                hidden_in=z(H * 2),
+                logits=z(self.head_n * 2),
+                am_idx=z(4),
+                am_val=z(4),
+                key=z(8),
+                step=z(8),
+                drafts=z(self.opt.max_draft_tokens * 4),
+                ctx_tokens=z(ch * 4),
                 head_counter=z(4),
-                step_in=mapped[0], drafts_out=mapped[1], owner=self.label, finite_row=z(4),
+                step_in=mapped[0],
+                drafts_out=mapped[1],
+                owner=self.label,
+                finite_row=z(4),
             )
         except Exception:
             for m in mapped:
@@ -367,7 +437,9 @@ class MtpProposer:
 
     def _own(self, st: ProposerState) -> None:
         if not isinstance(st, ProposerState):
-            raise ProposerError(f"expected a ProposerState from {self.label}.alloc_state, got {type(st).__name__}")
+            raise ProposerError(
+                f"expected a ProposerState from {self.label}.alloc_state, got {type(st).__name__}"
+            )
         if st.owner != self.label:
             raise ProposerError(
                 f"the state of slot {st.slot} belongs to {st.owner or 'no proposer'}, not {self.label}: "
@@ -399,8 +471,9 @@ class MtpProposer:
         return self.catchup_drafter(st, prompt_tokens, hiddens, 0)
 
     @exclusive()
-    def catchup_drafter(self, st: ProposerState, tokens: Sequence[int], hiddens: DevicePtr,
-                        row_base: int) -> int:
+    def catchup_drafter(
+        self, st: ProposerState, tokens: Sequence[int], hiddens: DevicePtr, row_base: int
+    ) -> int:
         """Append rows ``row_base + r = (embed(tokens[r+1]), hiddens[r])``. Returns rows written.
         The hidden rows are checked first (one read, one sync): a NaN or an Inf in any of them is
         refused, naming the row, and nothing is written."""
@@ -424,9 +497,21 @@ class MtpProposer:
             n = min(ch, rows - c)
             gpu.synchronize(s)  # the scalars below are rewritten; the last chunk must have read them
             gpu.copy_h2d(st.row, np.array([row_base + c], np.uint32))
-            gpu.copy_h2d(st.ctx_tokens, toks[1 + c:1 + c + n])
-            mtp_embed_norm(gpu, self.tables.embed, st.ctx_tokens, self.enorm, hiddens.offset(c * H * 2),
-                           self.hnorm, st.concat, n, self.cfg.vocab_size, H, self.cfg.rms_norm_eps, s)
+            gpu.copy_h2d(st.ctx_tokens, toks[1 + c : 1 + c + n])
+            mtp_embed_norm(
+                gpu,
+                self.tables.embed,
+                st.ctx_tokens,
+                self.enorm,
+                hiddens.offset(c * H * 2),
+                self.hnorm,
+                st.concat,
+                n,
+                self.cfg.vocab_size,
+                H,
+                self.cfg.rms_norm_eps,
+                s,
+            )
             gemv_bf16(gpu, self.eh_proj, st.concat, st.x, n, H, 2 * H, s)
             self._context_rows(st, n)
         gpu.synchronize(s)
@@ -451,8 +536,9 @@ class MtpProposer:
     # context rows); the proposer itself has no switch for them.
 
     @exclusive()
-    def propose(self, st: ProposerState, last_token: int, target_hidden: DevicePtr, position: int,
-                k: int) -> list[int]:
+    def propose(
+        self, st: ProposerState, last_token: int, target_hidden: DevicePtr, position: int, k: int
+    ) -> list[int]:
         """k drafts. Draft 1 consumes the target's hidden, drafts 2..k the drafter's own output.
 
         Non-finite values: the step's kernels raise flag bytes that come back with the drafts (no
@@ -472,7 +558,8 @@ class MtpProposer:
             raise ProposerError(f"k={k} outside 1..{self.opt.max_draft_tokens} (max_draft_tokens)")
         if not 0 <= last_token < self.cfg.vocab_size:
             raise ProposerError(
-                f"last_token {last_token} is outside the vocabulary 0..{self.cfg.vocab_size - 1}")
+                f"last_token {last_token} is outside the vocabulary 0..{self.cfg.vocab_size - 1}"
+            )
         if position < 0 or position + k > self.rows_cap:
             raise ProposerError(
                 f"propose at position {position} with k={k} runs past the {self.rows_cap} rows "
@@ -547,8 +634,22 @@ class MtpProposer:
         H, V, eps = cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps
         hidden = st.hidden_in if i == 0 else st.xn
         # Both input norms are every block's prologue of eh_proj (one launch, no concat round trip).
-        mtp_input_gemv(gpu, self.tables.embed, st.token, self.enorm, hidden, self.hnorm, self.eh_proj,
-                       st.x, V, H, H, eps, s, flag=st.flag(FLAG_TARGET_HIDDEN if i == 0 else FLAG_OWN_HIDDEN))
+        mtp_input_gemv(
+            gpu,
+            self.tables.embed,
+            st.token,
+            self.enorm,
+            hidden,
+            self.hnorm,
+            self.eh_proj,
+            st.x,
+            V,
+            H,
+            H,
+            eps,
+            s,
+            flag=st.flag(FLAG_TARGET_HIDDEN if i == 0 else FLAG_OWN_HIDDEN),
+        )
         self._block(st, i)
         self._head(st, i, publish)
 
@@ -557,9 +658,18 @@ class MtpProposer:
         ``st.xn = rmsnorm(x) * head_norm``."""
         # The head's RMSNorm rides on the block's last residual add (one launch for both).
         # Drafts 2..k reuse draft 1's pool selection when the config shares it.
-        self.layer.full_row(st.x, st.scratch, st.dsa, self.kv, st.row, i, self.rows_cap, self.stream,
-                            next_norm=(self.head_norm, st.xn),
-                            reuse_selection=i > 0 and self.cfg.dsa.share_for_mtp_iteration)
+        self.layer.full_row(
+            st.x,
+            st.scratch,
+            st.dsa,
+            self.kv,
+            st.row,
+            i,
+            self.rows_cap,
+            self.stream,
+            next_norm=(self.head_norm, st.xn),
+            reuse_selection=i > 0 and self.cfg.dsa.share_for_mtp_iteration,
+        )
 
     def _head(self, st: ProposerState, i: int, publish: bool) -> None:
         """Draft i's token from ``st.xn``, with the FP8 copy of the head when there is one."""
@@ -568,17 +678,33 @@ class MtpProposer:
         else:
             self._head_with(st, i, publish, self.head_bf16, None)
 
-    def _head_with(self, st: ProposerState, i: int, publish: bool, w: DevicePtr,
-                   sc: DevicePtr | None) -> None:
+    def _head_with(
+        self, st: ProposerState, i: int, publish: bool, w: DevicePtr, sc: DevicePtr | None
+    ) -> None:
         """The head with weights ``w`` (this rank's vocabulary rows; FP8 with per-row scales
         ``sc``, else BF16): the argmax of its logits becomes ``st.token`` and ``st.drafts[i]``."""
         gpu, s, H = self.gpu, self.stream, self.cfg.hidden_size
         n = self.head_n
         if not self.head_sharded:
             # One launch: head GEMV, argmax, commit of the draft token (st.key stays zero).
-            draft_head.head_argmax(gpu, w, sc, st.xn, st.logits, st.key, st.head_counter, st.token,
-                                   st.drafts, i, st.drafts_out.device, publish, n, H, s,
-                                   flag=st.flag(FLAG_LOGITS))
+            draft_head.head_argmax(
+                gpu,
+                w,
+                sc,
+                st.xn,
+                st.logits,
+                st.key,
+                st.head_counter,
+                st.token,
+                st.drafts,
+                i,
+                st.drafts_out.device,
+                publish,
+                n,
+                H,
+                s,
+                flag=st.flag(FLAG_LOGITS),
+            )
             return
         if sc is not None:
             gemv_fp8w(gpu, w, sc, st.xn, st.logits, 1, n, H, s)
@@ -587,8 +713,9 @@ class MtpProposer:
         argmax_bf16(gpu, st.logits, st.am_idx, st.am_val, n, s)
         draft_head.argmax_pack(gpu, st.am_idx, st.am_val, st.key, self.head_v0, s)
         self.comm.all_reduce(st.key, 1, CommDtype.UINT64, ReduceOp.MAX, stream=s)
-        draft_head.draft_commit(gpu, st.key, st.token, st.drafts, i, st.drafts_out.device, publish, s,
-                                flag=st.flag(FLAG_LOGITS))
+        draft_head.draft_commit(
+            gpu, st.key, st.token, st.drafts, i, st.drafts_out.device, publish, s, flag=st.flag(FLAG_LOGITS)
+        )
 
     def _wait(self, stream: int) -> None:
         """Wait for the drafts. With peers in the step a dead rank would leave the stream

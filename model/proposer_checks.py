@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 
@@ -45,9 +46,17 @@ def as_tokens(tokens: Sequence[int] | np.ndarray, vocab: int, what: str = "token
         try:
             tokens = list(tokens)
         except TypeError:  # None, an int: not a sequence of ids at all
-            raise ProposerError(f"{what} must be a sequence of token ids, got {type(tokens).__name__}") from None
-        bad = next((i for i, v in enumerate(tokens)
-                    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))), None)
+            raise ProposerError(
+                f"{what} must be a sequence of token ids, got {type(tokens).__name__}"
+            ) from None
+        bad = next(
+            (
+                i
+                for i, v in enumerate(tokens)
+                if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer))
+            ),
+            None,
+        )
         if bad is not None:
             v = tokens[bad]
             raise ProposerError(f"{what}[{bad}] must be an integer token id, got {type(v).__name__} {v!r}")
@@ -81,8 +90,10 @@ def nonfinite_problem(flags: np.ndarray) -> str | None:
     if not any(f):
         return None
     if f[FLAG_TARGET_HIDDEN] & HIDDEN_NONFINITE:
-        return ("target_hidden is not finite (a NaN or an Inf, or values so large that its f32 sum "
-                "of squares overflows)")
+        return (
+            "target_hidden is not finite (a NaN or an Inf, or values so large that its f32 sum "
+            "of squares overflows)"
+        )
     if f[FLAG_TARGET_HIDDEN] & TOKEN_OUTSIDE or f[FLAG_OWN_HIDDEN] & TOKEN_OUTSIDE:
         return "a draft's input token was outside the vocabulary"
     # Not this rank's input: a value of the step overflowed, or (sharded) another rank's hidden

@@ -51,7 +51,7 @@ def run_history(prop, gpu, history, seed: int) -> list[list[int]]:
         for n_feed, k, acc in history:
             n_feed = min(n_feed, n - rows - k)
             if n_feed > 0:
-                prop.catchup_drafter(st, tokens[rows:rows + n_feed + 1], hbuf.offset(rows * H2), rows)
+                prop.catchup_drafter(st, tokens[rows : rows + n_feed + 1], hbuf.offset(rows * H2), rows)
                 rows += n_feed
             if rows + k > n:
                 break
@@ -87,10 +87,12 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.rendezvous import DistEnv
 
     p = argparse.ArgumentParser(prog="model.sharded_run", description=__doc__)
-    p.add_argument("--model", choices=["tiny", "glm5-flash"], default="tiny",
-                   help="random weights of this config")
-    p.add_argument("--checkpoint", default=None,
-                   help="draft with this checkpoint's MTP block instead of random weights")
+    p.add_argument(
+        "--model", choices=["tiny", "glm5-flash"], default="tiny", help="random weights of this config"
+    )
+    p.add_argument(
+        "--checkpoint", default=None, help="draft with this checkpoint's MTP block instead of random weights"
+    )
     p.add_argument("--backend", choices=["cuda", "host"], default="cuda")
     p.add_argument("--context", type=int, default=256, help="served context (rows)")
     p.add_argument("--steps", type=int, default=40, help="propose/verify steps in the history")
@@ -111,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         from runtime.host_backend import HostBackend
 
         if dist.world_size > 1:
-            print("the host backend runs one rank per process; use tests/test_sharded.py for "
-                  "threads", file=sys.stderr)
+            print(
+                "the host backend runs one rank per process; use tests/test_sharded.py for threads",
+                file=sys.stderr,
+            )
             return 2
         gpu = HostBackend()
     if args.checkpoint:
@@ -122,8 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = ckpt.config
         weights = mtp_tensors(ckpt, cfg)
     else:
-        cfg = (tiny(max_context=args.context) if args.model == "tiny"
-               else glm5_flash(max_context=max(args.context, 16384)))
+        cfg = (
+            tiny(max_context=args.context)
+            if args.model == "tiny"
+            else glm5_flash(max_context=max(args.context, 16384))
+        )
         weights = random_weights(cfg, args.seed)
     fingerprint = hashlib.sha256(json.dumps(cfg.to_hf_dict(), sort_keys=True).encode()).hexdigest()
     if dist.world_size > 1:
@@ -133,11 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         comm = SingleRankCommunicator(gpu)
     rng = np.random.default_rng(args.seed + 1)
-    history = [(int(rng.integers(0, 9)), args.k, int(rng.integers(0, args.k + 1)))
-               for _ in range(args.steps)]
-    opts = ProposerOptions(served_max_seq_len=args.context, max_draft_tokens=args.k,
-                           max_sequences=2, use_graphs=args.backend == "cuda",
-                           comm_timeout_s=args.timeout)
+    history = [(int(rng.integers(0, 9)), args.k, int(rng.integers(0, args.k + 1))) for _ in range(args.steps)]
+    opts = ProposerOptions(
+        served_max_seq_len=args.context,
+        max_draft_tokens=args.k,
+        max_sequences=2,
+        use_graphs=args.backend == "cuda",
+        comm_timeout_s=args.timeout,
+    )
     prop = MtpProposer(gpu, cfg.with_parallel(dist.rank, dist.world_size), weights, opts, comm=comm)
     drafts = run_history(prop, gpu, history, args.seed)
     digest = int.from_bytes(hashlib.sha256(json.dumps(drafts).encode()).digest()[:8], "little")
@@ -149,9 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     gpu.copy_d2h(all_digests, recv)
     gpu.free(send)
     gpu.free(recv)
-    result = {"rank": dist.rank, "world_size": dist.world_size,
-              "model": args.checkpoint or args.model,
-              "proposes": len(drafts), "ranks_agree": bool((all_digests == digest).all())}
+    result = {
+        "rank": dist.rank,
+        "world_size": dist.world_size,
+        "model": args.checkpoint or args.model,
+        "proposes": len(drafts),
+        "ranks_agree": bool((all_digests == digest).all()),
+    }
     result["propose_ms_median"] = time_propose(prop, gpu, args.k, args.timing_iters)
     prop.close()
     if dist.rank == 0 and dist.world_size > 1:

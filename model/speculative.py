@@ -77,9 +77,16 @@ def greedy_decode(target: TargetModel, prompt: list[int], n_new: int) -> list[in
         target.free_state(st)
 
 
-def speculative_decode(target: TargetModel, drafter: MtpProposer, prompt: list[int], n_new: int,
-                       k: int, *, refeed_target_hidden: bool = False,
-                       progress=None) -> tuple[list[int], SpecStats]:
+def speculative_decode(
+    target: TargetModel,
+    drafter: MtpProposer,
+    prompt: list[int],
+    n_new: int,
+    k: int,
+    *,
+    refeed_target_hidden: bool = False,
+    progress=None,
+) -> tuple[list[int], SpecStats]:
     """Greedy speculative decoding of ``n_new`` tokens after ``prompt`` (at least 2 tokens).
 
     ``refeed_target_hidden``: after a verify, re-feed the rows of accepted drafts with the target's
@@ -100,14 +107,15 @@ def speculative_decode(target: TargetModel, drafter: MtpProposer, prompt: list[i
         while produced < n_new:
             L = len(tokens)
             pos = L - 2  # the pair (t_{L-1}, h_{L-2})
-            kk = max(1, min(k, n_new - produced, drafter.drafter_context_rows - pos,
-                            target.rows_cap - (L - 1) - 1))
+            kk = max(
+                1, min(k, n_new - produced, drafter.drafter_context_rows - pos, target.rows_cap - (L - 1) - 1)
+            )
             if pos + kk > drafter.drafter_context_rows or L - 1 + kk >= target.rows_cap:
                 break
             t0 = time.perf_counter()
             if drafter.drafter_rows(dst) < pos:  # a full accept left a gap: catch up
                 base = drafter.drafter_rows(dst)
-                drafter.catchup_drafter(dst, tokens[base:pos + 1], target.hidden_rows(tst, base), base)
+                drafter.catchup_drafter(dst, tokens[base : pos + 1], target.hidden_rows(tst, base), base)
             drafts = drafter.propose(dst, tokens[-1], target.hidden_rows(tst, pos), pos, kk)
             t1 = time.perf_counter()
             logits = target.forward(tst, [tokens[-1]] + drafts, L - 1)
@@ -125,14 +133,14 @@ def speculative_decode(target: TargetModel, drafter: MtpProposer, prompt: list[i
                 keep = pos + 1
                 drafter.rewind_to(dst, keep)
                 new_pos = len(tokens) - 2
-                drafter.catchup_drafter(dst, tokens[keep:new_pos + 1], target.hidden_rows(tst, keep), keep)
+                drafter.catchup_drafter(dst, tokens[keep : new_pos + 1], target.hidden_rows(tst, keep), keep)
             stats.drafter_s += (t1 - t0) + (time.perf_counter() - t2)
             stats.target_s += t2 - t1
             stats.record(kk, a)
             produced += a + 1
             if progress is not None:
                 progress.update(a + 1)
-        return tokens[len(prompt):len(prompt) + n_new], stats
+        return tokens[len(prompt) : len(prompt) + n_new], stats
     finally:
         drafter.free_state(dst)
         target.free_state(tst)

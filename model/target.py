@@ -14,10 +14,10 @@ import numpy as np
 
 from runtime.backend import GpuBackend
 from runtime.device_ptr import DevicePtr
+from runtime.dtypes import BF16
 from runtime.kernels.embed_gather_bf16 import embed_gather_bf16
 from runtime.kernels.gemv_bf16 import gemv_bf16
 from runtime.kernels.rmsnorm import rmsnorm
-from runtime.dtypes import BF16
 from runtime.kv_cache import BlockTable, PagedKvCache
 
 from .block import DecoderLayer, LayerScratch
@@ -47,8 +47,9 @@ class TargetState:
 
 
 class TargetModel:
-    def __init__(self, gpu: GpuBackend, cfg: ModelConfig, tensors, max_seq_len: int,
-                 stream: int | None = None) -> None:
+    def __init__(
+        self, gpu: GpuBackend, cfg: ModelConfig, tensors, max_seq_len: int, stream: int | None = None
+    ) -> None:
         if cfg.parallel.world_size != 1:
             raise TargetError("the target model runs on one rank")
         self.gpu, self.cfg = gpu, cfg
@@ -66,8 +67,11 @@ class TargetModel:
             for i in range(cfg.num_hidden_layers):
                 p = f"model.layers.{i}."
                 attn = load_attention(arena, src, p, cfg, sh)
-                mlp = (load_dense_mlp(arena, src, p, cfg) if i < cfg.first_k_dense_replace
-                       else load_moe(arena, src, p, cfg, sh))
+                mlp = (
+                    load_dense_mlp(arena, src, p, cfg)
+                    if i < cfg.first_k_dense_replace
+                    else load_moe(arena, src, p, cfg, sh)
+                )
                 self.layers.append(DecoderLayer(gpu, cfg, sh, attn, mlp, kv_layer=i))
             kvc = latent_cache_config(cfg.attention.kv_lora_rank, cfg.num_hidden_layers)
             self.kv = PagedKvCache(kvc, kvc.blocks_for(self.rows_cap), gpu)
@@ -90,10 +94,15 @@ class TargetModel:
         layers = [DsaState.alloc(gpu, cfg.dsa, self.rows_cap, self.kv, table) for _ in self.layers]
         inter = self.layers[0].attn.fused_rows
         st = TargetState(
-            layers=layers, table=table,
+            layers=layers,
+            table=table,
             scratch=LayerScratch.alloc(arena, cfg, Sharding.for_config(cfg, 1), 1, self.rows_cap, inter),
-            arena=arena, hiddens=arena.zeros(self.rows_cap * H * 2), x=arena.zeros(H * 2),
-            logits=arena.zeros(cfg.vocab_size * 2), token=arena.zeros(4), row=arena.zeros(4),
+            arena=arena,
+            hiddens=arena.zeros(self.rows_cap * H * 2),
+            x=arena.zeros(H * 2),
+            logits=arena.zeros(cfg.vocab_size * 2),
+            token=arena.zeros(4),
+            row=arena.zeros(4),
         )
         self._state = st
         return st
@@ -133,8 +142,7 @@ class TargetModel:
         if start != st.length:
             raise TargetError(f"target rows must append at {st.length}, got {start}")
         if start + toks.size > self.rows_cap:
-            raise TargetError(
-                f"{start + toks.size} rows exceed the target's {self.rows_cap}-row context")
+            raise TargetError(f"{start + toks.size} rows exceed the target's {self.rows_cap}-row context")
         out = np.empty((toks.size, V), np.float32)
         buf = np.empty(V, BF16)
         for i, t in enumerate(toks):

@@ -28,7 +28,7 @@ class TensorLookup:
         self._is_checkpoint = hasattr(src, "has")
 
     @classmethod
-    def of(cls, tensors: Any) -> "TensorLookup":
+    def of(cls, tensors: Any) -> TensorLookup:
         """``tensors`` itself when it already is a lookup, else a lookup over it."""
         return tensors if isinstance(tensors, TensorLookup) else cls(tensors)
 
@@ -71,7 +71,7 @@ def first_nonfinite(a: np.ndarray) -> int | None:
     masked, hit = np.empty(step, bits.dtype), np.empty(step, bool)
     for lo in range(0, bits.size, step):
         n = min(step, bits.size - lo)
-        np.bitwise_and(bits[lo:lo + n], mask, out=masked[:n])
+        np.bitwise_and(bits[lo : lo + n], mask, out=masked[:n])
         np.equal(masked[:n], mask, out=hit[:n])
         if hit[:n].any():
             return lo + int(np.argmax(hit[:n]))
@@ -85,6 +85,8 @@ def check_finite_tensor(name: str, a: np.ndarray) -> np.ndarray:
     if i is not None:
         where = np.unravel_index(i, np.shape(a)) if np.ndim(a) else ()
         v = np.asarray(a).reshape(-1)[i]
-        raise WeightError(f"tensor {name!r} holds a non-finite value ({float(v)}) at "
-                          f"{tuple(int(j) for j in where)}: the checkpoint is corrupt")
+        raise WeightError(
+            f"tensor {name!r} holds a non-finite value ({float(v)}) at "
+            f"{tuple(int(j) for j in where)}: the checkpoint is corrupt"
+        )
     return a

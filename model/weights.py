@@ -109,7 +109,7 @@ class Sharding:
         return self.rank == 0
 
     @classmethod
-    def for_config(cls, cfg: ModelConfig, groups: int) -> "Sharding":
+    def for_config(cls, cfg: ModelConfig, groups: int) -> Sharding:
         p, heads = cfg.parallel, cfg.attention.num_attention_heads
         e = cfg.moe.n_routed_experts
         if heads % groups:
@@ -159,20 +159,23 @@ class MlpWeights:
     dense_weight: DevicePtr | None = None
 
 
-def load_attention(arena: DeviceArena, src: TensorLookup, prefix: str, cfg: ModelConfig,
-                   sh: Sharding) -> AttentionWeights:
+def load_attention(
+    arena: DeviceArena, src: TensorLookup, prefix: str, cfg: ModelConfig, sh: Sharding
+) -> AttentionWeights:
     a, d, H = cfg.attention, cfg.dsa, cfg.hidden_size
     nope, v, C, ql = a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank, a.q_lora_rank
     ih, idim = d.index_n_heads, d.index_head_dim
     at, ix = prefix + "self_attn.", prefix + "self_attn.indexer."
     kv_a = src.checked(at + "kv_a_proj_with_mqa.weight", (C + a.qk_rope_head_dim, H))[:C]
-    fused = np.concatenate([
-        kv_a,
-        src.checked(ix + "wk.weight", (idim, H)),
-        src.checked(ix + "index_kpool_compress_gate", (idim, H)),
-        src.checked(at + "q_a_proj.weight", (ql, H)),
-        src.checked(ix + "weights_proj.weight", (ih, H)),
-    ])
+    fused = np.concatenate(
+        [
+            kv_a,
+            src.checked(ix + "wk.weight", (idim, H)),
+            src.checked(ix + "index_kpool_compress_gate", (idim, H)),
+            src.checked(at + "q_a_proj.weight", (ql, H)),
+            src.checked(ix + "weights_proj.weight", (ih, H)),
+        ]
+    )
     heads = slice(sh.rank * sh.local_heads, (sh.rank + 1) * sh.local_heads)
     q_b = src.checked(at + "q_b_proj.weight", (a.num_attention_heads * a.qk_head_dim, ql))
     q_b = q_b.reshape(a.num_attention_heads, a.qk_head_dim, ql)[heads].reshape(-1, ql)
@@ -184,7 +187,7 @@ def load_attention(arena: DeviceArena, src: TensorLookup, prefix: str, cfg: Mode
     o = src.checked(at + "o_proj.weight", (H, a.num_attention_heads * v))
     gw = sh.group_heads * v
     o_groups = o.reshape(H, sh.groups, gw).transpose(1, 0, 2)  # [groups, H, gw]
-    o_local = o_groups[sh.rank * sh.local_groups:(sh.rank + 1) * sh.local_groups]
+    o_local = o_groups[sh.rank * sh.local_groups : (sh.rank + 1) * sh.local_groups]
     return AttentionWeights(
         input_norm=arena.upload(src.checked(prefix + "input_layernorm.weight", (H,))),
         fused_in=arena.upload(fused),
@@ -201,8 +204,9 @@ def load_attention(arena: DeviceArena, src: TensorLookup, prefix: str, cfg: Mode
     )
 
 
-def load_moe(arena: DeviceArena, src: TensorLookup, prefix: str, cfg: ModelConfig,
-             sh: Sharding) -> MlpWeights:
+def load_moe(
+    arena: DeviceArena, src: TensorLookup, prefix: str, cfg: ModelConfig, sh: Sharding
+) -> MlpWeights:
     m, H = cfg.moe, cfg.hidden_size
     I, E = m.moe_intermediate_size, m.n_routed_experts
     mp = prefix + "mlp."
@@ -228,9 +232,11 @@ def load_moe(arena: DeviceArena, src: TensorLookup, prefix: str, cfg: ModelConfi
     if m.n_shared_experts and sh.owns_shared_expert:
         Is = I * m.n_shared_experts
         sp = mp + "shared_experts."
-        w.shared_gate_up = arena.upload(np.concatenate([
-            src.checked(sp + "gate_proj.weight", (Is, H)), src.checked(sp + "up_proj.weight", (Is, H))
-        ])[None])
+        w.shared_gate_up = arena.upload(
+            np.concatenate(
+                [src.checked(sp + "gate_proj.weight", (Is, H)), src.checked(sp + "up_proj.weight", (Is, H))]
+            )[None]
+        )
         w.shared_down = arena.upload(src.checked(sp + "down_proj.weight", (H, Is))[None])
     return w
 
@@ -238,7 +244,9 @@ def load_moe(arena: DeviceArena, src: TensorLookup, prefix: str, cfg: ModelConfi
 def load_dense_mlp(arena: DeviceArena, src: TensorLookup, prefix: str, cfg: ModelConfig) -> MlpWeights:
     H, I = cfg.hidden_size, cfg.intermediate_size
     mp = prefix + "mlp."
-    gu = np.concatenate([src.checked(mp + "gate_proj.weight", (I, H)), src.checked(mp + "up_proj.weight", (I, H))])
+    gu = np.concatenate(
+        [src.checked(mp + "gate_proj.weight", (I, H)), src.checked(mp + "up_proj.weight", (I, H))]
+    )
     return MlpWeights(
         post_norm=arena.upload(src.checked(prefix + "post_attention_layernorm.weight", (H,))),
         gate_up=arena.upload(gu[None]),

@@ -16,11 +16,11 @@ from model.config import ModelConfig
 class Init(str, Enum):
     """How ``random_checkpoint`` draws a tensor (the layout says what each tensor *is*)."""
 
-    LINEAR = "linear"        # a projection [out, in]: std ~ 1/sqrt(in)
-    HEAD = "head"            # the vocabulary projection: as LINEAR, with a gain for a clear argmax
+    LINEAR = "linear"  # a projection [out, in]: std ~ 1/sqrt(in)
+    HEAD = "head"  # the vocabulary projection: as LINEAR, with a gain for a clear argmax
     EMBEDDING = "embedding"  # rows of O(1) entries
-    NORM = "norm"            # a norm's weight: near 1
-    SMALL = "small"          # biases, positional offsets: near 0
+    NORM = "norm"  # a norm's weight: near 1
+    SMALL = "small"  # biases, positional offsets: near 0
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,14 @@ class _Builder:
     def __init__(self) -> None:
         self.layout: Layout = {}
 
-    def add(self, name: str, shape: tuple[int, ...], init: Init, dtype: str = "BF16",
-            accept: tuple[str, ...] | None = None) -> None:
+    def add(
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        init: Init,
+        dtype: str = "BF16",
+        accept: tuple[str, ...] | None = None,
+    ) -> None:
         assert name not in self.layout, name
         if accept is None:
             accept = ("F32",) if init is Init.NORM else ()
@@ -70,12 +76,14 @@ def _attention(b: _Builder, cfg: ModelConfig, p: str) -> None:
     L, N = Init.LINEAR, Init.NORM
     b.add(p + "self_attn.q_a_proj.weight", (a.q_lora_rank, h), L)
     b.add(p + "self_attn.q_a_layernorm.weight", (a.q_lora_rank,), N)
-    b.add(p + "self_attn.q_b_proj.weight",
-          (a.num_attention_heads * a.qk_head_dim, a.q_lora_rank), L)
+    b.add(p + "self_attn.q_b_proj.weight", (a.num_attention_heads * a.qk_head_dim, a.q_lora_rank), L)
     b.add(p + "self_attn.kv_a_proj_with_mqa.weight", (a.kv_lora_rank + a.qk_rope_head_dim, h), L)
     b.add(p + "self_attn.kv_a_layernorm.weight", (a.kv_lora_rank,), N)
-    b.add(p + "self_attn.kv_b_proj.weight",
-          (a.num_attention_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank), L)
+    b.add(
+        p + "self_attn.kv_b_proj.weight",
+        (a.num_attention_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank),
+        L,
+    )
     b.add(p + "self_attn.o_proj.weight", (h, a.num_attention_heads * a.v_head_dim), L)
     ix = p + "self_attn.indexer."
     b.add(ix + "wq_b.weight", (d.index_n_heads * d.index_head_dim, a.q_lora_rank), L)
@@ -179,8 +187,14 @@ def is_routed_expert(name: str) -> bool:
 
 
 # The projections GLM-5.3-Flash publishes as F8_E4M3 with 128x128 block scales (REFERENCE.md).
-_PUBLISHED_FP8 = (".mlp.experts.", ".mlp.shared_experts.", ".self_attn.q_a_proj.",
-                  ".self_attn.q_b_proj.", ".self_attn.kv_a_proj_with_mqa.", ".self_attn.o_proj.")
+_PUBLISHED_FP8 = (
+    ".mlp.experts.",
+    ".mlp.shared_experts.",
+    ".self_attn.q_a_proj.",
+    ".self_attn.q_b_proj.",
+    ".self_attn.kv_a_proj_with_mqa.",
+    ".self_attn.o_proj.",
+)
 
 
 def is_published_fp8(name: str) -> bool:

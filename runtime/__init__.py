@@ -2,8 +2,8 @@
 cache and communicators. Knows nothing of models."""
 
 from .allocations import AllocStats
-from .backend import GpuBackend, KernelHandle, NULL_KERNEL
-from .device_ptr import DevicePtr, NULL
+from .backend import NULL_KERNEL, GpuBackend, KernelHandle
+from .device_ptr import NULL, DevicePtr
 from .errors import (
     CommError,
     CudaError,
@@ -18,7 +18,20 @@ from .host_backend import HostBackend
 from .launch import launch
 
 __all__ = [
-    "AllocStats", "Graph", "GpuBackend", "KernelHandle", "NULL_KERNEL", "DevicePtr", "NULL",
-    "CommError", "CudaError", "GraphLifetimeError", "KernelNotFound", "LaunchError", "MemoryFault",
-    "OutOfMemoryError", "HostBackend", "launch",
+    "AllocStats",
+    "Graph",
+    "GpuBackend",
+    "KernelHandle",
+    "NULL_KERNEL",
+    "DevicePtr",
+    "NULL",
+    "CommError",
+    "CudaError",
+    "GraphLifetimeError",
+    "KernelNotFound",
+    "LaunchError",
+    "MemoryFault",
+    "OutOfMemoryError",
+    "HostBackend",
+    "launch",
 ]

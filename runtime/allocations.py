@@ -68,7 +68,9 @@ class AllocationTable:
             raise MemoryFault(f"double free of 0x{base:x} ({self._freed[base]} bytes)")
         owner = self.find(base, 1, quiet=True)
         if owner is not None:
-            raise MemoryFault(f"free of 0x{base:x}, which is inside the allocation at 0x{owner[0]:x}, not its base")
+            raise MemoryFault(
+                f"free of 0x{base:x}, which is inside the allocation at 0x{owner[0]:x}, not its base"
+            )
         raise MemoryFault(f"free of unknown pointer 0x{base:x}")
 
     def remove(self, base: int) -> int:

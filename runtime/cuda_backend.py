@@ -25,17 +25,27 @@ Semantics the model code can rely on (they match ``HostBackend``):
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence, cast
+from typing import Any, cast
 
 import numpy as np
 from cuda.bindings import driver
 
 from .allocations import AllocStats, MappedBuffer
-from .backend import Dim3, KernelHandle, NULL_KERNEL
+from .backend import NULL_KERNEL, Dim3, KernelHandle
 from .cuda_driver import (
-    OUT_OF_MEMORY, SUCCESS, CudaFunction, DeviceInfo, PinnedHost, begin_capture, check, discard_capture,
-    end_capture, err_text, load_ptx,
+    OUT_OF_MEMORY,
+    SUCCESS,
+    CudaFunction,
+    DeviceInfo,
+    PinnedHost,
+    begin_capture,
+    check,
+    discard_capture,
+    end_capture,
+    err_text,
+    load_ptx,
 )
 from .device_ptr import DevicePtr
 from .errors import CudaError, GraphLifetimeError, KernelNotFound, LaunchError, MemoryFault, OutOfMemoryError
@@ -85,7 +95,9 @@ class CudaBackend:
         self._kernels: dict[tuple[str, str], KernelHandle] = {}
         self._default = self.create_stream()
         self._default_cu = self._streams[self._default]
-        log.info("CudaBackend on %s (sm_%d%d, %d SMs)", self.device_name, *self.compute_capability, self.sm_count)
+        log.info(
+            "CudaBackend on %s (sm_%d%d, %d SMs)", self.device_name, *self.compute_capability, self.sm_count
+        )
 
     @property
     def pdl(self) -> bool:
@@ -194,10 +206,17 @@ class CudaBackend:
         if nbytes <= 0:
             return
         self._ledger.touch(ptr, nbytes)
-        check(driver.cuMemsetD8Async(ptr.addr, int(byte) & 0xFF, nbytes, self._ordered(stream)), "cuMemsetD8Async")
+        check(
+            driver.cuMemsetD8Async(ptr.addr, int(byte) & 0xFF, nbytes, self._ordered(stream)),
+            "cuMemsetD8Async",
+        )
 
     def copy_h2d(self, dst: DevicePtr, src: np.ndarray | bytes, stream: int | None = None) -> None:
-        data = np.frombuffer(bytes(src), np.uint8) if isinstance(src, (bytes, bytearray)) else np.ascontiguousarray(src)
+        data = (
+            np.frombuffer(bytes(src), np.uint8)
+            if isinstance(src, (bytes, bytearray))
+            else np.ascontiguousarray(src)
+        )
         self._host_copy(dst, data, stream, to_device=True)
 
     def copy_d2h(self, dst: np.ndarray, src: DevicePtr, stream: int | None = None) -> None:
@@ -238,7 +257,9 @@ class CudaBackend:
             return
         self._ledger.touch(dst, nbytes)
         self._ledger.touch(src, nbytes)
-        check(driver.cuMemcpyDtoDAsync(dst.addr, src.addr, nbytes, self._ordered(stream)), "cuMemcpyDtoDAsync")
+        check(
+            driver.cuMemcpyDtoDAsync(dst.addr, src.addr, nbytes, self._ordered(stream)), "cuMemcpyDtoDAsync"
+        )
 
     def alloc_host(self, nbytes: int) -> np.ndarray:
         """A page-locked host buffer as a uint8 numpy array (view it as any dtype). Free it with
@@ -321,7 +342,8 @@ class CudaBackend:
     def create_stream(self) -> int:
         self._alive()
         s = check(
-            driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate(NON_BLOCKING)"
+            driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING),
+            "cuStreamCreate(NON_BLOCKING)",
         )
         key = int(s)
         self._streams[key] = s
@@ -365,7 +387,9 @@ class CudaBackend:
         if mod is None:
             path = self.ptx_dir / f"{module}.ptx"
             if not path.exists():
-                raise KernelNotFound(f"no PTX for kernel module {module!r}: {path} does not exist (run build.py)")
+                raise KernelNotFound(
+                    f"no PTX for kernel module {module!r}: {path} does not exist (run build.py)"
+                )
             mod = self._modules[module] = load_ptx(path)
         return mod
 
@@ -388,7 +412,9 @@ class CudaBackend:
         mod = self._load_module(module)
         err, func = driver.cuModuleGetFunction(mod, function.encode())
         if err != SUCCESS:
-            raise KernelNotFound(f"{path} has no function {function!r} for kernel {module}.{function}: {err_text(err)}")
+            raise KernelNotFound(
+                f"{path} has no function {function!r} for kernel {module}.{function}: {err_text(err)}"
+            )
         handle = KernelHandle(decl, CudaFunction(self, func, decl, self.pdl_supported))
         self._kernels[key] = handle
         return handle

@@ -59,7 +59,7 @@ class DeviceInfo:
     max_smem_optin: int  # dynamic shared memory a block may opt in to
 
     @classmethod
-    def query(cls, dev: Any) -> "DeviceInfo":
+    def query(cls, dev: Any) -> DeviceInfo:
         name = check(driver.cuDeviceGetName(256, dev), "cuDeviceGetName").split(b"\0", 1)[0]
         attr = driver.CUdevice_attribute
 
@@ -69,7 +69,10 @@ class DeviceInfo:
         return cls(
             name.decode(errors="replace"),
             get(attr.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT),
-            (get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR), get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)),
+            (
+                get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR),
+                get(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR),
+            ),
             get(attr.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
         )
 
@@ -78,7 +81,10 @@ def load_ptx(path: Path) -> Any:
     """The CUmodule JIT-compiled from the PTX at ``path``; a failure carries ptxas's own log."""
     image = path.read_bytes() + b"\0"
     err_log = bytearray(_JIT_LOG_BYTES)
-    opts = [driver.CUjit_option.CU_JIT_ERROR_LOG_BUFFER, driver.CUjit_option.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES]
+    opts = [
+        driver.CUjit_option.CU_JIT_ERROR_LOG_BUFFER,
+        driver.CUjit_option.CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
+    ]
     err, mod = driver.cuModuleLoadDataEx(image, len(opts), opts, [err_log, _JIT_LOG_BYTES])
     if err != SUCCESS:
         jit = err_log.split(b"\0", 1)[0].decode(errors="replace").strip()
@@ -103,8 +109,17 @@ class CudaFunction:
     serialisation (None where the kernel is not declared with a ``Pdl`` mode or the device lacks
     it), its dynamic shared-memory opt-in and its occupancy by launch shape."""
 
-    __slots__ = ("owner", "name", "func", "packer", "ptr_args", "dyn_smem", "static_smem", "pdl_config",
-                 "resident")
+    __slots__ = (
+        "owner",
+        "name",
+        "func",
+        "packer",
+        "ptr_args",
+        "dyn_smem",
+        "static_smem",
+        "pdl_config",
+        "resident",
+    )
 
     def __init__(self, owner: object, func: Any, decl: KernelDecl, pdl_supported: bool) -> None:
         self.owner = owner
@@ -115,10 +130,14 @@ class CudaFunction:
         self.resident: dict[tuple[int, int], int] = {}  # (block, smem) -> blocks resident per SM
         self.ptr_args = tuple(i for i, (_, t) in enumerate(decl.args) if t is Arg.PTR)
         self.dyn_smem = _STATIC_SMEM_LIMIT
-        self.static_smem = int(check(
-            driver.cuFuncGetAttribute(driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, func),
-            "cuFuncGetAttribute(SHARED_SIZE_BYTES)",
-        ))
+        self.static_smem = int(
+            check(
+                driver.cuFuncGetAttribute(
+                    driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, func
+                ),
+                "cuFuncGetAttribute(SHARED_SIZE_BYTES)",
+            )
+        )
 
     def opt_in_smem(self, smem: int, max_optin: int) -> None:
         """Raise the kernel's dynamic shared-memory limit to ``smem`` bytes (needed above 48 KB)."""
@@ -142,20 +161,33 @@ class CudaFunction:
         hit = self.resident.get(key)
         if hit is None:
             self.opt_in_smem(smem, max_optin)
-            hit = int(check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.func, block, smem),
-                            f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.name})"))
+            hit = int(
+                check(
+                    driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.func, block, smem),
+                    f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.name})",
+                )
+            )
             if hit < 1:
-                raise LaunchError(f"{self.name}: no block of {block} threads with {smem} bytes of "
-                                  "dynamic shared memory fits on an SM")
+                raise LaunchError(
+                    f"{self.name}: no block of {block} threads with {smem} bytes of "
+                    "dynamic shared memory fits on an SM"
+                )
             self.resident[key] = hit
         return hit
 
-    def launch(self, grid: tuple[int, int, int], block: tuple[int, int, int], smem: int, stream: Any,
-               params: int, programmatic: bool) -> None:
+    def launch(
+        self,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        smem: int,
+        stream: Any,
+        params: int,
+        programmatic: bool,
+    ) -> None:
         """cuLaunchKernel, or cuLaunchKernelEx with programmatic stream serialisation."""
         cfg = self.pdl_config if programmatic else None
         if cfg is None:
-            err, = driver.cuLaunchKernel(
+            (err,) = driver.cuLaunchKernel(
                 self.func, grid[0], grid[1], grid[2], block[0], block[1], block[2], smem, stream, params, 0
             )
             what = "cuLaunchKernel"
@@ -164,7 +196,7 @@ class CudaFunction:
             cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block
             cfg.sharedMemBytes = smem
             cfg.hStream = stream
-            err, = driver.cuLaunchKernelEx(cfg, self.func, params, 0)
+            (err,) = driver.cuLaunchKernelEx(cfg, self.func, params, 0)
             what = "cuLaunchKernelEx(programmatic stream serialization)"
         if err != SUCCESS:
             raise CudaError(
@@ -175,8 +207,10 @@ class CudaFunction:
 def begin_capture(stream: Any) -> None:
     # Thread-local mode: only this thread's unsafe calls (a sync copy, a synchronize) are refused;
     # other threads of the serving engine keep working while one captures.
-    check(driver.cuStreamBeginCapture(stream, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
-          "cuStreamBeginCapture")
+    check(
+        driver.cuStreamBeginCapture(stream, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+        "cuStreamBeginCapture",
+    )
 
 
 def end_capture(stream: Any, label: str) -> tuple[Any, Any]:
@@ -207,7 +241,12 @@ class PinnedHost:
     def alloc(self, nbytes: int, mapped: bool = False) -> tuple[np.ndarray, int]:
         """(the buffer as a uint8 array, its device address or 0)."""
         flags = driver.CU_MEMHOSTALLOC_DEVICEMAP if mapped else 0
-        p = int(check(driver.cuMemHostAlloc(nbytes, flags), f"cuMemHostAlloc({nbytes}{', DEVICEMAP' if mapped else ''})"))
+        p = int(
+            check(
+                driver.cuMemHostAlloc(nbytes, flags),
+                f"cuMemHostAlloc({nbytes}{', DEVICEMAP' if mapped else ''})",
+            )
+        )
         dev = 0
         if mapped:
             err, dptr = driver.cuMemHostGetDevicePointer(p, 0)
@@ -234,7 +273,9 @@ class PinnedHost:
 
     def holds(self, arr: np.ndarray) -> bool:
         """Whether ``arr`` lies entirely inside one buffer."""
-        return self._table.find(arr.__array_interface__["data"][0], max(arr.nbytes, 1), quiet=True) is not None
+        return (
+            self._table.find(arr.__array_interface__["data"][0], max(arr.nbytes, 1), quiet=True) is not None
+        )
 
     def bases(self) -> list[int]:
         return self._table.bases()

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 class DevicePtr:
     addr: int
 
-    def offset(self, nbytes: int) -> "DevicePtr":
+    def offset(self, nbytes: int) -> DevicePtr:
         if self.addr == 0:
             raise ValueError("offset of a null DevicePtr")
         return DevicePtr(self.addr + int(nbytes))

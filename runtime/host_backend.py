@@ -11,12 +11,13 @@ records launches and copies and replays them.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from .allocations import AllocationTable, AllocStats, MappedBuffer
-from .backend import Dim3, KernelHandle, NULL_KERNEL
+from .backend import NULL_KERNEL, Dim3, KernelHandle
 from .device_ptr import DevicePtr
 from .errors import KernelNotFound, LaunchError, MemoryFault, OutOfMemoryError
 from .graph import Graph
@@ -114,7 +115,11 @@ class HostBackend:
         self._run(lambda: self.mem._bytes(ptr, nbytes).fill(byte & 0xFF))
 
     def copy_h2d(self, dst: DevicePtr, src: np.ndarray | bytes, stream: int | None = None) -> None:
-        data = np.frombuffer(bytes(src), np.uint8) if isinstance(src, (bytes, bytearray)) else np.ascontiguousarray(src)
+        data = (
+            np.frombuffer(bytes(src), np.uint8)
+            if isinstance(src, (bytes, bytearray))
+            else np.ascontiguousarray(src)
+        )
         self._ledger.touch(dst, data.nbytes)
         if self._ops is not None:
             if stream is None:
@@ -154,7 +159,9 @@ class HostBackend:
 
     def free_mapped(self, buf: MappedBuffer) -> None:
         if self._arrays.get(buf.device.addr) is not buf.host:
-            raise MemoryFault(f"free_mapped of 0x{buf.device.addr:x}, which is not a live buffer from alloc_mapped")
+            raise MemoryFault(
+                f"free_mapped of 0x{buf.device.addr:x}, which is not a live buffer from alloc_mapped"
+            )
         self._free(buf.device)  # GraphLifetimeError under a live graph, before anything changes
         self._mapped.discard(buf.device.addr)
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import importlib
 import importlib.resources
 import pkgutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Callable
 
 
 class Arg(Enum):

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import ctypes
 import struct
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .backend import Dim3, GpuBackend, KernelHandle
 from .device_ptr import DevicePtr
@@ -42,7 +43,9 @@ def check_args(kernel: KernelHandle, args: Sequence[Any]) -> tuple[Any, ...]:
     for (name, typ), v in zip(decl.args, args):
         if typ is Arg.PTR:
             if not isinstance(v, DevicePtr):
-                raise LaunchError(f"{kernel.name}: argument {name} must be a DevicePtr, got {type(v).__name__}")
+                raise LaunchError(
+                    f"{kernel.name}: argument {name} must be a DevicePtr, got {type(v).__name__}"
+                )
             if not v:
                 raise LaunchError(f"{kernel.name}: argument {name} is a null pointer")
         elif typ is Arg.F32:
@@ -51,7 +54,9 @@ def check_args(kernel: KernelHandle, args: Sequence[Any]) -> tuple[Any, ...]:
             v = float(v)
         else:
             if isinstance(v, (bool, float)) or not hasattr(v, "__index__"):
-                raise LaunchError(f"{kernel.name}: argument {name} must be an integer ({typ.value}), got {v!r}")
+                raise LaunchError(
+                    f"{kernel.name}: argument {name} must be an integer ({typ.value}), got {v!r}"
+                )
             v = int(v)
             lo, hi = _INT_RANGE[typ]
             if not lo <= v <= hi:
@@ -88,7 +93,9 @@ def grid_stride_blocks(units: int, resident: int) -> int:
     9680 sixteen-row groups over 528 blocks gave 176 blocks a 19th round while 352 sat idle; 510
     blocks run 19 rounds each (the 10 last 18)."""
     if units < 1 or resident < 1:
-        raise LaunchError(f"grid_stride_blocks needs positive units and resident blocks, got {units}, {resident}")
+        raise LaunchError(
+            f"grid_stride_blocks needs positive units and resident blocks, got {units}, {resident}"
+        )
     rounds = -(-units // resident)
     return -(-units // rounds)
 

@@ -26,7 +26,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from .rendezvous import DistEnv
 
@@ -103,8 +103,9 @@ def spawn(
                 child_env[key] = value
         child_env.update(rank_env(dist))
         procs.append(subprocess.Popen([sys.executable, *argv], env=child_env))
-    log.info("spawned %d ranks (pids %s), rendezvous at %s:%d",
-             nprocs, [p.pid for p in procs], master_addr, port)
+    log.info(
+        "spawned %d ranks (pids %s), rendezvous at %s:%d", nprocs, [p.pid for p in procs], master_addr, port
+    )
     return _wait_all(procs, timeout_s, grace_s)
 
 
@@ -122,8 +123,7 @@ def _wait_all(procs: list[subprocess.Popen[bytes]], timeout_s: float | None, gra
             log.error("rank(s) %s failed; the others have %gs to exit", bad, grace_s)
         overdue = timeout_s is not None and now - start > timeout_s
         if overdue or (first_failure is not None and now - first_failure > grace_s):
-            log.error("terminating ranks still running: %s",
-                      [r for r, c in enumerate(codes) if c is None])
+            log.error("terminating ranks still running: %s", [r for r, c in enumerate(codes) if c is None])
             _terminate(procs)
             return [int(p.wait()) for p in procs]
         time.sleep(0.05)
@@ -149,10 +149,15 @@ def main(args: Sequence[str] | None = None) -> int:
     parser.add_argument("--nprocs", type=int, required=True, help="ranks to start on this host")
     parser.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
     parser.add_argument("--timeout", type=float, default=None, help="kill everything after this many seconds")
-    parser.add_argument("--grace", type=float, default=30.0,
-                        help="seconds the other ranks get to exit after one fails (default 30)")
-    parser.add_argument("command", nargs=argparse.REMAINDER,
-                        help="after --: -m module args..., or script.py args...")
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        help="seconds the other ranks get to exit after one fails (default 30)",
+    )
+    parser.add_argument(
+        "command", nargs=argparse.REMAINDER, help="after --: -m module args..., or script.py args..."
+    )
     ns = parser.parse_args(args)
     command = list(ns.command)
     if command[:1] == ["--"]:

@@ -80,7 +80,9 @@ class Ledger:
         if self.capture is None:
             raise GraphLifetimeError("end_capture without begin_capture")
         if stream != self.capture.stream:
-            raise GraphLifetimeError(f"end_capture on stream {stream} but the capture began on {self.capture.stream}")
+            raise GraphLifetimeError(
+                f"end_capture on stream {stream} but the capture began on {self.capture.stream}"
+            )
         capture, self.capture = self.capture, None
         return capture
 

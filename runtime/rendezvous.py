@@ -25,8 +25,9 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from .errors import CommError
 
@@ -62,7 +63,7 @@ class DistEnv:
             raise ValueError(f"MASTER_PORT {self.master_port} is not a TCP port")
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "DistEnv":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
         """Read the launcher's variables (``os.environ`` unless ``environ`` is given). Absent
         variables mean a single rank on this host."""
         env = os.environ if environ is None else environ
@@ -167,7 +168,7 @@ class _Store:
                         return
                 try:
                     conn, _ = self._sock.accept()
-                except socket.timeout:
+                except TimeoutError:
                     continue
                 except OSError:
                     return
@@ -318,8 +319,9 @@ def rendezvous(
             store.drain(_REPLY_GRACE_S)
     if not reply.get("ok"):
         raise CommError(f"rank {dist.rank}: rendezvous failed: {reply.get('error')}")
-    log.info("rank %d of %d: rendezvous complete in %.2fs", dist.rank, dist.world_size,
-             time.monotonic() - start)
+    log.info(
+        "rank %d of %d: rendezvous complete in %.2fs", dist.rank, dist.world_size, time.monotonic() - start
+    )
     return RendezvousResult(bytes.fromhex(reply["payload"]), dist.world_size)
 
 
@@ -329,8 +331,16 @@ def _ask(dist: DistEnv, fingerprint: str, deadline: float) -> dict[str, Any]:
     with sock:
         try:
             sock.settimeout(max(0.1, deadline - time.monotonic()) + _REPLY_GRACE_S)
-            _send(sock, {"protocol": _PROTOCOL, "rank": dist.rank, "world_size": dist.world_size,
-                         "fingerprint": fingerprint, "host": socket.gethostname()})
+            _send(
+                sock,
+                {
+                    "protocol": _PROTOCOL,
+                    "rank": dist.rank,
+                    "world_size": dist.world_size,
+                    "fingerprint": fingerprint,
+                    "host": socket.gethostname(),
+                },
+            )
             return _recv(sock)
         except (OSError, ValueError) as e:
             raise CommError(

@@ -13,7 +13,7 @@ def _cuda_reason() -> str | None:
         return f"cuda-bindings not importable: {e}"
     try:
         # Without a driver (CI), cuda-bindings 13 raises from cuInit instead of returning an error.
-        err, = driver.cuInit(0)
+        (err,) = driver.cuInit(0)
     except Exception as e:  # pragma: no cover - depends on the machine
         return f"no CUDA driver: {e}"
     if int(err) != 0:

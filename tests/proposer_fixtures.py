@@ -24,8 +24,16 @@ def small_cfg(**kw) -> ModelConfig:
     return tiny(**kw)
 
 
-def make_proposer(cfg: ModelConfig, weights, *, gpu=None, served=None, tables=None,
-                  cls: type[MtpProposer] = MtpProposer, **opts):
+def make_proposer(
+    cfg: ModelConfig,
+    weights,
+    *,
+    gpu=None,
+    served=None,
+    tables=None,
+    cls: type[MtpProposer] = MtpProposer,
+    **opts,
+):
     gpu = gpu or HostBackend()
     served = served or cfg.dsa.max_context
     return cls(gpu, cfg, weights, ProposerOptions(served_max_seq_len=served, **opts), tables=tables)

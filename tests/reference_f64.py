@@ -18,7 +18,7 @@ any float dtype (bfloat16 from ml_dtypes, float32, ...) is upcast to float64 onc
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from collections.abc import Mapping
 
 import ml_dtypes
 import numpy as np
@@ -72,8 +72,9 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return e / np.sum(e, axis=axis, keepdims=True)
 
 
-def clamped_swiglu(y: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray,
-                   limit: float) -> np.ndarray:
+def clamped_swiglu(
+    y: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, limit: float
+) -> np.ndarray:
     """down(silu(min(gate.y, L)) * clip(up.y, -L, L))."""
     g = np.minimum(w_gate @ y, limit)
     u = np.clip(w_up @ y, -limit, limit)
@@ -113,8 +114,14 @@ def top_k_desc(values: np.ndarray, k: int) -> list[int]:
 class ReferenceDrafter:
     """Float64 MTP drafter: one decoder block (absorbed NoPE MLA + KPool DSA + MoE) and the head."""
 
-    def __init__(self, cfg: ModelConfig, weights: Mapping[str, np.ndarray], *, fp8_cache: bool = True,
-                 fp8_head: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: Mapping[str, np.ndarray],
+        *,
+        fp8_cache: bool = True,
+        fp8_head: bool = False,
+    ) -> None:
         a, d, m = cfg.attention, cfg.dsa, cfg.moe
         if a.qk_rope_head_dim != 0:
             raise ValueError("reference covers NoPE MLA only (qk_rope_head_dim == 0)")
@@ -135,16 +142,23 @@ class ReferenceDrafter:
                 raise ValueError(f"tensor {name}: expected shape {shape}, found {t.shape}")
             return t
 
-        nh, nope, v, ql, kl = (a.num_attention_heads, a.qk_nope_head_dim, a.v_head_dim,
-                               a.q_lora_rank, a.kv_lora_rank)
+        nh, nope, v, ql, kl = (
+            a.num_attention_heads,
+            a.qk_nope_head_dim,
+            a.v_head_dim,
+            a.q_lora_rank,
+            a.kv_lora_rank,
+        )
         ih, idim, kp = d.index_n_heads, d.index_head_dim, d.index_kpool
         E, I = m.n_routed_experts, m.moe_intermediate_size
         V = cfg.vocab_size
 
-        emb_name = P + "embed_tokens.weight" if P + "embed_tokens.weight" in weights \
-            else "model.embed_tokens.weight"
-        head_name = P + "shared_head.head.weight" if P + "shared_head.head.weight" in weights \
-            else "lm_head.weight"
+        emb_name = (
+            P + "embed_tokens.weight" if P + "embed_tokens.weight" in weights else "model.embed_tokens.weight"
+        )
+        head_name = (
+            P + "shared_head.head.weight" if P + "shared_head.head.weight" in weights else "lm_head.weight"
+        )
         self.embed = get(emb_name, (V, H))
         head = get(head_name, (V, H))
         self.head = fp8_rows(head) if fp8_head else head
@@ -181,24 +195,28 @@ class ReferenceDrafter:
         self.router = get(M + "gate.weight", (E, H))
         self.router_bias = get(M + "gate.e_score_correction_bias", (E,))
         self.experts = [
-            (get(M + f"experts.{e}.gate_proj.weight", (I, H)),
-             get(M + f"experts.{e}.up_proj.weight", (I, H)),
-             get(M + f"experts.{e}.down_proj.weight", (H, I)))
+            (
+                get(M + f"experts.{e}.gate_proj.weight", (I, H)),
+                get(M + f"experts.{e}.up_proj.weight", (I, H)),
+                get(M + f"experts.{e}.down_proj.weight", (H, I)),
+            )
             for e in range(E)
         ]
         self.shared = None
         if m.n_shared_experts:
-            self.shared = (get(M + "shared_experts.gate_proj.weight", (I * m.n_shared_experts, H)),
-                           get(M + "shared_experts.up_proj.weight", (I * m.n_shared_experts, H)),
-                           get(M + "shared_experts.down_proj.weight", (H, I * m.n_shared_experts)))
+            self.shared = (
+                get(M + "shared_experts.gate_proj.weight", (I * m.n_shared_experts, H)),
+                get(M + "shared_experts.up_proj.weight", (I * m.n_shared_experts, H)),
+                get(M + "shared_experts.down_proj.weight", (H, I * m.n_shared_experts)),
+            )
 
         # Per-row state (row r at index r) and per-pool compressed keys.
-        self._y: list[np.ndarray] = []        # normalised block input (kept to recompute selection)
-        self._c: list[np.ndarray] = []        # latent rows as read back from storage [kl]
-        self._k: list[np.ndarray] = []        # indexer keys [idim]
-        self._g: list[np.ndarray] = []        # compress gates [idim]
+        self._y: list[np.ndarray] = []  # normalised block input (kept to recompute selection)
+        self._c: list[np.ndarray] = []  # latent rows as read back from storage [kl]
+        self._k: list[np.ndarray] = []  # indexer keys [idim]
+        self._g: list[np.ndarray] = []  # compress gates [idim]
         self._pool_keys: list[np.ndarray] = []  # stored pool keys (read back) [idim]
-        self._draft_rows = 0                  # rows written by the last propose (for after_verify)
+        self._draft_rows = 0  # rows written by the last propose (for after_verify)
 
     # ---- state -----------------------------------------------------------------------------------
 
@@ -226,16 +244,20 @@ class ReferenceDrafter:
 
     def state(self) -> dict[str, np.ndarray]:
         """A copy of the whole cache state, for exact comparisons."""
-        return {"y": np.array(self._y).reshape(self.rows, self.cfg.hidden_size), "latents": self.latents,
-                "indexer_keys": self.indexer_keys, "gates": self.gates,
-                "pool_keys": self.pool_keys}
+        return {
+            "y": np.array(self._y).reshape(self.rows, self.cfg.hidden_size),
+            "latents": self.latents,
+            "indexer_keys": self.indexer_keys,
+            "gates": self.gates,
+            "pool_keys": self.pool_keys,
+        }
 
     def rewind_to(self, n: int) -> None:
         """Keep rows 0..n-1; drop every pool that is no longer complete."""
         if not 0 <= n <= self.rows:
             raise ValueError(f"rewind_to({n}) outside 0..{self.rows}")
         del self._y[n:], self._c[n:], self._k[n:], self._g[n:]
-        del self._pool_keys[n // self.cfg.dsa.index_kpool:]
+        del self._pool_keys[n // self.cfg.dsa.index_kpool :]
 
     # ---- the pieces of the math ------------------------------------------------------------------
 
@@ -286,8 +308,8 @@ class ReferenceDrafter:
         d = self.cfg.dsa
         qi = (self.ix_wq_b @ self.q_latent(y)).reshape(d.index_n_heads, d.index_head_dim)
         w = (self.ix_weights @ y) / math.sqrt(d.index_n_heads)
-        keys = self.pool_keys[:n_pools]                         # [P, idim]
-        rel = np.maximum(qi @ keys.T, 0.0)                     # [ih, P]
+        keys = self.pool_keys[:n_pools]  # [P, idim]
+        rel = np.maximum(qi @ keys.T, 0.0)  # [ih, P]
         return (w @ rel) / math.sqrt(d.index_head_dim)
 
     def selection(self, n: int | None = None) -> np.ndarray:
@@ -324,11 +346,11 @@ class ReferenceDrafter:
         if len(rows) == 0:
             return np.zeros(self.cfg.hidden_size)
         q = (self.q_b @ self.q_latent(y)).reshape(a.num_attention_heads, a.qk_nope_head_dim)
-        qa = np.einsum("hdk,hd->hk", self.w_uk, q)              # [nh, kl]
-        c = self.latents[rows]                                 # [S, kl]
-        p = softmax((qa @ c.T) * a.softmax_scale, axis=-1)     # [nh, S]
-        o_lat = p @ c                                          # [nh, kl]
-        o = np.einsum("hvk,hk->hv", self.w_uv, o_lat)          # [nh, v]
+        qa = np.einsum("hdk,hd->hk", self.w_uk, q)  # [nh, kl]
+        c = self.latents[rows]  # [S, kl]
+        p = softmax((qa @ c.T) * a.softmax_scale, axis=-1)  # [nh, S]
+        o_lat = p @ c  # [nh, kl]
+        o = np.einsum("hvk,hk->hv", self.w_uv, o_lat)  # [nh, v]
         return self.o_proj @ o.reshape(-1)
 
     def route(self, y2: np.ndarray) -> tuple[list[int], np.ndarray]:
@@ -369,15 +391,17 @@ class ReferenceDrafter:
         for t, h in zip(tokens, hiddens, strict=True):
             self._append(int(t), h)
 
-    def draft_row(self, token: int, hidden: np.ndarray, rows: np.ndarray | None = None
-                  ) -> tuple[np.ndarray, np.ndarray]:
+    def draft_row(
+        self, token: int, hidden: np.ndarray, rows: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Append a row and run it through the block over ``rows`` (default: its own selection)."""
         x, y = self._append(token, hidden)
         out = self.block(x, y, self.selection() if rows is None else rows)
         return self.head_logits(out)
 
-    def propose(self, last_token: int, target_hidden: np.ndarray, k: int, *,
-                position: int | None = None) -> tuple[list[int], np.ndarray, np.ndarray]:
+    def propose(
+        self, last_token: int, target_hidden: np.ndarray, k: int, *, position: int | None = None
+    ) -> tuple[list[int], np.ndarray, np.ndarray]:
         """k drafts; draft 1 writes row ``position`` (default: the current length).
 
         A drafter ahead of ``position`` is rewound to it; one behind it refuses.
@@ -425,8 +449,13 @@ def random_mtp_weights(cfg: ModelConfig, seed: int = 0, dtype=np.float32) -> dic
     H, V = cfg.hidden_size, cfg.vocab_size
     P = f"model.layers.{cfg.num_hidden_layers}."
     A, X, M = P + "self_attn.", P + "self_attn.indexer.", P + "mlp."
-    nh, nope, v, ql, kl = (a.num_attention_heads, a.qk_nope_head_dim, a.v_head_dim,
-                           a.q_lora_rank, a.kv_lora_rank)
+    nh, nope, v, ql, kl = (
+        a.num_attention_heads,
+        a.qk_nope_head_dim,
+        a.v_head_dim,
+        a.q_lora_rank,
+        a.kv_lora_rank,
+    )
     ih, idim = d.index_n_heads, d.index_head_dim
     E, I = m.n_routed_experts, m.moe_intermediate_size
 
@@ -439,19 +468,24 @@ def random_mtp_weights(cfg: ModelConfig, seed: int = 0, dtype=np.float32) -> dic
     w = {
         "model.embed_tokens.weight": rng.standard_normal((V, H)).astype(dtype),
         "lm_head.weight": lin(V, H),
-        P + "enorm.weight": norm(H), P + "hnorm.weight": norm(H),
+        P + "enorm.weight": norm(H),
+        P + "hnorm.weight": norm(H),
         P + "eh_proj.weight": lin(H, 2 * H),
-        P + "input_layernorm.weight": norm(H), P + "post_attention_layernorm.weight": norm(H),
+        P + "input_layernorm.weight": norm(H),
+        P + "post_attention_layernorm.weight": norm(H),
         P + "shared_head.norm.weight": norm(H),
-        A + "q_a_proj.weight": lin(ql, H), A + "q_a_layernorm.weight": norm(ql),
+        A + "q_a_proj.weight": lin(ql, H),
+        A + "q_a_layernorm.weight": norm(ql),
         A + "q_b_proj.weight": lin(nh * (nope + a.qk_rope_head_dim), ql),
         A + "kv_a_proj_with_mqa.weight": lin(kl + a.qk_rope_head_dim, H),
         A + "kv_a_layernorm.weight": norm(kl),
         A + "kv_b_proj.weight": lin(nh * (nope + v), kl),
         A + "o_proj.weight": lin(H, nh * v),
-        X + "wq_b.weight": lin(ih * idim, ql), X + "wk.weight": lin(idim, H),
+        X + "wq_b.weight": lin(ih * idim, ql),
+        X + "wk.weight": lin(idim, H),
         X + "weights_proj.weight": lin(ih, H),
-        X + "k_norm.weight": norm(idim), X + "k_norm.bias": (0.1 * rng.standard_normal(idim)).astype(dtype),
+        X + "k_norm.weight": norm(idim),
+        X + "k_norm.bias": (0.1 * rng.standard_normal(idim)).astype(dtype),
         X + "index_kpool_compress_gate": lin(idim, H),
         X + "index_kpool_compress_ape": rng.standard_normal((d.index_kpool, idim)).astype(dtype),
         M + "gate.weight": lin(E, H),

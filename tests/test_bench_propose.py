@@ -38,7 +38,6 @@ def test_bench_runs_on_the_host_backend_and_renders(tmp_path):
     assert text.index("## Runtime kernels") < text.index(bp.SECTION)
 
 
-
 CFG = tiny(index_topk=8, index_kpool=2, max_context=64)
 W = bf16_weights(CFG, 11)
 
@@ -51,7 +50,7 @@ def _history(prop, gpu, *arm, rows=13, k=3):
     st = prop.alloc_state(*arm)
     p, h = upload_rows(gpu, hid[:rows]), upload_rows(gpu, hid[rows:])
     try:
-        prop.prefill_drafter(st, tok[:rows + 1], p)
+        prop.prefill_drafter(st, tok[: rows + 1], p)
         return prop.propose(st, int(tok[rows + 1]), h, rows, k)
     finally:
         prop.free_state(st)

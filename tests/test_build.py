@@ -26,7 +26,15 @@ def run_check(ptx_dir: Path, *extra: str) -> subprocess.CompletedProcess:
 
 
 # The runtime's kernels (other kernels come and go; these tests need a known, current set).
-RUNTIME_KERNELS = ("add_bf16", "argmax_bf16", "embed_gather_bf16", "gemv_bf16", "gemv_fp8w", "quantize_fp8", "rmsnorm")
+RUNTIME_KERNELS = (
+    "add_bf16",
+    "argmax_bf16",
+    "embed_gather_bf16",
+    "gemv_bf16",
+    "gemv_fp8w",
+    "quantize_fp8",
+    "rmsnorm",
+)
 
 
 @pytest.fixture

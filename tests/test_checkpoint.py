@@ -58,9 +58,14 @@ def random_array(rng: np.random.Generator, dtype: str, shape: tuple[int, ...]) -
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     """Bitwise equality (NaN-safe, and works for dtypes without ufunc equality)."""
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and np.array_equal(np.ascontiguousarray(a).reshape(-1).view(np.uint8),
-                               np.ascontiguousarray(b).reshape(-1).view(np.uint8)))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and np.array_equal(
+            np.ascontiguousarray(a).reshape(-1).view(np.uint8),
+            np.ascontiguousarray(b).reshape(-1).view(np.uint8),
+        )
+    )
 
 
 def tensors_of(cfg, seed: int = 0, **kw) -> dict[str, np.ndarray]:
@@ -82,8 +87,11 @@ def ckpt_dir(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("dtype", ["BF16", "F16", "F32", "F8_E4M3", "I32", "I64", "U8"])
 def test_roundtrip_every_dtype(tmp_path, dtype):
     rng = np.random.default_rng(1)
-    tensors = {"a": random_array(rng, dtype, (5, 7)), "b.scalar": random_array(rng, dtype, ()),
-               "c.empty": random_array(rng, dtype, (0, 3))}
+    tensors = {
+        "a": random_array(rng, dtype, (5, 7)),
+        "b.scalar": random_array(rng, dtype, ()),
+        "c.empty": random_array(rng, dtype, (0, 3)),
+    }
     write_safetensors(tmp_path / "x.safetensors", tensors, {"format": "pt"})
     back = load_safetensors(tmp_path / "x.safetensors")
     assert back.keys() == tensors.keys()
@@ -96,7 +104,7 @@ def test_roundtrip_every_dtype(tmp_path, dtype):
 def test_f8_header_dtype_name(tmp_path):
     write_safetensors(tmp_path / "x.safetensors", {"w": np.ones((2, 2), FP8)})
     (n,) = struct.unpack("<Q", (tmp_path / "x.safetensors").read_bytes()[:8])
-    header = json.loads((tmp_path / "x.safetensors").read_bytes()[8:8 + n])
+    header = json.loads((tmp_path / "x.safetensors").read_bytes()[8 : 8 + n])
     assert header["w"]["dtype"] == "F8_E4M3"
 
 
@@ -104,8 +112,7 @@ _DTYPE = st.sampled_from(sorted(DTYPES))
 _SHAPE = st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple)
 
 
-@settings(max_examples=40, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(specs=st.lists(st.tuples(_DTYPE, _SHAPE), min_size=1, max_size=6), seed=st.integers(0, 99))
 def test_roundtrip_random_shapes_and_dtypes(tmp_path, specs, seed):
     rng = np.random.default_rng(seed)
@@ -161,11 +168,11 @@ def test_malformed_file_is_named(tmp_path, damage):
     elif damage == "not_json":
         raw[8] = ord("[") + 1
     else:
-        header = json.loads(raw[8:8 + n])
+        header = json.loads(raw[8 : 8 + n])
         header["a"]["shape"] = [5]
         h = json.dumps(header).encode()
         h += b" " * (n - len(h))
-        raw[8:8 + n] = h
+        raw[8 : 8 + n] = h
     path.write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match="bad.safetensors"):
         SafetensorsFile(path)
@@ -193,8 +200,11 @@ def test_sharded_and_single_file_read_the_same(tmp_path):
 
 def test_random_values_do_not_depend_on_sharding_or_target(tmp_path):
     a = Checkpoint(random_checkpoint(tmp_path / "a", CFG, 5, progress=False))
-    b = Checkpoint(random_checkpoint(tmp_path / "b", CFG, 5, include_target=False,
-                                     max_shard_bytes=30_000, progress=False))
+    b = Checkpoint(
+        random_checkpoint(
+            tmp_path / "b", CFG, 5, include_target=False, max_shard_bytes=30_000, progress=False
+        )
+    )
     assert len(b.shards()) > 1
     for name in b.names():
         assert same_bits(a.get(name), b.get(name)), name
@@ -296,6 +306,7 @@ def test_every_problem_is_listed(tmp_path):
     def edit(t):
         t.pop(P + "enorm.weight")
         t[P + "hnorm.weight"] = t[P + "hnorm.weight"].astype(np.float16)
+
     c = _broken(tmp_path, "two", edit)
     with pytest.raises(CheckpointError) as e:
         mtp_tensors(c)
@@ -304,8 +315,7 @@ def test_every_problem_is_listed(tmp_path):
 
 
 def test_target_of_an_mtp_only_checkpoint_is_refused(tmp_path):
-    c = Checkpoint(random_checkpoint(tmp_path / "m", CFG, 0, include_target=False,
-                                     progress=False))
+    c = Checkpoint(random_checkpoint(tmp_path / "m", CFG, 0, include_target=False, progress=False))
     mtp_tensors(c)
     with pytest.raises(CheckpointError, match="model.layers.0.input_layernorm.weight is missing"):
         target_tensors(c)
@@ -336,8 +346,10 @@ def test_index_inconsistent_with_shards(tmp_path):
     index_path.write_text(json.dumps(index))
     c = Checkpoint(d)
     assert not c.has(LM_HEAD) and LM_HEAD in c.names()
-    with pytest.raises(CheckpointError, match=f"{LM_HEAD} is missing.*puts it in "
-                                              "model-00099-of-00099.safetensors, which is not"):
+    with pytest.raises(
+        CheckpointError,
+        match=f"{LM_HEAD} is missing.*puts it in model-00099-of-00099.safetensors, which is not",
+    ):
         c.get(LM_HEAD)
     with pytest.raises(CheckpointError, match=f"{LM_HEAD} is missing"):
         mtp_tensors(c)
@@ -390,6 +402,7 @@ def test_alias_missing_everywhere_names_both(tmp_path):
 def test_stored_alias_of_wrong_shape_is_named(tmp_path):
     def edit(t):
         t[EMBED_ALIAS] = np.zeros((CFG.vocab_size - 1, CFG.hidden_size), BF16)
+
     c = _broken(tmp_path, "badalias", edit)
     with pytest.raises(CheckpointError, match=rf"{EMBED_ALIAS}: expected shape \[97, 64\]"):
         mtp_tensors(c)
@@ -404,8 +417,9 @@ def _fp8_checkpoint(tmp_path, shape=(300, 260), block=(128, 128)):
     q, s = quantize_fp8(w, block)
     s = (s * rng.uniform(0.5, 2.0, s.shape)).astype(np.float32)  # distinct per block
     extra = {"quantization_config": {"weight_block_size": list(block)}}
-    d = write_checkpoint(tmp_path / "fp8", CFG, {"w.weight": q, scale_name("w.weight"): s},
-                         extra_config=extra)
+    d = write_checkpoint(
+        tmp_path / "fp8", CFG, {"w.weight": q, scale_name("w.weight"): s}, extra_config=extra
+    )
     full = np.repeat(np.repeat(s.astype(np.float64), block[0], 0), block[1], 1)
     exact = q.astype(np.float64) * full[: shape[0], : shape[1]]
     return Checkpoint(d), q, s, exact
@@ -418,7 +432,7 @@ def test_fp8_block_dequantisation_against_float64(tmp_path, block):
     got = c.get_checked("w.weight", (300, 260), "BF16")
     assert got.dtype == BF16 and got.shape == (300, 260)
     # One rounding to BF16 of the exact product: within half a BF16 ulp (2^-9 relative).
-    np.testing.assert_allclose(got.astype(np.float64), exact, rtol=2.0 ** -8, atol=0)
+    np.testing.assert_allclose(got.astype(np.float64), exact, rtol=2.0**-8, atol=0)
     assert np.mean(got.astype(np.float64) == exact.astype(np.float32).astype(BF16)) > 0.999
     # The raw FP8 is still there, and so are the scales.
     assert same_bits(c.get_checked("w.weight", (300, 260), "F8_E4M3"), q)
@@ -445,25 +459,32 @@ def test_quantize_then_dequantize_is_close():
     back = dequantize_fp8(q, s, np.dtype(np.float32))
     # E4M3 keeps 3 mantissa bits: relative error <= 2^-4 for values not near underflow.
     big = np.abs(w) > np.abs(w).max() / 64
-    np.testing.assert_allclose(back[big], w[big], rtol=2.0 ** -4)
+    np.testing.assert_allclose(back[big], w[big], rtol=2.0**-4)
 
 
 def test_fp8_without_scales_or_with_bad_scales(tmp_path):
     q = np.ones((4, 4), FP8)
     c = Checkpoint(write_checkpoint(tmp_path / "a", CFG, {"w.weight": q}))
-    with pytest.raises(CheckpointError, match="w.weight: expected dtype BF16, found F8_E4M3 "
-                                              "without its block scales w.weight_scale_inv"):
+    with pytest.raises(
+        CheckpointError,
+        match="w.weight: expected dtype BF16, found F8_E4M3 without its block scales w.weight_scale_inv",
+    ):
         c.get_checked("w.weight", (4, 4), "BF16")
-    c = Checkpoint(write_checkpoint(tmp_path / "b", CFG, {
-        "w.weight": q, "w.weight_scale_inv": np.ones((2, 1), np.float32)}))
-    with pytest.raises(CheckpointError, match=r"w.weight_scale_inv \(block scales of w.weight\): "
-                                              r"expected F32\[1, 1\], found F32\[2, 1\]"):
+    c = Checkpoint(
+        write_checkpoint(
+            tmp_path / "b", CFG, {"w.weight": q, "w.weight_scale_inv": np.ones((2, 1), np.float32)}
+        )
+    )
+    with pytest.raises(
+        CheckpointError,
+        match=r"w.weight_scale_inv \(block scales of w.weight\): "
+        r"expected F32\[1, 1\], found F32\[2, 1\]",
+    ):
         c.get_checked("w.weight", (4, 4), "BF16")
 
 
 def test_random_fp8_experts_load_through_the_checker(tmp_path):
-    d = random_checkpoint(tmp_path / "f", CFG, 0, fp8_experts=True, fp8_block=(16, 16),
-                          progress=False)
+    d = random_checkpoint(tmp_path / "f", CFG, 0, fp8_experts=True, fp8_block=(16, 16), progress=False)
     c = Checkpoint(d)
     name = P + "mlp.experts.5.up_proj.weight"
     assert c.info(name).dtype == "F8_E4M3" and c.info(scale_name(name)).shape == (2, 4)
@@ -471,9 +492,10 @@ def test_random_fp8_experts_load_through_the_checker(tmp_path):
     mtp = mtp_tensors(c)
     w = mtp[name]
     assert w.dtype == BF16 and w.shape == (24, 64)
-    exact = c.get(name).astype(np.float64) * np.repeat(np.repeat(c.get(scale_name(name)), 16, 0),
-                                                       16, 1)[:24, :64]
-    np.testing.assert_allclose(w.astype(np.float64), exact, rtol=2.0 ** -8)
+    exact = (
+        c.get(name).astype(np.float64) * np.repeat(np.repeat(c.get(scale_name(name)), 16, 0), 16, 1)[:24, :64]
+    )
+    np.testing.assert_allclose(w.astype(np.float64), exact, rtol=2.0**-8)
     # Same std as the BF16 experts of the same seed, roughly (independent draws).
     ref = Checkpoint(random_checkpoint(tmp_path / "b", CFG, 0, progress=False)).get(name)
     ratio = np.std(w.astype(np.float32)) / np.std(ref.astype(np.float32))
@@ -487,8 +509,9 @@ def test_random_fp8_experts_load_through_the_checker(tmp_path):
 
 @pytest.fixture(scope="module")
 def rows_ckpt(tmp_path_factory) -> Checkpoint:
-    return Checkpoint(random_checkpoint(tmp_path_factory.mktemp("rows") / "r", CFG, 9,
-                                        include_target=False, progress=False))
+    return Checkpoint(
+        random_checkpoint(tmp_path_factory.mktemp("rows") / "r", CFG, 9, include_target=False, progress=False)
+    )
 
 
 @settings(max_examples=30, deadline=None)
@@ -522,11 +545,17 @@ def test_random_weights_keep_activations_order_one(ckpt_dir):
     rng = np.random.default_rng(0)
     h = rng.standard_normal(CFG.hidden_size)
     x = m[P + "eh_proj.weight"] @ np.concatenate(
-        [_rms(m[EMBED_ALIAS][11], m[P + "enorm.weight"]), _rms(h, m[P + "hnorm.weight"])])
+        [_rms(m[EMBED_ALIAS][11], m[P + "enorm.weight"]), _rms(h, m[P + "hnorm.weight"])]
+    )
     assert 0.5 < np.std(x) < 2
     y = _rms(x, m[P + "input_layernorm.weight"])
-    for proj in ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa", "mlp.experts.0.gate_proj",
-                 "mlp.shared_experts.up_proj", "self_attn.indexer.wk"):
+    for proj in (
+        "self_attn.q_a_proj",
+        "self_attn.kv_a_proj_with_mqa",
+        "mlp.experts.0.gate_proj",
+        "mlp.shared_experts.up_proj",
+        "self_attn.indexer.wk",
+    ):
         assert 0.4 < np.std(m[P + proj + ".weight"] @ y) < 2.5, proj
     assert np.abs(m[P + "mlp.gate.e_score_correction_bias"]).max() < 0.1
     assert np.abs(m[P + "self_attn.indexer.index_kpool_compress_ape"]).max() < 0.1

@@ -21,14 +21,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args: str | bytes) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "model", *args], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "model", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        check=False,
+    )
 
 
 def strict_json(text: str):
     """json.loads that refuses NaN / Infinity, as a strict parser does."""
+
     def refuse(name: str):
         raise ValueError(f"{name} is not JSON")
+
     return json.loads(text, parse_constant=refuse)
 
 
@@ -52,8 +60,10 @@ TINY = tiny()  # vocab 97: byte prompts above 0x60 fall outside it
 
 
 def _tensors() -> dict[str, np.ndarray]:
-    return {t.name: np.concatenate([c.reshape(-1) for c in t.chunks()]).reshape(t.shape)
-            for t in random_tensors(TINY, 0)}
+    return {
+        t.name: np.concatenate([c.reshape(-1) for c in t.chunks()]).reshape(t.shape)
+        for t in random_tensors(TINY, 0)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -92,14 +102,22 @@ USER_ERRORS = [
     (["generate", "--checkpoint", "README.md"], "README.md is a file; give the checkpoint's directory"),
     (["generate", "--checkpoint", "{ck}/emptycfg"], "emptycfg/config.json is empty"),
     (["generate", "--checkpoint", "{ck}/listcfg"], "listcfg/config.json: expected a JSON object"),
-    (["generate", "--prompt", "AB", "--checkpoint", "{ck}/missing"],
-     "tensor lm_head.weight is missing from checkpoint"),
-    (["generate", "--prompt", "AB", "--checkpoint", "{ck}/dtype"],
-     "tensor model.norm.weight: expected dtype BF16, found F16"),
-    (["generate", "--prompt", "AB", "--checkpoint", "{ck}/shape"],
-     "tensor model.embed_tokens.weight: expected shape [97, 64], found [97, 8]"),
-    (["generate", "--prompt", "Az", "--checkpoint", "{ck}/ok"],
-     "byte 0x7a (offset 1) is outside the checkpoint's vocabulary 0..96"),
+    (
+        ["generate", "--prompt", "AB", "--checkpoint", "{ck}/missing"],
+        "tensor lm_head.weight is missing from checkpoint",
+    ),
+    (
+        ["generate", "--prompt", "AB", "--checkpoint", "{ck}/dtype"],
+        "tensor model.norm.weight: expected dtype BF16, found F16",
+    ),
+    (
+        ["generate", "--prompt", "AB", "--checkpoint", "{ck}/shape"],
+        "tensor model.embed_tokens.weight: expected shape [97, 64], found [97, 8]",
+    ),
+    (
+        ["generate", "--prompt", "Az", "--checkpoint", "{ck}/ok"],
+        "byte 0x7a (offset 1) is outside the checkpoint's vocabulary 0..96",
+    ),
     (["generate", "-v", "-k", "0"], "-k must be between 1 and 8, got 0"),
     (["eval", "-k", "0"], "-k must be between 1 and 8, got 0"),
     (["eval", "-k", "-1"], "-k must be between 1 and 8, got -1"),
@@ -110,11 +128,15 @@ USER_ERRORS = [
     (["eval", "--decode", "--new-tokens", "0"], "--new-tokens must be at least 1"),
     (["eval", "--decode", "--records", "{tmp}/r.json"], "does not apply to --decode"),
     # The records target is checked first: the bad checkpoint behind it is never reached.
-    (["eval", "--records", NOWHERE, "--checkpoint", "/nonexistent"],
-     f"--records {NOWHERE}: cannot write there (No such file or directory)"),
+    (
+        ["eval", "--records", NOWHERE, "--checkpoint", "/nonexistent"],
+        f"--records {NOWHERE}: cannot write there (No such file or directory)",
+    ),
     (["eval", "--records", "{tmp}", "--checkpoint", "/nonexistent"], "cannot write there (Is a directory)"),
-    (["eval", "--records", "README.md/r.json", "--checkpoint", "/nonexistent"],
-     "cannot write there (Not a directory)"),
+    (
+        ["eval", "--records", "README.md/r.json", "--checkpoint", "/nonexistent"],
+        "cannot write there (Not a directory)",
+    ),
 ]
 
 
@@ -134,8 +156,12 @@ def test_non_utf8_argv_is_one_line():
 
 
 def test_verbose_is_accepted_before_and_after_the_subcommand():
-    for argv, verbose in ((["generate"], False), (["-v", "generate"], True),
-                          (["generate", "-v"], True), (["eval", "--verbose"], True)):
+    for argv, verbose in (
+        (["generate"], False),
+        (["-v", "generate"], True),
+        (["generate", "-v"], True),
+        (["eval", "--verbose"], True),
+    ):
         args, rest = parser().parse_known_args(argv)
         assert (args.verbose, rest) == (verbose, [])
 
@@ -155,8 +181,17 @@ def test_unknown_backend_is_refused_without_traceback():
 def test_help_explains_every_option():
     r = run("generate", "--help")
     assert r.returncode == 0
-    for opt in ("--checkpoint", "--backend", "-k", "--max-context", "--refeed-target-hidden",
-                "--prompt", "--max-new-tokens", "--check-lossless", "--verbose"):
+    for opt in (
+        "--checkpoint",
+        "--backend",
+        "-k",
+        "--max-context",
+        "--refeed-target-hidden",
+        "--prompt",
+        "--max-new-tokens",
+        "--check-lossless",
+        "--verbose",
+    ):
         assert opt in r.stdout
 
 
@@ -205,16 +240,25 @@ def no_gpu(monkeypatch):
 
     def refuse(*a, **kw):
         raise RuntimeError("cuInit: no CUDA driver\n(second line of detail)")
+
     monkeypatch.setattr(runtime.cuda_backend, "CudaBackend", refuse)
 
 
-@pytest.mark.parametrize("opts", [["--iters", "5"], ["--iters", "5", "--no-torch", "--rows-only"],
-                                  ["--ks", "1,3", "--contexts", "4096", "--heads", "fp8"], []])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        ["--iters", "5"],
+        ["--iters", "5", "--no-torch", "--rows-only"],
+        ["--ks", "1,3", "--contexts", "4096", "--heads", "fp8"],
+        [],
+    ],
+)
 def test_bench_without_a_gpu_says_so_in_one_line(opts, no_gpu, capsys):
     assert main(["bench", *opts]) == 2
     err = capsys.readouterr().err
-    assert_one_line_error(err, "mtpdraft bench: error: needs a CUDA GPU, and none is usable here: "
-                               "cuInit: no CUDA driver")
+    assert_one_line_error(
+        err, "mtpdraft bench: error: needs a CUDA GPU, and none is usable here: cuInit: no CUDA driver"
+    )
     assert "unrecognized" not in err
 
 
@@ -229,12 +273,15 @@ def test_bench_on_a_cpu_machine_exits_nonzero_in_one_line():
     assert_one_line_error(r.stderr, "needs a CUDA GPU")
 
 
-@pytest.mark.parametrize("opts,msg", [
-    (["--iters", "0"], "--iters must be at least 1, got 0"),
-    (["--from-json", "/nonexistent.json"], "--from-json /nonexistent.json: No such file"),
-    (["--json", NOWHERE], f"--json {NOWHERE}: No such file"),
-    (["--from-json", "README.md"], "not this benchmark's results"),
-])
+@pytest.mark.parametrize(
+    "opts,msg",
+    [
+        (["--iters", "0"], "--iters must be at least 1, got 0"),
+        (["--from-json", "/nonexistent.json"], "--from-json /nonexistent.json: No such file"),
+        (["--json", NOWHERE], f"--json {NOWHERE}: No such file"),
+        (["--from-json", "README.md"], "not this benchmark's results"),
+    ],
+)
 def test_bench_user_errors_are_one_line(opts, msg, no_gpu, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert main(["bench", *opts]) == 2
@@ -260,7 +307,7 @@ def test_bench_ships_as_a_package():
     tomllib = pytest.importorskip("tomllib")
     from setuptools import find_packages
 
-    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
-        "packages"]["find"]["include"]
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"][
+        "include"
+    ]
     assert "bench" in find_packages(where=str(ROOT), include=include)
-

@@ -12,8 +12,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -97,7 +98,9 @@ def no_errors(results: list[Any]) -> list[Any]:
     return results
 
 
-def make_group(world: int, timeout_s: float = 10.0) -> tuple[HostCommGroup, list[HostBackend], list[HostCommunicator]]:
+def make_group(
+    world: int, timeout_s: float = 10.0
+) -> tuple[HostCommGroup, list[HostBackend], list[HostCommunicator]]:
     group = HostCommGroup(world, timeout_s)
     backends = [HostBackend() for _ in range(world)]
     comms = [group.communicator(r, backends[r]) for r in range(world)]
@@ -168,8 +171,10 @@ def ref_element(vals: list, dtype: CommDtype, op: ReduceOp) -> float | int:
         return s
     xs = [float(v) for v in vals]
     if op is ReduceOp.AVG:
-        scale = 1.0 / n if dtype is CommDtype.FLOAT64 else float(
-            np.array(np.float32(1.0 / n)).astype(dtype.np_dtype)
+        scale = (
+            1.0 / n
+            if dtype is CommDtype.FLOAT64
+            else float(np.array(np.float32(1.0 / n)).astype(dtype.np_dtype))
         )
         xs = [_round(x * scale, dtype) for x in xs]
         op = ReduceOp.SUM
@@ -293,8 +298,10 @@ def test_all_gather_in_place() -> None:
 def _reduce_once(dtype: CommDtype, op: ReduceOp, per_rank: list[list]) -> list[np.ndarray]:
     world = len(per_rank)
     _, backends, comms = make_group(world)
-    arrays = [np.array(v, np.float64).astype(dtype.np_dtype) if dtype.is_float else np.array(v, dtype.np_dtype)
-              for v in per_rank]
+    arrays = [
+        np.array(v, np.float64).astype(dtype.np_dtype) if dtype.is_float else np.array(v, dtype.np_dtype)
+        for v in per_rank
+    ]
 
     def rank_fn(r: int) -> np.ndarray:
         buf = upload(backends[r], arrays[r])
@@ -364,8 +371,12 @@ def test_captured_collectives_rerun_at_replay_on_current_contents() -> None:
         for step in range(3):
             b.copy_h2d(buf, np.arange(count, dtype=np.float32) * (step + 1) + r)
             b.graph_launch(g)
-            seen.append((download(b, buf, np.float32, count).tolist(),
-                         download(b, recv, np.float32, world * count).tolist()))
+            seen.append(
+                (
+                    download(b, buf, np.float32, count).tolist(),
+                    download(b, recv, np.float32, world * count).tolist(),
+                )
+            )
         with pytest.raises(GraphLifetimeError):
             b.free(buf)  # the graph's collective still references it
         b.graph_destroy(g)
@@ -566,9 +577,19 @@ def test_single_rank_is_identity_and_gather_copies_in_stream_order() -> None:
 
 
 def test_comm_dtype_table() -> None:
-    sizes = {CommDtype.INT8: 1, CommDtype.UINT8: 1, CommDtype.INT32: 4, CommDtype.UINT32: 4,
-             CommDtype.INT64: 8, CommDtype.UINT64: 8, CommDtype.FLOAT16: 2, CommDtype.FLOAT32: 4,
-             CommDtype.FLOAT64: 8, CommDtype.BFLOAT16: 2, CommDtype.FP8_E4M3: 1}
+    sizes = {
+        CommDtype.INT8: 1,
+        CommDtype.UINT8: 1,
+        CommDtype.INT32: 4,
+        CommDtype.UINT32: 4,
+        CommDtype.INT64: 8,
+        CommDtype.UINT64: 8,
+        CommDtype.FLOAT16: 2,
+        CommDtype.FLOAT32: 4,
+        CommDtype.FLOAT64: 8,
+        CommDtype.BFLOAT16: 2,
+        CommDtype.FP8_E4M3: 1,
+    }
     assert {d: d.itemsize for d in CommDtype} == sizes
     # NCCL's ncclDataType_t / ncclRedOp_t values (nccl.h).
     assert [int(d) for d in CommDtype] == list(range(11))
@@ -616,8 +637,9 @@ def test_rendezvous_broadcasts_rank0_payload(world: int) -> None:
     payload = bytes(range(128))
 
     def rank_fn(r: int) -> bytes:
-        return rendezvous(_dist(r, world, port), "fp-1", payload=payload if r == 0 else None,
-                          timeout_s=10.0).payload
+        return rendezvous(
+            _dist(r, world, port), "fp-1", payload=payload if r == 0 else None, timeout_s=10.0
+        ).payload
 
     assert no_errors(run_ranks(world, rank_fn)) == [payload] * world
 
@@ -683,8 +705,16 @@ def test_rendezvous_payload_rules() -> None:
 
 
 def test_dist_env_from_env() -> None:
-    d = DistEnv.from_env({"RANK": "2", "WORLD_SIZE": "4", "LOCAL_RANK": "0",
-                          "MASTER_ADDR": "node7", "MASTER_PORT": "1234", "LOCAL_WORLD_SIZE": "2"})
+    d = DistEnv.from_env(
+        {
+            "RANK": "2",
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": "node7",
+            "MASTER_PORT": "1234",
+            "LOCAL_WORLD_SIZE": "2",
+        }
+    )
     assert d == DistEnv(2, 4, 0, "node7", 1234, local_world_size=2)
     assert not d.single_host
     assert DistEnv.from_env({}) == DistEnv()
@@ -730,9 +760,7 @@ def test_spawned_fingerprint_mismatch_fails_every_rank(tmp_path: Path) -> None:
 def test_spawn_terminates_survivors_after_a_failure(tmp_path: Path) -> None:
     script = tmp_path / "stuck.py"
     script.write_text(
-        "import os, sys, time\n"
-        "if os.environ['RANK'] == '0':\n    sys.exit(5)\n"
-        "time.sleep(120)\n"
+        "import os, sys, time\nif os.environ['RANK'] == '0':\n    sys.exit(5)\ntime.sleep(120)\n"
     )
     t0 = time.monotonic()
     codes = spawn([str(script)], 2, grace_s=0.5, timeout_s=60)

@@ -16,16 +16,25 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402 - after the sys.path insert
 
 REPO = Path(__file__).resolve().parent.parent
-_CASES = [("float32", "sum"), ("float32", "max"), ("bfloat16", "sum"), ("bfloat16", "max"),
-          ("uint64", "sum"), ("uint64", "max"), ("float32", "avg"), ("int32", "prod")]
+_CASES = [
+    ("float32", "sum"),
+    ("float32", "max"),
+    ("bfloat16", "sum"),
+    ("bfloat16", "max"),
+    ("uint64", "sum"),
+    ("uint64", "max"),
+    ("float32", "avg"),
+    ("int32", "prod"),
+]
 
 
 def _rank_input(rank: int, dtype: Any, count: int, salt: int) -> np.ndarray:
@@ -141,8 +150,9 @@ def _download(backend: Any, p: Any, dtype: np.dtype, count: int) -> np.ndarray:
 
 @pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MAX], ids=str)
 @pytest.mark.parametrize("dtype", [CommDtype.FLOAT32, CommDtype.BFLOAT16, CommDtype.UINT64], ids=str)
-def test_one_rank_all_reduce_eager_and_in_graph(cuda: Any, comm: NcclCommunicator,
-                                                dtype: CommDtype, op: ReduceOp) -> None:
+def test_one_rank_all_reduce_eager_and_in_graph(
+    cuda: Any, comm: NcclCommunicator, dtype: CommDtype, op: ReduceOp
+) -> None:
     count = 517
     x = _rank_input(0, dtype, count, 1)
     buf = _upload(cuda, x)
@@ -241,8 +251,9 @@ def test_two_ranks_match_host_reduction(tmp_path: Path) -> None:
     if _gpu_count() < 2:
         pytest.skip("needs two GPUs (two NCCL ranks cannot share one)")
     world, count = 2, 1001
-    codes = spawn([str(REPO / "tests" / "test_comm_nccl.py"), "--nccl-worker", str(tmp_path)],
-                  world, timeout_s=300)
+    codes = spawn(
+        [str(REPO / "tests" / "test_comm_nccl.py"), "--nccl-worker", str(tmp_path)], world, timeout_s=300
+    )
     assert codes == [0] * world
     recs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     for salt, (dt_name, op_name) in enumerate(_CASES):

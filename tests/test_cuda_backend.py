@@ -6,10 +6,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from kernel_util import download, poisoned, random_bf16, upload
-from runtime import DevicePtr, GraphLifetimeError, KernelNotFound, LaunchError, MemoryFault, NULL_KERNEL
-from runtime import CudaError, OutOfMemoryError
+
+from runtime import (
+    NULL_KERNEL,
+    CudaError,
+    DevicePtr,
+    GraphLifetimeError,
+    KernelNotFound,
+    LaunchError,
+    MemoryFault,
+    OutOfMemoryError,
+)
 from runtime.dtypes import BF16
 from runtime.kernels.add_bf16 import add_bf16, add_ref
 from runtime.kernels.argmax_bf16 import ARGMAX_BF16, argmax_bf16, argmax_ref
@@ -133,7 +141,13 @@ def test_graph_capture_replays_with_new_inputs_and_host_buffers(cuda):
     table = random_bf16(rng, (vocab, k))
     bias_host = random_bf16(rng, k)
     pt, pbias = upload(cuda, table), upload(cuda, bias_host)
-    ptok, prow, psum, pidx, pval = cuda.alloc(4), poisoned(cuda, 2 * k), poisoned(cuda, 2 * k), cuda.alloc(4), cuda.alloc(4)
+    ptok, prow, psum, pidx, pval = (
+        cuda.alloc(4),
+        poisoned(cuda, 2 * k),
+        poisoned(cuda, 2 * k),
+        cuda.alloc(4),
+        cuda.alloc(4),
+    )
     unused = cuda.alloc(64)
     tok_in, idx_out = cuda.alloc_host(4).view(np.uint32), cuda.alloc_host(4).view(np.uint32)
     s = cuda.create_stream()

@@ -52,8 +52,9 @@ def test_selection_without_tail_is_complete_pools_only(kpool, topk):
     dr = ReferenceDrafter(cfg, random_mtp_weights(cfg, 4), fp8_cache=False)
     toks, hid = _rows(cfg, 30, 5)
     dr.feed(toks[:30], hid[:30])
-    with_tail = ReferenceDrafter(tiny(index_topk=topk, index_kpool=kpool),
-                                 random_mtp_weights(cfg, 4), fp8_cache=False)
+    with_tail = ReferenceDrafter(
+        tiny(index_topk=topk, index_kpool=kpool), random_mtp_weights(cfg, 4), fp8_cache=False
+    )
     with_tail.feed(toks[:30], hid[:30])
     T = cfg.dsa.topk_pools
     for n in range(30):
@@ -98,16 +99,24 @@ def test_shared_selection_of_the_reference():
 
 
 @pytest.mark.parametrize("tail,share", COMBOS, ids=IDS)
-@pytest.mark.parametrize("seed,rows,topk,kpool,k", [
-    (0, 5, 8, 2, 3),    # dense
-    (1, 23, 8, 2, 4),   # sparse; k = 4 appends 3 rows to a shared selection
-    (2, 30, 6, 3, 3),   # kpool 3
-    (3, 41, 4, 4, 4),   # kpool 4: draft 1's 2-row tail plus 3 appended rows > kpool - 1
-    (4, 2, 8, 4, 3),    # the first rows: without the tail, nothing to attend yet
-])
+@pytest.mark.parametrize(
+    "seed,rows,topk,kpool,k",
+    [
+        (0, 5, 8, 2, 3),  # dense
+        (1, 23, 8, 2, 4),  # sparse; k = 4 appends 3 rows to a shared selection
+        (2, 30, 6, 3, 3),  # kpool 3
+        (3, 41, 4, 4, 4),  # kpool 4: draft 1's 2-row tail plus 3 appended rows > kpool - 1
+        (4, 2, 8, 4, 3),  # the first rows: without the tail, nothing to attend yet
+    ],
+)
 def test_host_proposer_matches_float64(tail, share, seed, rows, topk, kpool, k):
-    cfg = tiny(index_topk=topk, index_kpool=kpool, max_context=64, always_select_tail=tail,
-               share_for_mtp_iteration=share)
+    cfg = tiny(
+        index_topk=topk,
+        index_kpool=kpool,
+        max_context=64,
+        always_select_tail=tail,
+        share_for_mtp_iteration=share,
+    )
     w = bf16_weights(cfg, seed)
     gpu = HostBackend()
     prop = make_proposer(cfg, w, gpu=gpu, served=64, max_draft_tokens=4)
@@ -117,7 +126,7 @@ def test_host_proposer_matches_float64(tail, share, seed, rows, topk, kpool, k):
     tokens = rng.integers(0, cfg.vocab_size, rows + 1)
     hiddens = rng.standard_normal((rows + 1, cfg.hidden_size)).astype(BF16)
     st = prop.alloc_state()
-    ctx, tgt = upload_rows(gpu, hiddens[:rows]), upload_rows(gpu, hiddens[rows:rows + 1])
+    ctx, tgt = upload_rows(gpu, hiddens[:rows]), upload_rows(gpu, hiddens[rows : rows + 1])
     prop.prefill_drafter(st, tokens, ctx)
     for r in range(rows):
         ref.context_row(int(tokens[r + 1]), hiddens[r].astype(np.float64))
@@ -139,13 +148,12 @@ def test_host_proposer_matches_float64(tail, share, seed, rows, topk, kpool, k):
     n_last = rows + k - 1
     own = not (share and k > 1)
     if drafts[:-1] == rdrafts[:-1] and (not own or _clear_cut(ref, n_last)):
-        want = ref.selection(n_last) if own else ref.shared_selection(ref.selection(rows), rows,
-                                                                       n_last)
+        want = ref.selection(n_last) if own else ref.shared_selection(ref.selection(rows), rows, n_last)
         count = np.empty(1, np.uint32)
         gpu.copy_d2h(count, st.scratch.count)
         got = np.empty(max(int(count[0]), 1), np.uint32)
         gpu.copy_d2h(got, st.scratch.selected)
-        assert got[:int(count[0])].tolist() == want.tolist()
+        assert got[: int(count[0])].tolist() == want.tolist()
     # The last draft's logits, as the proposer's buffer holds them after the propose.
     if drafts == rdrafts:
         got = np.empty(cfg.vocab_size, BF16)
@@ -191,6 +199,5 @@ def test_sharing_changes_drafts_after_the_first_only():
 
 def test_shared_selection_sizing():
     assert shared_selection_extra(tiny(share_for_mtp_iteration=True).dsa, 4) == 3
-    assert shared_selection_extra(tiny(share_for_mtp_iteration=True, always_select_tail=False).dsa,
-                                  4) == 0
+    assert shared_selection_extra(tiny(share_for_mtp_iteration=True, always_select_tail=False).dsa, 4) == 0
     assert shared_selection_extra(tiny().dsa, 4) == 0

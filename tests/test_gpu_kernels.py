@@ -10,16 +10,17 @@ the sum of squares is added in another order; the GEMVs within ``dot_bound(..., 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import pytest
-
 from kernel_util import abs_dot, assert_dot_close, dot_bound, random_bf16
+
 from runtime.dtypes import BF16, FP8, quantize_rows_fp8
 from runtime.host_backend import HostBackend
 from runtime.kernels.add_bf16 import add_bf16
-from runtime.kernels.all_finite_bf16 import NONE as FINITE, all_finite_bf16, first_nonfinite_row_ref
+from runtime.kernels.all_finite_bf16 import NONE as FINITE
+from runtime.kernels.all_finite_bf16 import all_finite_bf16, first_nonfinite_row_ref
 from runtime.kernels.argmax_bf16 import argmax_bf16, argmax_ref
 from runtime.kernels.embed_gather_bf16 import embed_gather_bf16
 from runtime.kernels.gemv_bf16 import gemv_bf16, gemv_bf16_ref
@@ -106,7 +107,9 @@ def test_rmsnorm(cuda, rows, n, mis):
 def test_add(cuda, n, mis):
     rng = np.random.default_rng()
     a, b = random_bf16(rng, n), random_bf16(rng, n)
-    g, h = both(cuda, lambda gpu, a, b, out: add_bf16(gpu, a, b, out, n), {"a": a, "b": b}, {"out": 2 * n}, {"a": mis})
+    g, h = both(
+        cuda, lambda gpu, a, b, out: add_bf16(gpu, a, b, out, n), {"a": a, "b": b}, {"out": 2 * n}, {"a": mis}
+    )
     assert g["out"].tobytes() == h["out"].tobytes()
     assert not np.isnan(g["out"].view(BF16).astype(np.float32)).any()
 
@@ -151,7 +154,9 @@ def test_quantize_fp8_bit_exact(cuda, n, k):
     assert g["q"].tobytes() == q.tobytes() and g["s"].tobytes() == s.tobytes()
 
 
-@pytest.mark.parametrize("n16,blocks", [(1, 1), (1, 3), (255, 1), (257, 2), (12_345, 5), (2 * 256 * 8 * 7 + 3, 7)])
+@pytest.mark.parametrize(
+    "n16,blocks", [(1, 1), (1, 3), (255, 1), (257, 2), (12_345, 5), (2 * 256 * 8 * 7 + 3, 7)]
+)
 @pytest.mark.parametrize("l2_256b", [False, True])
 def test_read_xor(cuda, n16, blocks, l2_256b):
     """Every block writes its partial, blocks without words included (0), bit for bit the twin's."""
@@ -167,8 +172,9 @@ def test_read_xor(cuda, n16, blocks, l2_256b):
     assert np.bitwise_xor.reduce(g["out"].view(np.uint32)) == np.bitwise_xor.reduce(words)
 
 
-@pytest.mark.parametrize("rows,h,mis", [(1, 4096, 0), (7, 4096, 0), (300, 4096, 0), (5, 37, 0), (9, 4096, 2),
-                                        (3, 1, 0)])
+@pytest.mark.parametrize(
+    "rows,h,mis", [(1, 4096, 0), (7, 4096, 0), (300, 4096, 0), (5, 37, 0), (9, 4096, 2), (3, 1, 0)]
+)
 def test_all_finite(cuda, rows, h, mis):
     """The lowest row holding a NaN or an Inf (every kind, anywhere in the row, in several rows at
     once), or NONE; the output is poisoned before the launch (the helper resets it)."""
@@ -176,8 +182,9 @@ def test_all_finite(cuda, rows, h, mis):
     x = random_bf16(rng, (rows, h))
 
     def check(x: np.ndarray) -> int:
-        g, hh = both(cuda, lambda gpu, x, out: all_finite_bf16(gpu, x, rows, h, out), {"x": x}, {"out": 4},
-                     {"x": mis})
+        g, hh = both(
+            cuda, lambda gpu, x, out: all_finite_bf16(gpu, x, rows, h, out), {"x": x}, {"out": 4}, {"x": mis}
+        )
         assert g["out"].tobytes() == hh["out"].tobytes()
         return int(g["out"].view(np.uint32)[0])
 
@@ -205,10 +212,15 @@ def _argmax_both(cuda, x: np.ndarray, mis: int = 0) -> tuple[tuple[int, bytes], 
         {"i": 4, "v": 4},
         {"x": mis},
     )
-    return (int(g["i"].view(np.uint32)[0]), g["v"].tobytes()), (int(h["i"].view(np.uint32)[0]), h["v"].tobytes())
+    return (int(g["i"].view(np.uint32)[0]), g["v"].tobytes()), (
+        int(h["i"].view(np.uint32)[0]),
+        h["v"].tobytes(),
+    )
 
 
-@pytest.mark.parametrize("n,mis", [(1, 0), (7, 0), (1000, 0), (8191, 2), (VOCAB, 0), (VOCAB + 1, 0), (VOCAB, 2)])
+@pytest.mark.parametrize(
+    "n,mis", [(1, 0), (7, 0), (1000, 0), (8191, 2), (VOCAB, 0), (VOCAB + 1, 0), (VOCAB, 2)]
+)
 def test_argmax(cuda, n, mis):
     rng = np.random.default_rng()
     x = random_bf16(rng, n).astype(np.float32)
@@ -274,7 +286,9 @@ def test_gemv_bf16(cuda, m, n, k, mis):
     ad = abs_dot(x, w)
     ref = x.astype(np.float64) @ w.astype(np.float64).T
     assert_dot_close(gy, ref, dot_bound(ad, ref, k), f"gemv_bf16 PTX vs float64 m={m} n={n} k={k}")
-    assert_dot_close(gy, hy.astype(np.float64), dot_bound(ad, hy, k, 2), f"gemv_bf16 PTX vs twin m={m} n={n} k={k}")
+    assert_dot_close(
+        gy, hy.astype(np.float64), dot_bound(ad, hy, k, 2), f"gemv_bf16 PTX vs twin m={m} n={n} k={k}"
+    )
 
 
 FP8_CASES = [
@@ -305,7 +319,9 @@ def test_gemv_fp8w(cuda, m, n, k, mis):
     ad = abs_dot(x, wd)
     ref = x.astype(np.float64) @ wd.T
     assert_dot_close(gy, ref, dot_bound(ad, ref, k), f"gemv_fp8w PTX vs float64 m={m} n={n} k={k}")
-    assert_dot_close(gy, hy.astype(np.float64), dot_bound(ad, hy, k, 2), f"gemv_fp8w PTX vs twin m={m} n={n} k={k}")
+    assert_dot_close(
+        gy, hy.astype(np.float64), dot_bound(ad, hy, k, 2), f"gemv_fp8w PTX vs twin m={m} n={n} k={k}"
+    )
 
 
 @pytest.mark.parametrize("which", ["gemv_fp8w", "gemv_fp8w_m2"])
@@ -327,7 +343,9 @@ def test_gemv_fp8w_kernels_with_and_without_staging_room(cuda, which, m, smem):
     g, h = both(cuda, run, {"Wq": q, "s": s, "x": x}, {"y": 2 * m * n})
     gy, hy = g["y"].view(BF16).reshape(m, n), h["y"].view(BF16).reshape(m, n)
     wd = q.astype(np.float64) * s.astype(np.float64)[:, None]
-    assert_dot_close(gy, hy.astype(np.float64), dot_bound(abs_dot(x, wd), hy, k, 2), f"{which} m={m} smem={smem}")
+    assert_dot_close(
+        gy, hy.astype(np.float64), dot_bound(abs_dot(x, wd), hy, k, 2), f"{which} m={m} smem={smem}"
+    )
 
 
 def test_gemv_fp8w_m2_writes_nothing_for_larger_m(cuda):
@@ -370,7 +388,9 @@ def test_gemv_bf16_full_head(cuda, head):
     y = np.empty((1, VOCAB), BF16)
     cuda.copy_d2h(y, py)
     twin = gemv_bf16_ref(w, x)  # the host twin's math
-    assert_dot_close(y, twin.astype(np.float64), dot_bound(abs_dot(x, w), twin, HIDDEN, 2), "gemv_bf16 full head")
+    assert_dot_close(
+        y, twin.astype(np.float64), dot_bound(abs_dot(x, w), twin, HIDDEN, 2), "gemv_bf16 full head"
+    )
     # the device argmax of the device logits is the twin's argmax of the same logits
     pi, pv = cuda.alloc(4), cuda.alloc(4)
     argmax_bf16(cuda, py, pi, pv, VOCAB)
@@ -406,6 +426,8 @@ def test_quantize_and_gemv_fp8w_full_head(cuda, head):
     q32 = q.astype(np.float32)  # exact; the twin's own first step, done once for twin and bound
     twin = gemv_fp8w_ref(q32, s, x)
     q32 *= s[:, None]
-    assert_dot_close(y, twin.astype(np.float64), dot_bound(abs_dot(x, q32), twin, HIDDEN, 2), "gemv_fp8w full head")
+    assert_dot_close(
+        y, twin.astype(np.float64), dot_bound(abs_dot(x, q32), twin, HIDDEN, 2), "gemv_fp8w full head"
+    )
     for p in (pq, ps, px, py):
         cuda.free(p)

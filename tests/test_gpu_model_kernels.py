@@ -61,8 +61,9 @@ def cuda():
 # ---- running one launch on both backends --------------------------------------------------------
 
 
-def run_on(gpu, fn: Callable[..., None], bufs: dict[str, np.ndarray | int],
-           misalign: dict[str, int] | None = None) -> dict[str, np.ndarray]:
+def run_on(
+    gpu, fn: Callable[..., None], bufs: dict[str, np.ndarray | int], misalign: dict[str, int] | None = None
+) -> dict[str, np.ndarray]:
     """Allocate every buffer with GUARD bytes after it, poison it all (0xFF), upload the arrays
     (ints are output sizes in bytes), call ``fn(gpu, **pointers)``, return every buffer's bytes
     (guards included). ``misalign`` shifts the named buffers off 16-byte alignment."""
@@ -111,8 +112,10 @@ def assert_close(g, h, rtol: float, atol: float, what: str) -> None:
     bad = err > rtol * np.abs(h64) + atol
     if bad.any():
         i = np.unravel_index(int(np.argmax(err - rtol * np.abs(h64))), err.shape)
-        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.size} outside rtol {rtol} atol {atol}; "
-                             f"worst at {i}: gpu {g64[i]!r} host {h64[i]!r}")
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {bad.size} outside rtol {rtol} atol {atol}; "
+            f"worst at {i}: gpu {g64[i]!r} host {h64[i]!r}"
+        )
 
 
 def assert_fp8_rows_close(gq: np.ndarray, gs: np.ndarray, hq: np.ndarray, hs: np.ndarray, what: str) -> None:
@@ -146,11 +149,22 @@ def test_mtp_embed_norm(cuda, h, mis):
     rng = np.random.default_rng()
     vocab, rows = 1001, 4
     tokens = np.array([rng.integers(0, vocab), vocab - 1, vocab, 2**32 - 1], np.uint32)
-    bufs = {"table": random_bf16(rng, (vocab, h)), "tokens": tokens,
-            "enorm": random_bf16(rng, h, exp_lo=-1), "hidden": random_bf16(rng, (rows, h)),
-            "hnorm": random_bf16(rng, h, exp_lo=-1), "out": rows * 2 * h * 2}
-    g, hh = both(cuda, lambda gpu, table, tokens, enorm, hidden, hnorm, out: mtp_embed_norm(
-        gpu, table, tokens, enorm, hidden, hnorm, out, rows, vocab, h, 1e-5), bufs, {"hidden": mis})
+    bufs = {
+        "table": random_bf16(rng, (vocab, h)),
+        "tokens": tokens,
+        "enorm": random_bf16(rng, h, exp_lo=-1),
+        "hidden": random_bf16(rng, (rows, h)),
+        "hnorm": random_bf16(rng, h, exp_lo=-1),
+        "out": rows * 2 * h * 2,
+    }
+    g, hh = both(
+        cuda,
+        lambda gpu, table, tokens, enorm, hidden, hnorm, out: mtp_embed_norm(
+            gpu, table, tokens, enorm, hidden, hnorm, out, rows, vocab, h, 1e-5
+        ),
+        bufs,
+        {"hidden": mis},
+    )
     go, ho = as_(g["out"], BF16, (rows, 2 * h)), as_(hh["out"], BF16, (rows, 2 * h))
     rows_close_bf16(go[:2], ho[:2], "mtp_embed_norm valid tokens")
     rows_close_bf16(go[2:, h:], ho[2:, h:], "mtp_embed_norm hidden half")
@@ -164,28 +178,47 @@ def _norm_gemv_bound(xn: np.ndarray, w: np.ndarray, ref: np.ndarray, k: int) -> 
     return dot_bound(absd, ref, k, roundings=2) + 2.0**-7 * absd
 
 
-@pytest.mark.parametrize("n,h,token", [(HIDDEN, HIDDEN, 5), (37, 40, 3), (19, 37, 1000), (33, 64, 2**32 - 1),
-                                       (5000, 64, 7), (20000, 40, 11)])
+@pytest.mark.parametrize(
+    "n,h,token",
+    [(HIDDEN, HIDDEN, 5), (37, 40, 3), (19, 37, 1000), (33, 64, 2**32 - 1), (5000, 64, 7), (20000, 40, 11)],
+)
 def test_mtp_input_gemv(cuda, n, h, token):
     """eh_proj @ [norm(embed[t]) ; norm(hidden)] in one launch (the proposer's draft input). The
     last two shapes give a warp two rows, and four rows in a grid of more than one wave."""
     rng = np.random.default_rng()
     vocab = 1000
-    bufs = {"table": random_bf16(rng, (vocab, h)), "tok": np.array([token], np.uint32),
-            "enorm": random_bf16(rng, h, exp_lo=-1), "hidden": random_bf16(rng, h),
-            "hnorm": random_bf16(rng, h, exp_lo=-1), "w": random_bf16(rng, (n, 2 * h), exp_lo=-8), "y": 2 * n,
-            "flag": np.zeros(4, np.uint8)}
-    g, hh = both(cuda, lambda gpu, table, tok, enorm, hidden, hnorm, w, y, flag: mtp_input_gemv(
-        gpu, table, tok, enorm, hidden, hnorm, w, y, vocab, h, n, 1e-5, flag=flag), bufs)
+    bufs = {
+        "table": random_bf16(rng, (vocab, h)),
+        "tok": np.array([token], np.uint32),
+        "enorm": random_bf16(rng, h, exp_lo=-1),
+        "hidden": random_bf16(rng, h),
+        "hnorm": random_bf16(rng, h, exp_lo=-1),
+        "w": random_bf16(rng, (n, 2 * h), exp_lo=-8),
+        "y": 2 * n,
+        "flag": np.zeros(4, np.uint8),
+    }
+    g, hh = both(
+        cuda,
+        lambda gpu, table, tok, enorm, hidden, hnorm, w, y, flag: mtp_input_gemv(
+            gpu, table, tok, enorm, hidden, hnorm, w, y, vocab, h, n, 1e-5, flag=flag
+        ),
+        bufs,
+    )
     gy, hy = as_(g["y"], BF16), as_(hh["y"], BF16)
     assert g["flag"].tobytes() == hh["flag"].tobytes()
     if token >= vocab:
-        assert np.isnan(gy.astype(np.float32)).all(), "an out-of-vocabulary token gives NaN, never a read past the table"
+        assert np.isnan(gy.astype(np.float32)).all(), (
+            "an out-of-vocabulary token gives NaN, never a read past the table"
+        )
         assert g["flag"].tolist() == [TOKEN_OUTSIDE, 0, 0, 0], "and raises the flag"
         return
     assert not g["flag"].any(), "finite inputs raise no flag"
-    xn = np.concatenate([rmsnorm_ref(bufs["table"][token], bufs["enorm"], 1e-5),
-                         rmsnorm_ref(bufs["hidden"], bufs["hnorm"], 1e-5)])
+    xn = np.concatenate(
+        [
+            rmsnorm_ref(bufs["table"][token], bufs["enorm"], 1e-5),
+            rmsnorm_ref(bufs["hidden"], bufs["hnorm"], 1e-5),
+        ]
+    )
     ref = hy.astype(np.float64)
     assert_dot_close(gy, ref, _norm_gemv_bound(xn, bufs["w"], ref, 2 * h), f"mtp_input_gemv n={n} h={h}")
 
@@ -199,12 +232,24 @@ def test_mtp_input_gemv_flags_a_nonfinite_hidden(cuda, bad, h, mis):
     vocab, n = 1000, 300
     hidden = random_bf16(rng, h)
     hidden[int(rng.integers(h))] = bad
-    bufs = {"table": random_bf16(rng, (vocab, h)), "tok": np.array([7], np.uint32),
-            "enorm": random_bf16(rng, h, exp_lo=-1), "hidden": hidden,
-            "hnorm": random_bf16(rng, h, exp_lo=-1), "w": random_bf16(rng, (n, 2 * h), exp_lo=-8), "y": 2 * n,
-            "flag": np.zeros(4, np.uint8)}
-    g, hh = both(cuda, lambda gpu, table, tok, enorm, hidden, hnorm, w, y, flag: mtp_input_gemv(
-        gpu, table, tok, enorm, hidden, hnorm, w, y, vocab, h, n, 1e-5, flag=flag), bufs, {"hidden": mis})
+    bufs = {
+        "table": random_bf16(rng, (vocab, h)),
+        "tok": np.array([7], np.uint32),
+        "enorm": random_bf16(rng, h, exp_lo=-1),
+        "hidden": hidden,
+        "hnorm": random_bf16(rng, h, exp_lo=-1),
+        "w": random_bf16(rng, (n, 2 * h), exp_lo=-8),
+        "y": 2 * n,
+        "flag": np.zeros(4, np.uint8),
+    }
+    g, hh = both(
+        cuda,
+        lambda gpu, table, tok, enorm, hidden, hnorm, w, y, flag: mtp_input_gemv(
+            gpu, table, tok, enorm, hidden, hnorm, w, y, vocab, h, n, 1e-5, flag=flag
+        ),
+        bufs,
+        {"hidden": mis},
+    )
     assert g["flag"].tolist() == hh["flag"].tolist() == [HIDDEN_NONFINITE, 0, 0, 0]
     assert np.isnan(as_(g["y"], BF16).astype(np.float32)).all()
     assert np.isnan(as_(hh["y"], BF16).astype(np.float32)).all()
@@ -217,8 +262,12 @@ def test_rmsnorm_gemv(cuda, n, k, mis, beside):
     the beside variant computes the same (it differs only in where it waits)."""
     rng = np.random.default_rng()
     x, nw, w = random_bf16(rng, k), random_bf16(rng, k, exp_lo=-1), random_bf16(rng, (n, k), exp_lo=-8)
-    g, h = both(cuda, lambda gpu, x, nw, w, y: bg.rmsnorm_gemv(gpu, x, nw, w, y, n, k, 1e-5, beside=beside),
-                {"x": x, "nw": nw, "w": w, "y": 2 * n}, {"x": mis})
+    g, h = both(
+        cuda,
+        lambda gpu, x, nw, w, y: bg.rmsnorm_gemv(gpu, x, nw, w, y, n, k, 1e-5, beside=beside),
+        {"x": x, "nw": nw, "w": w, "y": 2 * n},
+        {"x": mis},
+    )
     ref = as_(h["y"], BF16).astype(np.float64)
     xn = rmsnorm_ref(x, nw, 1e-5)
     assert_dot_close(as_(g["y"], BF16), ref, _norm_gemv_bound(xn, w, ref, k), f"rmsnorm_gemv n={n} k={k}")
@@ -227,24 +276,31 @@ def test_rmsnorm_gemv(cuda, n, k, mis, beside):
 # ---- bgemv ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("batch,n,k,mis", [
-    (64, 512, 256, 0),    # wk_t: 64 heads, kv_lora 512 x nope 256
-    (64, 256, 512, 0),    # wv
-    (8, 4096, 2048, 0),   # o_proj in 8 head groups
-    (3, 37, 29, 0),       # k % 8 != 0: element-wise path
-    (5, 33, 24, 2),       # misaligned x: element-wise path
-    (2, 1, 8, 0),
-])
+@pytest.mark.parametrize(
+    "batch,n,k,mis",
+    [
+        (64, 512, 256, 0),  # wk_t: 64 heads, kv_lora 512 x nope 256
+        (64, 256, 512, 0),  # wv
+        (8, 4096, 2048, 0),  # o_proj in 8 head groups
+        (3, 37, 29, 0),  # k % 8 != 0: element-wise path
+        (5, 33, 24, 2),  # misaligned x: element-wise path
+        (2, 1, 8, 0),
+    ],
+)
 @pytest.mark.parametrize("out_f32", [True, False])
 def test_bgemv(cuda, batch, n, k, mis, out_f32):
     rng = np.random.default_rng()
     w, x = random_bf16(rng, (batch, n, k)), random_bf16(rng, (batch, k), exp_lo=-2)
     isz = 4 if out_f32 else 2
-    g, h = both(cuda, lambda gpu, w, x, y: bg.bgemv(gpu, w, x, y, batch, n, k, out_f32=out_f32),
-                {"w": w, "x": x, "y": batch * n * isz}, {"x": mis})
+    g, h = both(
+        cuda,
+        lambda gpu, w, x, y: bg.bgemv(gpu, w, x, y, batch, n, k, out_f32=out_f32),
+        {"w": w, "x": x, "y": batch * n * isz},
+        {"x": mis},
+    )
     dt = np.float32 if out_f32 else BF16
     gy, hy = as_(g["y"], dt, (batch, n)), as_(h["y"], dt, (batch, n))
-    absd = np.stack([abs_dot(x[b:b + 1], w[b])[0] for b in range(batch)])
+    absd = np.stack([abs_dot(x[b : b + 1], w[b])[0] for b in range(batch)])
     ref = hy.astype(np.float64)
     if out_f32:
         bound = 2.0 * 2 * k * 2.0**-24 * absd + 1e-30
@@ -258,8 +314,11 @@ def test_sum_rows_residual_bit_exact(cuda, rows, n):
     rng = np.random.default_rng()
     parts = rng.standard_normal((rows, n)).astype(np.float32)
     res = random_bf16(rng, n, exp_lo=-1)
-    g, h = both(cuda, lambda gpu, parts, res, out: bg.sum_rows_residual(gpu, parts, res, out, rows, n),
-                {"parts": parts, "res": res, "out": 2 * n})
+    g, h = both(
+        cuda,
+        lambda gpu, parts, res, out: bg.sum_rows_residual(gpu, parts, res, out, rows, n),
+        {"parts": parts, "res": res, "out": 2 * n},
+    )
     assert g["out"].tobytes() == h["out"].tobytes()
     assert not np.isnan(as_(g["out"], BF16).astype(np.float32)).any()
 
@@ -268,10 +327,20 @@ def test_sum_rows_residual_bit_exact(cuda, rows, n):
 def test_sum_rows_residual_rmsnorm(cuda, rows, n):
     rng = np.random.default_rng()
     parts = rng.standard_normal((rows, n)).astype(np.float32)
-    bufs = {"parts": parts, "res": random_bf16(rng, n, exp_lo=-1), "w": random_bf16(rng, n, exp_lo=-1),
-            "out": 2 * n, "normed": 2 * n}
-    g, h = both(cuda, lambda gpu, parts, res, w, out, normed: bg.sum_rows_residual_rmsnorm(
-        gpu, parts, res, w, out, normed, rows, n, 1e-5), bufs)
+    bufs = {
+        "parts": parts,
+        "res": random_bf16(rng, n, exp_lo=-1),
+        "w": random_bf16(rng, n, exp_lo=-1),
+        "out": 2 * n,
+        "normed": 2 * n,
+    }
+    g, h = both(
+        cuda,
+        lambda gpu, parts, res, w, out, normed: bg.sum_rows_residual_rmsnorm(
+            gpu, parts, res, w, out, normed, rows, n, 1e-5
+        ),
+        bufs,
+    )
     assert g["out"].tobytes() == h["out"].tobytes(), "the residual sum must be bit-exact"
     rows_close_bf16(as_(g["normed"], BF16), as_(h["normed"], BF16), "sum_rows_residual_rmsnorm normed")
 
@@ -288,17 +357,25 @@ def _cache_case(rng, *, C: int, idim: int, kpool: int, rows: int, base: int, bs:
     table = rng.permutation(nblocks).astype(np.uint32)
     keys = random_bf16(rng, (total, idim), exp_lo=-1)
     gates = random_bf16(rng, (total, idim), exp_lo=-1)
-    return {
-        "fused": random_bf16(rng, (rows, stride), exp_lo=-2),
-        "kv_w": random_bf16(rng, C, exp_lo=-1),
-        "cache": nblocks * bs * C, "scales": nblocks * bs * 4,
-        "table": table,
-        "kw": random_bf16(rng, idim, exp_lo=-1), "kb": random_bf16(rng, idim, exp_lo=-4),
-        "keys": keys, "gates": gates,
-        "ape": random_bf16(rng, (kpool, idim), exp_lo=-1),
-        "pkeys": (total // kpool + 1) * idim, "pscales": (total // kpool + 1) * 4,
-        "row": np.array([base - 2], np.uint32),  # row_add = 2 below
-    }, stride, nblocks
+    return (
+        {
+            "fused": random_bf16(rng, (rows, stride), exp_lo=-2),
+            "kv_w": random_bf16(rng, C, exp_lo=-1),
+            "cache": nblocks * bs * C,
+            "scales": nblocks * bs * 4,
+            "table": table,
+            "kw": random_bf16(rng, idim, exp_lo=-1),
+            "kb": random_bf16(rng, idim, exp_lo=-4),
+            "keys": keys,
+            "gates": gates,
+            "ape": random_bf16(rng, (kpool, idim), exp_lo=-1),
+            "pkeys": (total // kpool + 1) * idim,
+            "pscales": (total // kpool + 1) * 4,
+            "row": np.array([base - 2], np.uint32),  # row_add = 2 below
+        },
+        stride,
+        nblocks,
+    )
 
 
 def _check_caches(g, h, *, C, idim, kpool, rows, base, bs, nblocks, table):
@@ -323,27 +400,53 @@ def _check_caches(g, h, *, C, idim, kpool, rows, base, bs, nblocks, table):
     return len(done)
 
 
-@pytest.mark.parametrize("C,idim,kpool,rows,base", [
-    (512, 128, 4, 1, 4095),   # the draft row completes pool 1023
-    (512, 128, 4, 1, 4094),   # no pool completes
-    (512, 128, 4, 8, 15998),  # a context chunk: pools complete inside the launch and across it
-    (32, 16, 2, 5, 6),        # tiny config
-    (40, 20, 3, 7, 5),        # odd kpool, dims not multiples of 16
-])
+@pytest.mark.parametrize(
+    "C,idim,kpool,rows,base",
+    [
+        (512, 128, 4, 1, 4095),  # the draft row completes pool 1023
+        (512, 128, 4, 1, 4094),  # no pool completes
+        (512, 128, 4, 8, 15998),  # a context chunk: pools complete inside the launch and across it
+        (32, 16, 2, 5, 6),  # tiny config
+        (40, 20, 3, 7, 5),  # odd kpool, dims not multiples of 16
+    ],
+)
 def test_dsa_cache_write_and_its_three_parts(cuda, C, idim, kpool, rows, base):
     rng = np.random.default_rng()
     bs = 16
     bufs, stride, nblocks = _cache_case(rng, C=C, idim=idim, kpool=kpool, rows=rows, base=base, bs=bs)
 
     def fused(gpu, fused, kv_w, cache, scales, table, kw, kb, keys, gates, ape, pkeys, pscales, row):
-        dsa_cache.dsa_cache_write(gpu, fused, stride, kv_w, cache, scales, table, kw, kb, keys, gates,
-                                  ape, pkeys, pscales, row, 2, rows, C, idim, bs, kpool, 1e-5, 1e-6)
+        dsa_cache.dsa_cache_write(
+            gpu,
+            fused,
+            stride,
+            kv_w,
+            cache,
+            scales,
+            table,
+            kw,
+            kb,
+            keys,
+            gates,
+            ape,
+            pkeys,
+            pscales,
+            row,
+            2,
+            rows,
+            C,
+            idim,
+            bs,
+            kpool,
+            1e-5,
+            1e-6,
+        )
 
     def three(gpu, fused, kv_w, cache, scales, table, kw, kb, keys, gates, ape, pkeys, pscales, row):
-        dsa_cache.latent_write_fp8(gpu, fused, stride, kv_w, cache, scales, table, row, 2, rows, C, bs,
-                                   1e-5)
-        dsa_cache.indexer_write_keys(gpu, fused.offset(C * 2), stride, kw, kb, keys, gates, row, 2, rows,
-                                     idim, 1e-6)
+        dsa_cache.latent_write_fp8(gpu, fused, stride, kv_w, cache, scales, table, row, 2, rows, C, bs, 1e-5)
+        dsa_cache.indexer_write_keys(
+            gpu, fused.offset(C * 2), stride, kw, kb, keys, gates, row, 2, rows, idim, 1e-6
+        )
         dsa_cache.indexer_compress_pools(gpu, keys, gates, ape, pkeys, pscales, row, 2, rows, idim, kpool)
 
     kw = dict(C=C, idim=idim, kpool=kpool, rows=rows, base=base, bs=bs, nblocks=nblocks, table=bufs["table"])
@@ -367,21 +470,28 @@ def _scores_case(rng, heads: int, dim: int, npools_cap: int):
     return q, w, pk, ps
 
 
-@pytest.mark.parametrize("heads,dim,kpool,row,cap", [
-    (32, 128, 4, 4095, 4096 // 4),     # context 4096: 1024 pools
-    (32, 128, 4, 16000, 16384 // 4),  # context 16000 (+1 row): 4000 pools, grid-stride
-    (32, 128, 4, 2, 64),              # no complete pool: nothing written
-    (3, 20, 3, 100, 40),              # odd heads, dim % 4 == 0
-    (5, 18, 2, 77, 40),               # dim % 4 != 0: scalar dot
-    (40, 16, 2, 63, 40),              # more heads than lanes
-])
+@pytest.mark.parametrize(
+    "heads,dim,kpool,row,cap",
+    [
+        (32, 128, 4, 4095, 4096 // 4),  # context 4096: 1024 pools
+        (32, 128, 4, 16000, 16384 // 4),  # context 16000 (+1 row): 4000 pools, grid-stride
+        (32, 128, 4, 2, 64),  # no complete pool: nothing written
+        (3, 20, 3, 100, 40),  # odd heads, dim % 4 == 0
+        (5, 18, 2, 77, 40),  # dim % 4 != 0: scalar dot
+        (40, 16, 2, 63, 40),  # more heads than lanes
+    ],
+)
 def test_indexer_scores(cuda, heads, dim, kpool, row, cap):
     rng = np.random.default_rng()
     q, w, pk, ps = _scores_case(rng, heads, dim, cap)
-    ws = 1.0 / heads ** 0.5
-    g, h = both(cuda, lambda gpu, q, w, pk, ps, out, rowp: dsa_select.indexer_scores(
-        gpu, q, w, pk, ps, out, rowp, 1, heads, dim, kpool, ws, cap),
-        {"q": q, "w": w, "pk": pk, "ps": ps, "out": cap * 4, "rowp": np.array([row - 1], np.uint32)})
+    ws = 1.0 / heads**0.5
+    g, h = both(
+        cuda,
+        lambda gpu, q, w, pk, ps, out, rowp: dsa_select.indexer_scores(
+            gpu, q, w, pk, ps, out, rowp, 1, heads, dim, kpool, ws, cap
+        ),
+        {"q": q, "w": w, "pk": pk, "ps": ps, "out": cap * 4, "rowp": np.array([row - 1], np.uint32)},
+    )
     npools = (row + 1) // kpool
     gs, hs = as_(g["out"], np.float32), as_(h["out"], np.float32)
     assert np.isnan(gs[npools:]).all(), "scores past the complete pools must not be written"
@@ -395,23 +505,30 @@ def test_indexer_scores(cuda, heads, dim, kpool, row, cap):
 
 def _select(cuda_or_host, scores, row, topk, kpool, cap_rows, tail=True):
     add = min(row, 3)  # the row is *row_ptr + row_add
-    return run_on(cuda_or_host, lambda gpu, sc, sel, cnt, rowp: dsa_select.select_topk_pools(
-        gpu, sc, sel, cnt, rowp, add, topk, kpool, tail),
-        {"sc": scores, "sel": max(cap_rows, 1) * 4, "cnt": 4, "rowp": np.array([row - add], np.uint32)})
+    return run_on(
+        cuda_or_host,
+        lambda gpu, sc, sel, cnt, rowp: dsa_select.select_topk_pools(
+            gpu, sc, sel, cnt, rowp, add, topk, kpool, tail
+        ),
+        {"sc": scores, "sel": max(cap_rows, 1) * 4, "cnt": 4, "rowp": np.array([row - add], np.uint32)},
+    )
 
 
-@pytest.mark.parametrize("row,topk,kpool,kind", [
-    (4095, 512, 4, "random"),       # context 4096: 1024 pools, no tail
-    (15999, 512, 4, "random"),      # context 16000: 4000 pools
-    (16001, 512, 4, "ties"),        # 4000 pools, a 2-row tail, heavy ties across the cut
-    (4 * TOPK_MAX_POOLS - 1, 512, 4, "random"),  # the kernel's capacity
-    (2047, 512, 4, "random"),       # 512 pools: dense
-    (2050, 512, 4, "random"),       # 512 complete pools + tail: still dense
-    (2051, 512, 4, "specials"),     # 513 pools: -0/+0, NaN, -inf
-    (60, 8, 3, "ties"),             # odd kpool, small top-k
-    (999, 1, 2, "ties"),            # top-1
-    (3, 4, 4, "random"),            # the first row that completes a pool (no tail either way)
-])
+@pytest.mark.parametrize(
+    "row,topk,kpool,kind",
+    [
+        (4095, 512, 4, "random"),  # context 4096: 1024 pools, no tail
+        (15999, 512, 4, "random"),  # context 16000: 4000 pools
+        (16001, 512, 4, "ties"),  # 4000 pools, a 2-row tail, heavy ties across the cut
+        (4 * TOPK_MAX_POOLS - 1, 512, 4, "random"),  # the kernel's capacity
+        (2047, 512, 4, "random"),  # 512 pools: dense
+        (2050, 512, 4, "random"),  # 512 complete pools + tail: still dense
+        (2051, 512, 4, "specials"),  # 513 pools: -0/+0, NaN, -inf
+        (60, 8, 3, "ties"),  # odd kpool, small top-k
+        (999, 1, 2, "ties"),  # top-1
+        (3, 4, 4, "random"),  # the first row that completes a pool (no tail either way)
+    ],
+)
 @pytest.mark.parametrize("tail", [True, False], ids=["tail", "no-tail"])
 def test_select_topk_pools_exact(cuda, row, topk, kpool, kind, tail):
     rng = np.random.default_rng()
@@ -456,8 +573,7 @@ def test_extend_selection_appends_the_row(cuda):
         dsa_select.extend_selection(gpu, sel, cnt, rowp, 1)
         dsa_select.extend_selection(gpu, sel, cnt, rowp, 2)
 
-    g, h = both(cuda, run, {"sel": sel, "cnt": np.array([5], np.uint32),
-                            "rowp": np.array([9], np.uint32)})
+    g, h = both(cuda, run, {"sel": sel, "cnt": np.array([5], np.uint32), "rowp": np.array([9], np.uint32)})
     assert as_(g["cnt"], np.uint32)[0] == 7 == as_(h["cnt"], np.uint32)[0]
     np.testing.assert_array_equal(as_(g["sel"], np.uint32)[:7], [4, 5, 6, 7, 9, 10, 11])
     assert g["sel"].tobytes() == h["sel"].tobytes()
@@ -473,17 +589,23 @@ def _attn_case(rng, heads: int, dim: int, count: int, context: int, bs: int = 16
     lat = rng.standard_normal((nblocks * bs, dim)).astype(np.float32)
     cq, cs = quantize_rows_fp8(lat)
     q = (rng.standard_normal((heads, dim)) * 0.2).astype(np.float32)
-    return {"q": q, "cache": cq, "scales": cs, "table": table, "sel": rows,
-            "cnt": np.array([count], np.uint32)}
+    return {
+        "q": q,
+        "cache": cq,
+        "scales": cs,
+        "table": table,
+        "sel": rows,
+        "cnt": np.array([count], np.uint32),
+    }
 
 
 ATTN_CASES = [
     (64, 512, 2051, 16000),  # topk 2048 + 3 tail rows of a 16000-row context
-    (64, 512, 2048, 4096),   # context 4096, full pools only
-    (64, 512, 64, 4096),     # exactly one split
-    (64, 512, 65, 100),      # one split and one row
-    (4, 32, 37, 200),        # tiny config: heads below a tile
-    (20, 48, 1, 10),         # one row; 20 heads = a tile and a partial tile
+    (64, 512, 2048, 4096),  # context 4096, full pools only
+    (64, 512, 64, 4096),  # exactly one split
+    (64, 512, 65, 100),  # one split and one row
+    (4, 32, 37, 200),  # tiny config: heads below a tile
+    (20, 48, 1, 10),  # one row; 20 heads = a tile and a partial tile
 ]
 
 
@@ -493,9 +615,17 @@ def test_sparse_mla_attend(cuda, heads, dim, count, context):
     bufs = _attn_case(rng, heads, dim, count, context)
     bufs["out"] = heads * dim * 2
     scale = 1.0 / 16.0
-    g, h = both(cuda, lambda gpu, q, cache, scales, table, sel, cnt, out: sparse_mla.sparse_mla_attend(
-        gpu, q, cache, scales, table, sel, cnt, out, heads, dim, 16, scale), bufs)
-    go, ho = as_(g["out"], BF16, (heads, dim)).astype(np.float32), as_(h["out"], BF16, (heads, dim)).astype(np.float32)
+    g, h = both(
+        cuda,
+        lambda gpu, q, cache, scales, table, sel, cnt, out: sparse_mla.sparse_mla_attend(
+            gpu, q, cache, scales, table, sel, cnt, out, heads, dim, 16, scale
+        ),
+        bufs,
+    )
+    go, ho = (
+        as_(g["out"], BF16, (heads, dim)).astype(np.float32),
+        as_(h["out"], BF16, (heads, dim)).astype(np.float32),
+    )
     assert_close(go, ho, 2.0**-7, float(np.abs(ho).max()) * 2.0**-9, "sparse_mla_attend")
 
 
@@ -512,8 +642,9 @@ def test_sparse_mla_of_an_empty_selection_is_zero(cuda, heads, dim):
         sparse_mla.sparse_mla_attend(gpu, q, cache, scales, table, sel, cnt, out, heads, dim, 16, 0.1)
 
     def split(gpu, q, cache, scales, table, sel, cnt, part, ml, out):
-        sparse_mla.sparse_mla_split(gpu, q, cache, scales, table, sel, cnt, part, ml, out, heads,
-                                    dim, 16, 0.1, 64)
+        sparse_mla.sparse_mla_split(
+            gpu, q, cache, scales, table, sel, cnt, part, ml, out, heads, dim, 16, 0.1, 64
+        )
 
     for fn in (attend,) + ((split,) if sparse_mla.split_supported(dim, 64) else ()):
         g, h = both(cuda, fn, bufs)
@@ -530,8 +661,9 @@ def test_sparse_mla_split_pair(cuda, heads, dim, count, context):
     scale = 1.0 / 16.0
 
     def split(gpu, q, cache, scales, table, sel, cnt, part, ml, out):
-        sparse_mla.sparse_mla_split(gpu, q, cache, scales, table, sel, cnt, part, ml, out, heads, dim, 16,
-                                    scale, cap)
+        sparse_mla.sparse_mla_split(
+            gpu, q, cache, scales, table, sel, cnt, part, ml, out, heads, dim, 16, scale, cap
+        )
 
     g, h = both(cuda, split, bufs)
     go = as_(g["out"], BF16, (heads, dim)).astype(np.float32)
@@ -559,8 +691,9 @@ def test_router_scores_topk_and_fused(cuda):
     w = random_bf16(rng, (E, H), exp_lo=-12)  # no shared-expert gate row
     y = random_bf16(rng, H, exp_lo=-3)
     bias = (0.05 * rng.standard_normal(E)).astype(np.float32)
-    g, h = both(cuda, lambda gpu, w, y, s: moe.router_scores(gpu, w, y, s, E, H),
-                {"w": w, "y": y, "s": E * 4})
+    g, h = both(
+        cuda, lambda gpu, w, y, s: moe.router_scores(gpu, w, y, s, E, H), {"w": w, "y": y, "s": E * 4}
+    )
     gs, hs = as_(g["s"], np.float32), as_(h["s"], np.float32)
     absd = abs_dot(y[None], w)[0]
     # sigmoid' <= 1/4: the score moves by at most a quarter of the dot's error, plus f32 exp.
@@ -569,23 +702,36 @@ def test_router_scores_topk_and_fused(cuda):
     # The top-k of identical scores is exact, weights included (NumPy's pairwise sum order).
     def topk(gpu, s, b, ids, wts):
         moe.router_topk(gpu, s, b, ids, wts, E, k, True, 2.5, True)
+
     gt, ht = both(cuda, topk, {"s": gs, "b": bias, "ids": (k + 1) * 4, "wts": (k + 1) * 4})
     assert gt["ids"].tobytes() == ht["ids"].tobytes() and gt["wts"].tobytes() == ht["wts"].tobytes()
     assert as_(gt["wts"], np.float32)[k] == 1.0, "the shared expert is added with weight 1"
 
     def fused(gpu, w, y, b, s, ids, wts, ctr):
         moe.router_fused(gpu, w, y, b, s, ids, wts, ctr, E, H, k, True, 2.5, True)
+
     zero = np.zeros(1, np.uint32)
     for _ in range(2):  # the counter the last block resets serves the next launch
-        gf = run_on(cuda, fused, {"w": w, "y": y, "b": bias, "s": E * 4, "ids": (k + 1) * 4,
-                                  "wts": (k + 1) * 4, "ctr": zero})
+        gf = run_on(
+            cuda,
+            fused,
+            {"w": w, "y": y, "b": bias, "s": E * 4, "ids": (k + 1) * 4, "wts": (k + 1) * 4, "ctr": zero},
+        )
         assert as_(gf["wts"], np.float32)[k] == 1.0, "the shared expert is added with weight 1"
         assert as_(gf["ctr"], np.uint32)[0] == 0, "router_fused must leave its counter at zero"
-        assert_close(as_(gf["s"], np.float32), hs, 2.0**-20, 0.25 * 4 * H * 2.0**-24 * float(absd.max()),
-                     "router_fused scores")
+        assert_close(
+            as_(gf["s"], np.float32),
+            hs,
+            2.0**-20,
+            0.25 * 4 * H * 2.0**-24 * float(absd.max()),
+            "router_fused scores",
+        )
         # ids and weights are router_topk's of the device's own scores
-        again = run_on(HostBackend(), topk, {"s": as_(gf["s"], np.float32), "b": bias, "ids": (k + 1) * 4,
-                                             "wts": (k + 1) * 4})
+        again = run_on(
+            HostBackend(),
+            topk,
+            {"s": as_(gf["s"], np.float32), "b": bias, "ids": (k + 1) * 4, "wts": (k + 1) * 4},
+        )
         assert gf["ids"].tobytes() == again["ids"].tobytes() and gf["wts"].tobytes() == again["wts"].tobytes()
 
 
@@ -595,8 +741,11 @@ def test_router_topk_ties_and_nan(cuda, E, k, norm, shared):
     s = (rng.integers(1, 5, E) / 8.0).astype(np.float32)  # few values: ties decide
     b = np.zeros(E, np.float32)
     b[rng.choice(E, 2, replace=False)] = np.nan
-    g, h = both(cuda, lambda gpu, s, b, ids, wts: moe.router_topk(gpu, s, b, ids, wts, E, k, norm, 1.5, shared),
-                {"s": s, "b": b, "ids": (k + 1) * 4, "wts": (k + 1) * 4})
+    g, h = both(
+        cuda,
+        lambda gpu, s, b, ids, wts: moe.router_topk(gpu, s, b, ids, wts, E, k, norm, 1.5, shared),
+        {"s": s, "b": b, "ids": (k + 1) * 4, "wts": (k + 1) * 4},
+    )
     assert g["ids"].tobytes() == h["ids"].tobytes() and g["wts"].tobytes() == h["wts"].tobytes()
     if shared:
         assert as_(g["wts"], np.float32)[k] == 1.0, "the shared expert is added with weight 1"
@@ -609,11 +758,14 @@ def _experts_case(rng, n_local: int, inter: int, h: int):
     return y, gu, dn
 
 
-@pytest.mark.parametrize("n_local,base,inter,h,ids", [
-    (6, 0, 24, 64, [5, 0, 3, 3, 1]),        # tiny: every slot local
-    (4, 4, 37, 45, [5, 1, 7, 4, 2, 9]),     # sharded: slots outside 4..7 are not this rank's
-    (3, 0, 2048, HIDDEN, [2, 0, 1]),         # full-size rows
-])
+@pytest.mark.parametrize(
+    "n_local,base,inter,h,ids",
+    [
+        (6, 0, 24, 64, [5, 0, 3, 3, 1]),  # tiny: every slot local
+        (4, 4, 37, 45, [5, 1, 7, 4, 2, 9]),  # sharded: slots outside 4..7 are not this rank's
+        (3, 0, 2048, HIDDEN, [2, 0, 1]),  # full-size rows
+    ],
+)
 def test_expert_gate_up_and_down(cuda, n_local, base, inter, h, ids):
     rng = np.random.default_rng()
     y, gu, dn = _experts_case(rng, n_local, inter, h)
@@ -626,8 +778,11 @@ def test_expert_gate_up_and_down(cuda, n_local, base, inter, h, ids):
         moe.expert_gate_up(gpu, gu, y, ids, act, 0, ns, base, n_local, inter, h, limit)
         moe.expert_down(gpu, dn, act, ids, wts, parts, 0, ns, base, n_local, h, inter)
 
-    g, hh = both(cuda, run, {"gu": gu, "dn": dn, "y": y, "ids": ids_a, "wts": wts, "act": ns * inter * 2,
-                             "parts": ns * h * 4})
+    g, hh = both(
+        cuda,
+        run,
+        {"gu": gu, "dn": dn, "y": y, "ids": ids_a, "wts": wts, "act": ns * inter * 2, "parts": ns * h * 4},
+    )
     local = [(e - base) in range(n_local) for e in ids]
     ga, ha = as_(g["act"], BF16, (ns, inter)), as_(hh["act"], BF16, (ns, inter))
     gp, hp = as_(g["parts"], np.float32, (ns, h)), as_(hh["parts"], np.float32, (ns, h))
@@ -642,7 +797,11 @@ def test_expert_gate_up_and_down(cuda, n_local, base, inter, h, ids):
         gref = gu[e].astype(np.float64) @ y.astype(np.float64)
         eb = 2 * 2 * h * 2.0**-24 * absd
         gg, uu = np.minimum(gref[:inter], limit), np.clip(gref[inter:], -limit, limit)
-        tol = 1.1 * eb[:inter] * np.abs(uu) + np.abs(gg) * eb[inter:] + 2.0**-7 * np.abs(ha[j].astype(np.float64))
+        tol = (
+            1.1 * eb[:inter] * np.abs(uu)
+            + np.abs(gg) * eb[inter:]
+            + 2.0**-7 * np.abs(ha[j].astype(np.float64))
+        )
         assert_dot_close(ga[j], ha[j].astype(np.float64), tol + 1e-30, f"gate_up slot {j}")
         a64 = ha[j].astype(np.float64)
         bound = 2 * 2 * inter * 2.0**-24 * wts[j] * abs_dot(ha[j][None], dn[e])[0] + 1e-30
@@ -662,8 +821,17 @@ def test_moe_fused_slots_match_separate_launches(cuda, shared):
     ids = np.array([6, 1, 7, 0, 0], np.uint32)
     wts = (rng.random(k + 1) + 0.1).astype(np.float32)
     slots = k + (shared != moe.SHARED_NONE)
-    bufs = {"gu": gu, "dn": dn, "sgu": sgu, "sdn": sdn, "y": y, "ids": ids, "wts": wts,
-            "act": (k + 1) * inter * 2, "parts": (k + 1) * h * 4}
+    bufs = {
+        "gu": gu,
+        "dn": dn,
+        "sgu": sgu,
+        "sdn": sdn,
+        "y": y,
+        "ids": ids,
+        "wts": wts,
+        "act": (k + 1) * inter * 2,
+        "parts": (k + 1) * h * 4,
+    }
 
     def fused(gpu, gu, dn, sgu, sdn, y, ids, wts, act, parts):
         moe.moe_gate_up(gpu, gu, sgu, y, ids, act, k, 0, n_local, inter, h, 10.0, shared)
@@ -724,9 +892,15 @@ def test_experts_read_only_the_chosen_of_288(cuda):
         moe.expert_gate_up(gpu, gu, y, ids, act, 0, k, 0, k, inter, h, 10.0)
         moe.expert_down(gpu, dn, act, ids, wts, parts, 0, k, 0, k, h, inter)
 
-    hh = run_on(HostBackend(), run_host, {"gu": gu, "dn": dn, "y": y, "ids": compact, "wts": wts,
-                                          "act": k * inter * 2, "parts": k * h * 4})
-    ga, ha = as_(g["act"], BF16, (k, inter)).astype(np.float32), as_(hh["act"], BF16, (k, inter)).astype(np.float32)
+    hh = run_on(
+        HostBackend(),
+        run_host,
+        {"gu": gu, "dn": dn, "y": y, "ids": compact, "wts": wts, "act": k * inter * 2, "parts": k * h * 4},
+    )
+    ga, ha = (
+        as_(g["act"], BF16, (k, inter)).astype(np.float32),
+        as_(hh["act"], BF16, (k, inter)).astype(np.float32),
+    )
     assert_close(ga, ha, 2.0**-6, 1e-3 * float(np.abs(ha).max()), "act of 288 experts")
     gp, hp = as_(g["parts"], np.float32, (k, h)), as_(hh["parts"], np.float32, (k, h))
     assert_close(gp, hp, 2.0**-6, 1e-3 * float(np.abs(hp).max()), "parts of 288 experts")
@@ -735,9 +909,18 @@ def test_experts_read_only_the_chosen_of_288(cuda):
 # ---- draft_head ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("val,idx,v0", [(1.5, 7, 0), (-2.0, 0, 1000), (0.0, 3, 5), (-0.0, 3, 5),
-                                        (float("inf"), 154879, 0), (-1e-30, 12, 77440),
-                                        (float("nan"), 9, 0)])
+@pytest.mark.parametrize(
+    "val,idx,v0",
+    [
+        (1.5, 7, 0),
+        (-2.0, 0, 1000),
+        (0.0, 3, 5),
+        (-0.0, 3, 5),
+        (float("inf"), 154879, 0),
+        (-1e-30, 12, 77440),
+        (float("nan"), 9, 0),
+    ],
+)
 @pytest.mark.parametrize("publish", [0, 1])
 def test_argmax_pack_and_commit_exact(cuda, val, idx, v0, publish):
     def run(gpu, i, v, key, tok, drafts, out, flag):
@@ -745,13 +928,24 @@ def test_argmax_pack_and_commit_exact(cuda, val, idx, v0, publish):
         draft_head.draft_commit(gpu, key, tok, drafts, 2, out, publish, flag=flag)
 
     prior = np.array([11, 22, 0xFFFFFFFF, 0xFFFFFFFF], np.uint32)  # drafts 0 and 1 of the step
-    g, h = both(cuda, run, {"i": np.array([idx], np.uint32), "v": np.array([val], np.float32), "key": 8,
-                            "tok": 4, "drafts": prior, "out": 16, "flag": np.zeros(4, np.uint8)})
+    g, h = both(
+        cuda,
+        run,
+        {
+            "i": np.array([idx], np.uint32),
+            "v": np.array([val], np.float32),
+            "key": 8,
+            "tok": 4,
+            "drafts": prior,
+            "out": 16,
+            "flag": np.zeros(4, np.uint8),
+        },
+    )
     assert g["key"].tobytes() == h["key"].tobytes()
     assert g["out"].tobytes() == h["out"].tobytes()
     assert g["flag"].tobytes() == h["flag"].tobytes()
     # a NaN logit commits its (valid) index and raises NONFINITE_NAN, an infinite one NONFINITE_INF
-    want = (draft_head.NONFINITE_NAN if np.isnan(val) else draft_head.NONFINITE_INF if np.isinf(val) else 0)
+    want = draft_head.NONFINITE_NAN if np.isnan(val) else draft_head.NONFINITE_INF if np.isinf(val) else 0
     assert g["flag"].tolist() == [want, 0, 0, 0]
     assert int(as_(g["key"], np.uint64)[0]) == draft_head.pack_key(val, idx + v0)
     assert int(as_(g["tok"], np.uint32)[0]) == idx + v0 == int(as_(g["drafts"], np.uint32)[2])
@@ -765,9 +959,13 @@ def test_argmax_pack_and_commit_exact(cuda, val, idx, v0, publish):
 def test_argmax_pack_of_an_all_nan_shard_loses_to_every_number(cuda):
     """argmax_bf16 of an all-NaN shard is (0, NaN): its key has high word 0 and keeps its index,
     below the key of -inf on any other rank; an empty shard (0xFFFFFFFF) packs 0."""
+
     def pack(i, v):
-        g, h = both(cuda, lambda gpu, i, v, key: draft_head.argmax_pack(gpu, i, v, key, 77440),
-                    {"i": np.array([i], np.uint32), "v": np.array([v], np.float32), "key": 8})
+        g, h = both(
+            cuda,
+            lambda gpu, i, v, key: draft_head.argmax_pack(gpu, i, v, key, 77440),
+            {"i": np.array([i], np.uint32), "v": np.array([v], np.float32), "key": 8},
+        )
         assert g["key"].tobytes() == h["key"].tobytes()
         return int(as_(g["key"], np.uint64)[0])
 
@@ -779,11 +977,15 @@ def test_argmax_pack_of_an_all_nan_shard_loses_to_every_number(cuda):
 
 def test_draft_commit_of_an_empty_key_is_a_valid_token(cuda):
     """The zero key (no candidate at all) commits token 0, flagged NaN: never 0xFFFFFFFF."""
+
     def run(gpu, key, tok, drafts, out, flag):
         draft_head.draft_commit(gpu, key, tok, drafts, 0, out, True, flag=flag)
 
-    g, h = both(cuda, run, {"key": np.zeros(1, np.uint64), "tok": 4, "drafts": 4, "out": 4,
-                            "flag": np.zeros(4, np.uint8)})
+    g, h = both(
+        cuda,
+        run,
+        {"key": np.zeros(1, np.uint64), "tok": 4, "drafts": 4, "out": 4, "flag": np.zeros(4, np.uint8)},
+    )
     for b in (g, h):
         assert int(as_(b["tok"], np.uint32)[0]) == 0 == int(as_(b["out"], np.uint32)[0])
         assert b["flag"].tolist() == [draft_head.NONFINITE_NAN, 0, 0, 0]
@@ -813,15 +1015,25 @@ def head_w(cuda):
 def _head_run(gpu, w, scale, x, n, k, slot=1, launches=1):
     """The head ``launches`` times; the last one publishes drafts 0..slot to ``out``."""
     zero8, zero4 = np.zeros(1, np.uint64), np.zeros(1, np.uint32)
-    bufs = {"w": w, "x": x, "logits": 2 * n, "key": zero8, "ctr": zero4, "tok": 4, "drafts": 16, "out": 16,
-            "flag": np.zeros(4, np.uint8)}
+    bufs = {
+        "w": w,
+        "x": x,
+        "logits": 2 * n,
+        "key": zero8,
+        "ctr": zero4,
+        "tok": 4,
+        "drafts": 16,
+        "out": 16,
+        "flag": np.zeros(4, np.uint8),
+    }
     if scale is not None:
         bufs["sc"] = scale
 
     def run(gpu, w, x, logits, key, ctr, tok, drafts, out, flag, sc=None):
         for i in range(launches):
-            draft_head.head_argmax(gpu, w, sc, x, logits, key, ctr, tok, drafts, slot, out,
-                                   i == launches - 1, n, k, flag=flag)
+            draft_head.head_argmax(
+                gpu, w, sc, x, logits, key, ctr, tok, drafts, slot, out, i == launches - 1, n, k, flag=flag
+            )
 
     return run_on(gpu, run, bufs)
 
@@ -859,8 +1071,17 @@ def test_head_argmax_ties_and_awkward_sizes(cuda, n, k, mis, fp8):
     x = np.abs(random_bf16(rng, (1, k), exp_lo=-1).astype(np.float32)).astype(BF16)
     q, s = quantize_rows_fp8(w)
     zero8, zero4 = np.zeros(1, np.uint64), np.zeros(1, np.uint32)
-    bufs = {"w": q if fp8 else w, "x": x, "logits": 2 * n, "key": zero8, "ctr": zero4, "tok": 4,
-            "drafts": 16, "out": 16, "flag": np.zeros(4, np.uint8)}
+    bufs = {
+        "w": q if fp8 else w,
+        "x": x,
+        "logits": 2 * n,
+        "key": zero8,
+        "ctr": zero4,
+        "tok": 4,
+        "drafts": 16,
+        "out": 16,
+        "flag": np.zeros(4, np.uint8),
+    }
     if fp8:
         bufs["sc"] = s
 
@@ -904,8 +1125,17 @@ def test_head_argmax_nonfinite(cuda, fp8, case):
         if case == "nan_rows":
             return  # the FP8 copy of a NaN row is quantize_fp8's business (its scale is NaN)
         q, sc = quantize_rows_fp8(w)
-    bufs = {"w": q if fp8 else w, "x": x, "logits": 2 * n, "key": np.zeros(1, np.uint64),
-            "ctr": np.zeros(1, np.uint32), "tok": 4, "drafts": 16, "out": 16, "flag": np.zeros(4, np.uint8)}
+    bufs = {
+        "w": q if fp8 else w,
+        "x": x,
+        "logits": 2 * n,
+        "key": np.zeros(1, np.uint64),
+        "ctr": np.zeros(1, np.uint32),
+        "tok": 4,
+        "drafts": 16,
+        "out": 16,
+        "flag": np.zeros(4, np.uint8),
+    }
     if fp8:
         bufs["sc"] = sc
 

@@ -14,12 +14,26 @@ import pytest
 
 from model.config import tiny
 from runtime.dtypes import BF16
-from tests.proposer_fixtures import assert_same_caches, bf16_weights, cache_snapshot, make_proposer, upload_rows
+from tests.proposer_fixtures import (
+    assert_same_caches,
+    bf16_weights,
+    cache_snapshot,
+    make_proposer,
+    upload_rows,
+)
 
 pytestmark = pytest.mark.gpu
 
-CFG = tiny(hidden_size=512, vocab_size=3001, heads=8, index_topk=32, index_kpool=4, n_routed_experts=32,
-           num_experts_per_tok=4, max_context=1024)
+CFG = tiny(
+    hidden_size=512,
+    vocab_size=3001,
+    heads=8,
+    index_topk=32,
+    index_kpool=4,
+    n_routed_experts=32,
+    num_experts_per_tok=4,
+    max_context=1024,
+)
 
 
 @pytest.fixture(scope="module")
@@ -68,21 +82,26 @@ def test_pdl_on_and_off_agree_bit_for_bit(cuda):
     try:
         prefill = 300
         for name in arms:
-            run(name, lambda p, st: p.catchup_drafter(st, tokens[:prefill + 1], hiddens, 0))
+            run(name, lambda p, st: p.catchup_drafter(st, tokens[: prefill + 1], hiddens, 0))
         pos = rows = prefill
         steps = 0
         while pos + 5 < n and steps < 40:
             k = int(rng.integers(1, 5))
             out = {}
             for name in arms:
-                out[name] = run(name, lambda p, st: (
-                    p.propose(st, int(tokens[pos + 1]), hiddens.offset(pos * H * 2), pos, k),
-                    _bits(cuda, st.logits, p.head_n * 2),
-                    _bits(cuda, st.xn, H * 2),
-                ))
+                out[name] = run(
+                    name,
+                    lambda p, st: (
+                        p.propose(st, int(tokens[pos + 1]), hiddens.offset(pos * H * 2), pos, k),
+                        _bits(cuda, st.logits, p.head_n * 2),
+                        _bits(cuda, st.xn, H * 2),
+                    ),
+                )
             ref = out["graph"]
             for name in ("graph+pdl", "eager+pdl"):
-                assert out[name][0] == ref[0], f"step {steps}: {name} drafted {out[name][0]}, no-PDL graph {ref[0]}"
+                assert out[name][0] == ref[0], (
+                    f"step {steps}: {name} drafted {out[name][0]}, no-PDL graph {ref[0]}"
+                )
                 assert out[name][1] == ref[1], f"step {steps}: {name} logits differ from the no-PDL graph's"
                 assert out[name][2] == ref[2], f"step {steps}: {name} normed hidden differs"
             acc = int(rng.integers(0, k + 1))
@@ -91,8 +110,12 @@ def test_pdl_on_and_off_agree_bit_for_bit(cuda):
             rows, pos = pos + min(k, acc + 1), pos + acc + 1
             if pos > rows:
                 for name in arms:
-                    run(name, lambda p, st: p.catchup_drafter(st, tokens[rows:pos + 1],
-                                                              hiddens.offset(rows * H * 2), rows))
+                    run(
+                        name,
+                        lambda p, st: p.catchup_drafter(
+                            st, tokens[rows : pos + 1], hiddens.offset(rows * H * 2), rows
+                        ),
+                    )
                 rows = pos
             steps += 1
         assert steps >= 30
@@ -109,9 +132,8 @@ def test_pdl_on_and_off_agree_bit_for_bit(cuda):
 def test_pdl_switch_is_per_launch(cuda):
     """``pdl`` is read at every launch: turning it off makes every kernel a plain launch (the
     benchmarks' comparison arm), and kernels not declared pdl never get the attribute."""
-    from runtime.kernel import lookup
-
     import model.kernels  # noqa: F401 - declares the model's kernels
+    from runtime.kernel import lookup
 
     h = cuda.kernel("bgemv", "bgemv_bf16_f32")
     assert lookup("bgemv", "bgemv_bf16_f32").pdl and h.native.pdl_config is not None

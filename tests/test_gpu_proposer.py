@@ -58,15 +58,15 @@ class World:
 
 
 def feed(prop, st, world: World, base: int, n: int) -> None:
-    p = upload_rows(prop.gpu, world.hiddens[base:base + n])
+    p = upload_rows(prop.gpu, world.hiddens[base : base + n])
     try:
-        assert prop.catchup_drafter(st, world.tokens[base:base + n + 1], p, base) == n
+        assert prop.catchup_drafter(st, world.tokens[base : base + n + 1], p, base) == n
     finally:
         prop.gpu.free(p)
 
 
 def propose(prop, st, world: World, pos: int, k: int) -> list[int]:
-    p = upload_rows(prop.gpu, world.hiddens[pos:pos + 1])
+    p = upload_rows(prop.gpu, world.hiddens[pos : pos + 1])
     try:
         return prop.propose(st, int(world.tokens[pos + 1]), p, pos, k)
     finally:
@@ -96,19 +96,32 @@ def rel_margin(lg: np.ndarray) -> float:
     return float(top[1] - top[0]) / float(np.ptp(lg))
 
 
-@pytest.mark.parametrize("cfg,seed,prefill,fp8_head", [
-    (CFG, 0, 120, True),    # 60 complete pools against a top-k of 4
-    (CFG, 1, 37, False),    # odd prefill: propose rows start inside a pool; BF16 head
-    (CFG4, 2, 150, True),   # kpool 4 (3-row tails), top-3 experts
-    # The published config's index_share_for_mtp_iteration: drafts 2..k reuse draft 1's pools and
-    # append their rows (extend_selection in place of the indexer and the top-k).
-    (tiny(index_topk=8, index_kpool=2, max_context=256, share_for_mtp_iteration=True), 3, 121, True),
-    # index_kpool_always_select_tail false, with and without sharing; prefill 2 starts before the
-    # first complete pool, where a draft attends nothing (sparse_mla of an empty selection).
-    (tiny(index_topk=16, index_kpool=4, max_context=256, always_select_tail=False), 4, 150, True),
-    (tiny(index_topk=16, index_kpool=4, max_context=256, always_select_tail=False,
-          share_for_mtp_iteration=True), 5, 2, False),
-])
+@pytest.mark.parametrize(
+    "cfg,seed,prefill,fp8_head",
+    [
+        (CFG, 0, 120, True),  # 60 complete pools against a top-k of 4
+        (CFG, 1, 37, False),  # odd prefill: propose rows start inside a pool; BF16 head
+        (CFG4, 2, 150, True),  # kpool 4 (3-row tails), top-3 experts
+        # The published config's index_share_for_mtp_iteration: drafts 2..k reuse draft 1's pools and
+        # append their rows (extend_selection in place of the indexer and the top-k).
+        (tiny(index_topk=8, index_kpool=2, max_context=256, share_for_mtp_iteration=True), 3, 121, True),
+        # index_kpool_always_select_tail false, with and without sharing; prefill 2 starts before the
+        # first complete pool, where a draft attends nothing (sparse_mla of an empty selection).
+        (tiny(index_topk=16, index_kpool=4, max_context=256, always_select_tail=False), 4, 150, True),
+        (
+            tiny(
+                index_topk=16,
+                index_kpool=4,
+                max_context=256,
+                always_select_tail=False,
+                share_for_mtp_iteration=True,
+            ),
+            5,
+            2,
+            False,
+        ),
+    ],
+)
 def test_cuda_drafts_match_host_eager_and_graph(cuda, cfg, seed, prefill, fp8_head):
     w = bf16_weights(cfg, seed)
     host = make_proposer(cfg, w, gpu=HostBackend(), fp8_head=fp8_head)
@@ -144,7 +157,7 @@ def test_cuda_drafts_match_host_eager_and_graph(cuda, cfg, seed, prefill, fp8_he
             for i in range(k):
                 if ed[:i] != hd[:i]:
                     break  # later drafts consume different tokens
-                if not all(same[:i + 1]):
+                if not all(same[: i + 1]):
                     flips += 1
                     break  # a selection or routing cut fell the other way (a near-tie)
                 total += 1
@@ -160,10 +173,14 @@ def test_cuda_drafts_match_host_eager_and_graph(cuda, cfg, seed, prefill, fp8_he
                 for p, st in zip(props, states):
                     feed(p, st, world, rows, pos - rows)
                 rows = pos
-        print(f"[{cfg.dsa.index_kpool=} {seed=}] worst first-draft logit difference "
-              f"{worst_logit_err:.2e} of the spread; {compared} of {total} drafts compared; {flips} "
-              "near-tie selection/routing flips")
-        assert worst_logit_err < LOGIT_TOL, f"first-draft logits differ by {worst_logit_err:.3g} of the spread"
+        print(
+            f"[{cfg.dsa.index_kpool=} {seed=}] worst first-draft logit difference "
+            f"{worst_logit_err:.2e} of the spread; {compared} of {total} drafts compared; {flips} "
+            "near-tie selection/routing flips"
+        )
+        assert worst_logit_err < LOGIT_TOL, (
+            f"first-draft logits differ by {worst_logit_err:.3g} of the spread"
+        )
         assert flips <= 3, f"{flips} selection/routing disagreements: more than near-ties explain"
         assert compared >= total // 3 and compared >= 10, f"only {compared} of {total} drafts were comparable"
         assert eager.drafter_rows(es) == host.drafter_rows(hs) == graph.drafter_rows(gs) == rows
@@ -264,7 +281,9 @@ def test_nonfinite_input_is_refused_on_the_device(cuda, graphs, fp8_head):
             hid[0, 3] = bad
             p = upload_rows(cuda, hid)
             try:
-                with pytest.raises(ProposerError, match=rf"slot {st.slot} at position 20: target_hidden is not finite"):
+                with pytest.raises(
+                    ProposerError, match=rf"slot {st.slot} at position 20: target_hidden is not finite"
+                ):
                     prop.propose(st, int(world.tokens[21]), p, 20, 3)
             finally:
                 cuda.free(p)

@@ -123,7 +123,11 @@ def test_resident_blocks_is_notional_and_refuses_the_null_kernel(host):
     from runtime import NULL_KERNEL
 
     k = host.kernel(*RMSNORM.key)
-    assert host.resident_blocks(k, 256) == host.resident_blocks(k, 1024, 4096) == HostBackend.NOTIONAL_RESIDENT_BLOCKS
+    assert (
+        host.resident_blocks(k, 256)
+        == host.resident_blocks(k, 1024, 4096)
+        == HostBackend.NOTIONAL_RESIDENT_BLOCKS
+    )
     with pytest.raises(LaunchError):
         host.resident_blocks(NULL_KERNEL, 256)
 
@@ -175,12 +179,18 @@ def test_a_kernel_that_stores_outside_its_declared_writes_is_refused(host):
     def store_into(arg: str):
         def twin(mem, x, y, n):
             mem.write(x if arg == "x" else y, np.arange(n, dtype=np.uint8))
+
         return twin
 
-    good = declare("test_writes", "stores_y", [("x", PTR), ("y", PTR), ("n", U32)], writes=("y",))(store_into("y"))
-    bad = declare("test_writes", "stores_x", [("x", PTR), ("y", PTR), ("n", U32)], writes=("y",))(store_into("x"))
+    good = declare("test_writes", "stores_y", [("x", PTR), ("y", PTR), ("n", U32)], writes=("y",))(
+        store_into("y")
+    )
+    bad = declare("test_writes", "stores_x", [("x", PTR), ("y", PTR), ("n", U32)], writes=("y",))(
+        store_into("x")
+    )
     via_view = declare("test_writes", "view_x", [("x", PTR), ("y", PTR), ("n", U32)], writes=("y",))(
-        lambda mem, x, y, n: mem.view(x, np.uint8, n).fill(7))
+        lambda mem, x, y, n: mem.view(x, np.uint8, n).fill(7)
+    )
     x, y = host.alloc(16), host.alloc(16)
     host.launch(host.kernel(*good.key), (1, 1, 1), (32, 1, 1), (x, y, 16))
     np.testing.assert_array_equal(host.mem.read(y, np.uint8, 16), np.arange(16))

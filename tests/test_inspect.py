@@ -43,14 +43,25 @@ def inspect_text(path) -> tuple[int, str, str]:
 @pytest.fixture()
 def no_tensor_bytes(monkeypatch):
     """Fail the test if anything maps a shard's data (headers are read with plain file reads)."""
+
     def refuse(self):
         raise AssertionError(f"inspect mapped the data of {self.path}")
+
     monkeypatch.setattr(SafetensorsFile, "_map", refuse)
 
 
 def published(path: Path, cfg=CFG, **kw) -> Path:
-    return random_checkpoint(path, cfg, 1, include_target=False, fp8_published=True,
-                             fp8_block=BLOCK, layout=PUB, progress=False, **kw)
+    return random_checkpoint(
+        path,
+        cfg,
+        1,
+        include_target=False,
+        fp8_published=True,
+        fp8_block=BLOCK,
+        layout=PUB,
+        progress=False,
+        **kw,
+    )
 
 
 def test_a_good_published_checkpoint(tmp_path, no_tensor_bytes):
@@ -94,21 +105,41 @@ P = mtp_prefix(CFG)
 DP = disk_name(P, PUB)
 
 
-@pytest.mark.parametrize("edit, expect", [
-    (lambda t: t.pop(P + "hnorm.weight"),
-     [rf"tensor {DP}hnorm.weight is missing .*\(expected BF16\[64\]\)"]),
-    (lambda t: t.update({P + "eh_proj.weight": t[P + "eh_proj.weight"][:, :64].copy()}),
-     [rf"{DP}eh_proj.weight: expected shape \[64, 128\], found \[64, 64\]"]),
-    (lambda t: t.update({P + "self_attn.kv_b_proj.weight":
-                         t[P + "self_attn.kv_b_proj.weight"].astype(np.float16)}),
-     [rf"{DP}self_attn.kv_b_proj.weight: expected dtype BF16, found F16"]),
-    (lambda t: t.update({scale_name(P + "self_attn.o_proj.weight"): np.ones((2, 2), np.float32)}),
-     [(rf"{DP}self_attn.o_proj.weight_scale_inv \(block scales of {DP}self_attn.o_proj.weight\): "
-       r"expected F32\[4, 4\], found F32\[2, 2\]")]),
-    (lambda t: (t.pop(P + "enorm.weight"), t.pop("lm_head.weight")),
-     [rf"{DP}enorm.weight is missing",
-      rf"lm_head.weight is missing .*and so is {DP}shared_head.head.weight"]),
-])
+@pytest.mark.parametrize(
+    "edit, expect",
+    [
+        (
+            lambda t: t.pop(P + "hnorm.weight"),
+            [rf"tensor {DP}hnorm.weight is missing .*\(expected BF16\[64\]\)"],
+        ),
+        (
+            lambda t: t.update({P + "eh_proj.weight": t[P + "eh_proj.weight"][:, :64].copy()}),
+            [rf"{DP}eh_proj.weight: expected shape \[64, 128\], found \[64, 64\]"],
+        ),
+        (
+            lambda t: t.update(
+                {P + "self_attn.kv_b_proj.weight": t[P + "self_attn.kv_b_proj.weight"].astype(np.float16)}
+            ),
+            [rf"{DP}self_attn.kv_b_proj.weight: expected dtype BF16, found F16"],
+        ),
+        (
+            lambda t: t.update({scale_name(P + "self_attn.o_proj.weight"): np.ones((2, 2), np.float32)}),
+            [
+                (
+                    rf"{DP}self_attn.o_proj.weight_scale_inv \(block scales of {DP}self_attn.o_proj.weight\): "
+                    r"expected F32\[4, 4\], found F32\[2, 2\]"
+                )
+            ],
+        ),
+        (
+            lambda t: (t.pop(P + "enorm.weight"), t.pop("lm_head.weight")),
+            [
+                rf"{DP}enorm.weight is missing",
+                rf"lm_head.weight is missing .*and so is {DP}shared_head.head.weight",
+            ],
+        ),
+    ],
+)
 def test_every_problem_is_named_with_expected_and_found(tmp_path, no_tensor_bytes, edit, expect):
     import re
 
@@ -140,8 +171,15 @@ def test_published_size_index_in_under_five_seconds(tmp_path, no_tensor_bytes):
     """An index of the published checkpoint's 76,108 names: the MTP layer at 288 experts (real
     header sizes, tiny tensors), the target's layers in shards whose tensors hold no bytes. Also
     as a drafter-only copy, without those shards."""
-    cfg = tiny(hidden_size=64, num_hidden_layers=45, n_routed_experts=288, num_experts_per_tok=8,
-               index_topk=16, index_kpool=4, max_context=256)
+    cfg = tiny(
+        hidden_size=64,
+        num_hidden_layers=45,
+        n_routed_experts=288,
+        num_experts_per_tok=8,
+        index_topk=16,
+        index_kpool=4,
+        max_context=256,
+    )
     d = published(tmp_path / "big", cfg, max_shard_bytes=1 << 20)
     index_path = d / INDEX_FILE
     index = json.loads(index_path.read_text())
@@ -151,8 +189,11 @@ def test_published_size_index_in_under_five_seconds(tmp_path, no_tensor_bytes):
     empty = np.zeros((0, 64), BF16)
     for s in range(n_shards):
         fname = f"target-{s:05d}.safetensors"
-        names = [f"model.language_model.layers.{(s * per + i) % 45}.filler.{s * per + i}.weight"
-                 for i in range(per) if s * per + i < filler]
+        names = [
+            f"model.language_model.layers.{(s * per + i) % 45}.filler.{s * per + i}.weight"
+            for i in range(per)
+            if s * per + i < filler
+        ]
         write_safetensors(d / fname, {n: empty for n in names})
         wm.update({n: fname for n in names})
     assert len(wm) == PUBLISHED_NAMES

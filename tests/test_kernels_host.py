@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from kernel_util import abs_dot, assert_dot_close, dot_bound, download, poisoned, random_bf16, upload
 
-from kernel_util import abs_dot, assert_dot_close, download, dot_bound, poisoned, random_bf16, upload
 from runtime.dtypes import BF16, FP8, FP8_MAX
 from runtime.kernels.add_bf16 import add_bf16
 from runtime.kernels.argmax_bf16 import argmax_bf16
@@ -15,7 +15,8 @@ from runtime.kernels.embed_gather_bf16 import embed_gather_bf16
 from runtime.kernels.gemv_bf16 import MAX_M, gemv_bf16
 from runtime.kernels.gemv_fp8w import gemv_fp8w
 from runtime.kernels.quantize_fp8 import quantize_fp8
-from runtime.kernels.read_xor import BLOCK as READ_BLOCK, read_xor, read_xor_ref
+from runtime.kernels.read_xor import BLOCK as READ_BLOCK
+from runtime.kernels.read_xor import read_xor, read_xor_ref
 from runtime.kernels.rmsnorm import rmsnorm
 
 
@@ -182,7 +183,7 @@ def test_read_xor_twin_is_the_per_block_xor_of_its_words(host, n16, blocks):
     words = rng.integers(0, 2**32, size=4 * n16, dtype=np.uint32)
     expect = [0] * blocks
     for i in range(n16):
-        w = words[4 * i: 4 * i + 4]
+        w = words[4 * i : 4 * i + 4]
         expect[(i // READ_BLOCK) % blocks] ^= int(w[0] ^ w[1] ^ w[2] ^ w[3])
     assert read_xor_ref(words, blocks).tolist() == expect
     src, out = upload(host, words), poisoned(host, 4 * blocks)

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runtime import DevicePtr, KernelHandle, LaunchError, NULL_KERNEL
+from runtime import NULL_KERNEL, DevicePtr, KernelHandle, LaunchError
 from runtime.kernel import Arg, register_all_kernels, registered
 from runtime.kernels.gemv_fp8w import GEMV_FP8W
 from runtime.kernels.rmsnorm import RMSNORM
@@ -67,7 +67,7 @@ def test_packer_writes_the_bytes_the_driver_reads():
 
 
 def test_packer_float_and_signed_slots():
-    from runtime.kernel import I32, F32, PTR, declare
+    from runtime.kernel import F32, I32, PTR, declare
 
     decl = declare("test_packing", "mixed", [("p", PTR), ("i", I32), ("f", F32)])(lambda mem, p, i, f: None)
     packer = ArgPacker(decl)
@@ -88,11 +88,16 @@ def test_declarations_match_committed_ptx_entries():
         ptx = PTX_DIR / f"{decl.module}.ptx"
         if decl.module.startswith("test_") or not ptx.exists():
             continue
-        entries = {name: re.findall(r"\.param \.(\w+)", params) for name, params in _ENTRY.findall(ptx.read_text())}
+        entries = {
+            name: re.findall(r"\.param \.(\w+)", params) for name, params in _ENTRY.findall(ptx.read_text())
+        }
         assert decl.function in entries, f"{ptx.name} has no entry {decl.function} (has {sorted(entries)})"
         want = [_PTX_TYPE[t] for t in decl.arg_types]
         # nvcc writes 32-bit integer params as .u32 or .s32 depending on the C type
-        got = ["u32" if t in ("s32", "b32") else "u64" if t in ("s64", "b64") else t for t in entries[decl.function]]
+        got = [
+            "u32" if t in ("s32", "b32") else "u64" if t in ("s64", "b64") else t
+            for t in entries[decl.function]
+        ]
         assert got == want, f"{decl.module}.{decl.function}: declared {want}, PTX has {got}"
         checked += 1
     assert checked >= 7  # the runtime kernels at least
@@ -139,7 +144,9 @@ def test_pdl_state_lets_a_beside_kernel_overlap_only_a_releasing_predecessor():
     from runtime.launch import PdlState
 
     wait = declare("test_pdl_state", "wait", [("x", PTR)], pdl=Pdl.WAIT)(lambda mem, x: None)
-    releasing = declare("test_pdl_state", "releasing", [("x", PTR)], pdl=Pdl.WAIT, releases=True)(lambda mem, x: None)
+    releasing = declare("test_pdl_state", "releasing", [("x", PTR)], pdl=Pdl.WAIT, releases=True)(
+        lambda mem, x: None
+    )
     beside = declare("test_pdl_state", "beside", [("x", PTR)], pdl=Pdl.BESIDE)(lambda mem, x: None)
     plain = declare("test_pdl_state", "plain", [("x", PTR)])(lambda mem, x: None)
     pdl = PdlState(supported=True, on=True)

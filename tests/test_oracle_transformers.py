@@ -72,8 +72,12 @@ def test_fixture_is_a_published_drafter_only_checkpoint(fixture):
     hf = ckpt.hf_config
     assert hf["model_type"] == "glm5_next" and hf["text_config"]["model_type"] == "glm5_next_text"
     cfg = ckpt.config
-    assert (cfg.dsa.index_kpool, cfg.dsa.index_topk, cfg.dsa.always_select_tail,
-            cfg.dsa.share_for_mtp_iteration) == (4, 8, True, True)
+    assert (
+        cfg.dsa.index_kpool,
+        cfg.dsa.index_topk,
+        cfg.dsa.always_select_tail,
+        cfg.dsa.share_for_mtp_iteration,
+    ) == (4, 8, True, True)
     assert cfg.moe.swiglu_limit == 1.5 and cfg.mtp_layer_index == 2
     assert ckpt.info("model.language_model.layers.2.mlp.experts.3.up_proj.weight").dtype == "F8_E4M3"
     assert inspect(FIXTURE).buildable
@@ -94,8 +98,7 @@ def _exact_weights(ckpt: Checkpoint) -> dict[str, np.ndarray]:
 
 
 def _case(ref, n: int):
-    return (ref[f"n{n}_tokens"], ref[f"n{n}_hidden"], ref[f"n{n}_target_hidden"],
-            int(ref[f"n{n}_last"]))
+    return (ref[f"n{n}_tokens"], ref[f"n{n}_hidden"], ref[f"n{n}_target_hidden"], int(ref[f"n{n}_last"]))
 
 
 @pytest.mark.parametrize("share", [False, True], ids=["own-selection", "shared-selection"])
@@ -105,13 +108,15 @@ def test_float64_reference_of_the_spec_equals_transformers(fixture, share):
     for n in ref["contexts"]:
         tokens, hidden, target, last = _case(ref, n)
         dr = ReferenceDrafter(cfg, w, fp8_cache=False)
-        dr.feed(tokens[1:n + 1], hidden.astype(np.float64))
+        dr.feed(tokens[1 : n + 1], hidden.astype(np.float64))
         drafts, logits, _ = dr.propose(last, target.astype(np.float64), 3)
         want = ref[f"n{n}_share{int(share)}_logits"]
         assert drafts == ref[f"n{n}_share{int(share)}_drafts"].tolist(), n
         for i in range(3):
             assert rel_err(logits[i], want[i]) < F64_TOL, (n, i)
-        assert sorted(dr.selection(int(n)).tolist()) == ref[f"n{n}_share{int(share)}_first_selection"].tolist()
+        assert (
+            sorted(dr.selection(int(n)).tolist()) == ref[f"n{n}_share{int(share)}_first_selection"].tolist()
+        )
 
 
 @pytest.mark.parametrize("fp8_head", [False, True], ids=["bf16-head", "fp8-head"])
@@ -120,8 +125,12 @@ def test_host_proposer_against_transformers(fixture, share, fp8_head):
     ckpt, ref = fixture
     cfg = with_share(ckpt.config, share)
     gpu = HostBackend()
-    prop = MtpProposer(gpu, cfg, mtp_tensors(ckpt),
-                       ProposerOptions(served_max_seq_len=128, max_draft_tokens=3, fp8_head=fp8_head))
+    prop = MtpProposer(
+        gpu,
+        cfg,
+        mtp_tensors(ckpt),
+        ProposerOptions(served_max_seq_len=128, max_draft_tokens=3, fp8_head=fp8_head),
+    )
     assert (prop.head_fp8 is not None) == fp8_head
     worst, compared, near_ties = 0.0, 0, []
     for n in ref["contexts"]:
@@ -151,8 +160,10 @@ def test_host_proposer_against_transformers(fixture, share, fp8_head):
         gpu.free(ctx)
         gpu.free(tgt)
     prop.close()
-    print(f"[share={share} fp8_head={fp8_head}] worst logit difference {worst:.2e} of the spread; "
-          f"{compared} drafts compared; near-tie disagreements {near_ties}")
+    print(
+        f"[share={share} fp8_head={fp8_head}] worst logit difference {worst:.2e} of the spread; "
+        f"{compared} drafts compared; near-tie disagreements {near_ties}"
+    )
     # Every disagreement is a near-tie (top two within MARGIN), and most drafts are comparable.
     assert all(m <= MARGIN for _, _, m in near_ties)
     assert compared >= 8

@@ -33,8 +33,18 @@ def _staged_source(tmp: Path) -> Path:
 def test_built_package_holds_the_ptx_and_resolves_it_installed(tmp_path: Path):
     src, lib = _staged_source(tmp_path), tmp_path / "lib"
     res = subprocess.run(
-        [sys.executable, "-c", "from setuptools import setup; setup()", "-q", "build_py", "--build-lib", str(lib)],
-        cwd=src, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-c",
+            "from setuptools import setup; setup()",
+            "-q",
+            "build_py",
+            "--build-lib",
+            str(lib),
+        ],
+        cwd=src,
+        capture_output=True,
+        text=True,
     )
     assert res.returncode == 0, res.stderr
     assert len(COMMITTED) >= 9 and sorted(p.name for p in (lib / "ptx").glob("*.ptx")) == COMMITTED
@@ -42,7 +52,9 @@ def test_built_package_holds_the_ptx_and_resolves_it_installed(tmp_path: Path):
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(lib)}
     probe = "import runtime, runtime.kernel as k; print(runtime.__file__); print(k.shipped_ptx_dir())"
-    res = subprocess.run([sys.executable, "-c", probe], cwd=elsewhere, env=env, capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-c", probe], cwd=elsewhere, env=env, capture_output=True, text=True
+    )
     assert res.returncode == 0, res.stderr
     module, ptx_dir = res.stdout.split()
     assert Path(module) == lib / "runtime" / "__init__.py"
@@ -59,10 +71,24 @@ def test_checkout_resolves_its_own_ptx():
 def test_wheel_holds_the_ptx(tmp_path: Path):
     src, dist = _staged_source(tmp_path), tmp_path / "dist"
     res = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(dist), str(src)],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(dist),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
     )
     assert res.returncode == 0, res.stderr
     (wheel,) = dist.glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert sorted(n.split("/", 1)[1] for n in names if n.startswith("ptx/") and n.endswith(".ptx")) == COMMITTED
+    assert (
+        sorted(n.split("/", 1)[1] for n in names if n.startswith("ptx/") and n.endswith(".ptx")) == COMMITTED
+    )

@@ -25,8 +25,9 @@ PDL_DECLS = [d for d in registered() if d.pdl]
 RELEASING = [d for d in registered() if d.releases]
 
 # Stores that can reach global memory: st.global, generic st (no state space), atomics, reductions.
-_GLOBAL_STORE = re.compile(r"^\s*(@!?%p\d+\s+)?(st\.(global|(?!shared|local|param)[a-z0-9]+)|atom\.|red\.)",
-                           re.MULTILINE)
+_GLOBAL_STORE = re.compile(
+    r"^\s*(@!?%p\d+\s+)?(st\.(global|(?!shared|local|param)[a-z0-9]+)|atom\.|red\.)", re.MULTILINE
+)
 _RET = re.compile(r"^\s*(@!?%p\d+\s+)?ret;", re.MULTILINE)
 
 
@@ -49,17 +50,39 @@ def test_the_drafter_step_kernels_take_part():
     """The flags are on where the step spends its launches (a regression that drops one silently
     costs the overlap, not correctness)."""
     modes = {d.function: d.pdl for d in PDL_DECLS}
-    assert {"rmsnorm_gemv", "dsa_cache_write", "select_topk_pools", "bgemv_bf16_f32",
-            "sparse_mla_partial", "sparse_mla_combine", "moe_down", "sum_rows_residual_rmsnorm",
-            "head_argmax_fp8", "head_argmax_bf16"} <= {f for f, m in modes.items() if m is Pdl.WAIT}
-    assert {f for f, m in modes.items() if m is Pdl.BESIDE} == {"bgemv_bf16_f32_beside", "moe_gate_up",
-                                                                "rmsnorm_gemv_beside", "mtp_input_gemv"}
-    assert {d.function for d in RELEASING} == {"copy_words", "select_topk_pools", "extend_selection",
-                                               "router_fused", "dsa_cache_write",
-                                               "head_argmax_bf16", "head_argmax_fp8", "indexer_scores",
-                                               "sparse_mla_partial", "sparse_mla_combine",
-                                               "sum_rows_residual_rmsnorm", "bgemv_bf16_f32",
-                                               "bgemv_bf16_bf16"}
+    assert {
+        "rmsnorm_gemv",
+        "dsa_cache_write",
+        "select_topk_pools",
+        "bgemv_bf16_f32",
+        "sparse_mla_partial",
+        "sparse_mla_combine",
+        "moe_down",
+        "sum_rows_residual_rmsnorm",
+        "head_argmax_fp8",
+        "head_argmax_bf16",
+    } <= {f for f, m in modes.items() if m is Pdl.WAIT}
+    assert {f for f, m in modes.items() if m is Pdl.BESIDE} == {
+        "bgemv_bf16_f32_beside",
+        "moe_gate_up",
+        "rmsnorm_gemv_beside",
+        "mtp_input_gemv",
+    }
+    assert {d.function for d in RELEASING} == {
+        "copy_words",
+        "select_topk_pools",
+        "extend_selection",
+        "router_fused",
+        "dsa_cache_write",
+        "head_argmax_bf16",
+        "head_argmax_fp8",
+        "indexer_scores",
+        "sparse_mla_partial",
+        "sparse_mla_combine",
+        "sum_rows_residual_rmsnorm",
+        "bgemv_bf16_f32",
+        "bgemv_bf16_bf16",
+    }
 
 
 @pytest.mark.parametrize("decl", PDL_DECLS, ids=lambda d: f"{d.module}.{d.function}")
@@ -72,11 +95,12 @@ def test_pdl_kernel_waits_before_returning(decl):
     assert _RET.search(body[:wait]) is None, f"{decl.function} can return before griddepcontrol.wait"
 
 
-@pytest.mark.parametrize("decl", [d for d in PDL_DECLS if d.pdl is Pdl.WAIT],
-                         ids=lambda d: f"{d.module}.{d.function}")
+@pytest.mark.parametrize(
+    "decl", [d for d in PDL_DECLS if d.pdl is Pdl.WAIT], ids=lambda d: f"{d.module}.{d.function}"
+)
 def test_wait_kernel_stores_nothing_before_its_wait(decl):
     body = entry_body(decl.module, decl.function)
-    head = body[:body.find("griddepcontrol.wait")]
+    head = body[: body.find("griddepcontrol.wait")]
     store = _GLOBAL_STORE.search(head)
     assert store is None, f"{decl.function} stores before griddepcontrol.wait: {store.group(0).strip()!r}"
 
@@ -103,10 +127,18 @@ def test_a_beside_kernel_cannot_release():
 
 def test_the_store_pattern_finds_global_and_generic_stores():
     """The check above would pass vacuously if its pattern never matched."""
-    for line in ("\tst.global.u32 \t[%rd4], %r3;", "\t@%p1 st.u16 \t[%rd2], %rs1;", "\tatom.global.add.u32 %r1, [%rd1], 1;",
-                 "\tred.global.max.u64 [%rd1], %rd2;"):
+    for line in (
+        "\tst.global.u32 \t[%rd4], %r3;",
+        "\t@%p1 st.u16 \t[%rd2], %rs1;",
+        "\tatom.global.add.u32 %r1, [%rd1], 1;",
+        "\tred.global.max.u64 [%rd1], %rd2;",
+    ):
         assert _GLOBAL_STORE.search(line), line
-    for line in ("\tst.shared.f32 \t[%r2], %f1;", "\tst.local.u32 [%rd1], %r1;", "\tld.global.u32 %r1, [%rd1];"):
+    for line in (
+        "\tst.shared.f32 \t[%r2], %f1;",
+        "\tst.local.u32 [%rd1], %r1;",
+        "\tld.global.u32 %r1, [%rd1];",
+    ):
         assert not _GLOBAL_STORE.search(line), line
 
 
@@ -121,15 +153,15 @@ _READ_ONLY_FORMS = {
     "u32": re.compile(r"ld\.global\.nc\.u32\s"),
 }
 _EARLY_RELEASE_SUCCESSORS = [
-    ("bgemv", "bgemv_bf16_bf16", "x"),          # wv after sparse_mla_combine
-    ("bgemv", "bgemv_bf16_f32", "x"),           # o_proj after wv
-    ("moe", "router_fused", "x"),               # after sum_rows_residual_rmsnorm
-    ("draft_head", "head_argmax_bf16", "x"),    # after sum_rows_residual_rmsnorm
+    ("bgemv", "bgemv_bf16_bf16", "x"),  # wv after sparse_mla_combine
+    ("bgemv", "bgemv_bf16_f32", "x"),  # o_proj after wv
+    ("moe", "router_fused", "x"),  # after sum_rows_residual_rmsnorm
+    ("draft_head", "head_argmax_bf16", "x"),  # after sum_rows_residual_rmsnorm
     ("draft_head", "head_argmax_fp8", "x"),
     ("bgemv", "sum_rows_residual_rmsnorm", "f32"),  # o_proj's partial rows
-    ("dsa_select", "select_topk_pools", "f32"),     # the indexer's scores
-    ("sparse_mla", "sparse_mla_combine", "f32"),    # the partials and their (m, l)
-    ("moe", "moe_gate_up", "u32"),              # the router's expert ids
+    ("dsa_select", "select_topk_pools", "f32"),  # the indexer's scores
+    ("sparse_mla", "sparse_mla_combine", "f32"),  # the partials and their (m, l)
+    ("moe", "moe_gate_up", "u32"),  # the router's expert ids
 ]
 
 
@@ -137,13 +169,15 @@ _EARLY_RELEASE_SUCCESSORS = [
 def test_a_successor_of_an_early_release_reads_it_through_l2(module, function, form):
     body = entry_body(module, function)
     hit = _READ_ONLY_FORMS[form].search(body)
-    assert hit is None, f"{function} reads its predecessor's output through the read-only path: {hit.group(0)!r}"
+    assert hit is None, (
+        f"{function} reads its predecessor's output through the read-only path: {hit.group(0)!r}"
+    )
     assert "ld.global.cg" in body, f"{function} has no L2 load at all"
 
 
 def test_the_token_after_the_heads_wait_is_an_l2_load():
     body = entry_body("mtp_input", "mtp_input_gemv")
-    after = body[body.find("griddepcontrol.wait"):]
+    after = body[body.find("griddepcontrol.wait") :]
     first = re.search(r"ld\.global[.\w:]*", after)
     assert first is not None and first.group(0) == "ld.global.cg.u32", first
 

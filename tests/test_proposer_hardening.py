@@ -23,8 +23,13 @@ from runtime.dtypes import BF16
 from runtime.errors import OutOfMemoryError
 from runtime.host_backend import HostBackend
 from runtime.kernels.all_finite_bf16 import NONE, first_nonfinite_row
-from tests.proposer_fixtures import (assert_same_caches, bf16_weights, cache_snapshot, make_proposer,
-                                     upload_rows)
+from tests.proposer_fixtures import (
+    assert_same_caches,
+    bf16_weights,
+    cache_snapshot,
+    make_proposer,
+    upload_rows,
+)
 
 CFG = tiny(index_topk=8, index_kpool=2, max_context=96)
 WEIGHTS = bf16_weights(CFG, seed=3)
@@ -39,9 +44,9 @@ class World:
 
 
 def feed(prop, st, world: World, base: int, n: int, hiddens: np.ndarray | None = None) -> int:
-    p = upload_rows(prop.gpu, world.hiddens[base:base + n] if hiddens is None else hiddens)
+    p = upload_rows(prop.gpu, world.hiddens[base : base + n] if hiddens is None else hiddens)
     try:
-        return prop.catchup_drafter(st, world.tokens[base:base + n + 1], p, base)
+        return prop.catchup_drafter(st, world.tokens[base : base + n + 1], p, base)
     finally:
         prop.gpu.free(p)
 
@@ -58,7 +63,7 @@ def fed(seed: int, rows: int, states: int = 1, **opts):
 
 
 def propose(prop, st, world: World, pos: int, k: int, hidden: np.ndarray | None = None) -> list[int]:
-    p = upload_rows(prop.gpu, world.hiddens[pos:pos + 1] if hidden is None else hidden)
+    p = upload_rows(prop.gpu, world.hiddens[pos : pos + 1] if hidden is None else hidden)
     try:
         return prop.propose(st, int(world.tokens[pos + 1]), p, pos, k)
     finally:
@@ -126,7 +131,9 @@ def test_a_nonfinite_context_row_is_refused_before_anything_is_written():
         rows[3, 7] = bad
         rows[5, 0] = bad
         snap = snapshot(prop, st)
-        with pytest.raises(ProposerError, match=rf"slot {st.slot}: hidden row 3 \(drafter row 9\) is not finite"):
+        with pytest.raises(
+            ProposerError, match=rf"slot {st.slot}: hidden row 3 \(drafter row 9\) is not finite"
+        ):
             feed(prop, st, world, 6, 8, hiddens=rows)
         assert_unchanged(prop, st, snap)
     # the same rows, finite, then give exactly the state that never saw the bad ones
@@ -207,8 +214,13 @@ def test_a_nonfinite_hidden_is_refused_on_every_rank(nan_ranks):
     hid = rng.standard_normal((20, cfg.hidden_size)).astype(np.float32)
 
     def body(r, gpu, comm):
-        prop = MtpProposer(gpu, cfg.with_parallel(r, 2), w,
-                           ProposerOptions(served_max_seq_len=64, o_proj_groups=4), comm=comm)
+        prop = MtpProposer(
+            gpu,
+            cfg.with_parallel(r, 2),
+            w,
+            ProposerOptions(served_max_seq_len=64, o_proj_groups=4),
+            comm=comm,
+        )
         st = prop.alloc_state()
         p = upload_rows(gpu, hid[:10])
         prop.catchup_drafter(st, tokens[:11], p, 0)
@@ -237,9 +249,17 @@ def test_a_nonfinite_hidden_is_refused_on_every_rank(nan_ranks):
     assert out[0][2] == out[1][2]
 
 
-@pytest.mark.parametrize("name", ["model.layers.{L}.eh_proj.weight", "model.layers.{L}.mlp.experts.1.up_proj.weight",
-                                  "model.layers.{L}.self_attn.kv_a_layernorm.weight", "model.embed_tokens.weight",
-                                  "lm_head.weight", "model.layers.{L}.mlp.gate.e_score_correction_bias"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.layers.{L}.eh_proj.weight",
+        "model.layers.{L}.mlp.experts.1.up_proj.weight",
+        "model.layers.{L}.self_attn.kv_a_layernorm.weight",
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.layers.{L}.mlp.gate.e_score_correction_bias",
+    ],
+)
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_nonfinite_weights_are_refused_at_load_by_name(name, bad):
     name = name.format(L=CFG.mtp_layer_index)
@@ -269,9 +289,8 @@ def test_first_nonfinite_covers_the_weight_dtypes():
 
 
 def test_cli_prints_a_nan_checkpoint_as_one_line(tmp_path, capsys):
-    from model.cli import DEFAULT_CHECKPOINT, main
-
     from model.checkpoint import Checkpoint
+    from model.cli import DEFAULT_CHECKPOINT, main
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(DEFAULT_CHECKPOINT, ckpt)
@@ -337,9 +356,14 @@ def test_calls_after_close_are_refused_and_close_twice_is_a_no_op():
         prop.alloc_state()
     assert gpu.stats().live_bytes == 0 and gpu.stats().live_allocations == 0, "nothing leaked"
     world = World(7, 8)
-    for call in (lambda: feed(prop, st, world, 0, 3), lambda: prop.propose(st, 1, None, 0, 1),
-                 lambda: prop.after_verify(st, 0), lambda: prop.rewind_to(st, 0),
-                 lambda: prop.drafter_rows(st), lambda: prop.last_pair_key(st)):
+    for call in (
+        lambda: feed(prop, st, world, 0, 3),
+        lambda: prop.propose(st, 1, None, 0, 1),
+        lambda: prop.after_verify(st, 0),
+        lambda: prop.rewind_to(st, 0),
+        lambda: prop.drafter_rows(st),
+        lambda: prop.last_pair_key(st),
+    ):
         with pytest.raises(ProposerError, match="closed"):
             call()
     prop.free_state(st)  # close freed it: a second free is a no-op
@@ -369,8 +393,19 @@ def test_propose_refuses_a_non_integer(arg, bad):
     prop.close()
 
 
-@pytest.mark.parametrize("case", ["float_base", "bool_base", "float_tokens", "bool_token", "float_list",
-                                  "2d_tokens", "huge_token", "no_tokens"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "float_base",
+        "bool_base",
+        "float_tokens",
+        "bool_token",
+        "float_list",
+        "2d_tokens",
+        "huge_token",
+        "no_tokens",
+    ],
+)
 def test_catchup_refuses_non_integer_rows_and_tokens(case):
     prop, world, st = fed(9, 5)
     toks, base = list(int(t) for t in world.tokens[5:9]), 5
@@ -424,18 +459,22 @@ def test_every_refusal_of_input_is_a_proposer_error():
     prop, world, st = fed(11, 8)
     snap = snapshot(prop, st)
     p = upload_rows(prop.gpu, world.hiddens[:8])
-    for call in (lambda: prop.prefill_drafter(st, world.tokens[:9], p),  # a re-prefill
-                 lambda: feed(prop, st, world, 3, 2),  # an overwrite
-                 lambda: feed(prop, st, world, 9, 2),  # a hole
-                 lambda: prop.rewind_to(st, 9),
-                 lambda: prop.rewind_to(st, -1)):
+    for call in (
+        lambda: prop.prefill_drafter(st, world.tokens[:9], p),  # a re-prefill
+        lambda: feed(prop, st, world, 3, 2),  # an overwrite
+        lambda: feed(prop, st, world, 9, 2),  # a hole
+        lambda: prop.rewind_to(st, 9),
+        lambda: prop.rewind_to(st, -1),
+    ):
         with pytest.raises(ProposerError):
             call()
     gone = upload_rows(prop.gpu, world.hiddens[8:9])
     prop.gpu.free(gone)
-    for call in (lambda: prop.catchup_drafter(st, world.tokens[8:10], gone, 8),  # a freed pointer
-                 lambda: prop.propose(st, 1, gone, 8, 1),
-                 lambda: prop.propose(st, 1, p.offset(10**9), 8, 1)):  # past every allocation
+    for call in (
+        lambda: prop.catchup_drafter(st, world.tokens[8:10], gone, 8),  # a freed pointer
+        lambda: prop.propose(st, 1, gone, 8, 1),
+        lambda: prop.propose(st, 1, p.offset(10**9), 8, 1),
+    ):  # past every allocation
         with pytest.raises(ProposerError, match="not a live allocation"):
             call()
     prop.gpu.free(p)
@@ -450,8 +489,12 @@ def test_every_refusal_of_input_is_a_proposer_error():
 def test_queries_on_a_freed_state_raise():
     prop, world, st = fed(12, 8)
     prop.free_state(st)
-    for call in (lambda: prop.drafter_rows(st), lambda: prop.last_pair_key(st),
-                 lambda: prop.rewind_to(st, 0), lambda: prop.after_verify(st, 0)):
+    for call in (
+        lambda: prop.drafter_rows(st),
+        lambda: prop.last_pair_key(st),
+        lambda: prop.rewind_to(st, 0),
+        lambda: prop.after_verify(st, 0),
+    ):
         with pytest.raises(ProposerError, match="freed"):
             call()
     prop.close()
@@ -481,8 +524,12 @@ def test_a_second_thread_is_refused_while_the_first_is_inside():
     assert inside.wait(10)
     errors = []
     hid = upload_rows(prop.gpu, world.hiddens[10:11])
-    for call in (lambda: prop.propose(b, int(world.tokens[11]), hid, 10, 2),
-                 lambda: prop.alloc_state(), lambda: prop.drafter_rows(b), lambda: prop.close()):
+    for call in (
+        lambda: prop.propose(b, int(world.tokens[11]), hid, 10, 2),
+        lambda: prop.alloc_state(),
+        lambda: prop.drafter_rows(b),
+        lambda: prop.close(),
+    ):
         tb = threading.Thread(target=lambda c=call: errors.append(_raised(c)))
         tb.start()
         tb.join(10)
@@ -569,15 +616,18 @@ def test_max_draft_tokens_is_bounded_by_what_the_drafter_holds():
     prop.close()
 
 
-@pytest.mark.parametrize("field,bad,msg", [
-    ("served_max_seq_len", 64.0, "served_max_seq_len must be an integer"),
-    ("max_sequences", 2.0, "max_sequences must be an integer"),
-    ("context_chunk", 4.0, "context_chunk must be an integer"),
-    ("o_proj_groups", 4.0, "o_proj_groups must be an integer"),
-    ("o_proj_groups", 0, "o_proj_groups must be >= 1"),
-    ("comm_timeout_s", 0, "comm_timeout_s must be positive"),
-    ("comm_timeout_s", None, "comm_timeout_s must be positive"),
-])
+@pytest.mark.parametrize(
+    "field,bad,msg",
+    [
+        ("served_max_seq_len", 64.0, "served_max_seq_len must be an integer"),
+        ("max_sequences", 2.0, "max_sequences must be an integer"),
+        ("context_chunk", 4.0, "context_chunk must be an integer"),
+        ("o_proj_groups", 4.0, "o_proj_groups must be an integer"),
+        ("o_proj_groups", 0, "o_proj_groups must be >= 1"),
+        ("comm_timeout_s", 0, "comm_timeout_s must be positive"),
+        ("comm_timeout_s", None, "comm_timeout_s must be positive"),
+    ],
+)
 def test_every_option_is_checked_as_the_options_are_made(field, bad, msg):
     """A float count (2.0 sequences) would fail later inside range() or size a buffer wrongly; zero
     o_proj_groups divided by zero in the sharding."""

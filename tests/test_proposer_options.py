@@ -13,8 +13,13 @@ from model.proposer import MtpProposer
 from model.weights import SharedTables, WeightError
 from runtime.backend import NULL_KERNEL
 from runtime.host_backend import HostBackend
-from tests.proposer_fixtures import (assert_same_caches, bf16_weights, cache_snapshot,
-                                     make_proposer, upload_rows)
+from tests.proposer_fixtures import (
+    assert_same_caches,
+    bf16_weights,
+    cache_snapshot,
+    make_proposer,
+    upload_rows,
+)
 
 CFG = tiny(index_topk=8, index_kpool=2, max_context=64)
 W = bf16_weights(CFG, 11)
@@ -26,7 +31,7 @@ def _history(prop, gpu, rows=13, k=3):
     hid = rng.standard_normal((rows + 1, CFG.hidden_size))
     st = prop.alloc_state()
     p = upload_rows(gpu, hid[:rows])
-    prop.prefill_drafter(st, tok[:rows + 1], p)
+    prop.prefill_drafter(st, tok[: rows + 1], p)
     h = upload_rows(gpu, hid[rows:])
     drafts = prop.propose(st, int(tok[rows + 1]), h, rows, k)
     gpu.free(p)
@@ -41,8 +46,9 @@ class FullBlockContextRows(MtpProposer):
     def _context_rows(self, st, n):
         H = self.cfg.hidden_size
         for r in range(n):
-            self.layer.full_row(st.x.offset(r * H * 2), st.scratch, st.dsa, self.kv, st.row, r,
-                                self.rows_cap, self.stream)
+            self.layer.full_row(
+                st.x.offset(r * H * 2), st.scratch, st.dsa, self.kv, st.row, r, self.rows_cap, self.stream
+            )
 
 
 def test_diagnostic_full_context_rows_build_the_same_caches():
@@ -94,17 +100,23 @@ def test_fp8_head_needs_only_the_kernels_its_path_launches(caplog):
     assert d_missing == d_fp8
 
 
-@pytest.mark.parametrize("mutate,msg", [
-    (lambda w, n: w.pop(n), "missing tensor"),
-    (lambda w, n: w.__setitem__(n, w[n][:-1]), "expected shape"),
-    (lambda w, n: w.__setitem__(n, w[n].astype(np.float32)), "expected dtype"),
-])
-@pytest.mark.parametrize("name", [
-    "model.layers.2.eh_proj.weight",
-    "model.layers.2.self_attn.kv_b_proj.weight",
-    "model.layers.2.mlp.experts.5.down_proj.weight",
-    "model.layers.2.mlp.gate.e_score_correction_bias",
-])
+@pytest.mark.parametrize(
+    "mutate,msg",
+    [
+        (lambda w, n: w.pop(n), "missing tensor"),
+        (lambda w, n: w.__setitem__(n, w[n][:-1]), "expected shape"),
+        (lambda w, n: w.__setitem__(n, w[n].astype(np.float32)), "expected dtype"),
+    ],
+)
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.layers.2.eh_proj.weight",
+        "model.layers.2.self_attn.kv_b_proj.weight",
+        "model.layers.2.mlp.experts.5.down_proj.weight",
+        "model.layers.2.mlp.gate.e_score_correction_bias",
+    ],
+)
 def test_bad_checkpoint_tensor_is_named_and_leaks_nothing(mutate, msg, name):
     w = dict(W)
     if "bias" in name and msg == "expected dtype":

@@ -13,8 +13,13 @@ from model.dsa import DsaSizingError, drafter_context_rows, max_dsa_context
 from model.kernels.dsa_select import TOPK_MAX_POOLS
 from model.proposer import ProposerError
 from runtime.host_backend import HostBackend
-from tests.proposer_fixtures import (assert_same_caches, bf16_weights, cache_snapshot,
-                                     make_proposer, upload_rows)
+from tests.proposer_fixtures import (
+    assert_same_caches,
+    bf16_weights,
+    cache_snapshot,
+    make_proposer,
+    upload_rows,
+)
 
 CFG = tiny(index_topk=8, index_kpool=2, max_context=96)
 WEIGHTS = bf16_weights(CFG, seed=3)
@@ -31,15 +36,15 @@ class World:
 
 
 def _feed(prop, st, world: World, base: int, n: int, gpu) -> int:
-    p = upload_rows(gpu, world.hiddens[base:base + n])
+    p = upload_rows(gpu, world.hiddens[base : base + n])
     try:
-        return prop.catchup_drafter(st, world.tokens[base:base + n + 1], p, base)
+        return prop.catchup_drafter(st, world.tokens[base : base + n + 1], p, base)
     finally:
         gpu.free(p)
 
 
 def _propose(prop, st, world: World, pos: int, k: int, gpu):
-    p = upload_rows(gpu, world.hiddens[pos:pos + 1])
+    p = upload_rows(gpu, world.hiddens[pos : pos + 1])
     try:
         return prop.propose(st, int(world.tokens[pos + 1]), p, pos, k)
     finally:
@@ -48,7 +53,7 @@ def _propose(prop, st, world: World, pos: int, k: int, gpu):
 
 def _refusal(prop, st, world: World, rows: int, kind: str, gpu) -> None:
     """One input the proposer must refuse (ProposerError) at the drafter's current length."""
-    hid = world.hiddens[rows:rows + 2].copy()
+    hid = world.hiddens[rows : rows + 2].copy()
     if kind == "nan_feed":
         hid[1, 3] = np.nan
     p = upload_rows(gpu, hid)
@@ -56,15 +61,15 @@ def _refusal(prop, st, world: World, rows: int, kind: str, gpu) -> None:
     try:
         with pytest.raises(ProposerError):
             if kind == "nan_feed":
-                prop.catchup_drafter(st, world.tokens[rows:rows + 3], p, rows)
+                prop.catchup_drafter(st, world.tokens[rows : rows + 3], p, rows)
             elif kind == "float_position":
                 prop.propose(st, tok, p, float(rows), 1)
             elif kind == "bool_token":
                 prop.propose(st, True, p, rows, 1)
             elif kind == "float_row_base":
-                prop.catchup_drafter(st, world.tokens[rows:rows + 3], p, float(rows))
+                prop.catchup_drafter(st, world.tokens[rows : rows + 3], p, float(rows))
             elif kind == "float_token":
-                prop.catchup_drafter(st, world.tokens[rows:rows + 3].astype(np.float64), p, rows)
+                prop.catchup_drafter(st, world.tokens[rows : rows + 3].astype(np.float64), p, rows)
             elif kind == "float_accept":
                 prop.after_verify(st, 0.0)
             else:
@@ -130,7 +135,7 @@ def test_rollback_matches_a_history_that_never_drafted_the_rejected_rows(history
             if pos + k > prop.drafter_context_rows:
                 continue
             before = cache_snapshot(prop, main), gpu.stats().live_bytes
-            hid = world.hiddens[pos:pos + 1].copy()
+            hid = world.hiddens[pos : pos + 1].copy()
             hid[0, int(seed) % H] = np.nan
             p = upload_rows(gpu, hid)
             with pytest.raises(ProposerError, match="not finite"):
@@ -234,7 +239,11 @@ def test_propose_refuses_bad_input_before_changing_state():
 # ---- sizing ------------------------------------------------------------------------------------
 
 
-@given(reservation=st_.integers(1, 200_000), served=st_.integers(1, 300_000), kpool=st_.sampled_from([1, 2, 4, 8]))
+@given(
+    reservation=st_.integers(1, 200_000),
+    served=st_.integers(1, 300_000),
+    kpool=st_.sampled_from([1, 2, 4, 8]),
+)
 def test_drafter_context_rows_follows_the_config(reservation, served, kpool):
     d = tiny(index_kpool=kpool, index_topk=8 * kpool, max_context=reservation).dsa
     whole = (reservation // kpool) * kpool
@@ -246,6 +255,7 @@ def test_drafter_context_rows_follows_the_config(reservation, served, kpool):
 
 def test_buffers_are_sized_from_the_drafter_reach():
     """Per-sequence bytes grow with the reach and stop growing where the reservation caps it."""
+
     def state_bytes(reservation: int, served: int) -> tuple[int, int]:
         cfg = tiny(index_topk=8, index_kpool=2, max_context=reservation)
         gpu = HostBackend()
@@ -291,7 +301,7 @@ def test_lifecycle_leaves_live_bytes_where_they_started(plan):
             prop.free_state(st)  # a second free is a no-op
         else:
             st = live[-1]
-            hid = upload_rows(gpu, world.hiddens[st.rows:st.rows + 1])
+            hid = upload_rows(gpu, world.hiddens[st.rows : st.rows + 1])
             if st.rows + k <= prop.drafter_context_rows:
                 before = gpu.stats().live_allocations
                 prop.propose(st, 1, hid, st.rows, k)

@@ -22,12 +22,15 @@ def _margin(logits: np.ndarray) -> float:
     return float(top[1] - top[0])
 
 
-@pytest.mark.parametrize("seed,rows,topk,kpool,fp8_head", [
-    (0, 5, 8, 2, False),  # dense: fewer complete pools than the top-k
-    (1, 23, 8, 2, False),  # sparse selection with a tail
-    (2, 30, 6, 3, True),  # kpool 3, FP8 head
-    (3, 41, 4, 4, False),
-])
+@pytest.mark.parametrize(
+    "seed,rows,topk,kpool,fp8_head",
+    [
+        (0, 5, 8, 2, False),  # dense: fewer complete pools than the top-k
+        (1, 23, 8, 2, False),  # sparse selection with a tail
+        (2, 30, 6, 3, True),  # kpool 3, FP8 head
+        (3, 41, 4, 4, False),
+    ],
+)
 def test_drafts_and_logits_match_float64(seed, rows, topk, kpool, fp8_head):
     cfg = tiny(index_topk=topk, index_kpool=kpool, max_context=64)
     w = bf16_weights(cfg, seed)
@@ -44,7 +47,7 @@ def test_drafts_and_logits_match_float64(seed, rows, topk, kpool, fp8_head):
     for r in range(rows):
         ref.context_row(int(tokens[r + 1]), hiddens[r].astype(np.float64))
     last = int(rng.integers(0, cfg.vocab_size))
-    h = upload_rows(gpu, hiddens[rows:rows + 1])
+    h = upload_rows(gpu, hiddens[rows : rows + 1])
     k = 3
     drafts = prop.propose(st, last, h, rows, k)
     rdrafts, rlogits, _ = ref.propose(last, hiddens[rows].astype(np.float64), k)

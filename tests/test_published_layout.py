@@ -37,22 +37,26 @@ DP = disk_name(P, PUB)  # as stored
 
 
 def published(path: Path, **kw) -> Checkpoint:
-    opts = {"include_target": False, "fp8_published": True, "fp8_block": BLOCK,
-            "progress": False, "layout": PUB, **kw}
+    opts = {
+        "include_target": False,
+        "fp8_published": True,
+        "fp8_block": BLOCK,
+        "progress": False,
+        "layout": PUB,
+        **kw,
+    }
     return Checkpoint(random_checkpoint(path, CFG, 3, **opts))
 
 
 def tensors_of(**kw) -> dict[str, np.ndarray]:
     out = {}
-    for t in random_tensors(CFG, 3, include_target=False, fp8_published=True, fp8_block=BLOCK,
-                            **kw):
+    for t in random_tensors(CFG, 3, include_target=False, fp8_published=True, fp8_block=BLOCK, **kw):
         out[t.name] = np.concatenate([c.reshape(-1) for c in t.chunks()]).reshape(t.shape)
     return out
 
 
 def write_published(path: Path, tensors: dict[str, np.ndarray]) -> Checkpoint:
-    q = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
-                                 "weight_block_size": list(BLOCK)}}
+    q = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(BLOCK)}}
     return Checkpoint(write_checkpoint(path, CFG, tensors, extra_config=q, layout=PUB))
 
 
@@ -65,8 +69,7 @@ def drafts_of(tensors, cfg=CFG) -> list[list[int]]:
     hid = rng.standard_normal((26, cfg.hidden_size)).astype(BF16)
     st = prop.alloc_state()
     prop.prefill_drafter(st, tokens, upload_rows(gpu, hid[:23]))
-    out = [prop.propose(st, int(tokens[-1]), upload_rows(gpu, hid[23 + i:24 + i]), 23, 3)
-           for i in range(3)]
+    out = [prop.propose(st, int(tokens[-1]), upload_rows(gpu, hid[23 + i : 24 + i]), 23, 3) for i in range(3)]
     prop.close()
     return out
 
@@ -82,17 +85,28 @@ def test_names_dtypes_and_config_on_disk(tmp_path):
     assert "model.language_model.embed_tokens.weight" in names
     ix = DP + "self_attn.indexer."
     assert c.info(ix + "index_kpool_compress_gate").shape == (16, 64)  # [idim, H], no .weight
-    assert c.info(ix + "index_kpool_compress_ape").shape == (2, 16)    # [kpool, idim]
+    assert c.info(ix + "index_kpool_compress_ape").shape == (2, 16)  # [kpool, idim]
     assert not any("shared_expert_gate" in n for n in names)
     fp8 = [n for n in names if c.info(n).dtype == "F8_E4M3"]
     assert fp8 and all(is_published_fp8(logical_name(n, PUB)) for n in fp8)
-    for kind in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "shared_experts.up_proj",
-                 "experts.3.down_proj"):
+    for kind in (
+        "q_a_proj",
+        "q_b_proj",
+        "kv_a_proj_with_mqa",
+        "o_proj",
+        "shared_experts.up_proj",
+        "experts.3.down_proj",
+    ):
         name = next(n for n in fp8 if kind in n)
         s = c.info(scale_name(name))
         assert s.dtype == "F32" and s.shape == scale_shape(c.info(name).shape, BLOCK)
-    for bf16 in ("self_attn.kv_b_proj.weight", "self_attn.indexer.wq_b.weight",
-                 "mlp.gate.weight", "eh_proj.weight", "enorm.weight"):
+    for bf16 in (
+        "self_attn.kv_b_proj.weight",
+        "self_attn.indexer.wq_b.weight",
+        "mlp.gate.weight",
+        "eh_proj.weight",
+        "enorm.weight",
+    ):
         assert c.info(DP + bf16).dtype == "BF16"
     assert c.info(DP + "mlp.gate.e_score_correction_bias").dtype == "F32"
 
@@ -118,11 +132,21 @@ def test_published_and_flat_copies_draft_the_same(tmp_path):
 def test_drafter_only_copy_builds_a_proposer(tmp_path):
     """A copy of the shards holding the MTP layer, the embedding and the head, with the full
     index: the drafter builds; the target names what its absent shards hold."""
-    d = random_checkpoint(tmp_path / "full", CFG, 3, fp8_published=True, fp8_block=BLOCK,
-                          layout=PUB, progress=False, max_shard_bytes=40_000)
+    d = random_checkpoint(
+        tmp_path / "full",
+        CFG,
+        3,
+        fp8_published=True,
+        fp8_block=BLOCK,
+        layout=PUB,
+        progress=False,
+        max_shard_bytes=40_000,
+    )
     full = Checkpoint(d)
     needed = {full.disk_name(n) for n in mtp_layout(CFG)} | {
-        full.disk_name("model.embed_tokens.weight"), LM_HEAD}
+        full.disk_name("model.embed_tokens.weight"),
+        LM_HEAD,
+    }
     needed |= {scale_name(n) for n in needed if full.has(scale_name(n))}
     keep = {full.where(n) for n in needed}
     gone = [f for f in full.shards() if f not in keep]
@@ -131,8 +155,11 @@ def test_drafter_only_copy_builds_a_proposer(tmp_path):
         (d / f).unlink()
     copy = Checkpoint(d)
     assert drafts_of(mtp_tensors(copy)) == drafts_of(mtp_tensors(full))
-    with pytest.raises(CheckpointError, match=r"model\.language_model\.layers\.0\..* is missing.*"
-                                              r"which is not in the directory"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model\.language_model\.layers\.0\..* is missing.*"
+        r"which is not in the directory",
+    ):
         target_tensors(copy)
 
 
@@ -144,24 +171,38 @@ def _bad(tmp_path, edit) -> Checkpoint:
 
 Q_A = P + "self_attn.q_a_proj.weight"
 CASES = {
-    "missing": (lambda t: t.pop(P + "self_attn.indexer.index_kpool_compress_gate"),
-                rf"tensor {DP}self_attn\.indexer\.index_kpool_compress_gate is missing"),
-    "shape": (lambda t: t.update({P + "eh_proj.weight": t[P + "eh_proj.weight"][:, :64].copy()}),
-              rf"{DP}eh_proj\.weight: expected shape \[64, 128\], found \[64, 64\]"),
-    "dtype": (lambda t: t.update({P + "mlp.gate.e_score_correction_bias":
-                                  t[P + "mlp.gate.e_score_correction_bias"].astype(BF16)}),
-              rf"{DP}mlp\.gate\.e_score_correction_bias: expected dtype F32, found BF16"),
+    "missing": (
+        lambda t: t.pop(P + "self_attn.indexer.index_kpool_compress_gate"),
+        rf"tensor {DP}self_attn\.indexer\.index_kpool_compress_gate is missing",
+    ),
+    "shape": (
+        lambda t: t.update({P + "eh_proj.weight": t[P + "eh_proj.weight"][:, :64].copy()}),
+        rf"{DP}eh_proj\.weight: expected shape \[64, 128\], found \[64, 64\]",
+    ),
+    "dtype": (
+        lambda t: t.update(
+            {P + "mlp.gate.e_score_correction_bias": t[P + "mlp.gate.e_score_correction_bias"].astype(BF16)}
+        ),
+        rf"{DP}mlp\.gate\.e_score_correction_bias: expected dtype F32, found BF16",
+    ),
     "fp8 where BF16 has no scale": (
         lambda t: t.pop(scale_name(Q_A)),
-        (rf"{DP}self_attn\.q_a_proj\.weight: expected dtype BF16, found F8_E4M3 without its "
-         rf"block scales {DP}self_attn\.q_a_proj\.weight_scale_inv")),
+        (
+            rf"{DP}self_attn\.q_a_proj\.weight: expected dtype BF16, found F8_E4M3 without its "
+            rf"block scales {DP}self_attn\.q_a_proj\.weight_scale_inv"
+        ),
+    ),
     "scale of the wrong block shape": (
         lambda t: t.update({scale_name(Q_A): np.ones((1, 1), np.float32)}),
-        (rf"tensor {DP}self_attn\.q_a_proj\.weight_scale_inv \(block scales of "
-         rf"{DP}self_attn\.q_a_proj\.weight\): expected F32\[3, 4\], found F32\[1, 1\]")),
+        (
+            rf"tensor {DP}self_attn\.q_a_proj\.weight_scale_inv \(block scales of "
+            rf"{DP}self_attn\.q_a_proj\.weight\): expected F32\[3, 4\], found F32\[1, 1\]"
+        ),
+    ),
     "scale of the wrong dtype": (
         lambda t: t.update({scale_name(Q_A): t[scale_name(Q_A)].astype(BF16)}),
-        r"expected F32\[3, 4\], found BF16\[3, 4\]"),
+        r"expected F32\[3, 4\], found BF16\[3, 4\]",
+    ),
 }
 
 
@@ -177,13 +218,17 @@ def test_bad_tensor_is_named_before_device_memory(tmp_path, case):
 
 def test_f32_norms_and_router_are_accepted(tmp_path):
     """A BF16 release may store norms (and the router) in F32: loaded, rounded to BF16."""
-    f32 = [P + "enorm.weight", P + "self_attn.kv_a_layernorm.weight",
-           P + "self_attn.indexer.k_norm.weight", P + "self_attn.indexer.k_norm.bias",
-           P + "mlp.gate.weight"]
+    f32 = [
+        P + "enorm.weight",
+        P + "self_attn.kv_a_layernorm.weight",
+        P + "self_attn.indexer.k_norm.weight",
+        P + "self_attn.indexer.k_norm.bias",
+        P + "mlp.gate.weight",
+    ]
     base = tensors_of()
     edited = dict(base)
     for n in f32:
-        edited[n] = (base[n].astype(np.float32) * np.float32(1 + 2 ** -12)).astype(np.float32)
+        edited[n] = (base[n].astype(np.float32) * np.float32(1 + 2**-12)).astype(np.float32)
     c = write_published(tmp_path / "f32", edited)
     ts = mtp_tensors(c)
     for n in f32:
@@ -193,8 +238,11 @@ def test_f32_norms_and_router_are_accepted(tmp_path):
     assert drafts_of(ts)
     # Other BF16 tensors stay strict: an F32 projection is refused by name.
     edited[P + "eh_proj.weight"] = base[P + "eh_proj.weight"].astype(np.float32)
-    with pytest.raises(CheckpointError, match=rf"{DP}eh_proj\.weight: expected dtype BF16, "
-                                              "found F32"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{DP}eh_proj\.weight: expected dtype BF16, "
+        "found F32",
+    ):
         mtp_tensors(write_published(tmp_path / "f32b", edited))
 
 

@@ -45,10 +45,10 @@ def _non_absorbed_attention(dr, y, rows):
     c = dr.latents[rows]
     outs = []
     for h in range(a.num_attention_heads):
-        blk = kv_b[h * (a.qk_nope_head_dim + a.v_head_dim):(h + 1) * (a.qk_nope_head_dim + a.v_head_dim)]
-        wk, wv = blk[:a.qk_nope_head_dim], blk[a.qk_nope_head_dim:]
-        keys = c @ wk.T                                   # [S, nope]
-        vals = c @ wv.T                                   # [S, v]
+        blk = kv_b[h * (a.qk_nope_head_dim + a.v_head_dim) : (h + 1) * (a.qk_nope_head_dim + a.v_head_dim)]
+        wk, wv = blk[: a.qk_nope_head_dim], blk[a.qk_nope_head_dim :]
+        keys = c @ wk.T  # [S, nope]
+        vals = c @ wv.T  # [S, v]
         s = keys @ q[h] / math.sqrt(a.qk_nope_head_dim + a.qk_rope_head_dim)
         p = np.exp(s - s.max())
         p /= p.sum()
@@ -61,7 +61,7 @@ def _non_absorbed_attention(dr, y, rows):
 
 @pytest.mark.parametrize("fp8_cache", [True, False])
 def test_absorbed_attention_equals_plain_mla_while_dense(fp8_cache, monkeypatch):
-    cfg = tiny(index_topk=8, index_kpool=2)          # 4 pools before sparse selection starts
+    cfg = tiny(index_topk=8, index_kpool=2)  # 4 pools before sparse selection starts
     weights = random_mtp_weights(cfg, 1)
     dr = ReferenceDrafter(cfg, weights, fp8_cache=fp8_cache)
     dr._weights_for_test = weights
@@ -111,7 +111,7 @@ def test_rewind_then_refeed_matches_never_advanced(kpool, topk, m):
 
     dr = ReferenceDrafter(cfg, weights)
     dr.feed(toks[:17], hid[:17])
-    dr.propose(int(toks[17]), hid[17], 2)           # go past m with draft rows too
+    dr.propose(int(toks[17]), hid[17], 2)  # go past m with draft rows too
     dr.rewind_to(m)
     assert dr.rows == m
     for key, val in dr.state().items():
@@ -133,7 +133,7 @@ def test_rewind_cuts_open_pools_and_refuses_bad_positions():
     toks, hid = _rows(cfg, 9, 5)
     dr.feed(toks, hid)
     assert dr.pool_keys.shape[0] == 4
-    dr.rewind_to(7)                                 # pool 3 (rows 6, 7) loses row 7
+    dr.rewind_to(7)  # pool 3 (rows 6, 7) loses row 7
     assert dr.pool_keys.shape[0] == 3 and dr.rows == 7
     with pytest.raises(ValueError):
         dr.rewind_to(8)
@@ -149,7 +149,7 @@ def test_after_verify_keeps_accepted_plus_one():
     dr.propose(int(toks[5]), hid[5], 3)
     assert dr.rows == 8
     dr.after_verify(0)
-    assert dr.rows == 6                              # the first draft row is never trimmed
+    assert dr.rows == 6  # the first draft row is never trimmed
     dr.propose(int(toks[5]), hid[5], 3, position=5)
     dr.after_verify(5)
     assert dr.rows == 8
@@ -159,13 +159,20 @@ def test_after_verify_keeps_accepted_plus_one():
 
 
 def test_dense_selection_ignores_indexer_weights():
-    cfg = tiny(index_topk=64, index_kpool=2)         # 32 pools: never sparse in 20 rows
+    cfg = tiny(index_topk=64, index_kpool=2)  # 32 pools: never sparse in 20 rows
     w1 = random_mtp_weights(cfg, 7)
     w2 = dict(w1)
     rng = np.random.default_rng(99)
     X = _prefix(cfg) + "self_attn.indexer."
-    for name in ("wq_b.weight", "wk.weight", "weights_proj.weight", "k_norm.weight", "k_norm.bias",
-                 "index_kpool_compress_gate", "index_kpool_compress_ape"):
+    for name in (
+        "wq_b.weight",
+        "wk.weight",
+        "weights_proj.weight",
+        "k_norm.weight",
+        "k_norm.bias",
+        "index_kpool_compress_gate",
+        "index_kpool_compress_ape",
+    ):
         w2[X + name] = rng.standard_normal(w1[X + name].shape).astype(np.float32)
     toks, hid = _rows(cfg, 20, 8)
     a, b = ReferenceDrafter(cfg, w1), ReferenceDrafter(cfg, w2)
@@ -174,7 +181,7 @@ def test_dense_selection_ignores_indexer_weights():
     ra, rb = a.propose(int(toks[17]), hid[17], 3), b.propose(int(toks[17]), hid[17], 3)
     assert ra[0] == rb[0]
     assert np.array_equal(ra[1], rb[1]) and np.array_equal(ra[2], rb[2])
-    assert not np.array_equal(a.pool_keys, b.pool_keys)   # the indexer state did differ
+    assert not np.array_equal(a.pool_keys, b.pool_keys)  # the indexer state did differ
 
     # Sanity: in the sparse regime the same change does move the selection somewhere.
     cfg_s = tiny(index_topk=4, index_kpool=2)
@@ -207,7 +214,7 @@ def test_selection_size_and_content(kpool, topk):
         tail = set(range(complete * kpool, n + 1))
         assert tail <= set(sel.tolist())
         pools = sorted({int(r) // kpool for r in sel if r < complete * kpool})
-        for p in pools:                                  # whole pools only
+        for p in pools:  # whole pools only
             assert set(range(p * kpool, p * kpool + kpool)) <= set(sel.tolist())
         if complete > T:
             # Independent pool scoring from the stored keys and gates.
@@ -216,8 +223,8 @@ def test_selection_size_and_content(kpool, topk):
             ape = X.ix_ape
             keys = []
             for p in range(complete):
-                k = X.indexer_keys[p * kpool:(p + 1) * kpool]
-                g = X.gates[p * kpool:(p + 1) * kpool] + ape
+                k = X.indexer_keys[p * kpool : (p + 1) * kpool]
+                g = X.gates[p * kpool : (p + 1) * kpool] + ape
                 e = np.exp(g - g.max(axis=0))
                 keys.append((e / e.sum(axis=0) * k).sum(axis=0))
             keys = np.array(keys)
@@ -225,8 +232,12 @@ def test_selection_size_and_content(kpool, topk):
             qlat = rmsnorm(X.q_a @ y, X.q_a_norm, cfg.rms_norm_eps)
             qi = (X.ix_wq_b @ qlat).reshape(d.index_n_heads, d.index_head_dim)
             wh = X.ix_weights @ y / math.sqrt(d.index_n_heads)
-            score = np.array([sum(wh[h] * max(0.0, qi[h] @ keys[p]) for h in range(d.index_n_heads))
-                              for p in range(complete)]) / math.sqrt(d.index_head_dim)
+            score = np.array(
+                [
+                    sum(wh[h] * max(0.0, qi[h] @ keys[p]) for h in range(d.index_n_heads))
+                    for p in range(complete)
+                ]
+            ) / math.sqrt(d.index_head_dim)
             want = sorted(np.lexsort((np.arange(complete), -score))[:T].tolist())
             assert pools == want, n
 
@@ -260,8 +271,8 @@ def test_moe_bias_picks_experts_but_weights_use_unbiased_scores():
     np.testing.assert_allclose(w, [s[0] / (s[0] + s[1]) * sf, s[1] / (s[0] + s[1]) * sf], rtol=1e-14)
 
     bias = np.zeros(8, np.float32)
-    bias[5] = 3.0                                  # s[5] + 3 is the largest
-    bias[1] = -1.0                                 # s[1] - 1 falls below s[2]
+    bias[5] = 3.0  # s[5] + 3 is the largest
+    bias[1] = -1.0  # s[1] - 1 falls below s[2]
     weights[M + "gate.e_score_correction_bias"] = bias
     dr = ReferenceDrafter(cfg, weights)
     chosen, w = dr.route(y2)
@@ -305,11 +316,12 @@ def test_swiglu_clamp_is_active():
     cfg = tiny()
     weights = random_mtp_weights(cfg, 15)
     dr = ReferenceDrafter(cfg, weights)
-    y = np.full(cfg.hidden_size, 40.0)             # pushes projections far past the limit
+    y = np.full(cfg.hidden_size, 40.0)  # pushes projections far past the limit
     M = _prefix(cfg) + "mlp.experts.0."
     g = np.asarray(weights[M + "gate_proj.weight"], np.float64) @ y
     assert np.abs(g).max() > cfg.moe.swiglu_limit
     from tests.reference_f64 import clamped_swiglu
+
     out = clamped_swiglu(y, *dr.experts[0], cfg.moe.swiglu_limit)
     L = cfg.moe.swiglu_limit
     gg = np.minimum(g, L)
@@ -382,8 +394,8 @@ def test_fp8_rows_round_trip():
     idx = np.abs(x[:4]).argmax(axis=1)
     np.testing.assert_allclose(np.abs(q[np.arange(4), idx]), amax, rtol=1e-15)
     # relative error of E4M3 (3 mantissa bits) is at most 2^-4 for normals
-    big = np.abs(x[:4]) / amax[:, None] * 448 >= 2 ** -6
-    assert (np.abs(q[:4] - x[:4])[big] <= np.abs(x[:4])[big] * 2 ** -4 + 1e-300).all()
+    big = np.abs(x[:4]) / amax[:, None] * 448 >= 2**-6
+    assert (np.abs(q[:4] - x[:4])[big] <= np.abs(x[:4])[big] * 2**-4 + 1e-300).all()
     # every stored value is an E4M3 value times the row's scale
     scaled = q[:4] / (amax[:, None] / 448)
     back = scaled.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
@@ -406,8 +418,7 @@ def test_fp8_cache_and_head_options():
     for r in res[1:]:
         assert not np.array_equal(r[1][0], res[0][1][0])
         same = next((i for i in range(3) if r[0][i] != res[0][0][i]), 2) + 1
-        np.testing.assert_allclose(r[1][:same], res[0][1][:same],
-                                   atol=0.15 * np.abs(res[0][1]).max())
+        np.testing.assert_allclose(r[1][:same], res[0][1][:same], atol=0.15 * np.abs(res[0][1]).max())
     np.testing.assert_array_equal(cache.latents[:8], fp8_rows(exact.latents[:8]))  # same inputs
     np.testing.assert_array_equal(head.head, fp8_rows(np.asarray(weights["lm_head.weight"], np.float64)))
 
@@ -418,8 +429,9 @@ def test_bf16_weights_and_shared_head_override():
     wbf = {k: (v.astype(ml_dtypes.bfloat16) if "correction_bias" not in k else v) for k, v in w32.items()}
     dr = ReferenceDrafter(cfg, wbf)
     assert dr.q_a.dtype == np.float64
-    assert np.array_equal(dr.q_a, w32[_prefix(cfg) + "self_attn.q_a_proj.weight"]
-                          .astype(ml_dtypes.bfloat16).astype(np.float64))
+    assert np.array_equal(
+        dr.q_a, w32[_prefix(cfg) + "self_attn.q_a_proj.weight"].astype(ml_dtypes.bfloat16).astype(np.float64)
+    )
     # The MTP block's own embedding and head win when stored (GLM-4.5 layout).
     P = _prefix(cfg)
     w = dict(w32)
@@ -431,6 +443,6 @@ def test_bf16_weights_and_shared_head_override():
     with pytest.raises(KeyError, match="experts.3.up_proj"):
         ReferenceDrafter(cfg, w)
     w = dict(w32)
-    w[P + "eh_proj.weight"] = w32[P + "eh_proj.weight"][:, :cfg.hidden_size]
+    w[P + "eh_proj.weight"] = w32[P + "eh_proj.weight"][:, : cfg.hidden_size]
     with pytest.raises(ValueError, match="eh_proj"):
         ReferenceDrafter(cfg, w)

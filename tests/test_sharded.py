@@ -45,8 +45,7 @@ def run_ranks(world: int, fn, timeout_s: float = 20.0):
 def history_drafts(cfg, weights, rank_world, gpu, comm, history, seed):
     """Feed and propose through a fixed random history; return every propose's drafts."""
     c = cfg.with_parallel(*rank_world)
-    prop = MtpProposer(gpu, c, weights, ProposerOptions(served_max_seq_len=64, o_proj_groups=4),
-                       comm=comm)
+    prop = MtpProposer(gpu, c, weights, ProposerOptions(served_max_seq_len=64, o_proj_groups=4), comm=comm)
     st = prop.alloc_state()
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, cfg.vocab_size, 80)
@@ -55,13 +54,13 @@ def history_drafts(cfg, weights, rank_world, gpu, comm, history, seed):
     for n_feed, k, acc in history:
         n_feed = min(n_feed, 60 - rows)
         if n_feed > 0:
-            p = upload_rows(gpu, hid[rows:rows + n_feed])
-            prop.catchup_drafter(st, tokens[rows:rows + n_feed + 1], p, rows)
+            p = upload_rows(gpu, hid[rows : rows + n_feed])
+            prop.catchup_drafter(st, tokens[rows : rows + n_feed + 1], p, rows)
             gpu.free(p)
             rows += n_feed
         if rows + k > 64:
             break
-        p = upload_rows(gpu, hid[rows:rows + 1])
+        p = upload_rows(gpu, hid[rows : rows + 1])
         drafts.append(prop.propose(st, int(tokens[rows + 1]), p, rows, k))
         gpu.free(p)
         prop.after_verify(st, min(acc, k))
@@ -70,8 +69,9 @@ def history_drafts(cfg, weights, rank_world, gpu, comm, history, seed):
     return drafts
 
 
-histories = st_.lists(st_.tuples(st_.integers(0, 9), st_.integers(1, 4), st_.integers(0, 4)),
-                      min_size=2, max_size=8)
+histories = st_.lists(
+    st_.tuples(st_.integers(0, 9), st_.integers(1, 4), st_.integers(0, 4)), min_size=2, max_size=8
+)
 
 
 @settings(max_examples=6, deadline=None)
@@ -82,8 +82,7 @@ def test_world_2_and_4_draft_exactly_what_one_rank_drafts(history, seed, vocab):
     w = bf16_weights(cfg, seed)
     one = history_drafts(cfg, w, (0, 1), HostBackend(), None, history, seed)
     for world in (2, 4):
-        res, errs = run_ranks(world, lambda r, g, c: history_drafts(cfg, w, (r, world), g, c,
-                                                                     history, seed))
+        res, errs = run_ranks(world, lambda r, g, c: history_drafts(cfg, w, (r, world), g, c, history, seed))
         assert errs == [None] * world, errs
         for r in range(world):
             assert res[r] == one, f"world {world} rank {r}"
@@ -99,8 +98,13 @@ def test_communicator_world_size_must_match_the_config():
     cfg = tiny()
 
     def body(r, gpu, comm):
-        MtpProposer(gpu, cfg.with_parallel(r, 4), bf16_weights(cfg, 0), ProposerOptions(64, o_proj_groups=4),
-                    comm=comm)
+        MtpProposer(
+            gpu,
+            cfg.with_parallel(r, 4),
+            bf16_weights(cfg, 0),
+            ProposerOptions(64, o_proj_groups=4),
+            comm=comm,
+        )
 
     _, errs = run_ranks(2, body)
     assert all(isinstance(e, ValueError) and "communicator has 2 ranks" in str(e) for e in errs)
@@ -111,8 +115,13 @@ def test_ranks_with_different_configs_fail_on_every_rank():
 
     def body(r, gpu, comm):
         cfg = tiny(num_experts_per_tok=2 + r)  # rank 1 disagrees
-        MtpProposer(gpu, cfg.with_parallel(r, 2), bf16_weights(cfg, 0),
-                    ProposerOptions(64, o_proj_groups=4), comm=comm)
+        MtpProposer(
+            gpu,
+            cfg.with_parallel(r, 2),
+            bf16_weights(cfg, 0),
+            ProposerOptions(64, o_proj_groups=4),
+            comm=comm,
+        )
 
     _, errs = run_ranks(2, body)
     assert all(isinstance(e, CommError) and "config" in str(e) for e in errs), errs
@@ -125,8 +134,13 @@ def test_a_dead_peer_is_a_timeout_error_not_a_hang():
     def body(r, gpu, comm):
         if r == 1:
             return "never arrives"
-        MtpProposer(gpu, cfg.with_parallel(r, 2), bf16_weights(cfg, 0),
-                    ProposerOptions(64, o_proj_groups=4), comm=comm)
+        MtpProposer(
+            gpu,
+            cfg.with_parallel(r, 2),
+            bf16_weights(cfg, 0),
+            ProposerOptions(64, o_proj_groups=4),
+            comm=comm,
+        )
 
     _, errs = run_ranks(2, body, timeout_s=1.0)
     assert isinstance(errs[0], CommError)
@@ -139,8 +153,7 @@ values = st_.one_of(special, st_.floats(-1e4, 1e4, width=32))
 
 
 @settings(max_examples=300)
-@given(logits=st_.lists(values, min_size=1, max_size=40), world=st_.integers(1, 5),
-       data=st_.data())
+@given(logits=st_.lists(values, min_size=1, max_size=40), world=st_.integers(1, 5), data=st_.data())
 def test_cross_rank_argmax_equals_the_unsharded_argmax(logits, world, data):
     x = np.asarray(logits, np.float32)
     # Adversarial: copy the global max into several shards.

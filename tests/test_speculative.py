@@ -19,9 +19,13 @@ def build(path, served):
     ckpt = Checkpoint(path)
     cfg = ckpt.config
     target = TargetModel(gpu, cfg, target_tensors(ckpt, cfg), served)
-    drafter = MtpProposer(gpu, cfg, mtp_tensors(ckpt, cfg),
-                          ProposerOptions(served_max_seq_len=served, max_draft_tokens=4,
-                                          max_sequences=1), tables=target.tables)
+    drafter = MtpProposer(
+        gpu,
+        cfg,
+        mtp_tensors(ckpt, cfg),
+        ProposerOptions(served_max_seq_len=served, max_draft_tokens=4, max_sequences=1),
+        tables=target.tables,
+    )
     return gpu, cfg, target, drafter
 
 
@@ -107,9 +111,13 @@ def test_refeed_rewinds_the_drafter_through_its_own_rewind_to():
             calls.append(n)
             super().rewind_to(st, n)
 
-    spy = Spy(gpu, cfg, mtp_tensors(Checkpoint(DEFAULT_CHECKPOINT), cfg),
-              ProposerOptions(served_max_seq_len=256, max_draft_tokens=4, max_sequences=1),
-              tables=target.tables)
+    spy = Spy(
+        gpu,
+        cfg,
+        mtp_tensors(Checkpoint(DEFAULT_CHECKPOINT), cfg),
+        ProposerOptions(served_max_seq_len=256, max_draft_tokens=4, max_sequences=1),
+        tables=target.tables,
+    )
     prompt = list(b"import os\n\ndef main(argv):\n")
     out, stats = speculative_decode(target, spy, prompt, 30, 3, refeed_target_hidden=True)
     assert out == greedy_decode(target, prompt, 30)

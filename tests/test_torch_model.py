@@ -50,8 +50,7 @@ def _model(cfg, seed=1, std=0.2, dtype=None):
     init_weights(m, std=std, seed=seed)
     g = torch.Generator().manual_seed(seed)
     for moe in m.moe_layers():
-        moe.gate.e_score_correction_bias.copy_(0.05 * torch.randn(moe.cfg.n_routed_experts,
-                                                                  generator=g))
+        moe.gate.e_score_correction_bias.copy_(0.05 * torch.randn(moe.cfg.n_routed_experts, generator=g))
     if dtype is not None:
         m = m.to(dtype)
     return m.eval()
@@ -118,8 +117,10 @@ def test_fp8_rows_matches_ml_dtypes_and_saturates():
     import ml_dtypes
 
     rng = np.random.default_rng(0)
-    x = rng.standard_normal((7, 33)).astype(np.float32) * np.array([1e-3, 1, 50, 1e3, 1, 1, 1],
-                                                                     np.float32)[:, None]
+    x = (
+        rng.standard_normal((7, 33)).astype(np.float32)
+        * np.array([1e-3, 1, 50, 1e3, 1, 1, 1], np.float32)[:, None]
+    )
     x[5] = 0.0
     got = fp8_rows(torch.from_numpy(x)).numpy()
     amax = np.abs(x).max(-1, keepdims=True)
@@ -152,7 +153,7 @@ def test_selection_size_and_top_pools(kpool, topk):
             for n in range(n_rows):
                 row = allowed[b, n]
                 assert int(row.sum()) == selection_width(n, topk, kpool), (n, kpool, topk)
-                assert not bool(row[n + 1:].any())  # causal
+                assert not bool(row[n + 1 :].any())  # causal
                 ncomp = (n + 1) // kpool
                 tail = list(range(ncomp * kpool, n + 1))
                 assert all(bool(row[j]) for j in tail)  # the tail always
@@ -161,8 +162,7 @@ def test_selection_size_and_top_pools(kpool, topk):
                     continue
                 sc = ps[b, n, :ncomp].tolist()
                 want = sorted(sorted(range(ncomp), key=lambda p: (-sc[p], p))[:K])
-                got = sorted({j // kpool for j in torch.nonzero(row).flatten().tolist()
-                              if j < ncomp * kpool})
+                got = sorted({j // kpool for j in torch.nonzero(row).flatten().tolist() if j < ncomp * kpool})
                 assert got == want
 
 
@@ -262,9 +262,14 @@ def test_incremental_equals_full_and_rewind_is_exact(fp8):
         # The drafter too.
         d_full = m.mtp(*mtp_rows(toks, full.hidden), opts=opts)
         d1 = m.mtp(toks[:, 23:26], full.hidden[:, 22:25], slice_state(d_full.state, 22), opts)
-        d2 = m.mtp(toks[:, 23:26], full.hidden[:, 22:25],
-                   slice_state(m.mtp(toks[:, 23:35], full.hidden[:, 22:34],
-                                     slice_state(d_full.state, 22), opts).state, 22), opts)
+        d2 = m.mtp(
+            toks[:, 23:26],
+            full.hidden[:, 22:25],
+            slice_state(
+                m.mtp(toks[:, 23:35], full.hidden[:, 22:34], slice_state(d_full.state, 22), opts).state, 22
+            ),
+            opts,
+        )
         assert torch.equal(d1.hidden, d2.hidden)
 
 
@@ -292,7 +297,7 @@ def test_drafter_matches_the_float64_reference(fp8):
     opts = RunOpts(fp8=fp8, moe_dense=False)
     with torch.no_grad():
         st = m.mtp(toks[:, :ctx], hid[:, :ctx], opts=opts).state
-        tok, h = toks[:, ctx: ctx + 1], hid[:, ctx: ctx + 1]
+        tok, h = toks[:, ctx : ctx + 1], hid[:, ctx : ctx + 1]
         mine, mlog = [], []
         for _ in range(3):
             r = m.mtp(tok, h, st, opts)
@@ -317,8 +322,13 @@ def test_bench_step_matches_the_model():
     opts = RunOpts(moe_dense=False)
     with torch.no_grad():
         st = m.mtp(toks[:, :ctx], hid[:, :ctx], opts=opts).state
-        ds = DraftStep(cfg, rows=64, device="cpu", dtype=torch.float64,
-                       weights=weights_from_state_dict(cfg, m.state_dict(), dtype=torch.float64))
+        ds = DraftStep(
+            cfg,
+            rows=64,
+            device="cpu",
+            dtype=torch.float64,
+            weights=weights_from_state_dict(cfg, m.state_dict(), dtype=torch.float64),
+        )
         ds.latents[:ctx], ds.keys[:ctx], ds.gates[:ctx] = st[0]["c"][0], st[0]["k"][0], st[0]["g"][0]
         ix = m.mtp_layer.self_attn.indexer
         P = ctx // cfg.dsa.index_kpool
@@ -326,7 +336,7 @@ def test_bench_step_matches_the_model():
         ds.tok_in[0] = toks[0, ctx]
         ds.hid_in.copy_(hid[0, ctx])
         got = ds.propose(ctx, 3).tolist()
-        tok, h, want = toks[:, ctx: ctx + 1], hid[:, ctx: ctx + 1], []
+        tok, h, want = toks[:, ctx : ctx + 1], hid[:, ctx : ctx + 1], []
         for _ in range(3):
             r = m.mtp(tok, h, st, opts)
             st, h = r.state, r.hidden
@@ -343,8 +353,10 @@ def test_acceptance_eval_matches_brute_force():
     cfg = _cfg(vocab_size=256)
     m = _model(cfg, std=0.1)
     rng = np.random.default_rng(0)
-    files = {"a.py": bytes(rng.integers(97, 105, 90).tolist()),
-             "b.py": bytes(rng.integers(97, 100, 60).tolist())}
+    files = {
+        "a.py": bytes(rng.integers(97, 105, 90).tolist()),
+        "b.py": bytes(rng.integers(97, 100, 60).tolist()),
+    }
     samples = sample_positions(files.items(), start=16, stride=11, max_t=80, n_samples=None)
     k = 3
     res = evaluate(m, samples, files, k=k, fp8="all", progress=False)
@@ -361,10 +373,10 @@ def test_acceptance_eval_matches_brute_force():
                 seq.append(g[-1])
             h = m.target(torch.tensor([data[: t + 1]]), opts=opts).hidden
             # drafter by full recomputation of the row sequence
-            rows_t = data[1: t + 1] + [g[0]]
+            rows_t = data[1 : t + 1] + [g[0]]
             rows_h = h[0]
             drafts = []
-            for i in range(k):
+            for _i in range(k):
                 o = m.mtp(torch.tensor([rows_t]), rows_h[None], opts=opts)
                 d = int(o.logits[0, -1].argmax())
                 drafts.append(d)
@@ -394,7 +406,7 @@ def test_short_training_reduces_the_loss():
     first = last = None
     for step in range(40):
         off = step % 20
-        x = torch.stack([pattern[off: off + 48], pattern[(off + 7) % 20: (off + 7) % 20 + 48]])
+        x = torch.stack([pattern[off : off + 48], pattern[(off + 7) % 20 : (off + 7) % 20 + 48]])
         losses = training_losses(m, x, RunOpts(sparse=step >= 10, kl=True))
         loss = losses["target_ce"] + 0.5 * losses["mtp_ce"] + losses["indexer_kl"]
         opt.zero_grad()
@@ -424,7 +436,7 @@ def _unrolled(m, toks, hid, opts, depth):
     outs, logits, prev_c, prev = [mo.hidden], [mo.logits], [], mo.hidden
     T = toks.shape[1]
     for j in range(2, depth + 1):
-        o, lg, c = m.mtp_unrolled(toks[:, j:], prev[:, :T - j], base_c, allowed, prev_c, opts)
+        o, lg, c = m.mtp_unrolled(toks[:, j:], prev[:, : T - j], base_c, allowed, prev_c, opts)
         outs.append(o)
         logits.append(lg)
         prev, prev_c = o, [*prev_c, c]
@@ -446,11 +458,10 @@ def test_unrolled_drafts_equal_drafting_one_row_at_a_time_when_dense():
         mo, outs, logits = _unrolled(m, toks, hid, opts, 3)
         for r in (0, 5, 17, T - 4):
             st = slice_state(mo.state, r + 1)
-            h = outs[0][:, r:r + 1]
+            h = outs[0][:, r : r + 1]
             for j in (2, 3):
-                step = m.mtp(toks[:, r + j:r + j + 1], h, st, opts)
-                torch.testing.assert_close(step.logits[:, 0], logits[j - 1][:, r], rtol=1e-10,
-                                           atol=1e-10)
+                step = m.mtp(toks[:, r + j : r + j + 1], h, st, opts)
+                torch.testing.assert_close(step.logits[:, 0], logits[j - 1][:, r], rtol=1e-10, atol=1e-10)
                 st, h = step.state, step.hidden
 
 
@@ -473,7 +484,7 @@ def test_unrolled_drafts_equal_the_shared_selection_of_the_float64_reference():
     share = dataclasses.replace(cfg, dsa=dataclasses.replace(cfg.dsa, share_for_mtp_iteration=True))
     for r in (9, 16, 23):
         ref = ref_mod.ReferenceDrafter(share, w, fp8_cache=False)
-        ref.feed(toks[0, 1:r + 1].tolist(), hid[0, :r].numpy())
+        ref.feed(toks[0, 1 : r + 1].tolist(), hid[0, :r].numpy())
         lg, xn = ref.draft_row(int(toks[0, r + 1]), hid[0, r].numpy())
         first = ref.selection(r)
         for j in (2, 3):
@@ -493,11 +504,15 @@ def test_unrolled_training_lowers_every_depth():
     first = last = None
     for step in range(40):
         off = step % 20
-        x = torch.stack([pattern[off: off + 48], pattern[(off + 7) % 20: (off + 7) % 20 + 48]])
+        x = torch.stack([pattern[off : off + 48], pattern[(off + 7) % 20 : (off + 7) % 20 + 48]])
         losses = training_losses(m, x, RunOpts(sparse=step >= 10, kl=True), unroll=3)
         assert set(losses) == {"target_ce", "mtp_ce", "mtp_ce_2", "mtp_ce_3", "indexer_kl"}
-        loss = (losses["target_ce"] + 0.5 * losses["mtp_ce"] + losses["indexer_kl"]
-                + 0.25 * (losses["mtp_ce_2"] + losses["mtp_ce_3"]))
+        loss = (
+            losses["target_ce"]
+            + 0.5 * losses["mtp_ce"]
+            + losses["indexer_kl"]
+            + 0.25 * (losses["mtp_ce_2"] + losses["mtp_ce_3"])
+        )
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -555,8 +570,13 @@ def test_bench_step_shares_the_selection_as_the_runtime_does():
     want, _, hiddens = ref.propose(int(toks[0, ctx]), hid[0, ctx].numpy(), 3)
     with torch.no_grad():
         st = m.mtp(toks[:, :ctx], hid[:, :ctx], opts=RunOpts(moe_dense=False)).state
-        ds = DraftStep(cfg, rows=64, device="cpu", dtype=torch.float64,
-                       weights=weights_from_state_dict(cfg, m.state_dict(), dtype=torch.float64))
+        ds = DraftStep(
+            cfg,
+            rows=64,
+            device="cpu",
+            dtype=torch.float64,
+            weights=weights_from_state_dict(cfg, m.state_dict(), dtype=torch.float64),
+        )
         ds.latents[:ctx], ds.keys[:ctx], ds.gates[:ctx] = st[0]["c"][0], st[0]["k"][0], st[0]["g"][0]
         P = ctx // cfg.dsa.index_kpool
         ds.pool_keys[:P] = m.mtp_layer.self_attn.indexer.pool_keys(st[0]["k"], st[0]["g"], False)[0]

@@ -51,18 +51,34 @@ from model.corpus import (  # noqa: E402
 from train.torch_model import RunOpts, load_model, slice_state  # noqa: E402
 
 
-def acceptance_samples(root=None, *, start: int = SAMPLE_START, stride: int = SAMPLE_STRIDE,
-                       max_t: int = SAMPLE_MAX_T, n_samples: int | None = SAMPLE_COUNT):
+def acceptance_samples(
+    root=None,
+    *,
+    start: int = SAMPLE_START,
+    stride: int = SAMPLE_STRIDE,
+    max_t: int = SAMPLE_MAX_T,
+    n_samples: int | None = SAMPLE_COUNT,
+):
     """(relpath, t) samples of the protocol over this machine's held-out stdlib files, plus the
     files themselves: ``(samples, {relpath: bytes})``."""
     files = heldout_files(root)
-    return (sample_positions(files, start=start, stride=stride, max_t=max_t, n_samples=n_samples),
-            dict(files))
+    return (
+        sample_positions(files, start=start, stride=stride, max_t=max_t, n_samples=n_samples),
+        dict(files),
+    )
 
 
 @torch.no_grad()
-def evaluate(model, samples, files: dict, k: int = 3, fp8: str = "all", fp8_head: bool = False,
-             device="cpu", progress: bool = True) -> dict:
+def evaluate(
+    model,
+    samples,
+    files: dict,
+    k: int = 3,
+    fp8: str = "all",
+    fp8_head: bool = False,
+    device="cpu",
+    progress: bool = True,
+) -> dict:
     """Run the protocol; returns counts, rates and per-sample records."""
     if fp8 not in ("all", "mtp", "none"):
         raise ValueError(f"fp8 must be all, mtp or none, not {fp8!r}")
@@ -92,7 +108,7 @@ def evaluate(model, samples, files: dict, k: int = 3, fp8: str = "all", fp8_head
             # Drafts: row t from (g_1, h_t), then the drafter's own outputs.
             dstate = slice_state(drf.state, t) if t > 0 else None
             tok = torch.tensor([[g[0]]], device=device)
-            hid = tgt.hidden[:, t: t + 1]
+            hid = tgt.hidden[:, t : t + 1]
             drafts = []
             for _ in range(k):
                 r = model.mtp(tok, hid, dstate, d_opts, fp8_head=fp8_head)
@@ -116,8 +132,12 @@ def evaluate(model, samples, files: dict, k: int = 3, fp8: str = "all", fp8_head
             lengths.append(n_acc)
             records.append({"file": rel, "t": t, "g": g, "drafts": drafts, "accepted": n_acc})
         if progress:
-            print(f"  [{fi + 1}/{len(by_file)}] {rel}: {len(ts)} samples, "
-                  f"{len(lengths)} done, {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
+            print(
+                f"  [{fi + 1}/{len(by_file)}] {rel}: {len(ts)} samples, "
+                f"{len(lengths)} done, {time.time() - t0:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     n = len(lengths)
     return {
         "k": k,
@@ -136,15 +156,21 @@ def evaluate(model, samples, files: dict, k: int = 3, fp8: str = "all", fp8_head
 
 
 def format_table(res: dict) -> str:
-    lines = [f"MTP acceptance: {res['n_samples']} samples over {res['n_files']} held-out files, "
-             f"k={res['k']}, fp8={res['fp8']}, fp8_head={res['fp8_head']} (float32)",
-             "position  reached  accepted  rate"]
+    lines = [
+        f"MTP acceptance: {res['n_samples']} samples over {res['n_files']} held-out files, "
+        f"k={res['k']}, fp8={res['fp8']}, fp8_head={res['fp8_head']} (float32)",
+        "position  reached  accepted  rate",
+    ]
     for i in range(res["k"]):
         rate = res["acceptance"][i]
-        lines.append(f"{i + 1:>8}  {res['reached'][i]:>7}  {res['accepted'][i]:>8}  "
-                     f"{'-' if rate is None else f'{rate:.4f}'}")
-    lines.append(f"mean accepted length: {res['mean_accepted_length']:.4f}   "
-                 f"(target greedy == real next byte: {res['target_next_byte_top1']:.4f})")
+        lines.append(
+            f"{i + 1:>8}  {res['reached'][i]:>7}  {res['accepted'][i]:>8}  "
+            f"{'-' if rate is None else f'{rate:.4f}'}"
+        )
+    lines.append(
+        f"mean accepted length: {res['mean_accepted_length']:.4f}   "
+        f"(target greedy == real next byte: {res['target_next_byte_top1']:.4f})"
+    )
     return "\n".join(lines)
 
 
@@ -158,8 +184,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-t", type=int, default=SAMPLE_MAX_T)
     ap.add_argument("--fp8", choices=("all", "mtp", "none"), default="all")
     ap.add_argument("--fp8-head", action="store_true")
-    ap.add_argument("--stdlib", default=None,
-                    help="stdlib directory to read held-out files from (default: this Python's)")
+    ap.add_argument(
+        "--stdlib", default=None, help="stdlib directory to read held-out files from (default: this Python's)"
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--records", default="", help="write per-sample records (JSON) here")
@@ -172,10 +199,19 @@ def main(argv=None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     model = load_model(args.ckpt, dtype=torch.float32, device=device)
-    samples, files = acceptance_samples(args.stdlib, start=args.start, stride=args.stride, max_t=args.max_t,
-                                        n_samples=args.n)
-    res = evaluate(model, samples, files, k=args.k, fp8=args.fp8, fp8_head=args.fp8_head,
-                   device=device, progress=not args.quiet)
+    samples, files = acceptance_samples(
+        args.stdlib, start=args.start, stride=args.stride, max_t=args.max_t, n_samples=args.n
+    )
+    res = evaluate(
+        model,
+        samples,
+        files,
+        k=args.k,
+        fp8=args.fp8,
+        fp8_head=args.fp8_head,
+        device=device,
+        progress=not args.quiet,
+    )
     print(format_table(res))
     if args.records:
         Path(args.records).write_text(json.dumps(res["records"]))

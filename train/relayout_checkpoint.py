@@ -58,12 +58,20 @@ def relayout(src: Path, dst: Path, *, overwrite: bool = False) -> list[str]:
     if missing:
         raise SystemExit(f"{src} lacks {len(missing)} tensors of its config, e.g. {missing[0]}")
     mtp = mtp_prefix(cfg)
-    ordered = ([pending(n, a) for n, a in tensors.items() if not n.startswith(mtp)]
-               + [pending(n, a) for n, a in tensors.items() if n.startswith(mtp)])
+    ordered = [pending(n, a) for n, a in tensors.items() if not n.startswith(mtp)] + [
+        pending(n, a) for n, a in tensors.items() if n.startswith(mtp)
+    ]
     target_bytes = sum(t.nbytes for t in ordered if not t.name.startswith(mtp))
     extra = {k: v for k, v in ckpt.hf_config.items() if k == "quantization_config"}
-    write_checkpoint(dst, cfg, ordered, max_shard_bytes=target_bytes, extra_config=extra,
-                     overwrite=overwrite, layout=NameLayout.PUBLISHED)
+    write_checkpoint(
+        dst,
+        cfg,
+        ordered,
+        max_shard_bytes=target_bytes,
+        extra_config=extra,
+        overwrite=overwrite,
+        layout=NameLayout.PUBLISHED,
+    )
     index = json.loads((dst / "model.safetensors.index.json").read_text())
     shard_of = {n: f for n, f in index["weight_map"].items()}
     assert len(set(shard_of.values())) == 2, "expected the target and the MTP block in two shards"
@@ -77,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overwrite", action="store_true")
     args = ap.parse_args(argv)
     dropped = relayout(args.src, args.dst, overwrite=args.overwrite)
-    print(f"wrote {args.dst} in the published layout; dropped {len(dropped)} tensors"
-          + (f": {', '.join(dropped)}" if dropped else ""))
+    print(
+        f"wrote {args.dst} in the published layout; dropped {len(dropped)} tensors"
+        + (f": {', '.join(dropped)}" if dropped else "")
+    )
     return 0
 
 

@@ -183,8 +183,7 @@ class MoE(nn.Module):
         )
         if m.n_shared_experts:
             # Added with weight 1: there is no shared_expert_gate (transformers' Glm5NextTextMoE).
-            self.shared_experts = SwiGLU(H, m.moe_intermediate_size * m.n_shared_experts,
-                                         m.swiglu_limit)
+            self.shared_experts = SwiGLU(H, m.moe_intermediate_size * m.n_shared_experts, m.swiglu_limit)
         self.last_load: torch.Tensor | None = None  # tokens per expert in the last forward
 
     def route(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,8 +191,9 @@ class MoE(nn.Module):
         m = self.cfg
         with torch.autocast(device_type=y.device.type, enabled=False):
             scores = torch.sigmoid(F.linear(_up(y), _up(self.gate.weight)))
-        idx = topk_desc_stable(scores + self.gate.e_score_correction_bias.to(scores.dtype),
-                               m.num_experts_per_tok)
+        idx = topk_desc_stable(
+            scores + self.gate.e_score_correction_bias.to(scores.dtype), m.num_experts_per_tok
+        )
         w = scores.gather(1, idx)
         if m.norm_topk_prob:
             w = w / w.sum(-1, keepdim=True)
@@ -206,8 +206,11 @@ class MoE(nn.Module):
         idx, w = self.route(y)
         if self.training:
             flat = idx.reshape(-1)  # scatter_add, not bincount: no host sync on a GPU
-            load = torch.zeros(E, device=y.device).scatter_add_(
-                0, flat, torch.ones(flat.shape, device=y.device)).detach()
+            load = (
+                torch.zeros(E, device=y.device)
+                .scatter_add_(0, flat, torch.ones(flat.shape, device=y.device))
+                .detach()
+            )
             # Summed over the calls of one step (the MTP block runs once per unrolled depth).
             self.last_load = load if self.last_load is None else self.last_load + load
         if opts.moe_dense:
@@ -249,8 +252,9 @@ class Indexer(nn.Module):
 
     def row_keys(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-row key LayerNorm(wk.y) and gate index_kpool_compress_gate.y, float32 [B, m, idim]."""
-        k = F.layer_norm(_up(self.wk(y)), (self.idim,), _up(self.k_norm.weight),
-                         _up(self.k_norm.bias), INDEXER_LN_EPS)
+        k = F.layer_norm(
+            _up(self.wk(y)), (self.idim,), _up(self.k_norm.weight), _up(self.k_norm.bias), INDEXER_LN_EPS
+        )
         return k, _up(F.linear(y, self.index_kpool_compress_gate.to(y.dtype)))
 
     def pool_keys(self, k: torch.Tensor, g: torch.Tensor, fp8: bool) -> torch.Tensor:
@@ -271,8 +275,9 @@ class Indexer(nn.Module):
         return torch.einsum("bmhp,bmh->bmp", torch.relu(dots), w) / math.sqrt(self.idim)
 
 
-def selection_mask(scores: torch.Tensor, qpos: torch.Tensor, n: int, topk_pools: int,
-                   kpool: int) -> torch.Tensor:
+def selection_mask(
+    scores: torch.Tensor, qpos: torch.Tensor, n: int, topk_pools: int, kpool: int
+) -> torch.Tensor:
     """Rows each query may attend to under the KPool selection, [B, m, n] bool.
 
     scores [B, m, P] over the complete pools of all n rows (P = n // kpool); query i sits at row
@@ -306,8 +311,7 @@ class DsaAttention(nn.Module):
         self.q_b_proj = _linear(a.q_lora_rank, a.num_attention_heads * a.qk_head_dim)
         self.kv_a_proj_with_mqa = _linear(H, a.kv_lora_rank + a.qk_rope_head_dim)
         self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = _linear(a.kv_lora_rank,
-                                 a.num_attention_heads * (a.qk_nope_head_dim + a.v_head_dim))
+        self.kv_b_proj = _linear(a.kv_lora_rank, a.num_attention_heads * (a.qk_nope_head_dim + a.v_head_dim))
         self.o_proj = _linear(a.num_attention_heads * a.v_head_dim, H)
         self.indexer = Indexer(cfg)
         self.last: dict[str, Any] = {}
@@ -357,8 +361,7 @@ class DsaAttention(nn.Module):
             if opts.kl:
                 kl = self._kl(s, causal, ps, qpos, P)
         if opts.record:
-            self.last = {"allowed": allowed.expand(B, m, n).detach(), "pool_scores": ps,
-                         "qpos": qpos}
+            self.last = {"allowed": allowed.expand(B, m, n).detach(), "pool_scores": ps, "qpos": qpos}
         probs = torch.softmax(s.masked_fill(~allowed[:, None], float("-inf")), dim=-1)
         o = torch.matmul(probs.to(val.dtype), val)  # [B, nh, m, dv]
         o = o.transpose(1, 2).reshape(B, m, nh * dv)
@@ -384,9 +387,14 @@ class DsaAttention(nn.Module):
         per_row = (torch.xlogy(tgt, tgt) - tgt * logq).sum(-1)  # [B, m]
         return (per_row * rows).sum() / (B * n_rows)
 
-
-    def attend_unrolled(self, y: torch.Tensor, base_c: torch.Tensor, base_allowed: torch.Tensor,
-                        prev_c: list[torch.Tensor], opts: RunOpts):
+    def attend_unrolled(
+        self,
+        y: torch.Tensor,
+        base_c: torch.Tensor,
+        base_allowed: torch.Tensor,
+        prev_c: list[torch.Tensor],
+        opts: RunOpts,
+    ):
         """Attention of the drafts after the first, as served, for every base row at once.
 
         Query i of ``y`` [B, m, H] is the depth-j draft (j = len(prev_c) + 2) of the propose whose
@@ -413,14 +421,16 @@ class DsaAttention(nn.Module):
         s[0] = s[0].masked_fill(~base_allowed[:, None, :m], float("-inf"))
         vals = []
         for c in [*(p[:, :m] for p in prev_c), c_own]:
-            kd, vd = (t.transpose(1, 2) for t in
-                      self.kv_b_proj(c).view(B, m, nh, nope + dv).split([nope, dv], dim=-1))
+            kd, vd = (
+                t.transpose(1, 2)
+                for t in self.kv_b_proj(c).view(B, m, nh, nope + dv).split([nope, dv], dim=-1)
+            )
             s.append(_up((q * kd).sum(-1, keepdim=True)) * a.softmax_scale)  # [B, nh, m, 1]
             vals.append(vd)
         probs = torch.softmax(torch.cat(s, dim=-1), dim=-1)
         o = torch.matmul(probs[..., :n].to(val.dtype), val)
         for d, vd in enumerate(vals):
-            o = o + probs[..., n + d: n + d + 1].to(vd.dtype) * vd
+            o = o + probs[..., n + d : n + d + 1].to(vd.dtype) * vd
         o = o.transpose(1, 2).reshape(B, m, nh * dv)
         return self.o_proj(o), c_own
 
@@ -466,8 +476,8 @@ class _Inner(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            [DecoderLayer(cfg, dense=i < cfg.first_k_dense_replace)
-             for i in range(cfg.num_hidden_layers)] + [MtpLayer(cfg)]
+            [DecoderLayer(cfg, dense=i < cfg.first_k_dense_replace) for i in range(cfg.num_hidden_layers)]
+            + [MtpLayer(cfg)]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -483,7 +493,8 @@ class TorchModel(nn.Module):
             raise NotImplementedError(
                 "train/torch_model.py implements index_kpool_always_select_tail true and "
                 "index_share_for_mtp_iteration false only (the runtime and tests/reference_f64.py "
-                "implement both options)")
+                "implement both options)"
+            )
         self.cfg = cfg
         self.model = _Inner(cfg)
         self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size)
@@ -505,8 +516,7 @@ class TorchModel(nn.Module):
             w = self._fp8_head_cache[1]
         return F.linear(h.to(w.dtype) if not torch.is_autocast_enabled() else h, w)
 
-    def target(self, tokens: torch.Tensor, state: State | None = None,
-               opts: RunOpts | None = None) -> Out:
+    def target(self, tokens: torch.Tensor, state: State | None = None, opts: RunOpts | None = None) -> Out:
         """Rows state_rows(state) .. +m of the target for tokens [B, m]; hidden is post-norm."""
         opts = opts or RunOpts()
         x = _up(self.model.embed_tokens(tokens))
@@ -519,8 +529,14 @@ class TorchModel(nn.Module):
         h = self.model.norm(x)
         return Out(h, self.head(h), new_state, kls)
 
-    def mtp(self, tokens: torch.Tensor, hidden: torch.Tensor, state: State | None = None,
-            opts: RunOpts | None = None, fp8_head: bool = False) -> Out:
+    def mtp(
+        self,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        state: State | None = None,
+        opts: RunOpts | None = None,
+        fp8_head: bool = False,
+    ) -> Out:
         """Drafter rows for (token, hidden) pairs [B, m], [B, m, H]. Returns the normalised output
         rmsnorm(x) * shared_head.norm (the hidden the next draft consumes) and its logits."""
         opts = opts or RunOpts()
@@ -532,17 +548,23 @@ class TorchModel(nn.Module):
         out = L.shared_head.norm(x)
         return Out(out, self.head(out, fp8_head), [st], [kl] if kl is not None else [])
 
-    def mtp_unrolled(self, tokens: torch.Tensor, hidden: torch.Tensor, base_c: torch.Tensor,
-                     base_allowed: torch.Tensor, prev_c: list[torch.Tensor], opts: RunOpts,
-                     fp8_head: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def mtp_unrolled(
+        self,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        base_c: torch.Tensor,
+        base_allowed: torch.Tensor,
+        prev_c: list[torch.Tensor],
+        opts: RunOpts,
+        fp8_head: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Depth-j drafts (j >= 2) of every base row: (token, the previous depth's normalised
         output) pairs [B, m], [B, m, H] through the block as ``DsaAttention.attend_unrolled``
         attends. Returns (normalised output, logits, own latent)."""
         L = self.mtp_layer
         e = L.enorm(self.model.embed_tokens(tokens))
         x = _up(L.eh_proj(torch.cat([e, L.hnorm(hidden)], dim=-1)))
-        a, c_own = L.self_attn.attend_unrolled(L.input_layernorm(x), base_c, base_allowed, prev_c,
-                                               opts)
+        a, c_own = L.self_attn.attend_unrolled(L.input_layernorm(x), base_c, base_allowed, prev_c, opts)
         x = x + _up(a)
         x = x + _up(L.mlp(L.post_attention_layernorm(x), opts))
         out = L.shared_head.norm(x)
@@ -577,8 +599,9 @@ def mtp_rows(tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, 
     return tokens[:, 1:], hidden[:, :-1]
 
 
-def mtp_losses(model: TorchModel, tokens: torch.Tensor, hidden: torch.Tensor, opts: RunOpts,
-               unroll: int = 1) -> tuple[list[torch.Tensor], Out]:
+def mtp_losses(
+    model: TorchModel, tokens: torch.Tensor, hidden: torch.Tensor, opts: RunOpts, unroll: int = 1
+) -> tuple[list[torch.Tensor], Out]:
     """MTP CE per draft depth 1 .. ``unroll`` over every base row, the way the drafter serves:
     depth 1 is row r = (tokens[r+1], hidden[r]) predicting tokens[r+2]; depth j >= 2 consumes
     tokens[r+j] (the draft, where the drafts so far were accepted) and depth j-1's own normalised
@@ -595,16 +618,17 @@ def mtp_losses(model: TorchModel, tokens: torch.Tensor, hidden: torch.Tensor, op
         prev_out, prev_c = mo.hidden, []
         for j in range(2, unroll + 1):
             m = T - j  # base rows r with a token tokens[r + j]
-            out_j, logits_j, c_j = model.mtp_unrolled(tokens[:, j:], prev_out[:, :m], base_c,
-                                                      base_allowed, prev_c, opts)
-            ces.append(F.cross_entropy(_up(logits_j[:, :-1]).reshape(-1, V),
-                                       tokens[:, j + 1:].reshape(-1)))
+            out_j, logits_j, c_j = model.mtp_unrolled(
+                tokens[:, j:], prev_out[:, :m], base_c, base_allowed, prev_c, opts
+            )
+            ces.append(F.cross_entropy(_up(logits_j[:, :-1]).reshape(-1, V), tokens[:, j + 1 :].reshape(-1)))
             prev_out, prev_c = out_j, [*prev_c, c_j]
     return ces, mo
 
 
-def training_losses(model: TorchModel, tokens: torch.Tensor, opts: RunOpts,
-                    detach_hidden: bool = False, unroll: int = 1) -> dict[str, torch.Tensor]:
+def training_losses(
+    model: TorchModel, tokens: torch.Tensor, opts: RunOpts, detach_hidden: bool = False, unroll: int = 1
+) -> dict[str, torch.Tensor]:
     """Target next-token CE, MTP CE (row r predicts tokens[r+2]), with ``unroll`` > 1 the CE of
     the MTP's own drafts 2 .. unroll (``mtp_ce_2`` ...: ``mtp_losses``), and the mean indexer KL."""
     V = model.cfg.vocab_size
@@ -643,8 +667,9 @@ def hf_tensors(model: TorchModel, dtype=torch.bfloat16) -> dict[str, torch.Tenso
     return out
 
 
-def save_checkpoint(model: TorchModel, directory, *, shard_mtp: bool = True,
-                    published: bool = False) -> list[str]:
+def save_checkpoint(
+    model: TorchModel, directory, *, shard_mtp: bool = True, published: bool = False
+) -> list[str]:
     """Write config.json and the weights: the target in shard 1, the MTP block in shard 2, with
     model.safetensors.index.json (or one model.safetensors). ``published``: GLM-5.3-Flash's layout
     (the config nested under ``text_config``, text tensors under ``model.language_model.``;

@@ -69,13 +69,30 @@ def stdlib_tiny_config(max_context: int = 2048):
         rms_norm_eps=1e-5,
         max_position_embeddings=max_context,
         attention=mc.AttentionConfig(
-            num_attention_heads=4, q_lora_rank=192, kv_lora_rank=128,
-            qk_nope_head_dim=64, qk_rope_head_dim=0, v_head_dim=64),
-        dsa=mc.DsaConfig(index_n_heads=4, index_head_dim=32, index_topk=64, index_kpool=4,
-                         always_select_tail=True, max_context=max_context),
-        moe=mc.MoeConfig(n_routed_experts=16, num_experts_per_tok=2, moe_intermediate_size=128,
-                         n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-                         swiglu_limit=10.0),
+            num_attention_heads=4,
+            q_lora_rank=192,
+            kv_lora_rank=128,
+            qk_nope_head_dim=64,
+            qk_rope_head_dim=0,
+            v_head_dim=64,
+        ),
+        dsa=mc.DsaConfig(
+            index_n_heads=4,
+            index_head_dim=32,
+            index_topk=64,
+            index_kpool=4,
+            always_select_tail=True,
+            max_context=max_context,
+        ),
+        moe=mc.MoeConfig(
+            n_routed_experts=16,
+            num_experts_per_tok=2,
+            moe_intermediate_size=128,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            swiglu_limit=10.0,
+        ),
         first_k_dense_replace=1,
         intermediate_size=768,
     )
@@ -108,42 +125,46 @@ class Windows:
 
 def param_groups(model, wd: float):
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
+    for _name, p in model.named_parameters():
         (decay if p.dim() >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 @torch.no_grad()
-def heldout_eval(model, files, device, T: int, n_windows: int, amp: bool, fp8: bool,
-                 unroll: int = 1) -> dict:
+def heldout_eval(model, files, device, T: int, n_windows: int, amp: bool, fp8: bool, unroll: int = 1) -> dict:
     """Held-out losses (sparse attention) on windows from the start of each held-out file; with
     ``unroll`` > 1 also the CE of the MTP's own drafts 2 .. unroll (``mtp_ce_2`` ...)."""
     model.eval()
     seqs = []
     for _, d in files:
         for off in range(0, len(d) - T, T):
-            seqs.append(list(d[off: off + T]))
+            seqs.append(list(d[off : off + T]))
             if len(seqs) >= n_windows:
                 break
         if len(seqs) >= n_windows:
             break
-    tot = {"target_ce": 0.0, "mtp_ce": 0.0, "indexer_kl": 0.0,
-           **{f"mtp_ce_{j}": 0.0 for j in range(2, unroll + 1)}}
+    tot = {
+        "target_ce": 0.0,
+        "mtp_ce": 0.0,
+        "indexer_kl": 0.0,
+        **{f"mtp_ce_{j}": 0.0 for j in range(2, unroll + 1)},
+    }
     acc_t = acc_m = 0.0
     nb = 0
     for i in range(0, len(seqs), 16):
-        x = torch.tensor(seqs[i: i + 16], dtype=torch.long, device=device)
+        x = torch.tensor(seqs[i : i + 16], dtype=torch.long, device=device)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
             out = model.target(x, opts=RunOpts(sparse=True, kl=True, fp8=fp8))
-            ces, mo = mtp_losses(model, x, out.hidden, RunOpts(sparse=True, kl=True, fp8=fp8),
-                                 unroll)
+            ces, mo = mtp_losses(model, x, out.hidden, RunOpts(sparse=True, kl=True, fp8=fp8), unroll)
         for j, ce in enumerate(ces[1:], start=2):
             tot[f"mtp_ce_{j}"] += float(ce)
         V = model.cfg.vocab_size
-        tot["target_ce"] += float(torch.nn.functional.cross_entropy(
-            out.logits[:, :-1].float().reshape(-1, V), x[:, 1:].reshape(-1)))
-        tot["mtp_ce"] += float(torch.nn.functional.cross_entropy(
-            mo.logits[:, :-1].float().reshape(-1, V), x[:, 2:].reshape(-1)))
+        tot["target_ce"] += float(
+            torch.nn.functional.cross_entropy(out.logits[:, :-1].float().reshape(-1, V), x[:, 1:].reshape(-1))
+        )
+        tot["mtp_ce"] += float(
+            torch.nn.functional.cross_entropy(mo.logits[:, :-1].float().reshape(-1, V), x[:, 2:].reshape(-1))
+        )
         tot["indexer_kl"] += float(torch.stack(out.kl + mo.kl).mean())
         acc_t += float((out.logits[:, :-1].argmax(-1) == x[:, 1:]).float().mean())
         acc_m += float((mo.logits[:, :-1].argmax(-1) == x[:, 2:]).float().mean())
@@ -168,13 +189,25 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup-steps", type=int, default=100)
     ap.add_argument("--wd", type=float, default=0.1)
     ap.add_argument("--mtp-lambda", type=float, default=0.5)
-    ap.add_argument("--unroll", type=int, default=3,
-                    help="drafts per base row trained as served (1: the MTP sees only the "
-                         "target's hidden, as the first shipped checkpoint was trained)")
-    ap.add_argument("--unroll-lambda", type=float, default=0.25,
-                    help="weight of each unrolled draft's CE (drafts 2 .. --unroll)")
-    ap.add_argument("--layout", choices=("published", "flat"), default="published",
-                    help="checkpoint layout written (docs/checkpoint.md)")
+    ap.add_argument(
+        "--unroll",
+        type=int,
+        default=3,
+        help="drafts per base row trained as served (1: the MTP sees only the "
+        "target's hidden, as the first shipped checkpoint was trained)",
+    )
+    ap.add_argument(
+        "--unroll-lambda",
+        type=float,
+        default=0.25,
+        help="weight of each unrolled draft's CE (drafts 2 .. --unroll)",
+    )
+    ap.add_argument(
+        "--layout",
+        choices=("published", "flat"),
+        default="published",
+        help="checkpoint layout written (docs/checkpoint.md)",
+    )
     ap.add_argument("--kl-weight", type=float, default=1.0)
     ap.add_argument("--dense-frac", type=float, default=0.1)
     ap.add_argument("--bias-rate", type=float, default=1e-3)
@@ -182,8 +215,11 @@ def main(argv=None) -> int:
     ap.add_argument("--log-every", type=int, default=50)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--heldout-windows", type=int, default=64)
-    ap.add_argument("--tiny-test", action="store_true",
-                    help="a minute-long CPU smoke run (small batch/seq); still writes everything")
+    ap.add_argument(
+        "--tiny-test",
+        action="store_true",
+        help="a minute-long CPU smoke run (small batch/seq); still writes everything",
+    )
     args = ap.parse_args(argv)
     if args.tiny_test:
         args.batch, args.seq, args.heldout_windows = 4, 128, 8
@@ -200,9 +236,12 @@ def main(argv=None) -> int:
     train_files, held_files = load_corpus()
     n_train_bytes = sum(len(d) for _, d in train_files)
     n_held_bytes = sum(len(d) for _, d in held_files)
-    print(f"stdlib {stdlib_root()} (Python {platform.python_version()}): "
-          f"{len(train_files)} train files {n_train_bytes} bytes, "
-          f"{len(held_files)} held-out files {n_held_bytes} bytes", flush=True)
+    print(
+        f"stdlib {stdlib_root()} (Python {platform.python_version()}): "
+        f"{len(train_files)} train files {n_train_bytes} bytes, "
+        f"{len(held_files)} held-out files {n_held_bytes} bytes",
+        flush=True,
+    )
     windows = Windows(train_files, device, args.seed)
     t_data = time.time() - t_start
 
@@ -211,15 +250,19 @@ def main(argv=None) -> int:
     init_weights(model, seed=args.seed)
     model.to(device).train()
     n_params = sum(p.numel() for p in model.parameters())
-    ckpt_bytes = sum(t.numel() * (4 if n.endswith("e_score_correction_bias") else 2)
-                     for n, t in model.state_dict().items())
-    print(f"params {n_params} ({ckpt_bytes / 1e6:.2f} MB in BF16); config "
-          f"{json.dumps(cfg.to_hf_dict())}", flush=True)
+    ckpt_bytes = sum(
+        t.numel() * (4 if n.endswith("e_score_correction_bias") else 2) for n, t in model.state_dict().items()
+    )
+    print(
+        f"params {n_params} ({ckpt_bytes / 1e6:.2f} MB in BF16); config {json.dumps(cfg.to_hf_dict())}",
+        flush=True,
+    )
     if ckpt_bytes > 20e6:
         raise SystemExit("checkpoint would exceed 20 MB")
 
-    opt = torch.optim.AdamW(param_groups(model, args.wd), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
-                            fused=device.type == "cuda")
+    opt = torch.optim.AdamW(
+        param_groups(model, args.wd), lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda"
+    )
     budget = args.time_budget
     history = []
     step = 0
@@ -236,16 +279,19 @@ def main(argv=None) -> int:
         if sparse and phase_switch_step is None:
             phase_switch_step = step
         lr_scale = min(1.0, (step + 1) / args.warmup_steps) * (
-            args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac)))
+            args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * frac))
+        )
         for g in opt.param_groups:
             g["lr"] = args.lr * lr_scale
         x = windows.batch(args.batch, args.seq)
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=amp):
-            losses = training_losses(model, x, RunOpts(sparse=sparse, kl=True, fp8=False),
-                                     unroll=args.unroll)
-        loss = losses["target_ce"] + args.mtp_lambda * losses["mtp_ce"] \
-            + args.kl_weight * losses["indexer_kl"] \
+            losses = training_losses(model, x, RunOpts(sparse=sparse, kl=True, fp8=False), unroll=args.unroll)
+        loss = (
+            losses["target_ce"]
+            + args.mtp_lambda * losses["mtp_ce"]
+            + args.kl_weight * losses["indexer_kl"]
             + args.unroll_lambda * sum(v for k, v in losses.items() if k.startswith("mtp_ce_"))
+        )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -255,12 +301,18 @@ def main(argv=None) -> int:
         tokens_seen += x.numel()
         if step % args.log_every == 0 or step == 1:
             now = time.time()
-            rec = {"step": step, "elapsed_s": round(now - t0, 1), "lr": args.lr * lr_scale,
-                   "sparse": sparse, **{k: round(float(v.detach()), 4) for k, v in losses.items()},
-                   "grad_norm": round(float(gnorm), 3),
-                   "tok_per_s": round((tokens_seen - last_log_tok) / max(now - last_log_t, 1e-9)),
-                   "max_mem_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2)
-                   if device.type == "cuda" else None}
+            rec = {
+                "step": step,
+                "elapsed_s": round(now - t0, 1),
+                "lr": args.lr * lr_scale,
+                "sparse": sparse,
+                **{k: round(float(v.detach()), 4) for k, v in losses.items()},
+                "grad_norm": round(float(gnorm), 3),
+                "tok_per_s": round((tokens_seen - last_log_tok) / max(now - last_log_t, 1e-9)),
+                "max_mem_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2)
+                if device.type == "cuda"
+                else None,
+            }
             last_log_t, last_log_tok = now, tokens_seen
             history.append(rec)
             print(json.dumps(rec), flush=True)
@@ -270,12 +322,18 @@ def main(argv=None) -> int:
     print(f"trained {step} steps in {train_s:.1f} s ({tokens_seen} tokens)", flush=True)
 
     bias_spread = [
-        [round(float(m.gate.e_score_correction_bias.min()), 4),
-         round(float(m.gate.e_score_correction_bias.max()), 4)] for m in model.moe_layers()]
-    held = heldout_eval(model, held_files, device, args.seq, args.heldout_windows, amp, fp8=False,
-                        unroll=args.unroll)
-    held_fp8 = heldout_eval(model, held_files, device, args.seq, args.heldout_windows, amp, fp8=True,
-                            unroll=args.unroll)
+        [
+            round(float(m.gate.e_score_correction_bias.min()), 4),
+            round(float(m.gate.e_score_correction_bias.max()), 4),
+        ]
+        for m in model.moe_layers()
+    ]
+    held = heldout_eval(
+        model, held_files, device, args.seq, args.heldout_windows, amp, fp8=False, unroll=args.unroll
+    )
+    held_fp8 = heldout_eval(
+        model, held_files, device, args.seq, args.heldout_windows, amp, fp8=True, unroll=args.unroll
+    )
     print("held-out", json.dumps(held), "fp8", json.dumps(held_fp8), flush=True)
 
     out = Path(args.out)
@@ -284,8 +342,11 @@ def main(argv=None) -> int:
     total_mb = sum(sizes.values()) / 1e6
     print(f"checkpoint {out}: {sizes} ({total_mb:.2f} MB)", flush=True)
 
-    machine = (torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-               or platform.machine())
+    machine = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or platform.machine()
+    )
     final = history[-1] if history else {}
     md = [
         "# glm-tiny-stdlib: training note",
@@ -312,8 +373,13 @@ def main(argv=None) -> int:
         f"- held-out with the FP8 cache emulated: target CE {held_fp8['target_ce']:.4f}, "
         f"MTP CE {held_fp8['mtp_ce']:.4f}, MTP top-1 {held_fp8['mtp_top1']:.4f}",
         "- held-out CE of the MTP's own drafts 2 .. k (unrolled, FP8 cache off / on): "
-        + (", ".join(f"draft {j} {held[f'mtp_ce_{j}']:.4f} / {held_fp8[f'mtp_ce_{j}']:.4f}"
-                     for j in range(2, args.unroll + 1)) or "not trained (--unroll 1)"),
+        + (
+            ", ".join(
+                f"draft {j} {held[f'mtp_ce_{j}']:.4f} / {held_fp8[f'mtp_ce_{j}']:.4f}"
+                for j in range(2, args.unroll + 1)
+            )
+            or "not trained (--unroll 1)"
+        ),
         f"- layout: {args.layout} (docs/checkpoint.md)",
         f"- routing correction bias range per MoE layer: {bias_spread}",
         "",
@@ -360,9 +426,21 @@ def main(argv=None) -> int:
         "",
     ]
     (out / "TRAINING.md").write_text("\n".join(md))
-    print(json.dumps({"train_summary": {"steps": step, "train_s": round(train_s, 1),
-                                        "final": final, "heldout": held, "heldout_fp8": held_fp8,
-                                        "checkpoint_mb": round(total_mb, 3)}}), flush=True)
+    print(
+        json.dumps(
+            {
+                "train_summary": {
+                    "steps": step,
+                    "train_s": round(train_s, 1),
+                    "final": final,
+                    "heldout": held,
+                    "heldout_fp8": held_fp8,
+                    "checkpoint_mb": round(total_mb, 3),
+                }
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 

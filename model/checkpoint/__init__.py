@@ -23,8 +23,23 @@ from .validate import TensorSet, mtp_tensors, target_tensors
 from .writer import DEFAULT_MAX_SHARD_BYTES, write_checkpoint
 
 __all__ = [
-    "DTYPES", "DEFAULT_MAX_SHARD_BYTES", "Checkpoint", "CheckpointError", "NameLayout", "PendingTensor",
-    "SafetensorsFile", "TensorInfo", "TensorSet", "dequantize_fp8", "load_safetensors",
-    "mtp_tensors", "quantize_fp8", "random_checkpoint", "random_tensors", "read_header",
-    "target_tensors", "write_checkpoint", "write_safetensors",
+    "DTYPES",
+    "DEFAULT_MAX_SHARD_BYTES",
+    "Checkpoint",
+    "CheckpointError",
+    "NameLayout",
+    "PendingTensor",
+    "SafetensorsFile",
+    "TensorInfo",
+    "TensorSet",
+    "dequantize_fp8",
+    "load_safetensors",
+    "mtp_tensors",
+    "quantize_fp8",
+    "random_checkpoint",
+    "random_tensors",
+    "read_header",
+    "target_tensors",
+    "write_checkpoint",
+    "write_safetensors",
 ]

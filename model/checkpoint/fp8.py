@@ -47,7 +47,7 @@ def dequantize_rows(
         global_row = row_start + r
         n = min(rows - r, bo - global_row % bo)  # up to the next block boundary
         s = np.repeat(np.asarray(scale[global_row // bo], dtype=np.float32), bi)[: q.shape[1]]
-        yield r, np.asarray(q[r:r + n], dtype=np.float32) * s
+        yield r, np.asarray(q[r : r + n], dtype=np.float32) * s
         r += n
 
 
@@ -61,13 +61,11 @@ def dequantize(
     """``q * scale`` per block, in f32, rounded once to ``dtype`` (BF16 by default)."""
     out = np.empty(q.shape, dtype=dtype)
     for r, rows in dequantize_rows(q, scale, row_start, block):
-        out[r:r + len(rows)] = rows.astype(dtype)
+        out[r : r + len(rows)] = rows.astype(dtype)
     return out
 
 
-def quantize(
-    w: np.ndarray, block: tuple[int, int] = DEFAULT_BLOCK
-) -> tuple[np.ndarray, np.ndarray]:
+def quantize(w: np.ndarray, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[np.ndarray, np.ndarray]:
     """Block-quantise ``w`` [out, in]: scale = block absmax / 448 (1 for an all-zero block).
 
     Returns (q F8_E4M3 [out, in], scale F32 [ceil(out/bo), ceil(in/bi)]). Used by the writer to
@@ -85,5 +83,4 @@ def quantize(
     return to_fp8_saturating(w / full), scale
 
 
-__all__ = ["DEFAULT_BLOCK", "dequantize", "dequantize_rows", "quantize", "scale_name",
-           "scale_shape"]
+__all__ = ["DEFAULT_BLOCK", "dequantize", "dequantize_rows", "quantize", "scale_name", "scale_shape"]

@@ -32,7 +32,7 @@ def layout_of(hf_config: Mapping[str, Any]) -> NameLayout:
 def disk_name(logical: str, layout: NameLayout) -> str:
     """The stored name of the tensor the project calls ``logical``."""
     if layout is NameLayout.PUBLISHED and logical.startswith(FLAT_PREFIX):
-        return PUBLISHED_PREFIX + logical[len(FLAT_PREFIX):]
+        return PUBLISHED_PREFIX + logical[len(FLAT_PREFIX) :]
     return logical
 
 
@@ -42,9 +42,8 @@ def logical_name(stored: str, layout: NameLayout) -> str | None:
     if layout is NameLayout.FLAT:
         return stored
     if stored.startswith(PUBLISHED_PREFIX):
-        return FLAT_PREFIX + stored[len(PUBLISHED_PREFIX):]
+        return FLAT_PREFIX + stored[len(PUBLISHED_PREFIX) :]
     return None if stored.startswith(FLAT_PREFIX) else stored
 
 
-__all__ = ["FLAT_PREFIX", "PUBLISHED_PREFIX", "NameLayout", "disk_name", "layout_of",
-           "logical_name"]
+__all__ = ["FLAT_PREFIX", "PUBLISHED_PREFIX", "NameLayout", "disk_name", "layout_of", "logical_name"]

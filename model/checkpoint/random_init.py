@@ -13,7 +13,6 @@ Values are uniform rather than normal: 2.5x faster to draw, same variance, no ou
 from __future__ import annotations
 
 import math
-
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,7 +39,7 @@ from .safetensors_io import DTYPES, PendingTensor
 from .writer import DEFAULT_MAX_SHARD_BYTES, write_checkpoint
 
 HEAD_GAIN = 4.0
-NORM_SPREAD = 0.1   # norm weights in 1 +- this
+NORM_SPREAD = 0.1  # norm weights in 1 +- this
 SMALL_STD = 0.02
 CHUNK_VALUES = 1 << 24  # 64 MB of f32 per chunk
 _SQRT3 = float(np.sqrt(3.0))
@@ -76,9 +75,7 @@ def _uniform(rng: np.random.Generator, n: int, std: float) -> np.ndarray:
     return (rng.random(n, dtype=np.float32) * (2 * half) - half).astype(np.float32)
 
 
-def _dense(
-    spec: TensorSpec, seed_name: str, seed: int, scale: float, out_name: str
-) -> PendingTensor:
+def _dense(spec: TensorSpec, seed_name: str, seed: int, scale: float, out_name: str) -> PendingTensor:
     """A tensor in its logical dtype; ``seed_name`` lets an alias repeat another tensor's values."""
     std = _std(spec, scale)
     offset = 1.0 if spec.init is Init.NORM else 0.0
@@ -93,8 +90,9 @@ def _dense(
     return PendingTensor(out_name, spec.dtype, spec.shape, chunks)
 
 
-def _fp8(spec: TensorSpec, seed: int, scale: float, block: tuple[int, int]
-         ) -> tuple[PendingTensor, PendingTensor]:
+def _fp8(
+    spec: TensorSpec, seed: int, scale: float, block: tuple[int, int]
+) -> tuple[PendingTensor, PendingTensor]:
     """An FP8 block-scaled weight drawn directly in its stored form, so the weight and its scales
     come from independent generators and need not be held together. Block scales vary by +-50%
     so that a dequantiser that picks the wrong block is visibly wrong; the dequantised weight has
@@ -115,8 +113,10 @@ def _fp8(spec: TensorSpec, seed: int, scale: float, block: tuple[int, int]
             q = _uniform(rng, (b - a) * cols, FP8_MAX / _SQRT3)
             yield to_fp8_saturating(q)
 
-    return (PendingTensor(spec.name, "F8_E4M3", spec.shape, weights),
-            PendingTensor(sname, "F32", sshape, scales))
+    return (
+        PendingTensor(spec.name, "F8_E4M3", spec.shape, weights),
+        PendingTensor(sname, "F32", sshape, scales),
+    )
 
 
 def random_tensors(
@@ -135,8 +135,7 @@ def random_tensors(
     layout.update(mtp_layout(cfg))
     out: list[PendingTensor] = []
     for spec in layout.values():
-        if (fp8_experts and is_routed_expert(spec.name)) or (
-                fp8_published and is_published_fp8(spec.name)):
+        if (fp8_experts and is_routed_expert(spec.name)) or (fp8_published and is_published_fp8(spec.name)):
             out.extend(_fp8(spec, seed, scale, fp8_block))
         else:
             out.append(_dense(spec, spec.name, seed, scale, spec.name))
@@ -177,16 +176,36 @@ def random_checkpoint(
     projection and of the head. ``layout`` PUBLISHED writes the published names and the nested
     config.json.
     """
-    tensors = random_tensors(cfg, seed, include_target=include_target, fp8_experts=fp8_experts,
-                             fp8_published=fp8_published, store_mtp_head=store_mtp_head,
-                             scale=scale, fp8_block=fp8_block)
+    tensors = random_tensors(
+        cfg,
+        seed,
+        include_target=include_target,
+        fp8_experts=fp8_experts,
+        fp8_published=fp8_published,
+        store_mtp_head=store_mtp_head,
+        scale=scale,
+        fp8_block=fp8_block,
+    )
     extra = None
     if fp8_experts or fp8_published:
-        extra = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
-                                         "activation_scheme": "dynamic",
-                                         "weight_block_size": list(fp8_block)}}
-    return write_checkpoint(directory, cfg, tensors, max_shard_bytes, extra_config=extra,
-                            overwrite=overwrite, progress=progress, layout=layout)
+        extra = {
+            "quantization_config": {
+                "quant_method": "fp8",
+                "fmt": "e4m3",
+                "activation_scheme": "dynamic",
+                "weight_block_size": list(fp8_block),
+            }
+        }
+    return write_checkpoint(
+        directory,
+        cfg,
+        tensors,
+        max_shard_bytes,
+        extra_config=extra,
+        overwrite=overwrite,
+        progress=progress,
+        layout=layout,
+    )
 
 
 # 64 MiB of random BF16 that every tiled weight is cut from.
@@ -206,10 +225,14 @@ def tiled_mtp_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
         n = math.prod(shape)
         salt[0] += 1
         if scale_one:  # norm weights near 1
-            return (1.0 + pool[salt[0] * 4099 % (POOL_ELEMS - n):][:n].astype(np.float32)).astype(BF16).reshape(shape)
+            return (
+                (1.0 + pool[salt[0] * 4099 % (POOL_ELEMS - n) :][:n].astype(np.float32))
+                .astype(BF16)
+                .reshape(shape)
+            )
         if n <= POOL_ELEMS // 2:
             off = (salt[0] * 1_000_003) % (POOL_ELEMS - n)
-            return pool[off:off + n].reshape(shape)
+            return pool[off : off + n].reshape(shape)
         return np.resize(pool, n).reshape(shape)
 
     a, d, m = cfg.attention, cfg.dsa, cfg.moe
@@ -218,21 +241,26 @@ def tiled_mtp_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     A, X, M = P + "self_attn.", P + "self_attn.indexer.", P + "mlp."
     nh, I, E = a.num_attention_heads, m.moe_intermediate_size, m.n_routed_experts
     w = {
-        "model.embed_tokens.weight": t(V, H), "lm_head.weight": t(V, H),
-        P + "enorm.weight": t(H, scale_one=True), P + "hnorm.weight": t(H, scale_one=True),
+        "model.embed_tokens.weight": t(V, H),
+        "lm_head.weight": t(V, H),
+        P + "enorm.weight": t(H, scale_one=True),
+        P + "hnorm.weight": t(H, scale_one=True),
         P + "eh_proj.weight": t(H, 2 * H),
         P + "input_layernorm.weight": t(H, scale_one=True),
         P + "post_attention_layernorm.weight": t(H, scale_one=True),
         P + "shared_head.norm.weight": t(H, scale_one=True),
-        A + "q_a_proj.weight": t(a.q_lora_rank, H), A + "q_a_layernorm.weight": t(a.q_lora_rank, scale_one=True),
+        A + "q_a_proj.weight": t(a.q_lora_rank, H),
+        A + "q_a_layernorm.weight": t(a.q_lora_rank, scale_one=True),
         A + "q_b_proj.weight": t(nh * a.qk_head_dim, a.q_lora_rank),
         A + "kv_a_proj_with_mqa.weight": t(a.kv_lora_rank + a.qk_rope_head_dim, H),
         A + "kv_a_layernorm.weight": t(a.kv_lora_rank, scale_one=True),
         A + "kv_b_proj.weight": t(nh * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank),
         A + "o_proj.weight": t(H, nh * a.v_head_dim),
         X + "wq_b.weight": t(d.index_n_heads * d.index_head_dim, a.q_lora_rank),
-        X + "wk.weight": t(d.index_head_dim, H), X + "weights_proj.weight": t(d.index_n_heads, H),
-        X + "k_norm.weight": t(d.index_head_dim, scale_one=True), X + "k_norm.bias": t(d.index_head_dim),
+        X + "wk.weight": t(d.index_head_dim, H),
+        X + "weights_proj.weight": t(d.index_n_heads, H),
+        X + "k_norm.weight": t(d.index_head_dim, scale_one=True),
+        X + "k_norm.bias": t(d.index_head_dim),
         X + "index_kpool_compress_gate": t(d.index_head_dim, H),
         X + "index_kpool_compress_ape": t(d.index_kpool, d.index_head_dim),
         M + "gate.weight": t(E, H),

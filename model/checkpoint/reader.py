@@ -63,11 +63,10 @@ class Checkpoint:
             self._open_file(SINGLE_FILE)
             self._where = {n: SINGLE_FILE for n in self.files[SINGLE_FILE].tensors}
         else:
-            raise CheckpointError(
-                f"{self.path} is not a checkpoint: no {INDEX_FILE} and no {SINGLE_FILE}"
-            )
-        log.debug("opened %s: %d tensors in %d files", self.path, len(self._where),
-                  len(set(self._where.values())))
+            raise CheckpointError(f"{self.path} is not a checkpoint: no {INDEX_FILE} and no {SINGLE_FILE}")
+        log.debug(
+            "opened %s: %d tensors in %d files", self.path, len(self._where), len(set(self._where.values()))
+        )
 
     # ---- opening -----------------------------------------------------------------------------
 
@@ -83,8 +82,9 @@ class Checkpoint:
             f = SafetensorsFile(self.path / fname)
             lacking = [n for n in self._by_file.get(fname, ()) if n not in f.tensors]
             if lacking:
-                raise CheckpointError(f"{self.path}: {INDEX_FILE} puts tensor {lacking[0]} in "
-                                      f"{fname}, which lacks it")
+                raise CheckpointError(
+                    f"{self.path}: {INDEX_FILE} puts tensor {lacking[0]} in {fname}, which lacks it"
+                )
             self.files[fname] = f
         return self.files[fname]
 
@@ -97,10 +97,10 @@ class Checkpoint:
             weight_map = index["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{self.path / INDEX_FILE}: not a safetensors index ({e})") from e
-        if not isinstance(weight_map, dict) or not all(
-                isinstance(f, str) for f in weight_map.values()):
-            raise CheckpointError(f"{self.path / INDEX_FILE}: weight_map is not an object of "
-                                  "tensor name -> shard file name")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(
+                f"{self.path / INDEX_FILE}: weight_map is not an object of tensor name -> shard file name"
+            )
         self._where = dict(weight_map)
         for name, fname in self._where.items():
             self._by_file.setdefault(fname, []).append(name)
@@ -140,8 +140,11 @@ class Checkpoint:
 
     @cached_property
     def fp8_block(self) -> tuple[int, int]:
-        q = (self.hf_config.get("quantization_config")
-             or (self.hf_config.get("text_config") or {}).get("quantization_config") or {})
+        q = (
+            self.hf_config.get("quantization_config")
+            or (self.hf_config.get("text_config") or {}).get("quantization_config")
+            or {}
+        )
         block = q.get("weight_block_size") or fp8.DEFAULT_BLOCK
         return int(block[0]), int(block[1])
 
@@ -168,8 +171,9 @@ class Checkpoint:
     def _missing(self, name: str, hint: bool = True) -> CheckpointError:
         msg = f"tensor {name} is missing from checkpoint {self.path}"
         if name in self._where:
-            return CheckpointError(f"{msg}: {INDEX_FILE} puts it in {self._where[name]}, which "
-                                   "is not in the directory")
+            return CheckpointError(
+                f"{msg}: {INDEX_FILE} puts it in {self._where[name]}, which is not in the directory"
+            )
         if hint:
             # Only names of the same layer are candidates: difflib over a whole GLM-5
             # (~70k names) per miss would take seconds.
@@ -193,8 +197,14 @@ class Checkpoint:
             raise self._missing(name)
         return self._open_file(self._where[name]).get(name)
 
-    def get_rows(self, name: str, start: int, stop: int, dtype: str | np.dtype | None = None,
-                 accept: tuple[str, ...] = ()) -> np.ndarray:
+    def get_rows(
+        self,
+        name: str,
+        start: int,
+        stop: int,
+        dtype: str | np.dtype | None = None,
+        accept: tuple[str, ...] = (),
+    ) -> np.ndarray:
         """Rows [start, stop) of axis 0, mapping only their bytes (vocab or expert sharding).
 
         With ``dtype`` BF16 and an FP8 block-scaled tensor, the rows come back dequantised; a
@@ -229,13 +239,16 @@ class Checkpoint:
         sinfo = self.info(sname)
         want_shape = fp8.scale_shape(info.shape, self.fp8_block)
         if sinfo.dtype != "F32" or sinfo.shape != want_shape:
-            return (f"tensor {sname} (block scales of {name}): "
-                    f"expected F32{_shape_str(want_shape)}, "
-                    f"found {sinfo.dtype}{_shape_str(sinfo.shape)}")
+            return (
+                f"tensor {sname} (block scales of {name}): "
+                f"expected F32{_shape_str(want_shape)}, "
+                f"found {sinfo.dtype}{_shape_str(sinfo.shape)}"
+            )
         return None
 
-    def check(self, name: str, shape: tuple[int, ...], dtype: str | np.dtype,
-              accept: tuple[str, ...] = ()) -> str | None:
+    def check(
+        self, name: str, shape: tuple[int, ...], dtype: str | np.dtype, accept: tuple[str, ...] = ()
+    ) -> str | None:
         """What is wrong with ``name`` as ``dtype[shape]`` (None if usable), reading no data.
         A stored dtype in ``accept`` stands for ``dtype`` (converted when read)."""
         if not self.has(name):
@@ -243,14 +256,14 @@ class Checkpoint:
         info = self.info(name)
         want = dtype_name(dtype)
         if tuple(shape) != info.shape:
-            return (f"tensor {name}: expected shape {_shape_str(shape)}, "
-                    f"found {_shape_str(info.shape)}")
+            return f"tensor {name}: expected shape {_shape_str(shape)}, found {_shape_str(info.shape)}"
         if info.dtype != want and info.dtype not in accept:
             return self._fp8_problem(name, info, want)
         return None
 
-    def get_checked(self, name: str, shape: tuple[int, ...], dtype: str | np.dtype,
-                    accept: tuple[str, ...] = ()) -> np.ndarray:
+    def get_checked(
+        self, name: str, shape: tuple[int, ...], dtype: str | np.dtype, accept: tuple[str, ...] = ()
+    ) -> np.ndarray:
         """The tensor if it is ``dtype[shape]``, else CheckpointError naming it, expected, found.
 
         An F8_E4M3 tensor with ``.weight_scale_inv`` block scales, asked for as BF16, comes back
@@ -266,8 +279,7 @@ class Checkpoint:
             return self.get(name)
         if info.dtype in accept:
             return np.asarray(self.get(name)).astype(DTYPES[want])
-        return fp8.dequantize(self.get(name), self.get(fp8.scale_name(name)), DTYPES[want],
-                              0, self.fp8_block)
+        return fp8.dequantize(self.get(name), self.get(fp8.scale_name(name)), DTYPES[want], 0, self.fp8_block)
 
     # ---- lifetime ----------------------------------------------------------------------------
 
@@ -283,5 +295,7 @@ class Checkpoint:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"Checkpoint({str(self.path)!r}, {len(self._where)} tensors, "
-                f"{len(set(self._where.values()))} files)")
+        return (
+            f"Checkpoint({str(self.path)!r}, {len(self._where)} tensors, "
+            f"{len(set(self._where.values()))} files)"
+        )

@@ -61,9 +61,7 @@ def dtype_name(dtype: str | np.dtype | type) -> str:
         raise CheckpointError(f"unknown dtype {dtype!r}") from e
     name = _NAMES.get(dt.newbyteorder("="))
     if name is None:
-        raise CheckpointError(
-            f"dtype {dt} has no safetensors equivalent (supported: {', '.join(DTYPES)})"
-        )
+        raise CheckpointError(f"dtype {dt} has no safetensors equivalent (supported: {', '.join(DTYPES)})")
     return name
 
 
@@ -109,8 +107,7 @@ def _parse_header(path: Path, raw: bytes, data_start: int, file_size: int) -> di
             raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from e
         if dtype not in DTYPES:
             raise CheckpointError(
-                f"{path}: tensor {name!r} has unsupported dtype {dtype!r} "
-                f"(supported: {', '.join(DTYPES)})"
+                f"{path}: tensor {name!r} has unsupported dtype {dtype!r} (supported: {', '.join(DTYPES)})"
             )
         if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
             raise CheckpointError(f"{path}: tensor {name!r} has a malformed shape {shape!r}")
@@ -122,8 +119,7 @@ def _parse_header(path: Path, raw: bytes, data_start: int, file_size: int) -> di
                 f"{nbytes_of(shape, dtype)}"
             )
         spans.append((begin, end, name))
-        infos[name] = TensorInfo(name, path, dtype, tuple(shape), data_start + begin,
-                                 data_start + end)
+        infos[name] = TensorInfo(name, path, dtype, tuple(shape), data_start + begin, data_start + end)
     # The format forbids holes and overlaps: the tensors tile the buffer exactly.
     cursor = 0
     for begin, end, name in sorted(spans):
@@ -150,8 +146,7 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorInfo], dict[str, str]
             raise CheckpointError(f"{path}: shorter than the 8-byte header length")
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER_BYTES or 8 + n > file_size:
-            raise CheckpointError(f"{path}: header length {n} is impossible for a "
-                                  f"{file_size}-byte file")
+            raise CheckpointError(f"{path}: header length {n} is impossible for a {file_size}-byte file")
         raw = f.read(n)
     infos = _parse_header(path, raw, 8 + n, file_size)
     metadata = json.loads(raw).get("__metadata__") or {}
@@ -197,7 +192,7 @@ def view(mm: np.ndarray, info: TensorInfo, rows: tuple[int, int] | None = None) 
     n = nbytes_of(shape, info.dtype)
     # Slice bytes first, then reinterpret: a reshape to () works for scalars and
     # zero-size tensors alike, where a direct view of the uint8 slice would not.
-    return mm[begin:begin + n].view(info.np_dtype).reshape(shape)
+    return mm[begin : begin + n].view(info.np_dtype).reshape(shape)
 
 
 @dataclass(frozen=True)
@@ -250,8 +245,11 @@ def write_safetensors_streamed(
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     offset = 0
     for t in ordered:
-        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape),
-                          "data_offsets": [offset, offset + t.nbytes]}
+        header[t.name] = {
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
         offset += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % HEADER_ALIGN)
@@ -267,8 +265,7 @@ def write_safetensors_streamed(
                     chunk = np.asarray(chunk)
                     if chunk.dtype.newbyteorder("=") != want.newbyteorder("="):
                         raise CheckpointError(
-                            f"{path}: tensor {t.name!r} is declared {t.dtype} but its data is "
-                            f"{chunk.dtype}"
+                            f"{path}: tensor {t.name!r} is declared {t.dtype} but its data is {chunk.dtype}"
                         )
                     buf = np.ascontiguousarray(chunk, dtype=want).reshape(-1).view(np.uint8)
                     f.write(buf.data)

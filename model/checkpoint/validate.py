@@ -32,8 +32,8 @@ MAX_LISTED_PROBLEMS = 20
 @dataclass(frozen=True)
 class Resolved:
     spec: TensorSpec  # what is expected, under the logical name
-    source: str       # the stored tensor it is read from (its layout's name; for a shared
-                      # alias, the shared tensor's)
+    source: str  # the stored tensor it is read from (its layout's name; for a shared
+    # alias, the shared tensor's)
 
 
 class TensorSet(Mapping[str, np.ndarray]):
@@ -95,8 +95,10 @@ def _validate(
         own, shared = ckpt.disk_name(name), ckpt.disk_name(shared)
         source = own if ckpt.has(own) else shared
         if not ckpt.has(source):
-            problems.append(f"{ckpt.check(shared, spec.shape, spec.dtype)}, and so is {own}, "
-                            "the block's own copy, which would stand for it")
+            problems.append(
+                f"{ckpt.check(shared, spec.shape, spec.dtype)}, and so is {own}, "
+                "the block's own copy, which would stand for it"
+            )
             continue
         problem = ckpt.check(source, spec.shape, spec.dtype, spec.accept)
         if problem:
@@ -108,7 +110,8 @@ def _validate(
         raise CheckpointError(
             f"checkpoint {ckpt.path} does not hold the {what} that its config describes "
             f"({len(problems)} problem{'s' * (len(problems) != 1)}):\n  "
-            + "\n  ".join(listed) + (f"\n  ... and {more} more" if more else "")
+            + "\n  ".join(listed)
+            + (f"\n  ... and {more} more" if more else "")
         )
     return TensorSet(ckpt, resolved)
 
@@ -118,8 +121,7 @@ def mtp_tensors(ckpt: Checkpoint, cfg: ModelConfig | None = None) -> TensorSet:
     (P``shared_head.head.weight``, P``embed_tokens.weight``): the block's copy where stored
     (GLM-4.5), else ``lm_head.weight`` / ``model.embed_tokens.weight`` (GLM-5)."""
     cfg = cfg or ckpt.config
-    return _validate(ckpt, "MTP block", mtp_layout(cfg), mtp_shared_aliases(cfg),
-                     mtp_optional_layout(cfg))
+    return _validate(ckpt, "MTP block", mtp_layout(cfg), mtp_shared_aliases(cfg), mtp_optional_layout(cfg))
 
 
 def target_tensors(ckpt: Checkpoint, cfg: ModelConfig | None = None) -> TensorSet:

@@ -29,9 +29,7 @@ def shard_name(i: int, n: int) -> str:
     return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
-def plan_shards(
-    tensors: Sequence[PendingTensor], max_shard_bytes: int
-) -> list[list[PendingTensor]]:
+def plan_shards(tensors: Sequence[PendingTensor], max_shard_bytes: int) -> list[list[PendingTensor]]:
     """Greedy in the given order; a tensor larger than the limit gets a shard of its own."""
     if max_shard_bytes <= 0:
         raise ValueError(f"max_shard_bytes must be positive, got {max_shard_bytes}")
@@ -48,9 +46,12 @@ def plan_shards(
 
 def _clear(directory: Path, overwrite: bool) -> None:
     """Refuse, or remove, a previous checkpoint: stale shards next to a new index would be read."""
-    stale = [p for p in directory.iterdir()
-             if p.name in (CONFIG_FILE, INDEX_FILE, SINGLE_FILE)
-             or (p.name.startswith("model-") and p.name.endswith(".safetensors"))]
+    stale = [
+        p
+        for p in directory.iterdir()
+        if p.name in (CONFIG_FILE, INDEX_FILE, SINGLE_FILE)
+        or (p.name.startswith("model-") and p.name.endswith(".safetensors"))
+    ]
     if stale and not overwrite:
         raise CheckpointError(
             f"{directory} already holds a checkpoint ({stale[0].name}); pass overwrite=True"
@@ -82,23 +83,20 @@ def write_checkpoint(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     _clear(directory, overwrite)
-    items = ([pending(n, a) for n, a in tensors.items()] if isinstance(tensors, Mapping)
-             else list(tensors))
+    items = [pending(n, a) for n, a in tensors.items()] if isinstance(tensors, Mapping) else list(tensors)
     items = [replace(t, name=disk_name(t.name, layout)) for t in items]
     shards = plan_shards(items, max_shard_bytes)
     total = sum(t.nbytes for t in items)
-    files = [SINGLE_FILE] if len(shards) == 1 else [shard_name(i, len(shards))
-                                                     for i in range(len(shards))]
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {directory.name}",
-              disable=not progress) as bar:
+    files = [SINGLE_FILE] if len(shards) == 1 else [shard_name(i, len(shards)) for i in range(len(shards))]
+    with tqdm(
+        total=total, unit="B", unit_scale=True, desc=f"writing {directory.name}", disable=not progress
+    ) as bar:
         for fname, shard in zip(files, shards, strict=True):
             log.info("writing %s (%d tensors)", directory / fname, len(shard))
-            write_safetensors_streamed(directory / fname, shard, {"format": "pt"},
-                                       on_bytes=bar.update)
+            write_safetensors_streamed(directory / fname, shard, {"format": "pt"}, on_bytes=bar.update)
     if len(shards) > 1:
         weight_map = {t.name: f for f, shard in zip(files, shards, strict=True) for t in shard}
-        index = {"metadata": {"total_size": total},
-                 "weight_map": dict(sorted(weight_map.items()))}
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     # config.json last: a directory is a checkpoint only once everything else is in place.
     config = {**cfg.to_hf_dict(nested=layout is NameLayout.PUBLISHED), **(extra_config or {})}

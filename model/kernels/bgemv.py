@@ -25,7 +25,7 @@ def _bgemv(mem, w, x, batch, n, k):
     # Entry by entry: a rank's heads or head groups get the bits one rank's whole batch gives them.
     out = np.empty((batch, n), np.float32)
     for b in range(batch):
-        out[b] = dot_rows(xv[b:b + 1], wv[b])[0]
+        out[b] = dot_rows(xv[b : b + 1], wv[b])[0]
     return out
 
 
@@ -66,8 +66,16 @@ def SUM_ROWS_RESIDUAL(mem, parts, residual, out, rows, n):
 @declare(
     "bgemv",
     "sum_rows_residual_rmsnorm",
-    [("parts", PTR), ("residual", PTR), ("norm_w", PTR), ("out", PTR), ("normed", PTR),
-     ("rows", U32), ("n", U32), ("eps", F32)],
+    [
+        ("parts", PTR),
+        ("residual", PTR),
+        ("norm_w", PTR),
+        ("out", PTR),
+        ("normed", PTR),
+        ("rows", U32),
+        ("n", U32),
+        ("eps", F32),
+    ],
     writes=("out", "normed"),
     pdl=True,
     releases=True,  # right after its wait: its successor's blocks launch during its tail (ptx/common.cuh)
@@ -117,19 +125,41 @@ def bgemv(gpu, w, x, y, batch, n, k, *, out_f32: bool, beside: bool = False, str
         raise ValueError("the beside variant of bgemv writes f32 only")
     decl = BGEMV_F32_BESIDE if beside else BGEMV_F32 if out_f32 else BGEMV_BF16
     per_block = 8 * rows_per_warp(k)  # 8 warps
-    launch(gpu, gpu.kernel(*decl.key), (-(-n // per_block), batch), 256, w, x, y, batch, n, k,
-           stream=stream)
+    launch(gpu, gpu.kernel(*decl.key), (-(-n // per_block), batch), 256, w, x, y, batch, n, k, stream=stream)
 
 
 def sum_rows_residual(gpu, parts, residual, out, rows, n, stream=None):
-    launch(gpu, gpu.kernel(*SUM_ROWS_RESIDUAL.key), -(-n // 256), 256, parts, residual, out, rows,
-           n, stream=stream)
+    launch(
+        gpu,
+        gpu.kernel(*SUM_ROWS_RESIDUAL.key),
+        -(-n // 256),
+        256,
+        parts,
+        residual,
+        out,
+        rows,
+        n,
+        stream=stream,
+    )
 
 
 def sum_rows_residual_rmsnorm(gpu, parts, residual, norm_w, out, normed, rows, n, eps, stream=None):
     """One block of 1024 threads owns the whole row (the norm needs all of it)."""
-    launch(gpu, gpu.kernel(*SUM_ROWS_RESIDUAL_RMSNORM.key), 1, 1024, parts, residual, norm_w, out,
-           normed, rows, n, eps, stream=stream)
+    launch(
+        gpu,
+        gpu.kernel(*SUM_ROWS_RESIDUAL_RMSNORM.key),
+        1,
+        1024,
+        parts,
+        residual,
+        norm_w,
+        out,
+        normed,
+        rows,
+        n,
+        eps,
+        stream=stream,
+    )
 
 
 # ptx/bgemv.cu rmsnorm_gemv: one row per warp, 8 warps per block, grid-stride with the blocks the

@@ -27,7 +27,6 @@ from runtime.kernels.gemv_bf16 import gemv_bf16_ref
 from runtime.kernels.gemv_fp8w import gemv_fp8w_ref
 from runtime.launch import grid_stride_blocks, launch
 
-
 # What a commit stores in its flag byte (ptx/draft_head.cu key_nonfinite); 0 is never stored.
 NONFINITE_NAN = 1
 NONFINITE_INF = 2
@@ -110,13 +109,22 @@ def DRAFT_COMMIT(mem, key, token, drafts, slot, host_drafts, publish, flag):
     _commit(mem, np.array([unpack_index(k)], np.uint32), token, drafts, slot, host_drafts, publish)
 
 
-_HEAD_TAIL = [("logits", PTR), ("key", PTR), ("counter", PTR), ("token", PTR), ("drafts", PTR),
-              ("slot", U32), *_PUBLISH, ("n", U32), ("k", U32), ("flag", PTR)]
+_HEAD_TAIL = [
+    ("logits", PTR),
+    ("key", PTR),
+    ("counter", PTR),
+    ("token", PTR),
+    ("drafts", PTR),
+    ("slot", U32),
+    *_PUBLISH,
+    ("n", U32),
+    ("k", U32),
+    ("flag", PTR),
+]
 _HEAD_WRITES = ("logits", "key", "counter", "token", "drafts", "host_drafts", "flag")
 
 
-def _commit_argmax(mem, logits_bf16, logits, key, counter, token, drafts, slot, host_drafts, publish,
-                   flag):
+def _commit_argmax(mem, logits_bf16, logits, key, counter, token, drafts, slot, host_drafts, publish, flag):
     """Store the logits, commit their argmax (gemv -> argmax_bf16 -> argmax_pack(v0=0) ->
     draft_commit on one rank) and raise the flag as that commit does, and leave the scratch key and
     counter zeroed as the kernel does."""
@@ -131,10 +139,15 @@ def _commit_argmax(mem, logits_bf16, logits, key, counter, token, drafts, slot, 
 
 # Both heads release their dependents right after their wait: the next draft's eh_proj
 # (mtp_input_gemv, Pdl.BESIDE) streams its hidden half in the head's tail.
-@declare("draft_head", "head_argmax_bf16", [("w", PTR), ("x", PTR), *_HEAD_TAIL], writes=_HEAD_WRITES, pdl=True,
-         releases=True)
-def HEAD_ARGMAX_BF16(mem, w, x, logits, key, counter, token, drafts, slot, host_drafts, publish, n, k,
-                     flag):
+@declare(
+    "draft_head",
+    "head_argmax_bf16",
+    [("w", PTR), ("x", PTR), *_HEAD_TAIL],
+    writes=_HEAD_WRITES,
+    pdl=True,
+    releases=True,
+)
+def HEAD_ARGMAX_BF16(mem, w, x, logits, key, counter, token, drafts, slot, host_drafts, publish, n, k, flag):
     """Single-rank head in one launch: logits = W x (BF16), draft = argmax (lowest index on ties,
     NaN below every number: 0 if every logit is NaN), *token = drafts[slot] = draft, *flag raised
     when the winning logit is not finite."""
@@ -143,14 +156,22 @@ def HEAD_ARGMAX_BF16(mem, w, x, logits, key, counter, token, drafts, slot, host_
     _commit_argmax(mem, y, logits, key, counter, token, drafts, slot, host_drafts, publish, flag)
 
 
-@declare("draft_head", "head_argmax_fp8", [("wq", PTR), ("scale", PTR), ("x", PTR), *_HEAD_TAIL],
-         writes=_HEAD_WRITES, pdl=True, releases=True)
-def HEAD_ARGMAX_FP8(mem, wq, scale, x, logits, key, counter, token, drafts, slot, host_drafts, publish,
-                    n, k, flag):
+@declare(
+    "draft_head",
+    "head_argmax_fp8",
+    [("wq", PTR), ("scale", PTR), ("x", PTR), *_HEAD_TAIL],
+    writes=_HEAD_WRITES,
+    pdl=True,
+    releases=True,
+)
+def HEAD_ARGMAX_FP8(
+    mem, wq, scale, x, logits, key, counter, token, drafts, slot, host_drafts, publish, n, k, flag
+):
     """head_argmax_bf16 with the FP8 copy of the head (gemv_fp8w's arithmetic)."""
     with np.errstate(over="ignore", invalid="ignore"):
-        y = gemv_fp8w_ref(mem.view(wq, FP8, (n, k)), mem.read(scale, np.float32, n),
-                          mem.read(x, BF16, (1, k)))[0]
+        y = gemv_fp8w_ref(
+            mem.view(wq, FP8, (n, k)), mem.read(scale, np.float32, n), mem.read(x, BF16, (1, k))
+        )[0]
     _commit_argmax(mem, y, logits, key, counter, token, drafts, slot, host_drafts, publish, flag)
 
 
@@ -172,19 +193,74 @@ def head_fp8_launch(gpu, n: int, k: int) -> tuple[int, int]:
     return grid_stride_blocks(max(1, -(-n // HEAD_ROWS_PER_BLOCK_FP8)), resident), smem
 
 
-def head_argmax(gpu, w, scale, x, logits, key, counter, token, drafts, slot, host_drafts, publish, n, k,
-                stream=None, *, flag):
+def head_argmax(
+    gpu,
+    w,
+    scale,
+    x,
+    logits,
+    key,
+    counter,
+    token,
+    drafts,
+    slot,
+    host_drafts,
+    publish,
+    n,
+    k,
+    stream=None,
+    *,
+    flag,
+):
     """The FP8 head when ``scale`` is given (w is then the FP8 copy), else the BF16 head.
     ``publish``: also copy drafts[0..slot] to ``host_drafts`` (the last draft of a step). ``flag``:
     the byte raised when the winning logit is not finite (NONFINITE_NAN / NONFINITE_INF)."""
     publish = int(bool(publish))
     if scale is None:
-        launch(gpu, gpu.kernel(*HEAD_ARGMAX_BF16.key), -(-n // HEAD_ROWS_PER_BLOCK_BF16), 256, w, x,
-               logits, key, counter, token, drafts, slot, host_drafts, publish, n, k, flag, stream=stream)
+        launch(
+            gpu,
+            gpu.kernel(*HEAD_ARGMAX_BF16.key),
+            -(-n // HEAD_ROWS_PER_BLOCK_BF16),
+            256,
+            w,
+            x,
+            logits,
+            key,
+            counter,
+            token,
+            drafts,
+            slot,
+            host_drafts,
+            publish,
+            n,
+            k,
+            flag,
+            stream=stream,
+        )
     else:
         grid, smem = head_fp8_launch(gpu, n, k)
-        launch(gpu, gpu.kernel(*HEAD_ARGMAX_FP8.key), grid, 256, w, scale, x, logits, key, counter,
-               token, drafts, slot, host_drafts, publish, n, k, flag, smem=smem, stream=stream)
+        launch(
+            gpu,
+            gpu.kernel(*HEAD_ARGMAX_FP8.key),
+            grid,
+            256,
+            w,
+            scale,
+            x,
+            logits,
+            key,
+            counter,
+            token,
+            drafts,
+            slot,
+            host_drafts,
+            publish,
+            n,
+            k,
+            flag,
+            smem=smem,
+            stream=stream,
+        )
 
 
 def argmax_pack(gpu, idx, val, key, v0, stream=None):
@@ -193,5 +269,17 @@ def argmax_pack(gpu, idx, val, key, v0, stream=None):
 
 def draft_commit(gpu, key, token, drafts, slot, host_drafts, publish, stream=None, *, flag):
     """*token = drafts[slot] = the all-reduced key's index; ``flag`` as for ``head_argmax``."""
-    launch(gpu, gpu.kernel(*DRAFT_COMMIT.key), 1, 32, key, token, drafts, slot, host_drafts,
-           int(bool(publish)), flag, stream=stream)
+    launch(
+        gpu,
+        gpu.kernel(*DRAFT_COMMIT.key),
+        1,
+        32,
+        key,
+        token,
+        drafts,
+        slot,
+        host_drafts,
+        int(bool(publish)),
+        flag,
+        stream=stream,
+    )

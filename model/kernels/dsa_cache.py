@@ -46,14 +46,24 @@ def _rows(mem, row_ptr, row_add, rows):
     "dsa_cache",
     "latent_write_fp8",
     [
-        ("kv", PTR), ("stride", U32), ("norm_w", PTR), ("cache", PTR), ("scales", PTR),
-        ("block_table", PTR), ("row_ptr", PTR), ("row_add", U32), ("rows", U32),
-        ("dim", U32), ("block_size", U32), ("eps", F32),
+        ("kv", PTR),
+        ("stride", U32),
+        ("norm_w", PTR),
+        ("cache", PTR),
+        ("scales", PTR),
+        ("block_table", PTR),
+        ("row_ptr", PTR),
+        ("row_add", U32),
+        ("rows", U32),
+        ("dim", U32),
+        ("block_size", U32),
+        ("eps", F32),
     ],
     writes=("cache", "scales"),
 )
-def LATENT_WRITE_FP8(mem, kv, stride, norm_w, cache, scales, block_table, row_ptr, row_add, rows,
-                     dim, block_size, eps):
+def LATENT_WRITE_FP8(
+    mem, kv, stride, norm_w, cache, scales, block_table, row_ptr, row_add, rows, dim, block_size, eps
+):
     w = mem.read(norm_w, BF16, dim)
     for r, row in enumerate(_rows(mem, row_ptr, row_add, rows)):
         x = mem.read(kv.offset(r * stride * 2), BF16, dim)
@@ -69,14 +79,21 @@ def LATENT_WRITE_FP8(mem, kv, stride, norm_w, cache, scales, block_table, row_pt
     "dsa_cache",
     "indexer_write_keys",
     [
-        ("kg", PTR), ("stride", U32), ("knorm_w", PTR), ("knorm_b", PTR), ("keys", PTR),
-        ("gates", PTR), ("row_ptr", PTR), ("row_add", U32), ("rows", U32), ("dim", U32),
+        ("kg", PTR),
+        ("stride", U32),
+        ("knorm_w", PTR),
+        ("knorm_b", PTR),
+        ("keys", PTR),
+        ("gates", PTR),
+        ("row_ptr", PTR),
+        ("row_add", U32),
+        ("rows", U32),
+        ("dim", U32),
         ("eps", F32),
     ],
     writes=("keys", "gates"),
 )
-def INDEXER_WRITE_KEYS(mem, kg, stride, knorm_w, knorm_b, keys, gates, row_ptr, row_add, rows,
-                       dim, eps):
+def INDEXER_WRITE_KEYS(mem, kg, stride, knorm_w, knorm_b, keys, gates, row_ptr, row_add, rows, dim, eps):
     """kg row r holds [wk y (dim) ; compress_gate y (dim)]."""
     w, b = mem.read(knorm_w, BF16, dim), mem.read(knorm_b, BF16, dim)
     for r, row in enumerate(_rows(mem, row_ptr, row_add, rows)):
@@ -89,13 +106,20 @@ def INDEXER_WRITE_KEYS(mem, kg, stride, knorm_w, knorm_b, keys, gates, row_ptr, 
     "dsa_cache",
     "indexer_compress_pools",
     [
-        ("keys", PTR), ("gates", PTR), ("ape", PTR), ("pool_keys", PTR), ("pool_scales", PTR),
-        ("row_ptr", PTR), ("row_add", U32), ("rows", U32), ("dim", U32), ("kpool", U32),
+        ("keys", PTR),
+        ("gates", PTR),
+        ("ape", PTR),
+        ("pool_keys", PTR),
+        ("pool_scales", PTR),
+        ("row_ptr", PTR),
+        ("row_add", U32),
+        ("rows", U32),
+        ("dim", U32),
+        ("kpool", U32),
     ],
     writes=("pool_keys", "pool_scales"),
 )
-def INDEXER_COMPRESS_POOLS(mem, keys, gates, ape, pool_keys, pool_scales, row_ptr, row_add, rows,
-                           dim, kpool):
+def INDEXER_COMPRESS_POOLS(mem, keys, gates, ape, pool_keys, pool_scales, row_ptr, row_add, rows, dim, kpool):
     """Compress every pool whose last row is among the rows written: row + 1 divisible by kpool."""
     apev = mem.read(ape, BF16, (kpool, dim))
     for row in _rows(mem, row_ptr, row_add, rows):
@@ -113,27 +137,69 @@ def INDEXER_COMPRESS_POOLS(mem, keys, gates, ape, pool_keys, pool_scales, row_pt
     "dsa_cache",
     "dsa_cache_write",
     [
-        ("fused", PTR), ("stride", U32), ("kv_norm_w", PTR), ("cache", PTR), ("scales", PTR),
-        ("block_table", PTR), ("knorm_w", PTR), ("knorm_b", PTR), ("keys", PTR), ("gates", PTR),
-        ("ape", PTR), ("pool_keys", PTR), ("pool_scales", PTR), ("row_ptr", PTR), ("row_add", U32),
-        ("rows", U32), ("C", U32), ("idim", U32), ("block_size", U32), ("kpool", U32),
-        ("eps", F32), ("ln_eps", F32),
+        ("fused", PTR),
+        ("stride", U32),
+        ("kv_norm_w", PTR),
+        ("cache", PTR),
+        ("scales", PTR),
+        ("block_table", PTR),
+        ("knorm_w", PTR),
+        ("knorm_b", PTR),
+        ("keys", PTR),
+        ("gates", PTR),
+        ("ape", PTR),
+        ("pool_keys", PTR),
+        ("pool_scales", PTR),
+        ("row_ptr", PTR),
+        ("row_add", U32),
+        ("rows", U32),
+        ("C", U32),
+        ("idim", U32),
+        ("block_size", U32),
+        ("kpool", U32),
+        ("eps", F32),
+        ("ln_eps", F32),
     ],
     writes=("cache", "scales", "keys", "gates", "pool_keys", "pool_scales"),
     pdl=True,
     releases=True,  # the q projection (rmsnorm_gemv_beside) runs beside it
 )
-def DSA_CACHE_WRITE(mem, fused, stride, kv_norm_w, cache, scales, block_table, knorm_w, knorm_b, keys,
-                    gates, ape, pool_keys, pool_scales, row_ptr, row_add, rows, C, idim, block_size,
-                    kpool, eps, ln_eps):
+def DSA_CACHE_WRITE(
+    mem,
+    fused,
+    stride,
+    kv_norm_w,
+    cache,
+    scales,
+    block_table,
+    knorm_w,
+    knorm_b,
+    keys,
+    gates,
+    ape,
+    pool_keys,
+    pool_scales,
+    row_ptr,
+    row_add,
+    rows,
+    C,
+    idim,
+    block_size,
+    kpool,
+    eps,
+    ln_eps,
+):
     """latent_write_fp8, indexer_write_keys and indexer_compress_pools of the same rows, in that
     order, in one launch. Fused row r: [kv (C) ; wk y (idim) ; compress_gate y (idim) ; ...]."""
-    LATENT_WRITE_FP8.host(mem, fused, stride, kv_norm_w, cache, scales, block_table, row_ptr, row_add,
-                          rows, C, block_size, eps)
-    INDEXER_WRITE_KEYS.host(mem, fused.offset(C * 2), stride, knorm_w, knorm_b, keys, gates, row_ptr,
-                            row_add, rows, idim, ln_eps)
-    INDEXER_COMPRESS_POOLS.host(mem, keys, gates, ape, pool_keys, pool_scales, row_ptr, row_add, rows,
-                                idim, kpool)
+    LATENT_WRITE_FP8.host(
+        mem, fused, stride, kv_norm_w, cache, scales, block_table, row_ptr, row_add, rows, C, block_size, eps
+    )
+    INDEXER_WRITE_KEYS.host(
+        mem, fused.offset(C * 2), stride, knorm_w, knorm_b, keys, gates, row_ptr, row_add, rows, idim, ln_eps
+    )
+    INDEXER_COMPRESS_POOLS.host(
+        mem, keys, gates, ape, pool_keys, pool_scales, row_ptr, row_add, rows, idim, kpool
+    )
 
 
 assert FP8.itemsize == 1
@@ -145,33 +211,148 @@ MAX_KPOOL = 16
 
 def check_dims(idim: int, kpool: int) -> None:
     if not 1 <= kpool <= MAX_KPOOL or not 1 <= idim <= MAX_DIM:
-        raise ValueError(f"dsa_cache: index_head_dim {idim} / index_kpool {kpool} outside the kernels' "
-                         f"1..{MAX_DIM} / 1..{MAX_KPOOL}")
+        raise ValueError(
+            f"dsa_cache: index_head_dim {idim} / index_kpool {kpool} outside the kernels' "
+            f"1..{MAX_DIM} / 1..{MAX_KPOOL}"
+        )
 
 
-def latent_write_fp8(gpu, kv, stride, norm_w, cache, scales, block_table, row_ptr, row_add, rows,
-                     dim, block_size, eps, stream=None):
-    launch(gpu, gpu.kernel(*LATENT_WRITE_FP8.key), rows, 128, kv, stride, norm_w, cache, scales,
-           block_table, row_ptr, row_add, rows, dim, block_size, eps, stream=stream)
+def latent_write_fp8(
+    gpu,
+    kv,
+    stride,
+    norm_w,
+    cache,
+    scales,
+    block_table,
+    row_ptr,
+    row_add,
+    rows,
+    dim,
+    block_size,
+    eps,
+    stream=None,
+):
+    launch(
+        gpu,
+        gpu.kernel(*LATENT_WRITE_FP8.key),
+        rows,
+        128,
+        kv,
+        stride,
+        norm_w,
+        cache,
+        scales,
+        block_table,
+        row_ptr,
+        row_add,
+        rows,
+        dim,
+        block_size,
+        eps,
+        stream=stream,
+    )
 
 
-def indexer_write_keys(gpu, kg, stride, knorm_w, knorm_b, keys, gates, row_ptr, row_add, rows, dim,
-                       eps, stream=None):
-    launch(gpu, gpu.kernel(*INDEXER_WRITE_KEYS.key), rows, 128, kg, stride, knorm_w, knorm_b, keys,
-           gates, row_ptr, row_add, rows, dim, eps, stream=stream)
+def indexer_write_keys(
+    gpu, kg, stride, knorm_w, knorm_b, keys, gates, row_ptr, row_add, rows, dim, eps, stream=None
+):
+    launch(
+        gpu,
+        gpu.kernel(*INDEXER_WRITE_KEYS.key),
+        rows,
+        128,
+        kg,
+        stride,
+        knorm_w,
+        knorm_b,
+        keys,
+        gates,
+        row_ptr,
+        row_add,
+        rows,
+        dim,
+        eps,
+        stream=stream,
+    )
 
 
-def indexer_compress_pools(gpu, keys, gates, ape, pool_keys, pool_scales, row_ptr, row_add, rows,
-                           dim, kpool, stream=None):
+def indexer_compress_pools(
+    gpu, keys, gates, ape, pool_keys, pool_scales, row_ptr, row_add, rows, dim, kpool, stream=None
+):
     check_dims(dim, kpool)
-    launch(gpu, gpu.kernel(*INDEXER_COMPRESS_POOLS.key), rows, 128, keys, gates, ape, pool_keys,
-           pool_scales, row_ptr, row_add, rows, dim, kpool, stream=stream)
+    launch(
+        gpu,
+        gpu.kernel(*INDEXER_COMPRESS_POOLS.key),
+        rows,
+        128,
+        keys,
+        gates,
+        ape,
+        pool_keys,
+        pool_scales,
+        row_ptr,
+        row_add,
+        rows,
+        dim,
+        kpool,
+        stream=stream,
+    )
 
 
-def dsa_cache_write(gpu, fused, stride, kv_norm_w, cache, scales, block_table, knorm_w, knorm_b, keys,
-                    gates, ape, pool_keys, pool_scales, row_ptr, row_add, rows, C, idim, block_size,
-                    kpool, eps, ln_eps, stream=None):
+def dsa_cache_write(
+    gpu,
+    fused,
+    stride,
+    kv_norm_w,
+    cache,
+    scales,
+    block_table,
+    knorm_w,
+    knorm_b,
+    keys,
+    gates,
+    ape,
+    pool_keys,
+    pool_scales,
+    row_ptr,
+    row_add,
+    rows,
+    C,
+    idim,
+    block_size,
+    kpool,
+    eps,
+    ln_eps,
+    stream=None,
+):
     check_dims(idim, kpool)
-    launch(gpu, gpu.kernel(*DSA_CACHE_WRITE.key), rows, 128, fused, stride, kv_norm_w, cache, scales,
-           block_table, knorm_w, knorm_b, keys, gates, ape, pool_keys, pool_scales, row_ptr, row_add,
-           rows, C, idim, block_size, kpool, eps, ln_eps, stream=stream)
+    launch(
+        gpu,
+        gpu.kernel(*DSA_CACHE_WRITE.key),
+        rows,
+        128,
+        fused,
+        stride,
+        kv_norm_w,
+        cache,
+        scales,
+        block_table,
+        knorm_w,
+        knorm_b,
+        keys,
+        gates,
+        ape,
+        pool_keys,
+        pool_scales,
+        row_ptr,
+        row_add,
+        rows,
+        C,
+        idim,
+        block_size,
+        kpool,
+        eps,
+        ln_eps,
+        stream=stream,
+    )

@@ -35,16 +35,23 @@ def selection_capacity(rows: int, topk_pools: int, kpool: int, extra: int = 0) -
     "dsa_select",
     "indexer_scores",
     [
-        ("q", PTR), ("w", PTR), ("pool_keys", PTR), ("pool_scales", PTR), ("scores", PTR),
-        ("row_ptr", PTR), ("row_add", U32), ("heads", U32), ("dim", U32), ("kpool", U32),
+        ("q", PTR),
+        ("w", PTR),
+        ("pool_keys", PTR),
+        ("pool_scales", PTR),
+        ("scores", PTR),
+        ("row_ptr", PTR),
+        ("row_add", U32),
+        ("heads", U32),
+        ("dim", U32),
+        ("kpool", U32),
         ("w_scale", F32),
     ],
     writes=("scores",),
     pdl=True,
     releases=True,  # right after its wait: its successor's blocks launch during its tail (ptx/common.cuh)
 )
-def INDEXER_SCORES(mem, q, w, pool_keys, pool_scales, scores, row_ptr, row_add, heads, dim, kpool,
-                   w_scale):
+def INDEXER_SCORES(mem, q, w, pool_keys, pool_scales, scores, row_ptr, row_add, heads, dim, kpool, w_scale):
     """scores[p] = sum_h (w_h * w_scale) * relu(q_h . key_p) / sqrt(dim) for every complete pool."""
     row = int(mem.scalar(row_ptr, np.uint32)) + row_add
     npools = complete_pools(row, kpool)
@@ -59,8 +66,9 @@ def INDEXER_SCORES(mem, q, w, pool_keys, pool_scales, scores, row_ptr, row_add, 
     mem.write(scores, s.astype(np.float32))
 
 
-def select_rows_ref(scores: np.ndarray, row: int, topk_pools: int, kpool: int,
-                    tail: bool = True) -> np.ndarray:
+def select_rows_ref(
+    scores: np.ndarray, row: int, topk_pools: int, kpool: int, tail: bool = True
+) -> np.ndarray:
     """Selected rows in ascending order (scores over the complete pools only). With ``tail`` the
     rows of the incomplete pool are always added; without it a row attends complete pools only
     (none at all before its first pool completes)."""
@@ -79,8 +87,14 @@ def select_rows_ref(scores: np.ndarray, row: int, topk_pools: int, kpool: int,
     "dsa_select",
     "select_topk_pools",
     [
-        ("scores", PTR), ("selected", PTR), ("count", PTR), ("row_ptr", PTR), ("row_add", U32),
-        ("topk_pools", U32), ("kpool", U32), ("tail", U32),
+        ("scores", PTR),
+        ("selected", PTR),
+        ("count", PTR),
+        ("row_ptr", PTR),
+        ("row_add", U32),
+        ("topk_pools", U32),
+        ("kpool", U32),
+        ("tail", U32),
     ],
     writes=("selected", "count"),
     pdl=True,
@@ -109,8 +123,7 @@ def EXTEND_SELECTION(mem, selected, count, row_ptr, row_add):
     that reuses draft 1's pools still attends itself and the rows drafted since (they follow draft
     1's tail, so the list stays ascending)."""
     n = int(mem.scalar(count, np.uint32))
-    mem.write(selected.offset(n * 4), np.array([int(mem.scalar(row_ptr, np.uint32)) + row_add],
-                                               np.uint32))
+    mem.write(selected.offset(n * 4), np.array([int(mem.scalar(row_ptr, np.uint32)) + row_add], np.uint32))
     mem.write(count, np.array([n + 1], np.uint32))
 
 
@@ -125,20 +138,64 @@ def indexer_scores_smem(heads: int, dim: int) -> int:
     return 4 * (heads * (dim + 4) + heads + (-heads % 4) + 8 * dim)
 
 
-def indexer_scores(gpu, q, w, pool_keys, pool_scales, scores, row_ptr, row_add, heads, dim, kpool,
-                   w_scale, max_pools, stream=None):
+def indexer_scores(
+    gpu,
+    q,
+    w,
+    pool_keys,
+    pool_scales,
+    scores,
+    row_ptr,
+    row_add,
+    heads,
+    dim,
+    kpool,
+    w_scale,
+    max_pools,
+    stream=None,
+):
     grid = min(max(-(-max_pools // 8), 1), SCORES_MAX_GRID)
-    launch(gpu, gpu.kernel(*INDEXER_SCORES.key), grid, 256, q, w, pool_keys, pool_scales, scores,
-           row_ptr, row_add, heads, dim, kpool, w_scale, smem=indexer_scores_smem(heads, dim),
-           stream=stream)
+    launch(
+        gpu,
+        gpu.kernel(*INDEXER_SCORES.key),
+        grid,
+        256,
+        q,
+        w,
+        pool_keys,
+        pool_scales,
+        scores,
+        row_ptr,
+        row_add,
+        heads,
+        dim,
+        kpool,
+        w_scale,
+        smem=indexer_scores_smem(heads, dim),
+        stream=stream,
+    )
 
 
-def select_topk_pools(gpu, scores, selected, count, row_ptr, row_add, topk_pools, kpool, tail=True,
-                      stream=None):
-    launch(gpu, gpu.kernel(*SELECT_TOPK_POOLS.key), 1, 1024, scores, selected, count, row_ptr,
-           row_add, topk_pools, kpool, int(bool(tail)), smem=TOPK_MAX_POOLS * 4, stream=stream)
+def select_topk_pools(
+    gpu, scores, selected, count, row_ptr, row_add, topk_pools, kpool, tail=True, stream=None
+):
+    launch(
+        gpu,
+        gpu.kernel(*SELECT_TOPK_POOLS.key),
+        1,
+        1024,
+        scores,
+        selected,
+        count,
+        row_ptr,
+        row_add,
+        topk_pools,
+        kpool,
+        int(bool(tail)),
+        smem=TOPK_MAX_POOLS * 4,
+        stream=stream,
+    )
 
 
 def extend_selection(gpu, selected, count, row_ptr, row_add, stream=None):
-    launch(gpu, gpu.kernel(*EXTEND_SELECTION.key), 1, 32, selected, count, row_ptr, row_add,
-           stream=stream)
+    launch(gpu, gpu.kernel(*EXTEND_SELECTION.key), 1, 32, selected, count, row_ptr, row_add, stream=stream)

@@ -53,8 +53,15 @@ def ROUTER_SCORES(mem, w, y, scores, n, h):
     "moe",
     "router_topk",
     [
-        ("scores", PTR), ("bias", PTR), ("ids", PTR), ("weights", PTR), ("n_experts", U32),
-        ("topk", U32), ("norm", U32), ("scale", F32), ("shared", U32),
+        ("scores", PTR),
+        ("bias", PTR),
+        ("ids", PTR),
+        ("weights", PTR),
+        ("n_experts", U32),
+        ("topk", U32),
+        ("norm", U32),
+        ("scale", F32),
+        ("shared", U32),
     ],
     writes=("ids", "weights"),
 )
@@ -75,8 +82,7 @@ _SLOTS = [("slot0", U32), ("nslots", U32), ("expert_base", U32), ("n_local", U32
 @declare(
     "moe",
     "expert_gate_up",
-    [("w", PTR), ("y", PTR), ("ids", PTR), ("act", PTR), *_SLOTS, ("inter", U32), ("h", U32),
-     ("limit", F32)],
+    [("w", PTR), ("y", PTR), ("ids", PTR), ("act", PTR), *_SLOTS, ("inter", U32), ("h", U32), ("limit", F32)],
     writes=("act",),
 )
 def EXPERT_GATE_UP(mem, w, y, ids, act, slot0, nslots, expert_base, n_local, inter, h, limit):
@@ -96,8 +102,16 @@ def EXPERT_GATE_UP(mem, w, y, ids, act, slot0, nslots, expert_base, n_local, int
 @declare(
     "moe",
     "expert_down",
-    [("w", PTR), ("act", PTR), ("ids", PTR), ("weights", PTR), ("parts", PTR), *_SLOTS,
-     ("h", U32), ("inter", U32)],
+    [
+        ("w", PTR),
+        ("act", PTR),
+        ("ids", PTR),
+        ("weights", PTR),
+        ("parts", PTR),
+        *_SLOTS,
+        ("h", U32),
+        ("inter", U32),
+    ],
     writes=("parts",),
 )
 def EXPERT_DOWN(mem, w, act, ids, weights, parts, slot0, nslots, expert_base, n_local, h, inter):
@@ -118,16 +132,25 @@ def EXPERT_DOWN(mem, w, act, ids, weights, parts, slot0, nslots, expert_base, n_
     "moe",
     "router_fused",
     [
-        ("w", PTR), ("y", PTR), ("bias", PTR), ("scores", PTR), ("ids", PTR), ("weights", PTR),
-        ("counter", PTR), ("n_experts", U32), ("h", U32), ("topk", U32), ("norm", U32),
-        ("scale", F32), ("shared", U32),
+        ("w", PTR),
+        ("y", PTR),
+        ("bias", PTR),
+        ("scores", PTR),
+        ("ids", PTR),
+        ("weights", PTR),
+        ("counter", PTR),
+        ("n_experts", U32),
+        ("h", U32),
+        ("topk", U32),
+        ("norm", U32),
+        ("scale", F32),
+        ("shared", U32),
     ],
     writes=("scores", "ids", "weights", "counter"),
     pdl=True,
     releases=True,  # moe_gate_up's shared slot runs beside it
 )
-def ROUTER_FUSED(mem, w, y, bias, scores, ids, weights, counter, n_experts, h, topk, norm, scale,
-                 shared):
+def ROUTER_FUSED(mem, w, y, bias, scores, ids, weights, counter, n_experts, h, topk, norm, scale, shared):
     """router_scores over the n_experts rows, then router_topk, in one launch; the last block
     runs the top-k. ``counter`` is a zeroed u32 the kernel leaves zeroed."""
     ROUTER_SCORES.host(mem, w, y, scores, n_experts, h)
@@ -144,8 +167,18 @@ SHARED_NONE, SHARED_HERE, SHARED_ELSEWHERE = 0, 1, 2
 @declare(
     "moe",
     "moe_gate_up",
-    [("w", PTR), ("w_shared", PTR), ("y", PTR), ("ids", PTR), ("act", PTR), *_MOE, ("inter", U32),
-     ("h", U32), ("limit", F32), ("shared", U32)],
+    [
+        ("w", PTR),
+        ("w_shared", PTR),
+        ("y", PTR),
+        ("ids", PTR),
+        ("act", PTR),
+        *_MOE,
+        ("inter", U32),
+        ("h", U32),
+        ("limit", F32),
+        ("shared", U32),
+    ],
     writes=("act",),
     pdl=Pdl.BESIDE,  # the shared slot beside router_fused; the routed slots wait for its ids
 )
@@ -163,8 +196,18 @@ def MOE_GATE_UP(mem, w, w_shared, y, ids, act, ntopk, expert_base, n_local, inte
 @declare(
     "moe",
     "moe_down",
-    [("w", PTR), ("w_shared", PTR), ("act", PTR), ("ids", PTR), ("weights", PTR), ("parts", PTR),
-     *_MOE, ("h", U32), ("inter", U32), ("shared", U32)],
+    [
+        ("w", PTR),
+        ("w_shared", PTR),
+        ("act", PTR),
+        ("ids", PTR),
+        ("weights", PTR),
+        ("parts", PTR),
+        *_MOE,
+        ("h", U32),
+        ("inter", U32),
+        ("shared", U32),
+    ],
     writes=("parts",),
     pdl=True,
 )
@@ -193,39 +236,138 @@ def router_scores(gpu, w, y, scores, n, h, stream=None):
 def router_topk(gpu, scores, bias, ids, weights, n_experts, topk, norm, scale, shared, stream=None):
     if n_experts > 1024 or topk > min(128, n_experts):
         raise ValueError(f"router_topk: {n_experts} experts / top-{topk} outside the kernel's 1024 / 128")
-    launch(gpu, gpu.kernel(*ROUTER_TOPK.key), 1, 32, scores, bias, ids, weights, n_experts, topk,
-           int(norm), scale, int(shared), stream=stream)
+    launch(
+        gpu,
+        gpu.kernel(*ROUTER_TOPK.key),
+        1,
+        32,
+        scores,
+        bias,
+        ids,
+        weights,
+        n_experts,
+        topk,
+        int(norm),
+        scale,
+        int(shared),
+        stream=stream,
+    )
 
 
-def expert_gate_up(gpu, w, y, ids, act, slot0, nslots, expert_base, n_local, inter, h, limit,
-                   stream=None):
-    launch(gpu, gpu.kernel(*EXPERT_GATE_UP.key), (-(-inter // GATE_UP_PER_BLOCK), nslots), 256, w, y, ids, act,
-           slot0, nslots, expert_base, n_local, inter, h, limit, stream=stream)
+def expert_gate_up(gpu, w, y, ids, act, slot0, nslots, expert_base, n_local, inter, h, limit, stream=None):
+    launch(
+        gpu,
+        gpu.kernel(*EXPERT_GATE_UP.key),
+        (-(-inter // GATE_UP_PER_BLOCK), nslots),
+        256,
+        w,
+        y,
+        ids,
+        act,
+        slot0,
+        nslots,
+        expert_base,
+        n_local,
+        inter,
+        h,
+        limit,
+        stream=stream,
+    )
 
 
-def expert_down(gpu, w, act, ids, weights, parts, slot0, nslots, expert_base, n_local, h, inter,
-                stream=None):
-    launch(gpu, gpu.kernel(*EXPERT_DOWN.key), (-(-h // DOWN_ROWS_PER_BLOCK), nslots), 256, w, act,
-           ids, weights, parts, slot0, nslots, expert_base, n_local, h, inter, stream=stream)
+def expert_down(gpu, w, act, ids, weights, parts, slot0, nslots, expert_base, n_local, h, inter, stream=None):
+    launch(
+        gpu,
+        gpu.kernel(*EXPERT_DOWN.key),
+        (-(-h // DOWN_ROWS_PER_BLOCK), nslots),
+        256,
+        w,
+        act,
+        ids,
+        weights,
+        parts,
+        slot0,
+        nslots,
+        expert_base,
+        n_local,
+        h,
+        inter,
+        stream=stream,
+    )
 
 
-def router_fused(gpu, w, y, bias, scores, ids, weights, counter, n_experts, h, topk, norm, scale,
-                 shared, stream=None):
+def router_fused(
+    gpu, w, y, bias, scores, ids, weights, counter, n_experts, h, topk, norm, scale, shared, stream=None
+):
     if n_experts > 1024 or topk > min(128, n_experts):
         raise ValueError(f"router: {n_experts} experts / top-{topk} outside the kernel's 1024 / 128")
-    launch(gpu, gpu.kernel(*ROUTER_FUSED.key), -(-n_experts // 8), 256, w, y, bias, scores, ids, weights,
-           counter, n_experts, h, topk, int(norm), scale, int(bool(shared)), stream=stream)
+    launch(
+        gpu,
+        gpu.kernel(*ROUTER_FUSED.key),
+        -(-n_experts // 8),
+        256,
+        w,
+        y,
+        bias,
+        scores,
+        ids,
+        weights,
+        counter,
+        n_experts,
+        h,
+        topk,
+        int(norm),
+        scale,
+        int(bool(shared)),
+        stream=stream,
+    )
 
 
-def moe_gate_up(gpu, w, w_shared, y, ids, act, ntopk, expert_base, n_local, inter, h, limit, shared,
-                stream=None):
+def moe_gate_up(
+    gpu, w, w_shared, y, ids, act, ntopk, expert_base, n_local, inter, h, limit, shared, stream=None
+):
     slots = ntopk + (1 if shared == SHARED_HERE else 0)
-    launch(gpu, gpu.kernel(*MOE_GATE_UP.key), (-(-inter // GATE_UP_PER_BLOCK), slots), 256, w,
-           w_shared, y, ids, act, ntopk, expert_base, n_local, inter, h, limit, shared, stream=stream)
+    launch(
+        gpu,
+        gpu.kernel(*MOE_GATE_UP.key),
+        (-(-inter // GATE_UP_PER_BLOCK), slots),
+        256,
+        w,
+        w_shared,
+        y,
+        ids,
+        act,
+        ntopk,
+        expert_base,
+        n_local,
+        inter,
+        h,
+        limit,
+        shared,
+        stream=stream,
+    )
 
 
-def moe_down(gpu, w, w_shared, act, ids, weights, parts, ntopk, expert_base, n_local, h, inter, shared,
-             stream=None):
+def moe_down(
+    gpu, w, w_shared, act, ids, weights, parts, ntopk, expert_base, n_local, h, inter, shared, stream=None
+):
     slots = ntopk + (1 if shared != SHARED_NONE else 0)
-    launch(gpu, gpu.kernel(*MOE_DOWN.key), (-(-h // DOWN_ROWS_PER_BLOCK), slots), 256, w, w_shared,
-           act, ids, weights, parts, ntopk, expert_base, n_local, h, inter, shared, stream=stream)
+    launch(
+        gpu,
+        gpu.kernel(*MOE_DOWN.key),
+        (-(-h // DOWN_ROWS_PER_BLOCK), slots),
+        256,
+        w,
+        w_shared,
+        act,
+        ids,
+        weights,
+        parts,
+        ntopk,
+        expert_base,
+        n_local,
+        h,
+        inter,
+        shared,
+        stream=stream,
+    )

@@ -29,8 +29,16 @@ TOKEN_OUTSIDE = 2
     "mtp_input",
     "mtp_embed_norm",
     [
-        ("table", PTR), ("tokens", PTR), ("enorm", PTR), ("hidden", PTR), ("hnorm", PTR),
-        ("out", PTR), ("rows", U32), ("vocab", U32), ("h", U32), ("eps", F32),
+        ("table", PTR),
+        ("tokens", PTR),
+        ("enorm", PTR),
+        ("hidden", PTR),
+        ("hnorm", PTR),
+        ("out", PTR),
+        ("rows", U32),
+        ("vocab", U32),
+        ("h", U32),
+        ("eps", F32),
     ],
     writes=("out",),
 )
@@ -52,8 +60,18 @@ def MTP_EMBED_NORM(mem, table, tokens, enorm, hidden, hnorm, out, rows, vocab, h
     "mtp_input",
     "mtp_input_gemv",
     [
-        ("table", PTR), ("token", PTR), ("enorm", PTR), ("hidden", PTR), ("hnorm", PTR), ("w", PTR),
-        ("y", PTR), ("vocab", U32), ("h", U32), ("n", U32), ("eps", F32), ("flag", PTR),
+        ("table", PTR),
+        ("token", PTR),
+        ("enorm", PTR),
+        ("hidden", PTR),
+        ("hnorm", PTR),
+        ("w", PTR),
+        ("y", PTR),
+        ("vocab", U32),
+        ("h", U32),
+        ("n", U32),
+        ("eps", F32),
+        ("flag", PTR),
     ],
     writes=("y", "flag"),
     # The hidden half runs before the wait, beside the head that released it (ptx/mtp_input.cu).
@@ -96,10 +114,43 @@ def mtp_input_grid(gpu, n: int, h: int) -> int:
 
 
 def mtp_input_gemv(gpu, table, token, enorm, hidden, hnorm, w, y, vocab, h, n, eps, stream=None, *, flag):
-    launch(gpu, gpu.kernel(*MTP_INPUT_GEMV.key), mtp_input_grid(gpu, n, h), 256, table, token, enorm,
-           hidden, hnorm, w, y, vocab, h, n, eps, flag, smem=4 * h, stream=stream)
+    launch(
+        gpu,
+        gpu.kernel(*MTP_INPUT_GEMV.key),
+        mtp_input_grid(gpu, n, h),
+        256,
+        table,
+        token,
+        enorm,
+        hidden,
+        hnorm,
+        w,
+        y,
+        vocab,
+        h,
+        n,
+        eps,
+        flag,
+        smem=4 * h,
+        stream=stream,
+    )
 
 
 def mtp_embed_norm(gpu, table, tokens, enorm, hidden, hnorm, out, rows, vocab, h, eps, stream=None):
-    launch(gpu, gpu.kernel(*MTP_EMBED_NORM.key), (rows, 2), 256, table, tokens, enorm, hidden,
-           hnorm, out, rows, vocab, h, eps, stream=stream)
+    launch(
+        gpu,
+        gpu.kernel(*MTP_EMBED_NORM.key),
+        (rows, 2),
+        256,
+        table,
+        tokens,
+        enorm,
+        hidden,
+        hnorm,
+        out,
+        rows,
+        vocab,
+        h,
+        eps,
+        stream=stream,
+    )

@@ -39,14 +39,23 @@ def _gather(mem, cache, scales, block_table, selected, count, dim, block_size):
     "sparse_mla",
     "sparse_mla_attend",
     [
-        ("q", PTR), ("cache", PTR), ("scales", PTR), ("block_table", PTR), ("selected", PTR),
-        ("count", PTR), ("out", PTR), ("heads", U32), ("dim", U32), ("block_size", U32),
+        ("q", PTR),
+        ("cache", PTR),
+        ("scales", PTR),
+        ("block_table", PTR),
+        ("selected", PTR),
+        ("count", PTR),
+        ("out", PTR),
+        ("heads", U32),
+        ("dim", U32),
+        ("block_size", U32),
         ("scale", F32),
     ],
     writes=("out",),
 )
-def SPARSE_MLA_ATTEND(mem, q, cache, scales, block_table, selected, count, out, heads, dim,
-                      block_size, scale):
+def SPARSE_MLA_ATTEND(
+    mem, q, cache, scales, block_table, selected, count, out, heads, dim, block_size, scale
+):
     n, c = _gather(mem, cache, scales, block_table, selected, count, dim, block_size)
     if n == 0:
         mem.write(out, np.zeros((heads, dim), BF16))
@@ -69,16 +78,26 @@ MAX_SPLITS = 1024
     "sparse_mla",
     "sparse_mla_partial",
     [
-        ("q", PTR), ("cache", PTR), ("scales", PTR), ("block_table", PTR), ("selected", PTR),
-        ("count", PTR), ("part", PTR), ("ml", PTR), ("heads", U32), ("dim", U32),
-        ("block_size", U32), ("scale", F32),
+        ("q", PTR),
+        ("cache", PTR),
+        ("scales", PTR),
+        ("block_table", PTR),
+        ("selected", PTR),
+        ("count", PTR),
+        ("part", PTR),
+        ("ml", PTR),
+        ("heads", U32),
+        ("dim", U32),
+        ("block_size", U32),
+        ("scale", F32),
     ],
     writes=("part", "ml"),
     pdl=True,
     releases=True,  # right after its wait: its successor's blocks launch during its tail (ptx/common.cuh)
 )
-def SPARSE_MLA_PARTIAL(mem, q, cache, scales, block_table, selected, count, part, ml, heads, dim,
-                       block_size, scale):
+def SPARSE_MLA_PARTIAL(
+    mem, q, cache, scales, block_table, selected, count, part, ml, heads, dim, block_size, scale
+):
     """Split s = rows [64 s, 64 s + 64) of the selection: m = max_j s_j, l = sum_j exp(s_j - m),
     part[s][h] = sum_j exp(s_j - m) c_j (f32), ml[s][h] = (m, l)."""
     n, c = _gather(mem, cache, scales, block_table, selected, count, dim, block_size)
@@ -133,27 +152,94 @@ def partial_smem(dim: int) -> int:
     """ptx/sparse_mla.cu sparse_mla_partial: C [64][dim+8] and q hi/lo [16][dim+8] BF16, scores
     [16][68] f32, p hi/lo [16][72] BF16, 64 slots and scales, 16 (m, l)."""
     dp = dim + 8
-    return 2 * SPLIT_ROWS * dp + 4 * HEAD_TILE * dp + 4 * HEAD_TILE * 68 + 4 * HEAD_TILE * 72 + \
-        8 * SPLIT_ROWS + 8 * HEAD_TILE
+    return (
+        2 * SPLIT_ROWS * dp
+        + 4 * HEAD_TILE * dp
+        + 4 * HEAD_TILE * 68
+        + 4 * HEAD_TILE * 72
+        + 8 * SPLIT_ROWS
+        + 8 * HEAD_TILE
+    )
 
 
-def sparse_mla_split(gpu, q, cache, scales, block_table, selected, count, part, ml, out, heads, dim,
-                     block_size, scale, rows_capacity, stream=None):
+def sparse_mla_split(
+    gpu,
+    q,
+    cache,
+    scales,
+    block_table,
+    selected,
+    count,
+    part,
+    ml,
+    out,
+    heads,
+    dim,
+    block_size,
+    scale,
+    rows_capacity,
+    stream=None,
+):
     """sparse_mla_partial over every split a selection of ``rows_capacity`` rows can have (splits
     past the device-side count exit), then sparse_mla_combine."""
     if not split_supported(dim, rows_capacity):
         raise ValueError(f"sparse_mla_split: dim {dim} / {rows_capacity} rows outside the split kernels")
     splits = max(-(-rows_capacity // SPLIT_ROWS), 1)
-    launch(gpu, gpu.kernel(*SPARSE_MLA_PARTIAL.key), (splits, -(-heads // HEAD_TILE)), 256, q, cache,
-           scales, block_table, selected, count, part, ml, heads, dim, block_size, scale,
-           smem=partial_smem(dim), stream=stream)
-    launch(gpu, gpu.kernel(*SPARSE_MLA_COMBINE.key), (heads, -(-dim // 128)), 256, part, ml, count, out,
-           heads, dim, stream=stream)
+    launch(
+        gpu,
+        gpu.kernel(*SPARSE_MLA_PARTIAL.key),
+        (splits, -(-heads // HEAD_TILE)),
+        256,
+        q,
+        cache,
+        scales,
+        block_table,
+        selected,
+        count,
+        part,
+        ml,
+        heads,
+        dim,
+        block_size,
+        scale,
+        smem=partial_smem(dim),
+        stream=stream,
+    )
+    launch(
+        gpu,
+        gpu.kernel(*SPARSE_MLA_COMBINE.key),
+        (heads, -(-dim // 128)),
+        256,
+        part,
+        ml,
+        count,
+        out,
+        heads,
+        dim,
+        stream=stream,
+    )
 
 
-def sparse_mla_attend(gpu, q, cache, scales, block_table, selected, count, out, heads, dim,
-                      block_size, scale, stream=None):
+def sparse_mla_attend(
+    gpu, q, cache, scales, block_table, selected, count, out, heads, dim, block_size, scale, stream=None
+):
     if dim > 1024:
         raise ValueError(f"sparse_mla_attend: dim {dim} > 1024 (the kernel's per-lane registers)")
-    launch(gpu, gpu.kernel(*SPARSE_MLA_ATTEND.key), heads, 256, q, cache, scales, block_table,
-           selected, count, out, heads, dim, block_size, scale, stream=stream)
+    launch(
+        gpu,
+        gpu.kernel(*SPARSE_MLA_ATTEND.key),
+        heads,
+        256,
+        q,
+        cache,
+        scales,
+        block_table,
+        selected,
+        count,
+        out,
+        heads,
+        dim,
+        block_size,
+        scale,
+        stream=stream,
+    )

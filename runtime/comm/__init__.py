@@ -11,6 +11,14 @@ from .reduce import reduce_arrays
 from .single import SingleRankCommunicator
 
 __all__ = [
-    "CommDtype", "Communicator", "ReduceOp", "HostCommGroup", "HostCommunicator",
-    "NcclCommunicator", "NcclLib", "load_nccl", "reduce_arrays", "SingleRankCommunicator",
+    "CommDtype",
+    "Communicator",
+    "ReduceOp",
+    "HostCommGroup",
+    "HostCommunicator",
+    "NcclCommunicator",
+    "NcclLib",
+    "load_nccl",
+    "reduce_arrays",
+    "SingleRankCommunicator",
 ]

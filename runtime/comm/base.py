@@ -67,7 +67,7 @@ class CommDtype(enum.IntEnum):
         return self in (CommDtype.INT8, CommDtype.INT32, CommDtype.INT64)
 
     @classmethod
-    def of(cls, dtype: object) -> "CommDtype":
+    def of(cls, dtype: object) -> CommDtype:
         """The CommDtype of a NumPy dtype (``np.float32``, ``ml_dtypes.bfloat16``, ...).
 
         An explicit conversion for callers that hold a NumPy dtype; collectives themselves never

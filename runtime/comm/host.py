@@ -23,8 +23,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
@@ -86,7 +86,7 @@ class HostCommGroup:
         """Why the group failed, or None while it is healthy."""
         return self._broken
 
-    def communicator(self, rank: int, backend: HostBackend) -> "HostCommunicator":
+    def communicator(self, rank: int, backend: HostBackend) -> HostCommunicator:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside world size {self.world_size}")
         with self._cond:

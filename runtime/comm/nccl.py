@@ -31,7 +31,12 @@ from ..backend import GpuBackend
 from ..device_ptr import DevicePtr
 from ..errors import CommError
 from .base import (
-    CommDtype, ReduceOp, check_all_gather, check_all_reduce, check_span, check_timeout,
+    CommDtype,
+    ReduceOp,
+    check_all_gather,
+    check_all_reduce,
+    check_span,
+    check_timeout,
 )
 from .nccl_lib import NCCL_IN_PROGRESS, NCCL_SUCCESS, NcclConfig, NcclLib, load_nccl
 
@@ -82,19 +87,24 @@ class NcclCommunicator:
             self._abort_quietly()
             raise CommError(f"{what} failed: {text}")
         self._wait_ready(what, t0 + self.timeout_s, waiting_for="the other ranks to join")
-        log.info("NCCL %s communicator ready: rank %d of %d (%.2fs)",
-                 self._lib.version, rank, world_size, time.monotonic() - t0)
+        log.info(
+            "NCCL %s communicator ready: rank %d of %d (%.2fs)",
+            self._lib.version,
+            rank,
+            world_size,
+            time.monotonic() - t0,
+        )
 
     @classmethod
     def from_rendezvous(
         cls,
         backend: GpuBackend,
-        dist: "DistEnv",
+        dist: DistEnv,
         fingerprint: str,
         *,
         timeout_s: float = 120.0,
         lib: NcclLib | None = None,
-    ) -> "NcclCommunicator":
+    ) -> NcclCommunicator:
         """Rank 0 creates the unique id; the rendezvous store hands it to every rank after
         checking that all agree on world size and ``fingerprint``; then every rank joins."""
         from ..rendezvous import rendezvous
@@ -164,7 +174,7 @@ class NcclCommunicator:
         deadline = time.monotonic() + t
         pause = 1e-5
         while True:
-            err, = driver.cuStreamQuery(s)
+            (err,) = driver.cuStreamQuery(s)
             code = int(err)
             if code == 0:
                 return
@@ -172,8 +182,10 @@ class NcclCommunicator:
                 raise CommError(f"waiting for stream 0x{s:x}: cuStreamQuery returned {err!r}")
             self._poll_async("wait for the stream")
             if time.monotonic() > deadline:
-                reason = (f"stream 0x{s:x} did not finish within {t:g}s: a peer rank is missing "
-                          "or stalled in a collective; communicator aborted")
+                reason = (
+                    f"stream 0x{s:x} did not finish within {t:g}s: a peer rank is missing "
+                    "or stalled in a collective; communicator aborted"
+                )
                 self.abort(reason)
                 raise CommError(f"rank {self._rank}: {reason}")
             time.sleep(pause)
@@ -197,8 +209,9 @@ class NcclCommunicator:
             try:
                 if self._dead is None:
                     self._lib.check(self._lib.ncclCommFinalize(self._comm), what, self._comm)
-                    self._wait_ready(what, time.monotonic() + self.timeout_s,
-                                     waiting_for="pending collectives to finish")
+                    self._wait_ready(
+                        what, time.monotonic() + self.timeout_s, waiting_for="pending collectives to finish"
+                    )
             except CommError as e:
                 self.abort(str(e))  # _wait_ready may have aborted already; abort is idempotent
                 raise

@@ -59,7 +59,7 @@ class NcclConfig(ctypes.Structure):
     ]
 
     @classmethod
-    def make(cls, *, blocking: bool) -> "NcclConfig":
+    def make(cls, *, blocking: bool) -> NcclConfig:
         u = _CONFIG_UNDEF_INT
         return cls(ctypes.sizeof(cls), _CONFIG_MAGIC, _CONFIG_VERSION, int(blocking), u, u, u, None)
 
@@ -114,7 +114,11 @@ class NcclLib:
         self.ncclGetErrorString = fn("ncclGetErrorString", c_int, restype=ctypes.c_char_p)
         self.ncclGetUniqueId = fn("ncclGetUniqueId", ctypes.POINTER(NcclUniqueId))
         self.ncclCommInitRankConfig = fn(
-            "ncclCommInitRankConfig", ctypes.POINTER(vp), c_int, NcclUniqueId, c_int,
+            "ncclCommInitRankConfig",
+            ctypes.POINTER(vp),
+            c_int,
+            NcclUniqueId,
+            c_int,
             ctypes.POINTER(NcclConfig),
         )
         self.ncclCommGetAsyncError = fn("ncclCommGetAsyncError", vp, ip)
@@ -123,14 +127,11 @@ class NcclLib:
         self.ncclCommFinalize = fn("ncclCommFinalize", vp)
         self.ncclCommCount = fn("ncclCommCount", vp, ip)
         self.ncclCommUserRank = fn("ncclCommUserRank", vp, ip)
-        self.ncclAllReduce = fn(
-            "ncclAllReduce", vp, vp, ctypes.c_size_t, c_int, c_int, vp, vp
-        )
+        self.ncclAllReduce = fn("ncclAllReduce", vp, vp, ctypes.c_size_t, c_int, c_int, vp, vp)
         self.ncclAllGather = fn("ncclAllGather", vp, vp, ctypes.c_size_t, c_int, vp, vp)
         # ncclGetLastError (2.13+) has the detail behind a bare ncclInvalidUsage.
         self.ncclGetLastError = (
-            fn("ncclGetLastError", vp, restype=ctypes.c_char_p)
-            if hasattr(d, "ncclGetLastError") else None
+            fn("ncclGetLastError", vp, restype=ctypes.c_char_p) if hasattr(d, "ncclGetLastError") else None
         )
         self.version = self._version()
         log.info("loaded NCCL %s from %s", self.version, self.path)
@@ -170,7 +171,7 @@ class NcclLib:
         return uid
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_nccl(path: str | None = None) -> NcclLib:
     """The process-wide NcclLib (loading is idempotent and not free)."""
     return NcclLib(path)

@@ -21,7 +21,7 @@ NCCL's in the last bit; for W <= 2 there is only one step and the results are id
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -38,9 +38,11 @@ def _rounder(dtype: CommDtype) -> tuple[np.dtype, Callable[[np.ndarray], np.ndar
     if dtype is CommDtype.FLOAT64:
         return dt, lambda x: x
     if dtype is CommDtype.FP8_E4M3:
+
         def to_fp8(x: np.ndarray) -> np.ndarray:
             # Through fp16 as NCCL does, then saturate: ml_dtypes' e4m3fn turns overflow into NaN.
             return np.clip(x.astype(_F16).astype(_F32), -_FP8_MAX, _FP8_MAX).astype(dt)
+
         return _F32, to_fp8
     return _F32, lambda x: x.astype(dt)
 

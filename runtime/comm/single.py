@@ -12,7 +12,12 @@ from ..backend import GpuBackend
 from ..device_ptr import DevicePtr
 from ..errors import CommError
 from .base import (
-    CommDtype, ReduceOp, check_all_gather, check_all_reduce, check_span, check_timeout,
+    CommDtype,
+    ReduceOp,
+    check_all_gather,
+    check_all_reduce,
+    check_span,
+    check_timeout,
 )
 
 

@@ -13,7 +13,8 @@ import numpy as np
 
 from ..backend import GpuBackend
 from ..device_ptr import DevicePtr
-from ..dtypes import BF16, F32, U32 as U32_DT
+from ..dtypes import BF16, F32
+from ..dtypes import U32 as U32_DT
 from ..kernel import PTR, U32, declare
 from ..launch import launch
 

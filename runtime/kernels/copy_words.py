@@ -16,8 +16,7 @@ from ..kernel import PTR, U32, declare
 from ..launch import launch
 
 
-@declare("copy_words", "copy_words", [("src", PTR), ("dst", PTR), ("n", U32)], writes=("dst",),
-         releases=True)
+@declare("copy_words", "copy_words", [("src", PTR), ("dst", PTR), ("n", U32)], writes=("dst",), releases=True)
 def COPY_WORDS(mem, src, dst, n):  # noqa: N802 - the declaration is the constant
     if n:
         mem.write(dst, mem.read(src, np.uint32, n))

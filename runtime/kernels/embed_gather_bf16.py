@@ -47,4 +47,6 @@ def embed_gather_bf16(
     stream: int | None = None,
 ) -> None:
     grid = max(1, (k + _PER_BLOCK - 1) // _PER_BLOCK)
-    launch(gpu, gpu.kernel(*EMBED_GATHER_BF16.key), grid, BLOCK, table, token_ptr, out, vocab, k, stream=stream)
+    launch(
+        gpu, gpu.kernel(*EMBED_GATHER_BF16.key), grid, BLOCK, table, token_ptr, out, vocab, k, stream=stream
+    )

@@ -80,6 +80,17 @@ def gemv_fp8w(
     check_shape(m, n, k)
     decl = GEMV_FP8W_M2 if m <= SMALL_M else GEMV_FP8W
     launch(
-        gpu, gpu.kernel(*decl.key), grid_for(n), BLOCK, Wq, scale, x, y, m, n, k,
-        smem=x_smem_bytes(m, k), stream=stream,
+        gpu,
+        gpu.kernel(*decl.key),
+        grid_for(n),
+        BLOCK,
+        Wq,
+        scale,
+        x,
+        y,
+        m,
+        n,
+        k,
+        smem=x_smem_bytes(m, k),
+        stream=stream,
     )

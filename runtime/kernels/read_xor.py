@@ -45,8 +45,15 @@ def read_xor_decl(l2_256b: bool = False) -> KernelDecl:
     return READ_XOR_L2_256B if l2_256b else READ_XOR
 
 
-def read_xor(gpu: GpuBackend, src: DevicePtr, nbytes: int, out: DevicePtr, blocks: int,
-             l2_256b: bool = False, stream: int | None = None) -> None:
+def read_xor(
+    gpu: GpuBackend,
+    src: DevicePtr,
+    nbytes: int,
+    out: DevicePtr,
+    blocks: int,
+    l2_256b: bool = False,
+    stream: int | None = None,
+) -> None:
     """Read ``nbytes`` of ``src`` (16-byte aligned, a multiple of 16) with ``blocks`` blocks; ``out``
     receives ``blocks`` uint32 partials."""
     if nbytes <= 0 or nbytes % 16:
@@ -60,5 +67,17 @@ def read_xor(gpu: GpuBackend, src: DevicePtr, nbytes: int, out: DevicePtr, block
     if gpu.bytes_from(src) < nbytes:
         raise ValueError(f"read_xor: src holds {gpu.bytes_from(src)} bytes, {nbytes} asked")
     if gpu.bytes_from(out) < 4 * blocks:
-        raise ValueError(f"read_xor: out holds {gpu.bytes_from(out)} bytes, {blocks} partials need {4 * blocks}")
-    launch(gpu, gpu.kernel(*read_xor_decl(l2_256b).key), blocks, BLOCK, src, nbytes // 16, blocks, out, stream=stream)
+        raise ValueError(
+            f"read_xor: out holds {gpu.bytes_from(out)} bytes, {blocks} partials need {4 * blocks}"
+        )
+    launch(
+        gpu,
+        gpu.kernel(*read_xor_decl(l2_256b).key),
+        blocks,
+        BLOCK,
+        src,
+        nbytes // 16,
+        blocks,
+        out,
+        stream=stream,
+    )

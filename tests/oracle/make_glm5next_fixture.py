@@ -66,21 +66,48 @@ BLOCK = (32, 32)  # weight_block_size: several blocks, and partial ones, at thes
 CONTEXTS = (2, 5, 10, 17, 29, 41, 62, 90)  # before the first pool, dense, then sparse (2 pools of up to 22)
 K = 3
 TEXT = {
-    "vocab_size": 256, "hidden_size": 128, "num_hidden_layers": 2, "num_nextn_predict_layers": 1,
-    "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 48, "kv_lora_rank": 64,
-    "qk_nope_head_dim": 32, "qk_rope_head_dim": 0, "v_head_dim": 32,
-    "index_n_heads": 4, "index_head_dim": 32, "index_topk": 8, "index_kpool": 4,
+    "vocab_size": 256,
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "num_nextn_predict_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 48,
+    "kv_lora_rank": 64,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 0,
+    "v_head_dim": 32,
+    "index_n_heads": 4,
+    "index_head_dim": 32,
+    "index_topk": 8,
+    "index_kpool": 4,
     "index_kpool_always_select_tail": True,
-    "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-    "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
-    "norm_topk_prob": True, "swiglu_limit": 1.5, "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 256, "first_k_dense_replace": 1, "intermediate_size": 96,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True,
+    "swiglu_limit": 1.5,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 256,
+    "first_k_dense_replace": 1,
+    "intermediate_size": 96,
     "pad_token_id": None,
-    "layer_types": ["indexed_attention"] * 2, "indexer_types": ["full"] * 2,
+    "layer_types": ["indexed_attention"] * 2,
+    "indexer_types": ["full"] * 2,
     "mlp_layer_types": ["dense", "sparse"],
 }
-FP8_PARTS = (".mlp.experts.", ".mlp.shared_experts.", ".self_attn.q_a_proj.",
-             ".self_attn.q_b_proj.", ".self_attn.kv_a_proj_with_mqa.", ".self_attn.o_proj.")
+FP8_PARTS = (
+    ".mlp.experts.",
+    ".mlp.shared_experts.",
+    ".self_attn.q_a_proj.",
+    ".self_attn.q_b_proj.",
+    ".self_attn.kv_a_proj_with_mqa.",
+    ".self_attn.o_proj.",
+)
 
 
 def bf16_round(a: np.ndarray) -> np.ndarray:
@@ -107,8 +134,9 @@ class MtpReference(torch.nn.Module):
         self.mlp = Glm5NextTextMoE(tc)
         self.shared_head_norm = Glm5NextTextRMSNorm(H, tc.rms_norm_eps)
 
-    def rows(self, tokens: torch.Tensor, hidden: torch.Tensor, shared_last: list[int] | None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def rows(
+        self, tokens: torch.Tensor, hidden: torch.Tensor, shared_last: list[int] | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows (tokens[r], hidden[r]) r < S through the block: (logits, out) of the last row and
         the indexer's selection [S, W]. ``shared_last``: the last row attends these rows instead of
         its own selection (a draft after the first of a sharing propose)."""
@@ -118,13 +146,14 @@ class MtpReference(torch.nn.Module):
         mask = torch.ones(1, S, dtype=torch.bool)
         attn = self.self_attn
         q_resid = attn.q_a_layernorm(attn.q_a_proj(y))
-        topk = attn.indexer(hidden_states=y, q_resid=q_resid, attention_mask=mask,
-                            past_key_values=None)  # [1, S, W] int32, -1 = none
+        topk = attn.indexer(
+            hidden_states=y, q_resid=q_resid, attention_mask=mask, past_key_values=None
+        )  # [1, S, W] int32, -1 = none
         if shared_last is not None:
             width = max(topk.shape[-1], len(shared_last))
             topk = F.pad(topk, (0, width - topk.shape[-1]), value=-1)
             topk[0, -1] = -1
-            topk[0, -1, :len(shared_last)] = torch.tensor(shared_last, dtype=topk.dtype)
+            topk[0, -1, : len(shared_last)] = torch.tensor(shared_last, dtype=topk.dtype)
         indexer, attn.indexer = attn.indexer, None  # a shared layer: it attends prev_topk_indices
         try:
             a, _, _ = attn(hidden_states=y, attention_mask=mask, prev_topk_indices=topk)
@@ -159,7 +188,8 @@ def stored_tensors(ref: MtpReference, P: str) -> dict[str, np.ndarray]:
     mod = {
         "embed.weight": "model.language_model.embed_tokens.weight",
         "lm_head.weight": "lm_head.weight",
-        "enorm.weight": P + "enorm.weight", "hnorm.weight": P + "hnorm.weight",
+        "enorm.weight": P + "enorm.weight",
+        "hnorm.weight": P + "hnorm.weight",
         "eh_proj.weight": P + "eh_proj.weight",
         "input_layernorm.weight": P + "input_layernorm.weight",
         "post_attention_layernorm.weight": P + "post_attention_layernorm.weight",
@@ -187,8 +217,7 @@ def stored_tensors(ref: MtpReference, P: str) -> dict[str, np.ndarray]:
         gu, dn = ref.mlp.experts.gate_up_proj, ref.mlp.experts.down_proj  # [E, 2I, H], [E, H, I]
         inter = dn.shape[-1]
         for e in range(gu.shape[0]):
-            for proj, w in (("gate_proj", gu[e, :inter]), ("up_proj", gu[e, inter:]),
-                            ("down_proj", dn[e])):
+            for proj, w in (("gate_proj", gu[e, :inter]), ("up_proj", gu[e, inter:]), ("down_proj", dn[e])):
                 name = f"{P}mlp.experts.{e}.{proj}.weight"
                 q, s = quantize_fp8(w.numpy(), BLOCK)
                 out[name], out[scale_name(name)] = q, s
@@ -196,10 +225,17 @@ def stored_tensors(ref: MtpReference, P: str) -> dict[str, np.ndarray]:
     return out
 
 
-def propose(ref: MtpReference, tokens: np.ndarray, hidden: np.ndarray, n: int, last: int,
-            target_hidden: np.ndarray, share: bool) -> dict[str, np.ndarray]:
+def propose(
+    ref: MtpReference,
+    tokens: np.ndarray,
+    hidden: np.ndarray,
+    n: int,
+    last: int,
+    target_hidden: np.ndarray,
+    share: bool,
+) -> dict[str, np.ndarray]:
     """Prefill rows 0..n-1, then k drafts from (last, target_hidden) at row n."""
-    toks = [int(t) for t in tokens[1:n + 1]]
+    toks = [int(t) for t in tokens[1 : n + 1]]
     hid = [torch.from_numpy(h) for h in hidden[:n]]
     tok, h = last, torch.from_numpy(target_hidden)
     drafts, logits, first = [], [], None
@@ -215,8 +251,11 @@ def propose(ref: MtpReference, tokens: np.ndarray, hidden: np.ndarray, n: int, l
         tok, h = int(torch.argmax(lg)), out.detach()
         drafts.append(tok)
         logits.append(lg.detach().numpy())
-    return {"drafts": np.array(drafts, np.int64), "logits": np.array(logits, np.float64),
-            "first_selection": np.array(sorted(first), np.int64)}
+    return {
+        "drafts": np.array(drafts, np.int64),
+        "logits": np.array(logits, np.float64),
+        "first_selection": np.array(sorted(first), np.int64),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -243,10 +282,13 @@ def main(argv: list[str] | None = None) -> int:
     write_safetensors(out / "model.safetensors", tensors, {"format": "pt"})
     cfg = Glm5NextConfig(text_config=tc.to_dict()).to_dict()
     cfg["text_config"]["index_share_for_mtp_iteration"] = True  # as published (no transformers key)
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                  "activation_scheme": "dynamic",
-                                  "weight_block_size": list(BLOCK),
-                                  "modules_to_not_convert": ["lm_head"]}
+    cfg["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(BLOCK),
+        "modules_to_not_convert": ["lm_head"],
+    }
     (out / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True, default=str) + "\n")
 
     H, V = tc.hidden_size, tc.vocab_size
@@ -267,19 +309,30 @@ def main(argv: list[str] | None = None) -> int:
                 for key, v in r.items():
                     cases[f"n{n}_share{int(share)}_{key}"] = v
                 top2 = np.sort(r["logits"], -1)[:, -2:]
-                print(f"context {n:3d} share {int(share)}: drafts {r['drafts'].tolist()}, "
-                      f"top-2 gaps {np.round(top2[:, 1] - top2[:, 0], 4).tolist()}, draft 1 "
-                      f"attends {len(r['first_selection'])} rows", flush=True)
+                print(
+                    f"context {n:3d} share {int(share)}: drafts {r['drafts'].tolist()}, "
+                    f"top-2 gaps {np.round(top2[:, 1] - top2[:, 0], 4).tolist()}, draft 1 "
+                    f"attends {len(r['first_selection'])} rows",
+                    flush=True,
+                )
     cases["contexts"] = np.array(CONTEXTS)
     cases["k"] = np.array(K)
     np.savez_compressed(out / "reference.npz", **cases)
     import transformers
 
-    (out / "PROVENANCE.json").write_text(json.dumps({
-        "generator": "tests/oracle/make_glm5next_fixture.py", "seed": SEED,
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "python": sys.version.split()[0],
-    }, indent=1) + "\n")
+    (out / "PROVENANCE.json").write_text(
+        json.dumps(
+            {
+                "generator": "tests/oracle/make_glm5next_fixture.py",
+                "seed": SEED,
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "python": sys.version.split()[0],
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     total = sum(f.stat().st_size for f in out.iterdir())
     print(f"wrote {out} ({total / 1e6:.2f} MB)")
     return 0
