@@ -186,7 +186,7 @@ def is_routed_expert(name: str) -> bool:
     return ".mlp.experts." in name
 
 
-# The projections GLM-5.3-Flash publishes as F8_E4M3 with 128x128 block scales (REFERENCE.md).
+# The projections GLM-5.3-Flash publishes as F8_E4M3 with 128x128 block scales (docs/checkpoint.md).
 _PUBLISHED_FP8 = (
     ".mlp.experts.",
     ".mlp.shared_experts.",

@@ -1,6 +1,7 @@
 """Independent NumPy float64 reference of the MTP draft proposer (the test oracle).
 
-Written directly from SPEC.md ("The model", "The proposer", "Exact semantics") and nothing else:
+Written directly from the project's specification of the model, the proposer and their exact
+semantics (written out in this module's functions), and nothing else:
 it imports no kernel, no runtime helper and no model code other than ``model.config``. Every
 number is computed in float64; the only deliberate loss of precision is the FP8 storage emulation
 of the latent cache and the pool keys (``fp8_cache``, on by default) and, optionally, of the draft
@@ -10,7 +11,7 @@ Row space: drafter row r is the pair (embedding of a token, hidden row); its lat
 and gate, and its position are all r. ``context_row`` appends a row that only fills the caches;
 ``draft_row`` appends a row and runs it through the block and the head.
 
-Weights are a mapping from the Hugging Face names of the SPEC's table (P =
+Weights are a mapping from the Hugging Face names of the block's tensor table (docs/checkpoint.md) (P =
 ``model.layers.{num_hidden_layers}.``) plus ``model.embed_tokens.weight`` and ``lm_head.weight``;
 any float dtype (bfloat16 from ml_dtypes, float32, ...) is upcast to float64 once, at construction.
 """
@@ -443,7 +444,7 @@ class ReferenceDrafter:
 
 
 def random_mtp_weights(cfg: ModelConfig, seed: int = 0, dtype=np.float32) -> dict[str, np.ndarray]:
-    """Random weights of the SPEC's names and shapes, scaled so activations stay O(1)."""
+    """Random weights of the block's names and shapes, scaled so activations stay O(1)."""
     rng = np.random.default_rng(seed)
     a, d, m = cfg.attention, cfg.dsa, cfg.moe
     H, V = cfg.hidden_size, cfg.vocab_size

@@ -158,7 +158,7 @@ def test_no_config_json(tmp_path):
         ModelConfig.from_json(tmp_path)
 
 
-# ---- the published GLM-5.3-Flash config.json (REFERENCE.md, "Published checkpoints") ----------
+# ---- the published GLM-5.3-Flash config.json (docs/checkpoint.md) ----------
 
 
 def published_config() -> dict:

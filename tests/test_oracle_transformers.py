@@ -6,7 +6,7 @@ transformers' logits for prefill + propose(k = 3) at contexts 2 (before the firs
 (dense) and 17 to 90 (sparse: 2 pools of up to 22), with and without
 ``index_share_for_mtp_iteration``.
 
-Measured (CPU, the fixture as committed): the float64 reference of the SPEC
+Measured (CPU, the fixture as committed): the float64 reference of the model
 (tests/reference_f64.py, exact dequantised weights, no FP8 cache) is within 1.5e-7 of the logits'
 spread of transformers, every draft equal. The host proposer (BF16 weights and activations, FP8
 latents and pool keys) is within 1.9e-2 (own selection) / 1.7e-2 (shared) of the spread with the

@@ -1,4 +1,4 @@
-"""The published GLM-5.3-Flash checkpoint layout (REFERENCE.md, "Published checkpoints"): nested
+"""The published GLM-5.3-Flash checkpoint layout (docs/checkpoint.md): nested
 config.json, ``model.language_model.`` names, bare KPool parameters, FP8 block-scaled projections
 with F32 ``weight_scale_inv``, F32 norms and router, drafter-only copies; and its bad inputs, each
 refused by name before any device memory is taken."""

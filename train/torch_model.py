@@ -1,11 +1,11 @@
-"""Plain PyTorch implementation of the whole model family of SPEC.md (training and evaluation only).
+"""Plain PyTorch implementation of the whole model family (training and evaluation only).
 
 The runtime never imports this module. It exists to train the small shipped checkpoint, to measure
 MTP acceptance with an independent implementation, and as a readable statement of the math:
 
 * target: ``model.embed_tokens`` -> ``num_hidden_layers`` decoder layers -> ``model.norm`` ->
   ``lm_head``. Layer i: ``x = x + attn(input_layernorm(x)); x = x + mlp(post_attention_layernorm(x))``;
-  the MLP is a dense clamped SwiGLU for i < ``first_k_dense_replace``, else the MoE of the SPEC.
+  the MLP is a dense clamped SwiGLU for i < ``first_k_dense_replace``, else the MoE of the block.
 * every attention is DSA: NoPE MLA (computed here in the non-absorbed form, which is equal to the
   runtime's absorbed form) over the rows the layer's own KPool lightning indexer selects.
 * the MTP block is ``model.layers.{num_hidden_layers}``: ``x = eh_proj([rmsnorm(embed[t]) * enorm ;
@@ -13,7 +13,7 @@ MTP acceptance with an independent implementation, and as a readable statement o
   -> ``lm_head``. ``h`` is the target's post-final-norm hidden (the output of ``model.norm``).
   Drafter row r is ``(embed(tokens[r+1]), hidden[r])`` and predicts token r+2.
 
-Exact semantics (SPEC "Exact semantics"):
+Exact semantics:
 
 * RMSNorm eps is ``rms_norm_eps``; the indexer's ``k_norm`` is a LayerNorm with bias, eps 1e-6.
 * row n writes its latent, indexer key and gate first, then attends; its complete pools are
@@ -35,7 +35,7 @@ State for incremental decoding is a list (one per layer) of dicts ``{"c", "k", "
 per-row latents (as stored), indexer keys and gates, ``[B, rows, *]``. Rows are independent of later
 rows, so a rewind is a slice (:func:`slice_state`), and pool keys are recomputed from ``k``/``g``.
 
-Parameter names are exactly the Hugging Face names of the SPEC's table (``state_dict()`` keys), with
+Parameter names are exactly the Hugging Face names of the block's tensor table (docs/checkpoint.md) (``state_dict()`` keys), with
 ``mlp.gate.e_score_correction_bias`` a float32 buffer (updated aux-loss-free during training, not by
 gradient).
 """

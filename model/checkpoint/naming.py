@@ -6,7 +6,7 @@ The rest of the project names tensors by their logical (flat) names: ``model.lay
 - ``FLAT``: under those names (GLM-5 and this project's own checkpoints, a flat config.json);
 - ``PUBLISHED``: GLM-5.3-Flash as published, whose config.json nests the text model under
   ``text_config`` and whose text tensors are prefixed ``model.language_model.`` (the head stays
-  ``lm_head.weight``; REFERENCE.md, "Published checkpoints").
+  ``lm_head.weight``; docs/checkpoint.md).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ repository root:
 transformers has no MTP module (it ignores the MTP layer on load), so the block is composed here
 from its own ``Glm5NextTextAttention`` (with its KPool indexer, eager attention),
 ``Glm5NextTextMoE`` and ``Glm5NextTextRMSNorm`` with a plain residual, and the MTP glue of the
-SPEC: ``x = eh_proj([enorm(embed[t]) ; hnorm(h)])``, ``h1 = x + attn(input_layernorm(x))``,
+project's model (README, docs/checkpoint.md): ``x = eh_proj([enorm(embed[t]) ; hnorm(h)])``, ``h1 = x + attn(input_layernorm(x))``,
 ``h2 = h1 + moe(post_attention_layernorm(h1))``, ``out = shared_head.norm(h2)``,
 ``logits = lm_head(out)``; draft i + 1 consumes draft i's token and ``out``. Drafter row r is
 ``(embed(tokens[r + 1]), hidden[r])``; a propose at position n writes rows n .. n + k - 1, and each
@@ -59,6 +59,7 @@ from transformers.models.glm5_next.modeling_glm5_next import (  # noqa: E402
 from model.checkpoint import quantize_fp8, write_safetensors  # noqa: E402
 from model.checkpoint.fp8 import dequantize, scale_name  # noqa: E402
 from model.checkpoint.naming import PUBLISHED_PREFIX  # noqa: E402
+from model.weights_layout import is_published_fp8  # noqa: E402
 from runtime.dtypes import BF16  # noqa: E402
 
 SEED = 20261201
@@ -100,14 +101,6 @@ TEXT = {
     "indexer_types": ["full"] * 2,
     "mlp_layer_types": ["dense", "sparse"],
 }
-FP8_PARTS = (
-    ".mlp.experts.",
-    ".mlp.shared_experts.",
-    ".self_attn.q_a_proj.",
-    ".self_attn.q_b_proj.",
-    ".self_attn.kv_a_proj_with_mqa.",
-    ".self_attn.o_proj.",
-)
 
 
 def bf16_round(a: np.ndarray) -> np.ndarray:
@@ -207,7 +200,7 @@ def stored_tensors(ref: MtpReference, P: str) -> dict[str, np.ndarray]:
             if mname.endswith("e_score_correction_bias"):
                 out[stored] = a.astype(np.float32)
                 t.copy_(torch.from_numpy(out[stored].astype(np.float64)))
-            elif any(part in stored for part in FP8_PARTS):
+            elif is_published_fp8(stored):
                 q, s = quantize_fp8(a, BLOCK)
                 out[stored], out[scale_name(stored)] = q, s
                 t.copy_(torch.from_numpy(dequantize(q, s, np.float64, 0, BLOCK)))
