@@ -80,42 +80,50 @@ class Arm:
 
 
 class ArmProposer(MtpProposer):
-    """MtpProposer whose every state runs the arm it was allocated with (``alloc_state(arm)``),
-    through the draft step's own hooks (``_launch_step``, ``_block``, ``_head``)."""
+    """MtpProposer running one arm at a time through the draft step's own hooks (``_launch_step``,
+    ``_block``, ``_head``). ``alloc_state(arm)`` sets the arm; a change of arm drops the captured
+    graphs (a graph bakes the arm it was captured under), so no graph of one arm replays under
+    another. The live states then all run the new arm."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._arms: dict[int, Arm] = {}  # by state slot
+        self.arm = Arm()
 
     def alloc_state(self, arm: Arm = Arm()) -> ProposerState:
         if arm.fp8 and self.head_fp8 is None:
             raise ValueError("an FP8-head arm on a proposer without the FP8 head")
-        st = super().alloc_state()
-        self._arms[st.slot] = arm
-        return st
+        if arm != self.arm:
+            self.gpu.synchronize(self.stream)
+            for g in self._graphs.values():
+                self.gpu.graph_destroy(g)
+            self._graphs.clear()
+            self.arm = arm
+        return super().alloc_state()
 
-    def _launch_step(self, st: ProposerState, k: int) -> None:
-        if self._arms[st.slot].graphs:
-            self._replay_graph(st, k)
+    def graph(self, m: int, k: int) -> Any:
+        """The captured graph of bucket ``m`` and ``k`` drafts (after a graph-replayed propose)."""
+        return self._graphs[(m, k)]
+
+    def _launch_step(self, m: int, k: int, s: int) -> None:
+        if self.arm.graphs:
+            self._replay_graph(m, k, s)
         else:
-            self._enqueue_drafts(st, k)
+            self._enqueue_drafts(m, k, s)
 
-    def _block(self, st: ProposerState, i: int) -> None:
-        if not self._arms[st.slot].skip_block:
-            super()._block(st, i)
+    def _block(self, m: int, i: int, s: int) -> None:
+        if not self.arm.skip_block:
+            super()._block(m, i, s)
             return
         cfg = self.cfg
-        rmsnorm(self.gpu, st.x, self.head_norm, st.xn, 1, cfg.hidden_size, cfg.rms_norm_eps, self.stream)
+        rmsnorm(self.gpu, self.step.x, self.head_norm, self.step.xn, m, cfg.hidden_size, cfg.rms_norm_eps, s)
 
-    def _head(self, st: ProposerState, i: int, publish: bool) -> None:
-        arm = self._arms[st.slot]
-        if arm.skip_head:
-            self.gpu.memset(st.token, 0, 4, self.stream)
-            self.gpu.memset(st.drafts_out.device.offset(i * 4), 0, 4, self.stream)
-        elif arm.fp8:
-            super()._head(st, i, publish)
+    def _head(self, m: int, i: int, publish: bool, s: int) -> None:
+        if self.arm.skip_head:
+            self.gpu.memset(self.step.drafts_out.device, 0, m * self.step.kmax * 4, s)
+        elif self.arm.fp8:
+            super()._head(m, i, publish, s)
         else:
-            self._head_with(st, i, publish, self.head_bf16, None)
+            self._head_with(m, i, publish, s, self.head_bf16, None)
 
 
 class LaunchRecorder:
@@ -159,7 +167,8 @@ class LaunchRecorder:
 
 
 def draft_bytes(prop: Any, context_row: int, fp8_head: bool) -> dict[str, int]:
-    """Bytes one draft at row ``context_row`` reads, from the buffers the step touches."""
+    """Bytes one draft of one sequence at row ``context_row`` reads, from the buffers the step
+    touches."""
     cfg, sh = prop.cfg, prop.sharding
     a, d, m, H = cfg.attention, cfg.dsa, cfg.moe, cfg.hidden_size
     hl, C, I = sh.local_heads, a.kv_lora_rank, m.moe_intermediate_size
@@ -209,28 +218,33 @@ def copy_bandwidth(gpu: Any, nbytes: int = 2 << 30, reps: int = 10) -> float:
 
 
 def fill_context(prop: Any, st: Any, rows: int, rng: np.random.Generator) -> None:
-    """Write ``rows`` rows of random cache contents straight into ``st`` and set its length (the
-    fast feed this benchmark documents: what is timed is the draft rows, not the prefill)."""
-    gpu, cfg = prop.gpu, prop.cfg
+    """Write ``rows`` rows of random cache contents straight into ``st``'s slot of the pools and
+    set its length (the fast feed this benchmark documents: what is timed is the draft rows, not
+    the prefill)."""
+    gpu, cfg, pools = prop.gpu, prop.cfg, prop.pools
     C, idim, kp = cfg.attention.kv_lora_rank, cfg.dsa.index_head_dim, cfg.dsa.index_kpool
-    bs = prop.kv.config.block_size
+    g, lp, kv = pools.geometry, pools.layers[0], pools.kv
+    bs = g.block_size
     # FP8 E4M3 with the exponent's top bit clear: finite values below 2, never NaN.
     lat = rng.integers(0, 256, (rows, C), dtype=np.uint8) & np.uint8(0xBF)
     sc = (0.02 + 0.01 * rng.random(rows)).astype(np.float32)
-    blocks = st.dsa.table.blocks
     for b in range(-(-rows // bs)):
         r0, r1 = b * bs, min(rows, (b + 1) * bs)
-        slot0 = blocks[b] * bs
-        gpu.copy_h2d(prop.kv.data[0].offset(slot0 * C), lat[r0:r1])
-        gpu.copy_h2d(prop.kv.scales[0].offset(slot0 * 4), sc[r0:r1])
+        slot0 = pools.latent_slot(st.slot, r0)
+        gpu.copy_h2d(kv.data[0].offset(slot0 * C), lat[r0:r1])
+        gpu.copy_h2d(kv.scales[0].offset(slot0 * 4), sc[r0:r1])
     keys = (rng.standard_normal((rows, idim), dtype=np.float32)).astype(BF16)
     gates = (rng.standard_normal((rows, idim), dtype=np.float32)).astype(BF16)
-    gpu.copy_h2d(st.dsa.keys, keys)
-    gpu.copy_h2d(st.dsa.gates, gates)
-    pools = rows // kp
-    if pools:
-        gpu.copy_h2d(st.dsa.pool_keys, rng.integers(0, 256, (pools, idim), dtype=np.uint8) & np.uint8(0xBF))
-        gpu.copy_h2d(st.dsa.pool_scales, (0.01 + 0.01 * rng.random(pools)).astype(np.float32))
+    gpu.copy_h2d(lp.keys.offset(g.key_row(st.slot, 0) * 2), keys)
+    gpu.copy_h2d(lp.gates.offset(g.key_row(st.slot, 0) * 2), gates)
+    pools_n = rows // kp
+    if pools_n:
+        pk = rng.integers(0, 256, (pools_n, idim), dtype=np.uint8) & np.uint8(0xBF)
+        gpu.copy_h2d(lp.pool_keys.offset(g.pool_row(st.slot, 0) * idim), pk)
+        gpu.copy_h2d(
+            lp.pool_scales.offset(g.pool_row(st.slot, 0) * 4),
+            (0.01 + 0.01 * rng.random(pools_n)).astype(np.float32),
+        )
     st.dsa.length = rows
     gpu.synchronize()
 
@@ -279,8 +293,9 @@ def pdl_set(gpu: Any, on: bool) -> Iterator[None]:
 
 
 def time_graph(prop: Any, st: Any, k: int, iters: int) -> float:
-    """Median device milliseconds of one replay of the captured k-draft graph, back to back."""
-    gpu, s, g = prop.gpu, prop.stream, st.graphs[k]
+    """Median device milliseconds of one replay of the captured k-draft graph of one sequence
+    (bucket 1), back to back."""
+    gpu, s, g = prop.gpu, prop.stream, prop.graph(1, k)
     evs = [(gpu.event_create(), gpu.event_create()) for _ in range(iters)]
     try:
         for _ in range(3):
@@ -421,7 +436,7 @@ def measure(
     del weights
     assert prop.head_fp8 is not None, "the FP8 head kernels must load"
     log(
-        f"weights built and uploaded in {time.time() - t0:.1f} s ({prop.arena.nbytes / 2**30:.2f} GiB)",
+        f"weights built and uploaded in {time.time() - t0:.1f} s ({prop.weights_nbytes / 2**30:.2f} GiB)",
         flush=True,
     )
     rng = np.random.default_rng(1)

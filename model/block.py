@@ -1,14 +1,17 @@
 """One decoder layer of the family (DSA attention + MoE or dense MLP, plain residual), as a
-sequence of kernel launches through the runtime.
+sequence of kernel launches through the runtime, over a batch of ``m`` rows.
 
 Two entry points:
 - ``context_rows``: rows that only fill the caches (the latent, the indexer key and gate, pool
   compression). No attention, no MLP: a context row's output is never read.
-- ``full_row``: one row through the whole layer, in place on ``x``: it writes its caches first,
-  then attends over the selection, then the MLP.
+- ``full_rows``: rows through the whole layer, in place on ``x``: each writes its caches first,
+  then attends over its own sequence's selection, then the MLP.
 
-Every launch addresses the row through ``row_ptr`` (a u32 in device memory) plus an immediate
-``row_add``, so a captured graph replays at whatever row the host (or the previous node) set.
+Row e of a launch belongs to the sequence of batch entry e (model/kernels/batch.py): its slot in
+the pools and its row (``entry.row + row_add``) are read by the kernels from device memory, so a
+captured graph replays for whatever sequences and rows the host wrote into the entries. Weights are
+read once per launch for all m rows; the MoE reads each distinct expert once for all its pairs.
+A row's arithmetic never depends on the other rows (batch invariance).
 """
 
 from __future__ import annotations
@@ -18,14 +21,12 @@ from dataclasses import dataclass
 from runtime.backend import GpuBackend
 from runtime.comm.base import CommDtype, ReduceOp
 from runtime.device_ptr import DevicePtr
-from runtime.kernels.gemv_bf16 import gemv_bf16
-from runtime.kernels.rmsnorm import rmsnorm
-from runtime.kv_cache import PagedKvCache
 
 from .config import ModelConfig
-from .dsa import DsaState, selection_rows
+from .dsa import selection_rows
 from .kernels import bgemv as bg
 from .kernels import dsa_cache, dsa_select, moe, sparse_mla
+from .slot_pools import SlotPools
 from .weights import AttentionWeights, DeviceArena, MlpWeights, Sharding
 
 # The indexer's k_norm is a LayerNorm with bias and a fixed eps, not rms_norm_eps (as
@@ -34,18 +35,17 @@ INDEXER_LN_EPS = 1e-6
 
 
 @dataclass
-class LayerScratch:
-    """Per-sequence scratch of one layer call (its pointers are baked into captured graphs, so it
-    belongs to a sequence slot, not to the layer)."""
+class BatchScratch:
+    """Scratch of one layer launch over up to ``rows`` batch rows: every buffer is dense per row
+    (row e at ``base + e * row_bytes``). It belongs to the proposer, not to a sequence, so captured
+    graphs bake it without baking any sequence."""
 
-    y: DevicePtr
+    rows: int
     fused: DevicePtr
-    q_lat: DevicePtr
     q_fused: DevicePtr
     q_abs: DevicePtr
     o_lat: DevicePtr
     o: DevicePtr
-    attn_local: DevicePtr
     attn_parts: DevicePtr
     h1: DevicePtr
     y2: DevicePtr
@@ -54,11 +54,12 @@ class LayerScratch:
     wts: DevicePtr
     act: DevicePtr
     moe_parts: DevicePtr
+    groups: moe.GroupBuffers
     iscores: DevicePtr
     selected: DevicePtr
     count: DevicePtr
-    router_counter: DevicePtr  # u32, zero between launches (router_fused's last-block handshake)
-    attn_part: DevicePtr  # sparse_mla_partial's per-split outputs and (max, sum)
+    router_counter: DevicePtr  # u32, zero between launches (router_fused_batch's last-block handshake)
+    attn_part: DevicePtr  # sparse_mla_split_batch's per-split outputs and (max, sum), per row
     attn_ml: DevicePtr
 
     @classmethod
@@ -67,42 +68,44 @@ class LayerScratch:
         arena: DeviceArena,
         cfg: ModelConfig,
         sh: Sharding,
-        chunk: int,
         rows: int,
+        slot_rows: int,
         fused_rows: int,
         selection_extra: int = 0,
-    ) -> LayerScratch:
+    ) -> BatchScratch:
         """``selection_extra``: rows a shared selection gains after it was made
         (``DecoderLayer.selection_extra``)."""
         a, d, m, H = cfg.attention, cfg.dsa, cfg.moe, cfg.hidden_size
         slots = m.num_experts_per_tok + 1
         inter = max(m.moe_intermediate_size, cfg.intermediate_size)
         b = arena.zeros
-        sel_rows = selection_rows(d, rows, selection_extra)
+        sel_rows = selection_rows(d, slot_rows, selection_extra)
         part_bytes, ml_bytes = sparse_mla.split_workspace(sh.local_heads, a.kv_lora_rank, sel_rows)
+        hl = sh.local_heads
         return cls(
-            y=b(chunk * H * 2),
-            fused=b(chunk * fused_rows * 2),
-            q_lat=b(a.q_lora_rank * 2),
-            q_fused=b((sh.local_heads * a.qk_head_dim + d.index_n_heads * d.index_head_dim) * 2),
-            q_abs=b(sh.local_heads * a.kv_lora_rank * 4),
-            o_lat=b(sh.local_heads * a.kv_lora_rank * 2),
-            o=b(sh.local_heads * a.v_head_dim * 2),
-            attn_local=b(sh.local_groups * H * 4),
-            attn_parts=b(sh.groups * H * 4),
-            h1=b(H * 2),
-            y2=b(H * 2),
-            rscores=b(m.n_routed_experts * 4),
-            ids=b(slots * 4),
-            wts=b(slots * 4),
-            act=b(slots * inter * 2),
-            moe_parts=b(slots * H * 4),
-            iscores=b(max(rows // d.index_kpool, 1) * 4),
-            selected=b(max(sel_rows, 1) * 4),
-            count=b(4),
+            rows=rows,
+            fused=b(rows * fused_rows * 2),
+            q_fused=b(rows * (hl * a.qk_head_dim + d.index_n_heads * d.index_head_dim) * 2),
+            q_abs=b(rows * hl * a.kv_lora_rank * 4),
+            o_lat=b(rows * hl * a.kv_lora_rank * 2),
+            o=b(rows * hl * a.v_head_dim * 2),
+            # All groups on every rank: a rank writes its own and the others stay zero, so the
+            # all-reduce that completes them is exact (x + 0 = x).
+            attn_parts=b(rows * sh.groups * H * 4),
+            h1=b(rows * H * 2),
+            y2=b(rows * H * 2),
+            rscores=b(rows * max(m.n_routed_experts, 1) * 4),
+            ids=b(rows * slots * 4),
+            wts=b(rows * slots * 4),
+            act=b(rows * slots * inter * 2),
+            moe_parts=b(rows * slots * H * 4),
+            groups=moe.GroupBuffers.alloc(arena, rows, slots, max(m.n_routed_experts, 1)),
+            iscores=b(rows * max(slot_rows // d.index_kpool, 1) * 4),
+            selected=b(rows * max(sel_rows, 1) * 4),
+            count=b(rows * 4),
             router_counter=b(4),
-            attn_part=b(part_bytes),
-            attn_ml=b(ml_bytes),
+            attn_part=b(rows * part_bytes),
+            attn_ml=b(rows * ml_bytes),
         )
 
 
@@ -112,7 +115,8 @@ class DecoderLayer:
 
     ``selection_extra``: rows a selection may gain after it is made, when rows drafted later
     reuse it (``attention(reuse_selection=True)``); the selection buffers and the attention
-    launches are sized for it."""
+    launches are sized for it. ``kv_layer``: the layer's index in the pools' latent cache and
+    indexer pools."""
 
     def __init__(
         self,
@@ -144,329 +148,335 @@ class DecoderLayer:
 
     def _write_caches(
         self,
-        s: LayerScratch,
         fused: DevicePtr,
         stride: int,
-        st: DsaState,
-        kv: PagedKvCache,
-        row_ptr: DevicePtr,
+        pools: SlotPools,
+        entries: DevicePtr,
+        m: int,
         row_add: int,
-        rows: int,
         stream,
     ) -> None:
-        cfg, gpu, w = self.cfg, self.gpu, self.attn
-        C, idim = cfg.attention.kv_lora_rank, cfg.dsa.index_head_dim
-        # One launch for the latent, the indexer key and gate, and the pools the rows complete
-        # (dsa_cache_write = latent_write_fp8 + indexer_write_keys + indexer_compress_pools).
-        dsa_cache.dsa_cache_write(
-            gpu,
-            fused,
-            stride,
-            w.kv_a_norm,
-            kv.data[self.kv_layer],
-            kv.scales[self.kv_layer],
-            st.table.device,
-            w.k_norm_w,
-            w.k_norm_b,
-            st.keys,
-            st.gates,
-            w.ape,
-            st.pool_keys,
-            st.pool_scales,
-            row_ptr,
-            row_add,
-            rows,
-            C,
-            idim,
-            kv.config.block_size,
-            cfg.dsa.index_kpool,
-            cfg.rms_norm_eps,
-            INDEXER_LN_EPS,
-            stream,
+        cfg, w, kv = self.cfg, self.attn, pools.kv
+        lp, g = pools.layers[self.kv_layer], pools.geometry
+        # One launch for the latent, the indexer key and gate, and the pools the rows complete.
+        dsa_cache.dsa_cache_write_batch(
+            self.gpu,
+            fused=fused,
+            stride=stride,
+            kv_norm_w=w.kv_a_norm,
+            cache=kv.data[self.kv_layer],
+            scales=kv.scales[self.kv_layer],
+            tables=pools.tables,
+            knorm_w=w.k_norm_w,
+            knorm_b=w.k_norm_b,
+            keys=lp.keys,
+            gates=lp.gates,
+            ape=w.ape,
+            pool_keys=lp.pool_keys,
+            pool_scales=lp.pool_scales,
+            entries=entries,
+            m=m,
+            row_add=row_add,
+            slot_rows=g.slot_rows,
+            C=cfg.attention.kv_lora_rank,
+            idim=g.idim,
+            block_size=g.block_size,
+            kpool=g.kpool,
+            eps=cfg.rms_norm_eps,
+            ln_eps=INDEXER_LN_EPS,
+            stream=stream,
         )
 
     def context_rows(
-        self,
-        x: DevicePtr,
-        rows: int,
-        s: LayerScratch,
-        st: DsaState,
-        kv: PagedKvCache,
-        row_ptr: DevicePtr,
-        row_add: int,
-        stream=None,
+        self, x: DevicePtr, fused: DevicePtr, pools: SlotPools, entries: DevicePtr, m: int, stream=None
     ) -> None:
-        """Cache rows for ``rows`` consecutive inputs ``x[rows, H]`` (rows <= the scratch chunk)."""
-        H = self.cfg.hidden_size
-        rmsnorm(self.gpu, x, self.attn.input_norm, s.y, rows, H, self.cfg.rms_norm_eps, stream)
-        gemv_bf16(self.gpu, self.attn.fused_in, s.y, s.fused, rows, self.ctx_rows, H, stream)
-        self._write_caches(s, s.fused, self.ctx_rows, st, kv, row_ptr, row_add, rows, stream)
+        """Cache rows for the m inputs ``x[m, H]`` of entries ``entries[0..m)`` (a sequence's rows
+        consecutive and ascending), through ``fused [m, ctx_rows]``. The projection is the full
+        row's, cut to the rows a cache needs, so a context row writes exactly the bytes its full
+        row would."""
+        H, eps = self.cfg.hidden_size, self.cfg.rms_norm_eps
+        bg.rmsnorm_gemv_batch(
+            self.gpu,
+            x=x,
+            x_stride=H,
+            norm_w=self.attn.input_norm,
+            w=self.attn.fused_in,
+            y=fused,
+            m=m,
+            n=self.ctx_rows,
+            k=H,
+            eps=eps,
+            stream=stream,
+        )
+        self._write_caches(fused, self.ctx_rows, pools, entries, m, 0, stream)
 
-    # ---- the whole layer for one row ------------------------------------------------------------
+    # ---- the whole layer ------------------------------------------------------------------------
 
-    def full_row(
+    def full_rows(
         self,
         x: DevicePtr,
-        s: LayerScratch,
-        st: DsaState,
-        kv: PagedKvCache,
-        row_ptr: DevicePtr,
+        s: BatchScratch,
+        pools: SlotPools,
+        entries: DevicePtr,
+        m: int,
         row_add: int,
-        rows_capacity: int,
         stream=None,
         next_norm: tuple[DevicePtr, DevicePtr] | None = None,
         reuse_selection: bool = False,
     ) -> None:
-        """x [H] in place: x = x + attn(norm(x)); x = x + mlp(norm(x)). With ``next_norm = (w, out)``
+        """x [m, H] in place: x = x + attn(norm(x)); x = x + mlp(norm(x)). With ``next_norm = (w, out)``
         the consumer's RMSNorm ``out = rmsnorm(x) * w`` is fused into the last residual add."""
-        self.attention(x, s, st, kv, row_ptr, row_add, rows_capacity, stream, reuse_selection)
-        self.mlp_forward(s, x, stream, next_norm)
+        self.attention(x, s, pools, entries, m, row_add, stream, reuse_selection)
+        self.mlp_forward(s, x, entries, m, stream, next_norm)
 
     def attention(
         self,
         x: DevicePtr,
-        s: LayerScratch,
-        st: DsaState,
-        kv: PagedKvCache,
-        row_ptr: DevicePtr,
+        s: BatchScratch,
+        pools: SlotPools,
+        entries: DevicePtr,
+        m: int,
         row_add: int,
-        rows_capacity: int,
         stream=None,
         reuse_selection: bool = False,
     ) -> None:
-        """With ``reuse_selection`` the row attends the selection the previous full row of this
-        scratch made (no indexer scores, no top-k), extended by its own row when the tail is
+        """With ``reuse_selection`` each row attends the selection the previous full row of its
+        batch position made (no indexer scores, no top-k), extended by its own row when the tail is
         selected (``model.dsa``, "Shared selection"); the caller sized ``selection_extra``."""
         cfg, gpu, w, sh = self.cfg, self.gpu, self.attn, self.sh
         a, d, H, eps = cfg.attention, cfg.dsa, cfg.hidden_size, cfg.rms_norm_eps
         C, idim, ih = a.kv_lora_rank, d.index_head_dim, d.index_n_heads
-        hl = sh.local_heads
+        hl, g = sh.local_heads, pools.geometry
+        lp, kv = pools.layers[self.kv_layer], pools.kv
+        fr = w.fused_rows
         # The input norm is every block's prologue of the fused projection (no rmsnorm launch).
-        bg.rmsnorm_gemv(gpu, x, w.input_norm, w.fused_in, s.fused, w.fused_rows, H, eps, stream)
-        self._write_caches(s, s.fused, w.fused_rows, st, kv, row_ptr, row_add, 1, stream)
+        bg.rmsnorm_gemv_batch(
+            gpu,
+            x=x,
+            x_stride=H,
+            norm_w=w.input_norm,
+            w=w.fused_in,
+            y=s.fused,
+            m=m,
+            n=fr,
+            k=H,
+            eps=eps,
+            stream=stream,
+        )
+        self._write_caches(s.fused, fr, pools, entries, m, row_add, stream)
         q_a = s.fused.offset(self.ctx_rows * 2)
         nq = hl * a.qk_head_dim + ih * idim
         # The q projection reads the same fused rows as the cache write, so it runs beside it.
-        bg.rmsnorm_gemv(
-            gpu, q_a, w.q_a_norm, w.q_fused, s.q_fused, nq, a.q_lora_rank, eps, stream, beside=True
+        bg.rmsnorm_gemv_batch(
+            gpu,
+            x=q_a,
+            x_stride=fr,
+            norm_w=w.q_a_norm,
+            w=w.q_fused,
+            y=s.q_fused,
+            m=m,
+            n=nq,
+            k=a.q_lora_rank,
+            eps=eps,
+            beside=True,
+            stream=stream,
         )
-        iw = q_a.offset(a.q_lora_rank * 2)  # weights_proj y
+        sel_cap = selection_rows(d, g.slot_rows, self.selection_extra)
         if not reuse_selection:
-            dsa_select.indexer_scores(
+            dsa_select.indexer_scores_batch(
                 gpu,
-                s.q_fused.offset(hl * a.qk_head_dim * 2),
-                iw,
-                st.pool_keys,
-                st.pool_scales,
-                s.iscores,
-                row_ptr,
-                row_add,
-                ih,
-                idim,
-                d.index_kpool,
-                1.0 / ih**0.5,
-                max(rows_capacity // d.index_kpool, 1),
-                stream,
+                q=s.q_fused.offset(hl * a.qk_head_dim * 2),
+                q_stride=nq,
+                w=q_a.offset(a.q_lora_rank * 2),  # weights_proj y
+                w_stride=fr,
+                pool_keys=lp.pool_keys,
+                pool_scales=lp.pool_scales,
+                scores=s.iscores,
+                entries=entries,
+                m=m,
+                row_add=row_add,
+                slot_rows=g.slot_rows,
+                heads=ih,
+                dim=idim,
+                kpool=d.index_kpool,
+                w_scale=1.0 / ih**0.5,
+                stream=stream,
             )
-            dsa_select.select_topk_pools(
+            dsa_select.select_topk_pools_batch(
                 gpu,
-                s.iscores,
-                s.selected,
-                s.count,
-                row_ptr,
-                row_add,
-                d.topk_pools,
-                d.index_kpool,
-                d.always_select_tail,
-                stream,
+                scores=s.iscores,
+                selected=s.selected,
+                count=s.count,
+                entries=entries,
+                m=m,
+                row_add=row_add,
+                slot_rows=g.slot_rows,
+                sel_cap=sel_cap,
+                topk_pools=d.topk_pools,
+                kpool=d.index_kpool,
+                tail=d.always_select_tail,
+                stream=stream,
             )
         elif d.always_select_tail:
-            dsa_select.extend_selection(gpu, s.selected, s.count, row_ptr, row_add, stream)
-        # The absorbed query needs only the q projection, so it streams wk_t beside the selection
-        # (one block on one SM) instead of after it.
-        bg.bgemv(
+            dsa_select.extend_selection_batch(
+                gpu,
+                selected=s.selected,
+                count=s.count,
+                entries=entries,
+                m=m,
+                row_add=row_add,
+                sel_cap=sel_cap,
+                stream=stream,
+            )
+        # The absorbed query needs only the q projection, so it streams wk_t beside the selection.
+        bg.bgemv_batch(
             gpu,
-            w.wk_t,
-            s.q_fused,
-            s.q_abs,
-            hl,
-            C,
-            a.qk_nope_head_dim,
+            w=w.wk_t,
+            x=s.q_fused,
+            x_stride=nq,
+            y=s.q_abs,
+            y_stride=hl * C,
+            m=m,
+            heads=hl,
+            n=C,
+            k=a.qk_nope_head_dim,
             out_f32=True,
             beside=True,
             stream=stream,
         )
-        sel_cap = selection_rows(d, rows_capacity, self.selection_extra)
+        attend = dict(
+            q=s.q_abs,
+            cache=kv.data[self.kv_layer],
+            scales=kv.scales[self.kv_layer],
+            tables=pools.tables,
+            selected=s.selected,
+            count=s.count,
+            out=s.o_lat,
+            entries=entries,
+            m=m,
+            slot_rows=g.slot_rows,
+            sel_cap=sel_cap,
+            heads=hl,
+            dim=C,
+            block_size=g.block_size,
+            scale=a.softmax_scale,
+            stream=stream,
+        )
         if sparse_mla.split_supported(C, sel_cap):
-            sparse_mla.sparse_mla_split(
-                gpu,
-                s.q_abs,
-                kv.data[self.kv_layer],
-                kv.scales[self.kv_layer],
-                st.table.device,
-                s.selected,
-                s.count,
-                s.attn_part,
-                s.attn_ml,
-                s.o_lat,
-                hl,
-                C,
-                kv.config.block_size,
-                a.softmax_scale,
-                sel_cap,
-                stream,
-            )
+            sparse_mla.sparse_mla_split_batch(gpu, part=s.attn_part, ml=s.attn_ml, **attend)
         else:
-            sparse_mla.sparse_mla_attend(
-                gpu,
-                s.q_abs,
-                kv.data[self.kv_layer],
-                kv.scales[self.kv_layer],
-                st.table.device,
-                s.selected,
-                s.count,
-                s.o_lat,
-                hl,
-                C,
-                kv.config.block_size,
-                a.softmax_scale,
-                stream,
-            )
-        bg.bgemv(gpu, w.wv, s.o_lat, s.o, hl, a.v_head_dim, C, out_f32=False, stream=stream)
+            sparse_mla.sparse_mla_attend_batch(gpu, **attend)
         gw = sh.group_heads * a.v_head_dim
-        if sh.world_size == 1:
-            bg.bgemv(gpu, w.o_proj, s.o, s.attn_parts, sh.groups, H, gw, out_f32=True, stream=stream)
-        else:
-            bg.bgemv(gpu, w.o_proj, s.o, s.attn_local, sh.local_groups, H, gw, out_f32=True, stream=stream)
-            self.comm.all_gather(
-                s.attn_local, s.attn_parts, sh.local_groups * H, CommDtype.FLOAT32, stream=stream
+        bg.bgemv_batch(
+            gpu,
+            w=w.wv,
+            x=s.o_lat,
+            x_stride=hl * C,
+            y=s.o,
+            y_stride=hl * a.v_head_dim,
+            m=m,
+            heads=hl,
+            n=a.v_head_dim,
+            k=C,
+            out_f32=False,
+            stream=stream,
+        )
+        # This rank's groups of o_proj into its columns of the all-groups rows; on several ranks a
+        # sum all-reduce fills in the others' (each element is non-zero on one rank only, so the
+        # sum is exact and the rows are added in group order as on one rank).
+        g0 = sh.rank * sh.local_groups if sh.world_size > 1 else 0
+        bg.bgemv_batch(
+            gpu,
+            w=w.o_proj,
+            x=s.o,
+            x_stride=hl * a.v_head_dim,
+            y=s.attn_parts.offset(g0 * H * 4),
+            y_stride=sh.groups * H,
+            m=m,
+            heads=sh.local_groups,
+            n=H,
+            k=gw,
+            out_f32=True,
+            stream=stream,
+        )
+        if sh.world_size > 1:
+            self.comm.all_reduce(
+                s.attn_parts, m * sh.groups * H, CommDtype.FLOAT32, ReduceOp.SUM, stream=stream
             )
         # h1 = x + attn, and the MLP's input norm y2 = rmsnorm(h1) * post_norm, in one launch.
-        bg.sum_rows_residual_rmsnorm(
-            gpu, s.attn_parts, x, self.mlp.post_norm, s.h1, s.y2, sh.groups, H, eps, stream
+        bg.sum_rows_residual_rmsnorm_batch(
+            gpu,
+            parts=s.attn_parts,
+            residual=x,
+            norm_w=self.mlp.post_norm,
+            out=s.h1,
+            normed=s.y2,
+            m=m,
+            rows=sh.groups,
+            n=H,
+            eps=eps,
+            stream=stream,
         )
 
     def _residual_out(
         self,
         parts: DevicePtr,
-        s: LayerScratch,
+        s: BatchScratch,
         x_out: DevicePtr,
+        m: int,
         rows: int,
         next_norm: tuple[DevicePtr, DevicePtr] | None,
         stream,
     ) -> None:
         H = self.cfg.hidden_size
         if next_norm is None:
-            bg.sum_rows_residual(self.gpu, parts, s.h1, x_out, rows, H, stream)
+            bg.sum_rows_residual_batch(
+                self.gpu, parts=parts, residual=s.h1, out=x_out, m=m, rows=rows, n=H, stream=stream
+            )
         else:
-            bg.sum_rows_residual_rmsnorm(
+            bg.sum_rows_residual_rmsnorm_batch(
                 self.gpu,
-                parts,
-                s.h1,
-                next_norm[0],
-                x_out,
-                next_norm[1],
-                rows,
-                H,
-                self.cfg.rms_norm_eps,
-                stream,
+                parts=parts,
+                residual=s.h1,
+                norm_w=next_norm[0],
+                out=x_out,
+                normed=next_norm[1],
+                m=m,
+                rows=rows,
+                n=H,
+                eps=self.cfg.rms_norm_eps,
+                stream=stream,
             )
 
     def mlp_forward(
         self,
-        s: LayerScratch,
+        s: BatchScratch,
         x_out: DevicePtr,
+        entries: DevicePtr,
+        m: int,
         stream=None,
         next_norm: tuple[DevicePtr, DevicePtr] | None = None,
     ) -> None:
         """x_out = h1 + mlp(y2), with y2 = post_norm(h1) as ``attention`` left it; with
         ``next_norm = (w, out)`` also out = rmsnorm(x_out) * w."""
-        cfg, gpu, w, sh = self.cfg, self.gpu, self.mlp, self.sh
-        H, m = cfg.hidden_size, cfg.moe
-        if not w.is_moe:
-            # A dense MLP is one "expert" whose id and weight are constants of its weights.
-            moe.expert_gate_up(
-                gpu,
-                w.gate_up,
-                s.y2,
-                w.dense_ids,
-                s.act,
-                0,
-                1,
-                0,
-                1,
-                w.inter,
-                H,
-                self.cfg.moe.swiglu_limit,
-                stream,
-            )
-            moe.expert_down(
-                gpu, w.down, s.act, w.dense_ids, w.dense_weight, s.moe_parts, 0, 1, 0, 1, H, w.inter, stream
-            )
-            self._residual_out(s.moe_parts, s, x_out, 1, next_norm, stream)
-            return
-        E, k, L = m.n_routed_experts, m.num_experts_per_tok, m.swiglu_limit
-        shared = m.n_shared_experts > 0
-        # Scores and top-k in one launch (the last block routes).
-        moe.router_fused(
-            gpu,
-            w.router,
-            s.y2,
-            w.bias,
-            s.rscores,
-            s.ids,
-            s.wts,
-            s.router_counter,
-            E,
-            H,
-            k,
-            m.norm_topk_prob,
-            m.routed_scaling_factor,
-            shared,
-            stream,
+        slots = moe.moe_batch(
+            self.gpu,
+            self.cfg,
+            self.mlp,
+            y=s.y2,
+            entries=entries,
+            m=m,
+            scores=s.rscores,
+            ids=s.ids,
+            weights=s.wts,
+            counter=s.router_counter,
+            groups=s.groups,
+            act=s.act,
+            parts=s.moe_parts,
+            stream=stream,
         )
-        if not shared:
-            mode, w_sh_gu, w_sh_down = moe.SHARED_NONE, w.gate_up, w.down
-        elif w.shared_gate_up is not None:
-            mode, w_sh_gu, w_sh_down = moe.SHARED_HERE, w.shared_gate_up, w.shared_down
-        else:
-            mode, w_sh_gu, w_sh_down = moe.SHARED_ELSEWHERE, w.gate_up, w.down
-        # The routed experts and the shared expert as one more slot: one launch each for gate/up
-        # and down instead of two each (and no memset for a shared slot another rank holds).
-        moe.moe_gate_up(
-            gpu,
-            w.gate_up,
-            w_sh_gu,
-            s.y2,
-            s.ids,
-            s.act,
-            k,
-            w.expert_base,
-            w.n_local,
-            w.inter,
-            H,
-            L,
-            mode,
-            stream,
-        )
-        moe.moe_down(
-            gpu,
-            w.down,
-            w_sh_down,
-            s.act,
-            s.ids,
-            s.wts,
-            s.moe_parts,
-            k,
-            w.expert_base,
-            w.n_local,
-            H,
-            w.inter,
-            mode,
-            stream,
-        )
-        slots = k + int(shared)
-        if sh.world_size > 1:
-            # Every slot row is non-zero on exactly one rank, so this sum is exact (x + 0 = x).
-            self.comm.all_reduce(s.moe_parts, slots * H, CommDtype.FLOAT32, ReduceOp.SUM, stream=stream)
-        self._residual_out(s.moe_parts, s, x_out, slots, next_norm, stream)
+        if self.sh.world_size > 1:
+            # Every pair row is non-zero on exactly one rank, so this sum is exact (x + 0 = x).
+            H = self.cfg.hidden_size
+            self.comm.all_reduce(s.moe_parts, m * slots * H, CommDtype.FLOAT32, ReduceOp.SUM, stream=stream)
+        self._residual_out(s.moe_parts, s, x_out, m, slots, next_norm, stream)

@@ -1,5 +1,6 @@
-"""Per-sequence DSA state of one layer: the latent rows in the layer's paged FP8 pool, the
-indexer's per-token keys and gates, the compressed FP8 pool keys, and the row count.
+"""DSA sizing and a sequence's row count. Its caches (the latent rows in a paged FP8 pool, the
+indexer's per-token keys and gates, the compressed FP8 pool keys) live in the slot pools
+(model/slot_pools.py).
 
 Shared selection (``index_share_for_mtp_iteration``, true in the published GLM-5.3-Flash config):
 draft 1 of a propose runs the indexer and the top-k; drafts 2..k reuse draft 1's selected pools
@@ -20,9 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.backend import GpuBackend
-from runtime.device_ptr import DevicePtr
-from runtime.kv_cache import BlockTable, KvCacheConfig, KvDtype, PagedKvCache
+from runtime.kv_cache import KvCacheConfig, KvDtype
 
 from .config import DsaConfig
 from .kernels.dsa_select import TOPK_MAX_POOLS, selection_capacity
@@ -61,40 +60,12 @@ def drafter_context_rows(served_max_seq_len: int, cfg: DsaConfig) -> int:
 
 @dataclass
 class DsaState:
+    """A sequence's row count in its slot of the pools (model/slot_pools.py): the one number its
+    DSA state needs on the host (rewinding is moving it)."""
+
+    slot: int
     rows_capacity: int
-    keys: DevicePtr  # [rows, idim] BF16
-    gates: DevicePtr  # [rows, idim] BF16
-    pool_keys: DevicePtr  # [pools, idim] FP8
-    pool_scales: DevicePtr  # [pools] f32
-    table: BlockTable
     length: int = 0
-    owns_table: bool = True  # False when the table is shared with other layers (see ``alloc``)
-
-    @classmethod
-    def alloc(
-        cls, gpu: GpuBackend, cfg: DsaConfig, rows: int, kv: PagedKvCache, table: BlockTable | None = None
-    ) -> DsaState:
-        """With ``table``, the rows share another layer's block table (the target's layers do:
-        one claim per sequence, one pool per layer); the caller then owns the table."""
-        idim = cfg.index_head_dim
-        pools = max(rows // cfg.index_kpool, 1)
-        done: list[DevicePtr] = []
-        try:
-            for nbytes in (rows * idim * 2, rows * idim * 2, pools * idim, pools * 4):
-                done.append(gpu.alloc(nbytes))
-            owned = table is None
-            table = kv.claim(rows) if owned else table
-        except Exception:
-            for p in done:
-                gpu.free(p)
-            raise
-        return cls(rows, *done, table=table, owns_table=owned)
-
-    def free(self, gpu: GpuBackend, kv: PagedKvCache) -> None:
-        if self.owns_table:
-            kv.release(self.table)
-        for p in (self.keys, self.gates, self.pool_keys, self.pool_scales):
-            gpu.free(p)
 
     def check_advance(self, start: int, rows: int) -> None:
         """Refuse, before anything is written, a feed that does not start at the current length or

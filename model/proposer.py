@@ -1,11 +1,24 @@
 """The MTP draft proposer: the contract a serving engine's scheduler calls.
 
-``alloc_state / prefill_drafter / catchup_drafter / propose / after_verify / free_state``, plus
-``drafter_rows``, ``last_pair_key`` and ``drafter_context_rows``.
+Batched: ``propose_batch / after_verify_batch / catchup_batch`` take one entry per sequence and
+read the weights once per draft for all of them. The single-sequence calls (``propose``,
+``after_verify``, ``catchup_drafter``, ``prefill_drafter``) are the batch of one, the same code.
+Lifecycle: ``alloc_state / free_state / rewind_to``; queries ``drafter_rows``, ``last_pair_key``,
+``drafter_context_rows``.
 
 Row space (dense): drafter row r is the pair ``(embed(tokens[r+1]), hidden[r])``; its KV slot, its
 indexer row and its position are all r. Context rows append exactly at the current length; a feed
 that would leave a hole or run past the sizing is refused before anything is written.
+
+Per-sequence caches live in pools indexed by slot (model/slot_pools.py), allocated up front for
+``max_sequences`` slots; the batch scratch and the step's buffers belong to the proposer. So one
+CUDA graph per (batch bucket, k) serves every batch: the host writes the batch's entries (slot,
+row, token per sequence, padding entries after them) into mapped memory, and the graph's first
+kernel brings them in.
+
+Batch invariance: a sequence's drafts and cache bytes are the same whatever batch it is drafted in
+(size, bucket, padding, the other sequences, their order) and the same as drafting it alone: no
+kernel's arithmetic for a row depends on the other rows.
 
 Every refusal is a ``ProposerError`` (model/proposer_checks.py), raised before any state changes.
 """
@@ -20,7 +33,8 @@ import numbers
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,21 +43,21 @@ from runtime.backend import GpuBackend
 from runtime.comm.base import CommDtype, ReduceOp
 from runtime.device_ptr import DevicePtr
 from runtime.errors import CommError, MemoryFault
+from runtime.external import BF16_TYPESTRS, ExternalArrayError, cuda_array, has_cuda_array_interface
 from runtime.graph import Graph
 from runtime.kernels.all_finite_bf16 import first_nonfinite_row
-from runtime.kernels.argmax_bf16 import argmax_bf16
+from runtime.kernels.argmax_bf16 import argmax_bf16_batch
 from runtime.kernels.copy_words import copy_words
-from runtime.kernels.gemv_bf16 import MAX_M as GEMV_MAX_M
-from runtime.kernels.gemv_bf16 import gemv_bf16
+from runtime.kernels.gemv_bf16 import gemv_bf16_batch
 from runtime.kernels.gemv_fp8w import gemv_fp8w
 from runtime.kernels.quantize_fp8 import quantize_fp8
-from runtime.kv_cache import PagedKvCache
 
-from .block import DecoderLayer, LayerScratch
+from .block import BatchScratch, DecoderLayer
 from .config import ModelConfig
-from .dsa import DsaState, drafter_context_rows, latent_cache_config, shared_selection_extra
+from .dsa import DsaState, drafter_context_rows, shared_selection_extra
 from .kernels import draft_head
-from .kernels.mtp_input import mtp_embed_norm, mtp_input_gemv
+from .kernels.batch import ENTRY_BYTES, ENTRY_WORDS, MAX_ROWS, PAD_SLOT
+from .kernels.mtp_input import mtp_embed_norm_batch, mtp_input_gemv_batch
 from .proposer_checks import (
     FLAG_BYTES,
     FLAG_LOGITS,
@@ -55,10 +69,13 @@ from .proposer_checks import (
     exclusive,
     nonfinite_problem,
 )
+from .slot_pools import SlotPools
 from .tensors import TensorLookup
 from .weights import DeviceArena, Sharding, SharedTables, WeightError, load_attention, load_moe
 
 log = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -67,9 +84,14 @@ class ProposerOptions:
     max_draft_tokens: int = 4
     max_sequences: int = 4
     fp8_head: bool = True
-    context_chunk: int = 8
+    # Context rows one launch feeds (all sequences of a catch-up together): weights are read once
+    # per chunk.
+    context_chunk: int = 32
     o_proj_groups: int = 8
     use_graphs: bool = False
+    # Batch sizes a graph is captured for; a batch runs in the smallest that holds it, padded.
+    # Only the buckets up to the first that holds max_sequences are used.
+    batch_buckets: tuple[int, ...] = DEFAULT_BUCKETS
     # Bound on a wait for peer ranks before it becomes a CommError.
     comm_timeout_s: float = 60.0
 
@@ -93,81 +115,109 @@ class ProposerOptions:
                 f"max_draft_tokens={self.max_draft_tokens} is more than the served context of "
                 f"{self.served_max_seq_len} tokens: a propose of k drafts writes k rows"
             )
-        if not 1 <= self.context_chunk <= GEMV_MAX_M:
-            raise ProposerError(f"context_chunk must be 1..{GEMV_MAX_M} (rows one GEMV reads W for)")
-        if self.max_sequences < 1:
-            raise ProposerError("max_sequences must be >= 1")
+        if not 1 <= self.context_chunk <= MAX_ROWS:
+            raise ProposerError(f"context_chunk must be 1..{MAX_ROWS} (rows one launch feeds)")
+        if not 1 <= self.max_sequences <= MAX_ROWS:
+            raise ProposerError(f"max_sequences must be 1..{MAX_ROWS}, got {self.max_sequences}")
         if self.o_proj_groups < 1:
             raise ProposerError(f"o_proj_groups must be >= 1, got {self.o_proj_groups}")
+        b = self.batch_buckets
+        if (
+            not isinstance(b, tuple)
+            or not b
+            or any(isinstance(v, bool) or not isinstance(v, int) for v in b)
+            or list(b) != sorted(set(b))
+            or not 1 <= b[0] <= b[-1] <= MAX_ROWS
+        ):
+            raise ProposerError(
+                f"batch_buckets must be a tuple of increasing integers in 1..{MAX_ROWS}, got {b!r}"
+            )
         if not isinstance(self.comm_timeout_s, numbers.Real) or not self.comm_timeout_s > 0:
             raise ProposerError(f"comm_timeout_s must be positive, got {self.comm_timeout_s}")
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """The buckets this proposer uses: up to the first that holds max_sequences."""
+        out = []
+        for v in self.batch_buckets:
+            out.append(v)
+            if v >= self.max_sequences:
+                break
+        return tuple(out)
 
 
 @dataclass
 class ProposerState:
+    """A sequence: its slot in the proposer's pools and its row count. Everything on the device is
+    the proposer's (pools indexed by ``slot``), so a state holds no device memory."""
+
     slot: int
     dsa: DsaState
-    scratch: LayerScratch
-    arena: DeviceArena
-    concat: DevicePtr
-    x: DevicePtr
-    xn: DevicePtr
-    hidden_in: DevicePtr
-    logits: DevicePtr
-    am_idx: DevicePtr
-    am_val: DevicePtr
-    key: DevicePtr
-    step: DevicePtr  # u32 [row, token]: the step's scalars, one host-to-device copy per propose
-    drafts: DevicePtr
-    ctx_tokens: DevicePtr
-    head_counter: DevicePtr  # u32, zero between launches (head_argmax's last-block handshake)
-    # Mapped pinned [row, token] u32: the host writes the step's scalars here, and the step's first
-    # kernel (copy_words) brings them into ``step`` (no host-to-device copy node in the graph).
-    step_in: MappedBuffer
-    # Mapped pinned memory: the launch that commits a step's last draft copies the step's drafts
-    # here (the step's one copy back, with no copy node after the graph's last kernel).
-    drafts_out: MappedBuffer
+    # The label of the proposer that allocated this state: its rows live in that proposer's pools,
+    # so every call checks it (another proposer would read and write its own pools' slot).
+    owner: str
     last_drafted: int = 0
-    # Host time of the last propose, the wait for the device excluded: checks, the copy of the
-    # target's hidden, the graph launch (or the eager launches), and reading the drafts back.
+    # Host time of the last propose this sequence was in, the wait for the device excluded: checks,
+    # the copy of the target's hidden rows, the graph launch (or the eager launches), reading the
+    # drafts back.
     last_host_s: float = 0.0
     released: bool = False
-    graphs: dict[int, Graph] = field(default_factory=dict)
-    # The label of the proposer that allocated this state: its pools are indexed by this state's
-    # blocks and slot, so every call checks it (another proposer would write into its own pool).
-    owner: str = ""
-    # u32 answer of the finiteness check of context rows (all_finite_bf16).
-    finite_row: DevicePtr | None = None
 
     @property
     def rows(self) -> int:
         return self.dsa.length
 
+
+@dataclass
+class StepBuffers:
+    """The propose step's device buffers for up to ``rows`` sequences (one bucket's worth: a
+    bucket graph bakes these, never a sequence's)."""
+
+    rows: int
+    kmax: int
+    entries: DevicePtr  # u32 [rows][4]: slot, row, token (the head rewrites it), reserved
+    hidden_in: DevicePtr  # BF16 [rows, H]: the target's hidden rows
+    x: DevicePtr  # BF16 [rows, H]
+    xn: DevicePtr  # BF16 [rows, H]: the head's input; drafts 2..k read it as their hidden
+    logits: DevicePtr
+    keys: DevicePtr  # u64 [rows], zero between launches (the head's packed argmax)
+    am_idx: DevicePtr  # sharded head: per-row argmax of this rank's logits
+    am_val: DevicePtr
+    head_counter: DevicePtr  # u32, zero between launches (head_argmax's last-block handshake)
+    drafts: DevicePtr  # u32 [rows][kmax]
+    # Mapped pinned u32 [rows][4]: the host writes a step's entries here and the step's first
+    # kernel (copy_words) brings them into ``entries`` (no host-to-device copy node in the graph).
+    entries_in: MappedBuffer
+    # Mapped pinned u32 [rows][kmax] drafts, then [rows] flag words (proposer_checks.FLAG_*): the
+    # launch that commits a step's last draft copies the drafts here (the step's one copy back).
+    drafts_out: MappedBuffer
+
     @property
     def drafts_host(self) -> np.ndarray:
-        """The host's view of the last step's drafts (u32, valid after the step's wait), then of
-        its flag word (the last word, ``flags_host``)."""
-        return self.drafts_out.host.view(np.uint32)
-
-    @property
-    def row(self) -> DevicePtr:
-        """The first draft row (kernels add the draft index)."""
-        return self.step
-
-    @property
-    def token(self) -> DevicePtr:
-        """The token the next draft embeds; each draft's head overwrites it with its argmax."""
-        return self.step.offset(4)
+        return self.drafts_out.host.view(np.uint32)[: self.rows * self.kmax].reshape(self.rows, self.kmax)
 
     @property
     def flags_host(self) -> np.ndarray:
-        """The step's non-finite flag bytes (proposer_checks.FLAG_*): the last word of drafts_out,
-        which the host zeroes before the step and kernels raise; valid after the step's wait."""
-        return self.drafts_out.host[-FLAG_BYTES:]
+        """u8 [rows][FLAG_BYTES]: the flag bytes of each row, valid after the step's wait."""
+        off = self.rows * self.kmax * 4
+        return self.drafts_out.host[off : off + self.rows * FLAG_BYTES].reshape(self.rows, FLAG_BYTES)
 
-    def flag(self, byte: int) -> DevicePtr:
-        """Device address of one flag byte, for the kernel that raises it."""
-        return self.drafts_out.device.offset(self.drafts_out.nbytes - FLAG_BYTES + byte)
+    @property
+    def flags(self) -> DevicePtr:
+        return self.drafts_out.device.offset(self.rows * self.kmax * 4)
+
+
+@dataclass
+class ContextBuffers:
+    """Staging of a catch-up chunk: its entries and hidden rows, the MTP input and the projection."""
+
+    rows: int
+    entries: DevicePtr
+    hidden: DevicePtr  # BF16 [rows, H]
+    concat: DevicePtr  # BF16 [rows, 2H]
+    x: DevicePtr  # BF16 [rows, H]
+    fused: DevicePtr  # BF16 [rows, ctx_rows]
+    finite_row: DevicePtr  # u32 answer of all_finite_bf16
 
 
 _SERIALS = itertools.count(1)
@@ -183,11 +233,15 @@ class MtpProposer:
     (the ``drafter_context_rows`` property, a number from the config, stays readable).
     A state belongs to the proposer that allocated it; a state of another proposer is refused.
 
+    Streams: every call takes an optional ``stream`` (an engine's current CUDA stream handle, or
+    an object with a ``cuda_stream`` attribute such as ``torch.cuda.Stream``), else the proposer's
+    own; the work is enqueued on it and the call returns when its results are back.
+
     Non-finite input: a sequence whose context rows hold a NaN or an Inf is refused before anything
     is written; a propose whose target hidden (or any value of the step) is not finite raises a
-    ProposerError naming its slot and what was not finite (see ``propose``). A NaN logit never wins
-    the argmax, so even then every draft the kernels commit is a valid token id. Weights are
-    checked as they are read (``TensorLookup``); tables passed in as device pointers are not.
+    ProposerError naming its slot and what was not finite (see ``propose_batch``). A NaN logit
+    never wins the argmax, so even then every draft the kernels commit is a valid token id. Weights
+    are checked as they are read (``TensorLookup``); tables passed in as device pointers are not.
     """
 
     def __init__(
@@ -226,10 +280,14 @@ class MtpProposer:
                 f"max_draft_tokens={options.max_draft_tokens} is more than the {self.rows_cap} rows "
                 "the drafter holds (drafter_context_rows): a propose of k drafts writes k rows"
             )
+        self.buckets = options.buckets
         P = f"model.layers.{cfg.mtp_layer_index}."
         self.arena = arena = DeviceArena(gpu)
+        self.pools: SlotPools | None = None
+        self._mapped: list[MappedBuffer] = []
         self._slots_free = list(range(options.max_sequences - 1, -1, -1))
         self._states: list[ProposerState] = []
+        self._graphs: dict[tuple[int, int], Graph] = {}
         try:
 
             def vec(name: str) -> DevicePtr:
@@ -278,17 +336,87 @@ class MtpProposer:
             self.head_fp8 = self.head_fp8_scales = None
             if options.fp8_head:
                 self._quantize_head()
-            kvc = latent_cache_config(cfg.attention.kv_lora_rank, 1)
-            self.kv = PagedKvCache(kvc, kvc.blocks_for(self.rows_cap) * options.max_sequences, gpu)
+            self.weights_nbytes = arena.nbytes
+            self.pools = SlotPools(
+                gpu, cfg.dsa, cfg.attention.kv_lora_rank, self.rows_cap, options.max_sequences
+            )
+            m = self.buckets[-1]
+            self.scratch = BatchScratch.alloc(
+                arena, cfg, sh, m, self.rows_cap, attn.fused_rows, self.layer.selection_extra
+            )
+            self.step = self._alloc_step(m)
+            self.ctx = self._alloc_context(options.context_chunk)
         except Exception:
-            arena.free()
+            self._free_device()
             raise
         log.info(
-            "MTP proposer: %d context rows, head %s, %.1f MiB of weights",
+            "MTP proposer: %d sequences of %d context rows, buckets %s, head %s, %.1f MiB of weights",
+            options.max_sequences,
             self.rows_cap,
+            self.buckets,
             "FP8" if self.head_fp8 else "BF16",
-            arena.nbytes / 2**20,
+            self.weights_nbytes / 2**20,
         )
+
+    def _alloc_step(self, m: int) -> StepBuffers:
+        H, kmax, z = self.cfg.hidden_size, self.opt.max_draft_tokens, self.arena.zeros
+        entries_in = self.gpu.alloc_mapped(m * ENTRY_BYTES)
+        self._mapped.append(entries_in)
+        drafts_out = self.gpu.alloc_mapped(m * kmax * 4 + m * FLAG_BYTES)
+        self._mapped.append(drafts_out)
+        return StepBuffers(
+            rows=m,
+            kmax=kmax,
+            entries=z(m * ENTRY_BYTES),
+            hidden_in=z(m * H * 2),
+            x=z(m * H * 2),
+            xn=z(m * H * 2),
+            logits=z(m * self.head_n * 2),
+            keys=z(m * 8),
+            am_idx=z(m * 4),
+            am_val=z(m * 4),
+            head_counter=z(4),
+            drafts=z(m * kmax * 4),
+            entries_in=entries_in,
+            drafts_out=drafts_out,
+        )
+
+    def _alloc_context(self, rows: int) -> ContextBuffers:
+        H, z = self.cfg.hidden_size, self.arena.zeros
+        return ContextBuffers(
+            rows=rows,
+            entries=z(rows * ENTRY_BYTES),
+            hidden=z(rows * H * 2),
+            concat=z(rows * 2 * H * 2),
+            x=z(rows * H * 2),
+            fused=z(rows * self.layer.ctx_rows * 2),
+            finite_row=z(4),
+        )
+
+    def _free_device(self) -> None:
+        for g in self._graphs.values():
+            self.gpu.graph_destroy(g)
+        self._graphs.clear()
+        if self.pools is not None:
+            self.pools.free()
+            self.pools = None
+        for mb in self._mapped:
+            self.gpu.free_mapped(mb)
+        self._mapped = []
+        self.arena.free()
+
+    @property
+    def captured_graphs(self) -> dict[tuple[int, int], Graph]:
+        """The live graphs by (batch bucket, k)."""
+        return dict(self._graphs)
+
+    def memory_report(self) -> dict[str, int]:
+        """Device bytes this proposer holds, by kind (graphs are the driver's and not counted
+        here: a benchmark measures them from the device's free memory)."""
+        pools = self.pools.nbytes_by_kind
+        scratch = self.arena.nbytes - self.weights_nbytes
+        mapped = sum(mb.nbytes for mb in self._mapped)
+        return {"weights": self.weights_nbytes, **pools, "scratch": scratch, "mapped_host": mapped}
 
     def _agree_with_peers(self, options: ProposerOptions) -> None:
         """Every rank must run the same model with the same sharding options, or their collectives
@@ -348,91 +476,35 @@ class MtpProposer:
 
     @exclusive()
     def alloc_state(self) -> ProposerState:
-        """Everything a sequence needs, up front: ``propose`` allocates nothing."""
+        """A free slot of the pools (allocated up front: this allocates nothing on the device)."""
         if not self._slots_free:
             raise ProposerError(f"all {self.opt.max_sequences} sequence slots are in use")
-        cfg, gpu, H = self.cfg, self.gpu, self.cfg.hidden_size
-        arena = DeviceArena(gpu)
-        dsa = None
-        mapped: list[MappedBuffer] = []  # not the arena's: freed here if a later allocation fails
-        try:
-            dsa = DsaState.alloc(gpu, cfg.dsa, self.rows_cap, self.kv)
-            ch = self.opt.context_chunk
-            scratch = LayerScratch.alloc(
-                arena,
-                cfg,
-                self.sharding,
-                ch,
-                self.rows_cap,
-                self.layer.attn.fused_rows,
-                self.layer.selection_extra,
-            )
-            z = arena.zeros
-            for nbytes in (8, self.opt.max_draft_tokens * 4 + FLAG_BYTES):
-                mapped.append(gpu.alloc_mapped(nbytes))
-            st = ProposerState(
-                slot=self._slots_free[-1],
-                dsa=dsa,
-                scratch=scratch,
-                arena=arena,
-                concat=z(ch * 2 * H * 2),
-                x=z(ch * H * 2),
-                xn=z(H * 2),
-                hidden_in=z(H * 2),
-                logits=z(self.head_n * 2),
-                am_idx=z(4),
-                am_val=z(4),
-                key=z(8),
-                step=z(8),
-                drafts=z(self.opt.max_draft_tokens * 4),
-                ctx_tokens=z(ch * 4),
-                head_counter=z(4),
-                step_in=mapped[0],
-                drafts_out=mapped[1],
-                owner=self.label,
-                finite_row=z(4),
-            )
-        except Exception:
-            for m in mapped:
-                gpu.free_mapped(m)
-            if dsa is not None:
-                dsa.free(gpu, self.kv)
-            arena.free()
-            raise
-        self._slots_free.pop()
+        slot = self._slots_free.pop()
+        st = ProposerState(slot=slot, dsa=DsaState(slot, self.rows_cap), owner=self.label)
         self._states.append(st)
         return st
 
     @exclusive(after_close=True)
     def free_state(self, st: ProposerState) -> None:
-        """Release everything ``alloc_state`` took. Graphs go first: they bake these pointers, and
-        the slot may be reused with new ones. A second call is a no-op (so is a call after
-        ``close``, which freed every state)."""
+        """Give the slot back; its bytes stay, unreachable, until a new sequence overwrites them.
+        A second call is a no-op (so is a call after ``close``, which freed every state)."""
         self._own(st)
         if st.released:
             return
-        self.gpu.synchronize(self.stream)
-        for g in st.graphs.values():
-            self.gpu.graph_destroy(g)
-        st.graphs.clear()
-        st.dsa.free(self.gpu, self.kv)
-        st.arena.free()
-        self.gpu.free_mapped(st.step_in)
-        self.gpu.free_mapped(st.drafts_out)
         st.released = True
         self._states.remove(st)
         self._slots_free.append(st.slot)
 
     @exclusive(after_close=True)
     def close(self) -> None:
-        """Free every state, the KV pool and the weights; every later call is refused. A second
-        call is a no-op."""
+        """Free every state, the graphs, the pools and the weights; every later call is refused. A
+        second call is a no-op."""
         if self._closed:
             return
+        self.gpu.synchronize(self.stream)
         for st in list(self._states):
             self.free_state(st)
-        self.kv.free()
-        self.arena.free()
+        self._free_device()
         self._closed = True
 
     def _own(self, st: ProposerState) -> None:
@@ -452,6 +524,36 @@ class MtpProposer:
         if st.released:
             raise ProposerError(f"proposer state of slot {st.slot} was freed; allocate a new one")
 
+    def _batch(self, states, call: str, *lists: tuple[str, Sequence]) -> list[ProposerState]:
+        """The batch's states, every one live, this proposer's and listed once, and every other
+        argument with one entry per state; else a ProposerError naming the problem."""
+        try:
+            states = list(states)
+        except TypeError:
+            raise ProposerError(f"{call}: states must be a sequence of ProposerState") from None
+        if not states:
+            raise ProposerError(f"{call}: the batch is empty")
+        for name, values in lists:
+            try:
+                n = len(values)
+            except TypeError:
+                raise ProposerError(f"{call}: {name} must be a sequence with one entry per state") from None
+            if n != len(states):
+                raise ProposerError(f"{call}: {len(states)} states but {n} {name}")
+        seen: dict[int, int] = {}
+        for b, st in enumerate(states):
+            try:
+                self._live(st)
+            except ProposerError as e:
+                raise ProposerError(f"{call}: sequence {b} of the batch: {e}") from None
+            if id(st) in seen:
+                raise ProposerError(
+                    f"{call}: the sequence in slot {st.slot} is listed twice (batch entries "
+                    f"{seen[id(st)]} and {b}); each sequence appears once per batch"
+                )
+            seen[id(st)] = b
+        return states
+
     # ---- queries --------------------------------------------------------------------------------
 
     @exclusive()
@@ -467,61 +569,106 @@ class MtpProposer:
     # ---- context rows ---------------------------------------------------------------------------
 
     @exclusive()
-    def prefill_drafter(self, st: ProposerState, prompt_tokens: Sequence[int], hiddens: DevicePtr) -> int:
-        return self.catchup_drafter(st, prompt_tokens, hiddens, 0)
+    def prefill_drafter(
+        self, st: ProposerState, prompt_tokens: Sequence[int], hiddens, *, stream=None
+    ) -> int:
+        return self.catchup_drafter(st, prompt_tokens, hiddens, 0, stream=stream)
 
     @exclusive()
     def catchup_drafter(
-        self, st: ProposerState, tokens: Sequence[int], hiddens: DevicePtr, row_base: int
+        self, st: ProposerState, tokens: Sequence[int], hiddens, row_base: int, *, stream=None
     ) -> int:
         """Append rows ``row_base + r = (embed(tokens[r+1]), hiddens[r])``. Returns rows written.
-        The hidden rows are checked first (one read, one sync): a NaN or an Inf in any of them is
-        refused, naming the row, and nothing is written."""
-        self._live(st)
-        row_base = as_int(row_base, "row_base")
-        toks = self._check_tokens(tokens)
-        rows = len(toks) - 1
-        if rows <= 0:
-            return 0
-        st.dsa.check_advance(row_base, rows)
-        self._check_buffer(hiddens, rows * self.cfg.hidden_size * 2, "hiddens")
-        gpu, s, H = self.gpu, self.stream, self.cfg.hidden_size
-        bad = first_nonfinite_row(gpu, hiddens, rows, H, st.finite_row, s)
-        if bad is not None:
-            raise ProposerError(
-                f"catch-up of the sequence in slot {st.slot}: hidden row {bad} (drafter row "
-                f"{row_base + bad}) is not finite (NaN or Inf); nothing was written"
-            )
-        ch = self.opt.context_chunk
-        for c in range(0, rows, ch):
-            n = min(ch, rows - c)
-            gpu.synchronize(s)  # the scalars below are rewritten; the last chunk must have read them
-            gpu.copy_h2d(st.row, np.array([row_base + c], np.uint32))
-            gpu.copy_h2d(st.ctx_tokens, toks[1 + c : 1 + c + n])
-            mtp_embed_norm(
-                gpu,
-                self.tables.embed,
-                st.ctx_tokens,
-                self.enorm,
-                hiddens.offset(c * H * 2),
-                self.hnorm,
-                st.concat,
-                n,
-                self.cfg.vocab_size,
-                H,
-                self.cfg.rms_norm_eps,
-                s,
-            )
-            gemv_bf16(gpu, self.eh_proj, st.concat, st.x, n, H, 2 * H, s)
-            self._context_rows(st, n)
-        gpu.synchronize(s)
-        st.dsa.advance(rows)
-        return rows
+        The batch of one of ``catchup_batch``."""
+        return self.catchup_batch([st], [tokens], [hiddens], [row_base], stream=stream)[0]
 
-    def _context_rows(self, st: ProposerState, n: int) -> None:
-        """The caches of the chunk's ``n`` rows ``st.x[n, H]`` at rows ``*st.row ..``: the layer's
-        cache-only path (a context row's attention and MoE output is never read)."""
-        self.layer.context_rows(st.x, n, st.scratch, st.dsa, self.kv, st.row, 0, self.stream)
+    @exclusive()
+    def catchup_batch(self, states, tokens, hiddens, row_bases, *, stream=None) -> list[int]:
+        """For each sequence b, append rows ``row_bases[b] + r = (embed(tokens[b][r+1]),
+        hiddens[b][r])``; returns the rows written per sequence. ``hiddens[b]`` is a DevicePtr to
+        ``len(tokens[b]) - 1`` BF16 rows of hidden_size, or an object exposing
+        ``__cuda_array_interface__`` of that shape. The rows of all sequences go through the
+        weights together, ``context_chunk`` rows per launch.
+
+        Everything is checked first, the hidden rows' finiteness included (one read of each): any
+        problem is refused naming the sequence, and no sequence is changed."""
+        states = self._batch(
+            states, "catchup_batch", ("token lists", tokens), ("hiddens", hiddens), ("row bases", row_bases)
+        )
+        s = self._stream(stream)
+        H = self.cfg.hidden_size
+        plan: list[tuple[ProposerState, np.ndarray, object, int]] = []
+        for b, st in enumerate(states):
+            where = f"catchup_batch: sequence {b} (slot {st.slot})"
+            try:
+                base = as_int(row_bases[b], "row_base")
+                toks = self._check_tokens(tokens[b])
+                rows = max(len(toks) - 1, 0)
+                if rows:
+                    st.dsa.check_advance(base, rows)
+            except ProposerError as e:
+                raise type(e)(f"{where}: {e}") from None
+            plan.append((st, toks, hiddens[b], rows))
+        with self._borrowed_rows(
+            [(h, rows, f"hiddens of sequence {b}") for b, (_, _, h, rows) in enumerate(plan)]
+        ) as ptrs:
+            for b, ((st, _, _, rows), p) in enumerate(zip(plan, ptrs)):
+                if not rows:
+                    continue
+                bad = first_nonfinite_row(self.gpu, p, rows, H, self.ctx.finite_row, s)
+                if bad is not None:
+                    raise ProposerError(
+                        f"catchup_batch: sequence {b} (slot {st.slot}): hidden row {bad} (drafter row "
+                        f"{st.rows + bad}) is not finite (NaN or Inf); no sequence was changed"
+                    )
+            # Every sequence's rows, in order, a sequence's rows consecutive and ascending (the
+            # cache write finds a pool's rows of the same launch by that order).
+            work = [(b, r) for b, (_, _, _, rows) in enumerate(plan) for r in range(rows)]
+            for c in range(0, len(work), self.ctx.rows):
+                self._context_chunk(plan, ptrs, work[c : c + self.ctx.rows], s)
+            self.gpu.synchronize(s)
+        for st, _, _, rows in plan:
+            st.dsa.advance(rows)
+        return [rows for _, _, _, rows in plan]
+
+    def _context_chunk(self, plan, ptrs, chunk: list[tuple[int, int]], s) -> None:
+        gpu, cfg, cb, H = self.gpu, self.cfg, self.ctx, self.cfg.hidden_size
+        n = len(chunk)
+        ent = np.zeros((n, ENTRY_WORDS), np.uint32)
+        for e, (b, r) in enumerate(chunk):
+            st, toks = plan[b][0], plan[b][1]
+            ent[e, 0], ent[e, 1], ent[e, 2] = st.slot, st.rows + r, toks[r + 1]
+        gpu.synchronize(s)  # the staging below is rewritten; the last chunk must have read it
+        gpu.copy_h2d(cb.entries, ent)
+        e = 0
+        while e < n:  # one copy per run of a sequence's rows
+            b, r0 = chunk[e]
+            run = 1
+            while e + run < n and chunk[e + run][0] == b:
+                run += 1
+            gpu.copy_d2d(cb.hidden.offset(e * H * 2), ptrs[b].offset(r0 * H * 2), run * H * 2, s)
+            e += run
+        mtp_embed_norm_batch(
+            gpu,
+            table=self.tables.embed,
+            entries=cb.entries,
+            enorm=self.enorm,
+            hidden=cb.hidden,
+            hnorm=self.hnorm,
+            out=cb.concat,
+            m=n,
+            vocab=cfg.vocab_size,
+            h=H,
+            eps=cfg.rms_norm_eps,
+            stream=s,
+        )
+        gemv_bf16_batch(gpu, self.eh_proj, cb.concat, cb.x, n, H, 2 * H, s)
+        self._context_rows(n, s)
+
+    def _context_rows(self, n: int, s) -> None:
+        """The caches of the chunk's ``n`` rows ``ctx.x[n, H]``: the layer's cache-only path (a
+        context row's attention and MoE output is never read)."""
+        self.layer.context_rows(self.ctx.x, self.ctx.fused, self.pools, self.ctx.entries, n, s)
 
     @exclusive()
     def rewind_to(self, st: ProposerState, n: int) -> None:
@@ -537,185 +684,232 @@ class MtpProposer:
 
     @exclusive()
     def propose(
-        self, st: ProposerState, last_token: int, target_hidden: DevicePtr, position: int, k: int
+        self, st: ProposerState, last_token: int, target_hidden, position: int, k: int, *, stream=None
     ) -> list[int]:
-        """k drafts. Draft 1 consumes the target's hidden, drafts 2..k the drafter's own output.
+        """k drafts for one sequence: the batch of one of ``propose_batch``."""
+        return [
+            int(t)
+            for t in self.propose_batch([st], [last_token], target_hidden, [position], k, stream=stream)[0]
+        ]
 
-        Non-finite values: the step's kernels raise flag bytes that come back with the drafts (no
-        extra sync): the first kernel of each draft when its hidden row is not finite (the target's
-        for draft 1), the head when its winning logit is not (every logit NaN, or the largest
-        infinite). Then, after the wait, this raises a ProposerError naming the slot and the first
-        cause, and no draft is committed: the row count and ``last_pair_key`` are as before the
-        call. If the drafter was ahead of ``position`` the rewind to ``position`` stands (rows
-        ``position..`` were rewritten by the step, so they cannot be kept): then it holds
-        ``position`` rows and ``after_verify`` has nothing to trim, as after ``rewind_to``."""
+    @exclusive()
+    def propose_batch(
+        self, states, last_tokens, target_hiddens, positions, k: int, *, stream=None
+    ) -> np.ndarray:
+        """k drafts for each sequence of the batch, as an int64 array ``[B, k]``. Draft 1 of
+        sequence b consumes ``target_hiddens`` row b (B contiguous BF16 rows of hidden_size: a
+        DevicePtr, or an object exposing ``__cuda_array_interface__`` of shape ``[B, hidden]``);
+        drafts 2..k its own output. Sequence b's drafter must hold at least ``positions[b]`` rows;
+        one ahead of its position is rewound to it.
+
+        With graphs the batch replays the graph of the smallest bucket that holds it, padded
+        with entries that read and write nothing of any sequence.
+
+        Non-finite values: the step's kernels raise flag bytes per sequence that come back with
+        the drafts (no extra sync). Then this raises a ProposerError naming the first such sequence
+        and the cause, and no draft of any sequence is committed: row counts and ``last_pair_key``
+        are as before the call, except that rewinds to ``positions`` stand (rows ``position..``
+        were rewritten by the step): such a sequence then holds ``position`` rows and
+        ``after_verify`` has nothing to trim, as after ``rewind_to``."""
         t_enter = time.perf_counter()
-        self._live(st)
+        states = self._batch(states, "propose_batch", ("last tokens", last_tokens), ("positions", positions))
+        B = len(states)
         k = as_int(k, "k")
-        last_token = as_int(last_token, "last_token")
-        position = as_int(position, "position")
         if not 1 <= k <= self.opt.max_draft_tokens:
             raise ProposerError(f"k={k} outside 1..{self.opt.max_draft_tokens} (max_draft_tokens)")
-        if not 0 <= last_token < self.cfg.vocab_size:
+        if B > self.buckets[-1]:
             raise ProposerError(
-                f"last_token {last_token} is outside the vocabulary 0..{self.cfg.vocab_size - 1}"
+                f"propose_batch of {B} sequences: the largest batch bucket holds {self.buckets[-1]}"
             )
-        if position < 0 or position + k > self.rows_cap:
-            raise ProposerError(
-                f"propose at position {position} with k={k} runs past the {self.rows_cap} rows "
-                "the drafter was sized for"
-            )
-        if st.rows < position:
-            raise ProposerError(
-                f"drafter holds {st.rows} rows but propose is at position {position}: catch up "
-                "the missing rows first"
-            )
-        self._check_buffer(target_hidden, self.cfg.hidden_size * 2, "target_hidden")
-        rewound = st.rows > position
-        if rewound:
-            st.dsa.rewind_to(position)
-        gpu, s = self.gpu, self.stream
-        # Read by the step's first kernel, inside the graph when there is one: the host writes two
-        # words of mapped pinned memory instead of issuing copies (the previous step has finished,
-        # since propose waits for its drafts).
-        step_host = st.step_in.host.view(np.uint32)
-        step_host[0], step_host[1] = position, last_token
-        out_host = st.drafts_host  # the drafts, then the step's flag word (st.flags_host)
-        out_host[-1] = 0
-        gpu.copy_d2d(st.hidden_in, target_hidden, self.cfg.hidden_size * 2, s)
-        self._launch_step(st, k)
-        t_wait = time.perf_counter()
-        self._wait(s)
-        t_done = time.perf_counter()
-        if out_host[-1]:  # a kernel of the step raised a non-finite flag
-            if rewound:
+        V = self.cfg.vocab_size
+        toks, pos = [], []
+        for b, st in enumerate(states):
+            where = f"propose_batch: sequence {b} (slot {st.slot})"
+            t = as_int(last_tokens[b], f"{where}: last_token")
+            p = as_int(positions[b], f"{where}: position")
+            if not 0 <= t < V:
+                raise ProposerError(f"{where}: last_token {t} is outside the vocabulary 0..{V - 1}")
+            if p < 0 or p + k > self.rows_cap:
+                raise ProposerError(
+                    f"{where}: propose at position {p} with k={k} runs past the {self.rows_cap} rows "
+                    "the drafter was sized for"
+                )
+            if st.rows < p:
+                raise ProposerError(
+                    f"{where}: drafter holds {st.rows} rows but propose is at position {p}: catch up "
+                    "the missing rows first"
+                )
+            toks.append(t)
+            pos.append(p)
+        s = self._stream(stream)
+        m = self._bucket(B) if self.opt.use_graphs else B
+        step, H = self.step, self.cfg.hidden_size
+        with self._borrowed_rows([(target_hiddens, B, "target_hiddens")]) as (hid,):
+            rewound = [st for st, p in zip(states, pos) if st.rows > p]
+            for st, p in zip(states, pos):
+                if st.rows > p:
+                    st.dsa.rewind_to(p)
+            # Read by the step's first kernel, inside the graph when there is one: the host writes
+            # mapped pinned memory instead of issuing copies (the previous step has finished, since
+            # propose waits for its drafts).
+            ent = step.entries_in.host.view(np.uint32).reshape(-1, ENTRY_WORDS)
+            ent[:m] = 0
+            ent[:m, 0] = PAD_SLOT
+            for b, st in enumerate(states):
+                ent[b, 0], ent[b, 1], ent[b, 2] = st.slot, pos[b], toks[b]
+            step.flags_host[:m] = 0
+            self.gpu.copy_d2d(step.hidden_in, hid, B * H * 2, s)
+            self._launch_step(m, k, s)
+            t_wait = time.perf_counter()
+            self._wait(s)
+            t_done = time.perf_counter()
+        flags = step.flags_host[:B]
+        bad = np.flatnonzero(flags.any(axis=1))
+        if bad.size:
+            b = int(bad[0])
+            for st in rewound:
                 st.last_drafted = 0
             raise ProposerError(
-                f"propose for the sequence in slot {st.slot} at position {position}: "
-                f"{nonfinite_problem(st.flags_host)}; no draft was committed (the drafter holds "
-                f"{st.rows} rows)"
+                f"propose_batch entry {b} of {B}: slot {states[b].slot} at position {pos[b]}: "
+                f"{nonfinite_problem(flags[b])}; no draft of the batch was committed"
             )
-        st.dsa.length = position + k
-        st.last_drafted = k
-        drafts = [int(t) for t in out_host[:k]]
-        st.last_host_s = (t_wait - t_enter) + (time.perf_counter() - t_done)
+        drafts = step.drafts_host[:B, :k].astype(np.int64)
+        host_s = (t_wait - t_enter) + (time.perf_counter() - t_done)
+        for st, p in zip(states, pos):
+            st.dsa.length = p + k
+            st.last_drafted = k
+            st.last_host_s = host_s
         return drafts
 
-    def _launch_step(self, st: ProposerState, k: int) -> None:
-        """Enqueue the k-draft step: as one graph (captured on first use) or as eager launches."""
-        if self.opt.use_graphs:
-            self._replay_graph(st, k)
-        else:
-            self._enqueue_drafts(st, k)
+    def _bucket(self, B: int) -> int:
+        return next(b for b in self.buckets if b >= B)
 
-    def _replay_graph(self, st: ProposerState, k: int) -> None:
-        gpu, s = self.gpu, self.stream
-        g = st.graphs.get(k)
+    def _stream(self, stream) -> int:
+        if stream is None:
+            return self.stream
+        handle = getattr(stream, "cuda_stream", stream)  # torch.cuda.Stream, or a raw handle
+        if isinstance(handle, bool) or not isinstance(handle, (int, np.integer)):
+            raise ProposerError(f"stream must be a CUDA stream handle (an int), got {type(stream).__name__}")
+        return int(handle)
+
+    def _launch_step(self, m: int, k: int, s: int) -> None:
+        """Enqueue the k-draft step over m entries: as the bucket's graph (captured on first use)
+        or as eager launches."""
+        if self.opt.use_graphs:
+            self._replay_graph(m, k, s)
+        else:
+            self._enqueue_drafts(m, k, s)
+
+    def _replay_graph(self, m: int, k: int, s: int) -> None:
+        gpu = self.gpu
+        g = self._graphs.get((m, k))
         if g is None:
             gpu.begin_capture(s)
             try:
-                self._enqueue_drafts(st, k)
+                self._enqueue_drafts(m, k, s)
             except BaseException:
                 gpu.abort_capture()
                 raise
-            g = st.graphs[k] = gpu.end_capture(s, label=f"propose k={k} slot={st.slot}")
+            g = self._graphs[(m, k)] = gpu.end_capture(s, label=f"propose bucket={m} k={k}")
         gpu.graph_launch(g, s)
 
-    def _enqueue_drafts(self, st: ProposerState, k: int) -> None:
-        # The first draft's eh_proj (Pdl.BESIDE) streams its hidden half while this reads the host.
-        copy_words(self.gpu, st.step_in.device, st.step, 2, self.stream)
+    def _enqueue_drafts(self, m: int, k: int, s: int) -> None:
+        # The first draft's eh_proj streams its weights while this reads the host.
+        copy_words(self.gpu, self.step.entries_in.device, self.step.entries, m * ENTRY_WORDS, s)
         for i in range(k):
-            self._draft_step(st, i, publish=i == k - 1)
+            self._draft_step(m, i, publish=i == k - 1, s=s)
 
-    def _draft_step(self, st: ProposerState, i: int, publish: bool) -> None:
-        """Draft i; with ``publish`` (the step's last draft) the launch that commits it also copies
-        drafts 0..i to ``st.drafts_out``."""
-        gpu, s, cfg = self.gpu, self.stream, self.cfg
-        H, V, eps = cfg.hidden_size, cfg.vocab_size, cfg.rms_norm_eps
-        hidden = st.hidden_in if i == 0 else st.xn
+    def _draft_step(self, m: int, i: int, publish: bool, s: int) -> None:
+        """Draft i of every entry; with ``publish`` (the step's last draft) the launch that commits
+        it also copies drafts 0..i to ``step.drafts_out``."""
+        cfg, st = self.cfg, self.step
+        H = cfg.hidden_size
         # Both input norms are every block's prologue of eh_proj (one launch, no concat round trip).
-        mtp_input_gemv(
-            gpu,
-            self.tables.embed,
-            st.token,
-            self.enorm,
-            hidden,
-            self.hnorm,
-            self.eh_proj,
-            st.x,
-            V,
-            H,
-            H,
-            eps,
-            s,
-            flag=st.flag(FLAG_TARGET_HIDDEN if i == 0 else FLAG_OWN_HIDDEN),
+        mtp_input_gemv_batch(
+            self.gpu,
+            table=self.tables.embed,
+            entries=st.entries,
+            enorm=self.enorm,
+            hidden=st.hidden_in if i == 0 else st.xn,
+            hnorm=self.hnorm,
+            w=self.eh_proj,
+            y=st.x,
+            m=m,
+            vocab=cfg.vocab_size,
+            h=H,
+            n=H,
+            eps=cfg.rms_norm_eps,
+            flags=st.flags,
+            flag_byte=FLAG_TARGET_HIDDEN if i == 0 else FLAG_OWN_HIDDEN,
+            stream=s,
         )
-        self._block(st, i)
-        self._head(st, i, publish)
+        self._block(m, i, s)
+        self._head(m, i, publish, s)
 
-    def _block(self, st: ProposerState, i: int) -> None:
-        """Draft i's block over ``st.x`` at row ``*st.row + i``, leaving the head's input
-        ``st.xn = rmsnorm(x) * head_norm``."""
-        # The head's RMSNorm rides on the block's last residual add (one launch for both).
-        # Drafts 2..k reuse draft 1's pool selection when the config shares it.
-        self.layer.full_row(
-            st.x,
-            st.scratch,
-            st.dsa,
-            self.kv,
-            st.row,
+    def _block(self, m: int, i: int, s: int) -> None:
+        """Draft i's block over ``step.x`` at rows ``entry.row + i``, leaving the head's input
+        ``step.xn = rmsnorm(x) * head_norm``. Drafts 2..k reuse draft 1's pool selection when the
+        config shares it."""
+        self.layer.full_rows(
+            self.step.x,
+            self.scratch,
+            self.pools,
+            self.step.entries,
+            m,
             i,
-            self.rows_cap,
-            self.stream,
-            next_norm=(self.head_norm, st.xn),
+            s,
+            next_norm=(self.head_norm, self.step.xn),
             reuse_selection=i > 0 and self.cfg.dsa.share_for_mtp_iteration,
         )
 
-    def _head(self, st: ProposerState, i: int, publish: bool) -> None:
-        """Draft i's token from ``st.xn``, with the FP8 copy of the head when there is one."""
+    def _head(self, m: int, i: int, publish: bool, s: int) -> None:
+        """Draft i's tokens from ``step.xn``, with the FP8 copy of the head when there is one."""
         if self.head_fp8 is not None:
-            self._head_with(st, i, publish, self.head_fp8, self.head_fp8_scales)
+            self._head_with(m, i, publish, s, self.head_fp8, self.head_fp8_scales)
         else:
-            self._head_with(st, i, publish, self.head_bf16, None)
+            self._head_with(m, i, publish, s, self.head_bf16, None)
 
-    def _head_with(
-        self, st: ProposerState, i: int, publish: bool, w: DevicePtr, sc: DevicePtr | None
-    ) -> None:
+    def _head_with(self, m: int, i: int, publish: bool, s: int, w: DevicePtr, sc: DevicePtr | None) -> None:
         """The head with weights ``w`` (this rank's vocabulary rows; FP8 with per-row scales
-        ``sc``, else BF16): the argmax of its logits becomes ``st.token`` and ``st.drafts[i]``."""
-        gpu, s, H = self.gpu, self.stream, self.cfg.hidden_size
-        n = self.head_n
+        ``sc``, else BF16): each row's argmax becomes its entry's token and its draft i."""
+        gpu, st, H, n = self.gpu, self.step, self.cfg.hidden_size, self.head_n
+        commit = dict(
+            entries=st.entries,
+            drafts=st.drafts,
+            draft_index=i,
+            kmax=st.kmax,
+            host_drafts=st.drafts_out.device,
+            publish=publish,
+            m=m,
+            flags=st.flags,
+            flag_byte=FLAG_LOGITS,
+            stream=s,
+        )
         if not self.head_sharded:
-            # One launch: head GEMV, argmax, commit of the draft token (st.key stays zero).
-            draft_head.head_argmax(
+            # One launch: head GEMV, argmax, commit of the draft tokens (keys stay zero).
+            draft_head.head_argmax_batch(
                 gpu,
-                w,
-                sc,
-                st.xn,
-                st.logits,
-                st.key,
-                st.head_counter,
-                st.token,
-                st.drafts,
-                i,
-                st.drafts_out.device,
-                publish,
-                n,
-                H,
-                s,
-                flag=st.flag(FLAG_LOGITS),
+                w=w,
+                scale=sc,
+                x=st.xn,
+                logits=st.logits,
+                keys=st.keys,
+                counter=st.head_counter,
+                n=n,
+                k=H,
+                **commit,
             )
             return
         if sc is not None:
-            gemv_fp8w(gpu, w, sc, st.xn, st.logits, 1, n, H, s)
+            gemv_fp8w(gpu, w, sc, st.xn, st.logits, m, n, H, s)
         else:
-            gemv_bf16(gpu, w, st.xn, st.logits, 1, n, H, s)
-        argmax_bf16(gpu, st.logits, st.am_idx, st.am_val, n, s)
-        draft_head.argmax_pack(gpu, st.am_idx, st.am_val, st.key, self.head_v0, s)
-        self.comm.all_reduce(st.key, 1, CommDtype.UINT64, ReduceOp.MAX, stream=s)
-        draft_head.draft_commit(
-            gpu, st.key, st.token, st.drafts, i, st.drafts_out.device, publish, s, flag=st.flag(FLAG_LOGITS)
+            gemv_bf16_batch(gpu, w, st.xn, st.logits, m, n, H, s)
+        argmax_bf16_batch(gpu, st.logits, st.am_idx, st.am_val, m, n, s)
+        draft_head.argmax_pack_batch(
+            gpu, idx=st.am_idx, val=st.am_val, keys=st.keys, v0=self.head_v0, m=m, stream=s
         )
+        self.comm.all_reduce(st.keys, m, CommDtype.UINT64, ReduceOp.MAX, stream=s)
+        draft_head.draft_commit_batch(gpu, keys=st.keys, **commit)
 
     def _wait(self, stream: int) -> None:
         """Wait for the drafts. With peers in the step a dead rank would leave the stream
@@ -730,24 +924,70 @@ class MtpProposer:
     def after_verify(self, st: ProposerState, accepted: int) -> None:
         """Keep ``min(drafted, accepted + 1)`` of the rows the last propose wrote. Row 0 pairs the
         committed token with the target's hidden and is never trimmed; with one draft nothing is."""
-        self._live(st)
-        accepted = as_int(accepted, "accepted")
-        if accepted < 0 or accepted > st.last_drafted:
-            raise ProposerError(f"accepted={accepted} outside 0..{st.last_drafted} (drafts proposed)")
-        keep = min(st.last_drafted, accepted + 1)
-        trim = st.last_drafted - keep
-        if trim:
-            st.dsa.rewind_to(st.rows - trim)
-        st.last_drafted = 0
+        self.after_verify_batch([st], [accepted])
+
+    @exclusive()
+    def after_verify_batch(self, states, accepted) -> None:
+        """``after_verify`` for each sequence, ``accepted[b]`` for ``states[b]``; every count is
+        checked before any sequence is trimmed."""
+        states = self._batch(states, "after_verify_batch", ("accepted counts", accepted))
+        counts = []
+        for b, st in enumerate(states):
+            a = as_int(accepted[b], f"after_verify_batch: sequence {b} (slot {st.slot}): accepted")
+            if a < 0 or a > st.last_drafted:
+                raise ProposerError(
+                    f"after_verify_batch: sequence {b} (slot {st.slot}): accepted={a} outside "
+                    f"0..{st.last_drafted} (drafts proposed)"
+                )
+            counts.append(a)
+        for st, a in zip(states, counts):
+            trim = st.last_drafted - min(st.last_drafted, a + 1)
+            if trim:
+                st.dsa.rewind_to(st.rows - trim)
+            st.last_drafted = 0
 
     # ---- checks ---------------------------------------------------------------------------------
 
     def _check_tokens(self, tokens: Sequence[int]) -> np.ndarray:
         return as_tokens(tokens, self.cfg.vocab_size)
 
+    def _borrowed_rows(self, items: list[tuple[object, int, str]]):
+        """Each item's ``rows`` BF16 rows of hidden_size as a DevicePtr, for a ``with`` block: a
+        DevicePtr of this backend, checked to hold them, or a ``__cuda_array_interface__`` object
+        of shape [rows, hidden], lent by the backend for the block."""
+        H = self.cfg.hidden_size
+
+        @contextmanager
+        def lend():
+            with ExitStack() as stack:
+                out = []
+                for obj, rows, what in items:
+                    if rows == 0 and not isinstance(obj, DevicePtr):
+                        out.append(None)
+                        continue
+                    if has_cuda_array_interface(obj):
+                        try:
+                            arr = cuda_array(
+                                obj, shape=(rows, H), typestrs=BF16_TYPESTRS, itemsize=2, what=what
+                            )
+                        except ExternalArrayError as e:
+                            raise ProposerError(str(e)) from None
+                        try:
+                            out.append(stack.enter_context(self.gpu.borrow(arr.addr, arr.nbytes)))
+                        except MemoryFault as e:
+                            raise ProposerError(
+                                f"{what} is not device memory this backend can read: {e}"
+                            ) from None
+                        continue
+                    self._check_buffer(obj, rows * H * 2, what)
+                    out.append(obj)
+                yield out
+
+        return lend()
+
     def _check_buffer(self, ptr: DevicePtr, nbytes: int, what: str) -> None:
         if not isinstance(ptr, DevicePtr) or not ptr:
-            raise ProposerError(f"{what} must be a non-null DevicePtr")
+            raise ProposerError(f"{what} must be a non-null DevicePtr or a __cuda_array_interface__ array")
         try:
             have = self.gpu.bytes_from(ptr)
         except MemoryFault as e:  # freed, or never allocated on this backend

@@ -18,11 +18,12 @@ from runtime.dtypes import BF16
 from runtime.kernels.embed_gather_bf16 import embed_gather_bf16
 from runtime.kernels.gemv_bf16 import gemv_bf16
 from runtime.kernels.rmsnorm import rmsnorm
-from runtime.kv_cache import BlockTable, PagedKvCache
 
-from .block import DecoderLayer, LayerScratch
+from .block import BatchScratch, DecoderLayer
 from .config import ModelConfig
-from .dsa import DsaState, drafter_context_rows, latent_cache_config
+from .dsa import drafter_context_rows
+from .kernels.batch import ENTRY_WORDS
+from .slot_pools import SlotPools
 from .tensors import TensorLookup
 from .weights import DeviceArena, Sharding, SharedTables, load_attention, load_dense_mlp, load_moe
 
@@ -33,15 +34,12 @@ class TargetError(ValueError):
 
 @dataclass
 class TargetState:
-    layers: list[DsaState]
-    table: BlockTable  # one claim for the sequence, shared by every layer's rows
-    scratch: LayerScratch
     arena: DeviceArena
     hiddens: DevicePtr  # [rows_cap, H] BF16 post-final-norm rows
     x: DevicePtr
     logits: DevicePtr
     token: DevicePtr
-    row: DevicePtr
+    entry: DevicePtr  # the one batch entry of the layers' launches: slot 0, the row, the token
     length: int = 0
     released: bool = False
 
@@ -73,9 +71,16 @@ class TargetModel:
                     else load_moe(arena, src, p, cfg, sh)
                 )
                 self.layers.append(DecoderLayer(gpu, cfg, sh, attn, mlp, kv_layer=i))
-            kvc = latent_cache_config(cfg.attention.kv_lora_rank, cfg.num_hidden_layers)
-            self.kv = PagedKvCache(kvc, kvc.blocks_for(self.rows_cap), gpu)
+            # One sequence: slot 0 of pools with a latent cache and indexer pools per layer.
+            self.pools = SlotPools(
+                gpu, cfg.dsa, cfg.attention.kv_lora_rank, self.rows_cap, 1, layers=cfg.num_hidden_layers
+            )
+            self.scratch = BatchScratch.alloc(
+                arena, cfg, sh, 1, self.rows_cap, max(layer.attn.fused_rows for layer in self.layers)
+            )
         except Exception:
+            if getattr(self, "pools", None) is not None:
+                self.pools.free()
             arena.free()
             raise
         self._state: TargetState | None = None
@@ -90,19 +95,13 @@ class TargetModel:
             raise TargetError("the target serves one sequence at a time; free its state first")
         cfg, gpu, H = self.cfg, self.gpu, self.cfg.hidden_size
         arena = DeviceArena(gpu)
-        table = self.kv.claim(self.rows_cap)
-        layers = [DsaState.alloc(gpu, cfg.dsa, self.rows_cap, self.kv, table) for _ in self.layers]
-        inter = self.layers[0].attn.fused_rows
         st = TargetState(
-            layers=layers,
-            table=table,
-            scratch=LayerScratch.alloc(arena, cfg, Sharding.for_config(cfg, 1), 1, self.rows_cap, inter),
             arena=arena,
             hiddens=arena.zeros(self.rows_cap * H * 2),
             x=arena.zeros(H * 2),
             logits=arena.zeros(cfg.vocab_size * 2),
             token=arena.zeros(4),
-            row=arena.zeros(4),
+            entry=arena.zeros(ENTRY_WORDS * 4),
         )
         self._state = st
         return st
@@ -110,9 +109,6 @@ class TargetModel:
     def free_state(self, st: TargetState) -> None:
         if st.released:
             return
-        for d in st.layers:
-            d.free(self.gpu, self.kv)
-        self.kv.release(st.table)
         st.arena.free()
         st.released = True
         self._state = None
@@ -120,14 +116,12 @@ class TargetModel:
     def close(self) -> None:
         if self._state is not None:
             self.free_state(self._state)
-        self.kv.free()
+        self.pools.free()
         self.arena.free()
 
     def rewind_to(self, st: TargetState, n: int) -> None:
         if not 0 <= n <= st.length:
             raise TargetError(f"target rewind_to({n}) outside 0..{st.length}")
-        for d in st.layers:
-            d.rewind_to(n)
         st.length = n
 
     def forward(self, st: TargetState, tokens, start: int) -> np.ndarray:
@@ -147,12 +141,11 @@ class TargetModel:
         buf = np.empty(V, BF16)
         for i, t in enumerate(toks):
             row = start + i
-            gpu.copy_h2d(st.row, np.array([row], np.uint32))
+            gpu.copy_h2d(st.entry, np.array([0, row, t, 0], np.uint32))
             gpu.copy_h2d(st.token, np.array([t], np.uint32))
             embed_gather_bf16(gpu, self.embed, st.token, st.x, V, H, s)
-            for layer, d in zip(self.layers, st.layers):
-                layer.full_row(st.x, st.scratch, d, self.kv, st.row, 0, self.rows_cap, s)
-                d.length = row + 1
+            for layer in self.layers:
+                layer.full_rows(st.x, self.scratch, self.pools, st.entry, 1, 0, s)
             hid = st.hiddens.offset(row * H * 2)
             rmsnorm(gpu, st.x, self.norm, hid, 1, H, cfg.rms_norm_eps, s)
             gemv_bf16(gpu, self.lm_head, hid, st.logits, 1, V, H, s)

@@ -8,6 +8,7 @@ is ``DevicePtr``; host buffers are NumPy arrays.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -62,6 +63,7 @@ class GpuBackend(Protocol):
     def stats(self) -> AllocStats: ...
     def bytes_from(self, ptr: DevicePtr) -> int: ...
     def touch(self, ptr: DevicePtr, nbytes: int) -> None: ...
+    def borrow(self, addr: int, nbytes: int) -> AbstractContextManager[DevicePtr]: ...
 
     # streams, events
     @property

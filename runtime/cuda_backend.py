@@ -193,6 +193,12 @@ class CudaBackend:
         check(driver.cuMemFree(ptr.addr), f"cuMemFree(0x{ptr.addr:x})")
         self._ledger.remove(ptr)
 
+    def borrow(self, addr: int, nbytes: int):
+        """Another library's device memory (a PyTorch tensor's ``__cuda_array_interface__``) as a
+        pointer for the duration of a ``with`` block (runtime/ledger.py ``borrowed``)."""
+        self._alive()
+        return self._ledger.borrowed(addr, nbytes)
+
     def touch(self, ptr: DevicePtr, nbytes: int) -> None:
         """Stream work issued outside this backend (an NCCL collective) uses ``nbytes`` at ``ptr``:
         checked against the allocation table now, and recorded in an open capture, so the graph's

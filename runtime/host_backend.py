@@ -174,6 +174,12 @@ class HostBackend:
     def bytes_from(self, ptr: DevicePtr) -> int:
         return self._ledger.bytes_from(ptr)
 
+    def borrow(self, addr: int, nbytes: int):
+        """See ``CudaBackend.borrow``. Host memory has no other owner: the range must lie inside
+        one of this backend's allocations (a test's stand-in for a tensor), else MemoryFault."""
+        self._ledger.allocations.find(addr, nbytes)
+        return self._ledger.borrowed(addr, nbytes)
+
     def touch(self, ptr: DevicePtr, nbytes: int) -> None:
         """See ``CudaBackend.touch``: checked now, recorded in an open capture."""
         self._ledger.touch(ptr, nbytes)

@@ -12,6 +12,9 @@ baked into its nodes, so a free of an allocation a live graph references raises
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from .allocations import AllocationTable, AllocStats
 from .device_ptr import DevicePtr
 from .errors import GraphLifetimeError
@@ -56,6 +59,25 @@ class Ledger:
         if self.capture is not None:
             self.capture.touches.add(base)
         return base
+
+    @contextmanager
+    def borrowed(self, addr: int, nbytes: int) -> Iterator[DevicePtr]:
+        """Device memory another library owns (a PyTorch tensor), usable as a pointer for the
+        duration of the block: it joins the live allocations so copies and launches accept it, and
+        leaves them at the end, when a live graph that baked it is a GraphLifetimeError (the owner
+        may free it at any time after the call). A range inside a live allocation of this backend
+        is that allocation, used as it is."""
+        if addr <= 0 or nbytes <= 0:
+            raise ValueError(f"borrow of {nbytes} bytes at 0x{addr:x}")
+        if self.allocations.find(addr, 1, quiet=True) is not None:
+            self.allocations.find(addr, nbytes)  # MemoryFault when the range runs past its end
+            yield DevicePtr(addr)
+            return
+        self.allocations.add(addr, nbytes)
+        try:
+            yield DevicePtr(addr)
+        finally:
+            self.remove(DevicePtr(addr), "end of the borrow")
 
     def bytes_from(self, ptr: DevicePtr) -> int:
         return self.allocations.bytes_from(ptr.addr)

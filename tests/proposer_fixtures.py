@@ -47,28 +47,29 @@ def upload_rows(gpu, rows: np.ndarray):
 
 
 def cache_snapshot(prop: MtpProposer, st) -> dict[str, np.ndarray]:
-    """The valid region of every cache of a state: latent rows and scales through the block table,
-    indexer keys and gates, complete pool keys and scales."""
-    gpu, cfg = prop.gpu, prop.cfg
+    """The valid region of every cache of a state, read from its slot of the proposer's pools:
+    latent rows and scales through the block table, indexer keys and gates, complete pool keys and
+    scales."""
+    gpu, cfg, pools = prop.gpu, prop.cfg, prop.pools
     n, C, idim, kp = st.rows, cfg.attention.kv_lora_rank, cfg.dsa.index_head_dim, cfg.dsa.index_kpool
-    bs = prop.kv.config.block_size
+    g, lp = pools.geometry, pools.layers[0]
     snap: dict[str, np.ndarray] = {}
     lat = np.zeros((n, C), np.uint8)
     sc = np.zeros(n, np.float32)
     for r in range(n):
-        slot = st.dsa.table.blocks[r // bs] * bs + r % bs
+        slot = pools.latent_slot(st.slot, r)
         row = np.empty(C, np.uint8)
-        gpu.copy_d2h(row, prop.kv.data[0].offset(slot * C))
+        gpu.copy_d2h(row, pools.kv.data[0].offset(slot * C))
         lat[r] = row
         s = np.empty(1, np.float32)
-        gpu.copy_d2h(s, prop.kv.scales[0].offset(slot * 4))
+        gpu.copy_d2h(s, pools.kv.scales[0].offset(slot * 4))
         sc[r] = s[0]
     snap["latent"], snap["latent_scale"] = lat, sc
     for name, ptr, shape, dt in (
-        ("keys", st.dsa.keys, (n, idim), BF16),
-        ("gates", st.dsa.gates, (n, idim), BF16),
-        ("pool_keys", st.dsa.pool_keys, (n // kp, idim), FP8),
-        ("pool_scales", st.dsa.pool_scales, (n // kp,), np.float32),
+        ("keys", lp.keys.offset(g.key_row(st.slot, 0) * 2), (n, idim), BF16),
+        ("gates", lp.gates.offset(g.key_row(st.slot, 0) * 2), (n, idim), BF16),
+        ("pool_keys", lp.pool_keys.offset(g.pool_row(st.slot, 0) * idim), (n // kp, idim), FP8),
+        ("pool_scales", lp.pool_scales.offset(g.pool_row(st.slot, 0) * 4), (n // kp,), np.float32),
     ):
         a = np.empty(shape, dt)
         if a.size:

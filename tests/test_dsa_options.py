@@ -150,14 +150,14 @@ def test_host_proposer_matches_float64(tail, share, seed, rows, topk, kpool, k):
     if drafts[:-1] == rdrafts[:-1] and (not own or _clear_cut(ref, n_last)):
         want = ref.selection(n_last) if own else ref.shared_selection(ref.selection(rows), rows, n_last)
         count = np.empty(1, np.uint32)
-        gpu.copy_d2h(count, st.scratch.count)
+        gpu.copy_d2h(count, prop.scratch.count)
         got = np.empty(max(int(count[0]), 1), np.uint32)
-        gpu.copy_d2h(got, st.scratch.selected)
+        gpu.copy_d2h(got, prop.scratch.selected)
         assert got[: int(count[0])].tolist() == want.tolist()
     # The last draft's logits, as the proposer's buffer holds them after the propose.
     if drafts == rdrafts:
         got = np.empty(cfg.vocab_size, BF16)
-        gpu.copy_d2h(got, st.logits)
+        gpu.copy_d2h(got, prop.step.logits)
         err = np.abs(got.astype(np.float64) - rlogits[-1]).max() / np.ptp(rlogits[-1])
         assert err < (LOGIT_RTOL if k == 1 else LATER_RTOL), err
     # Draft 1's logits always (a k = 1 propose at the same position).
@@ -165,7 +165,7 @@ def test_host_proposer_matches_float64(tail, share, seed, rows, topk, kpool, k):
     ref.rewind_to(rows)
     _, rl1, _ = ref.propose(last, hiddens[rows].astype(np.float64), 1)
     got = np.empty(cfg.vocab_size, BF16)
-    gpu.copy_d2h(got, st.logits)
+    gpu.copy_d2h(got, prop.step.logits)
     assert np.abs(got.astype(np.float64) - rl1[0]).max() / np.ptp(rl1[0]) < LOGIT_RTOL
     assert compared >= 1 or _margin(rl1[0]) <= LOGIT_RTOL * np.ptp(rl1[0])
     prop.close()

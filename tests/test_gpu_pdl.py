@@ -93,8 +93,8 @@ def test_pdl_on_and_off_agree_bit_for_bit(cuda):
                     name,
                     lambda p, st: (
                         p.propose(st, int(tokens[pos + 1]), hiddens.offset(pos * H * 2), pos, k),
-                        _bits(cuda, st.logits, p.head_n * 2),
-                        _bits(cuda, st.xn, H * 2),
+                        _bits(cuda, p.step.logits, p.head_n * 2),
+                        _bits(cuda, p.step.xn, H * 2),
                     ),
                 )
             ref = out["graph"]

@@ -75,13 +75,13 @@ def propose(prop, st, world: World, pos: int, k: int) -> list[int]:
 
 def logits_of(prop, st) -> np.ndarray:
     out = np.empty(prop.head_n, BF16)
-    prop.gpu.copy_d2h(out, st.logits)
+    prop.gpu.copy_d2h(out, prop.step.logits)
     return out.astype(np.float64)
 
 
 def choices(prop, st) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The last draft's selected rows and routed experts (as sets)."""
-    s, gpu = st.scratch, prop.gpu
+    s, gpu = prop.scratch, prop.gpu
     cnt = np.empty(1, np.uint32)
     gpu.copy_d2h(cnt, s.count)
     sel = np.empty(int(cnt[0]), np.uint32)
@@ -191,15 +191,16 @@ def test_cuda_drafts_match_host_eager_and_graph(cuda, cfg, seed, prefill, fp8_he
 
 
 def test_graph_lifecycle_many_states_and_reused_slots(cuda):
-    """Allocate, draft with graphs, free, many times over two slots; a slot reused with new buffers
-    captures new graphs (the drafts equal an eager proposer's on the same history), and freeing
-    leaves no graph and no allocation behind."""
+    """Allocate, draft with graphs, free, many times over two slots: the bucket graphs are captured
+    once per (bucket, k) and serve every sequence and every reuse of a slot (no recapture: they
+    bake the pools, not a sequence), the drafts equal an eager proposer's on the same history, and
+    closing leaves no graph and no allocation behind."""
     w = bf16_weights(CFG, 5)
     before = cuda.stats().live_allocations
+    base_graphs = len(cuda.live_graphs())
     graph = make_proposer(CFG, w, gpu=cuda, max_sequences=2, use_graphs=True)
     eager = make_proposer(CFG, w, gpu=cuda, max_sequences=2)
     base = cuda.stats().live_allocations
-    base_graphs = len(cuda.live_graphs())
     try:
         keep = graph.alloc_state()  # lives across the cycles, in the other slot
         ekeep = eager.alloc_state()
@@ -216,20 +217,20 @@ def test_graph_lifecycle_many_states_and_reused_slots(cuda):
             feed(eager, est, world, 0, n)
             for k in (1, 3, 2, 3):  # k = 3 twice: the second is a replay
                 assert propose(graph, st, world, n, k) == propose(eager, est, world, n, k)
-            assert sorted(st.graphs) == [1, 2, 3]
+            assert sorted(graph.captured_graphs) == [(1, 1), (1, 2), (1, 3)]
             assert propose(graph, keep, wk, 40, 2) == propose(eager, ekeep, wk, 40, 2)
             graph.free_state(st)
             eager.free_state(est)
             graph.free_state(st)  # a second free is a no-op
-            assert len(cuda.live_graphs()) == base_graphs + len(keep.graphs)
+            assert len(cuda.live_graphs()) == base_graphs + 3
+            assert cuda.stats().live_allocations == base
         assert slots == {1 - keep.slot}, "the freed slot is the one reused"
         graph.free_state(keep)
         eager.free_state(ekeep)
-        assert cuda.stats().live_allocations == base
-        assert len(cuda.live_graphs()) == base_graphs
     finally:
         graph.close()
         eager.close()
+    assert len(cuda.live_graphs()) == base_graphs
     assert cuda.stats().live_allocations == before
 
 
@@ -237,29 +238,29 @@ def test_bad_input(cuda):
     w = bf16_weights(CFG, 6)
     prop = make_proposer(CFG, w, gpu=cuda, use_graphs=True, max_draft_tokens=3)
     world = World(CFG, 6, 64)
-    try:
-        st = prop.alloc_state()
-        feed(prop, st, world, 0, 20)
-        propose(prop, st, world, 20, 2)
-        g = st.graphs[2]
-        # freeing memory a live graph references is refused, and changes nothing
-        with pytest.raises(GraphLifetimeError):
-            cuda.free(st.step)
-        assert propose(prop, st, world, 20, 2) == propose(prop, st, world, 20, 2)
-        with pytest.raises(ProposerError, match="max_draft_tokens"):
-            propose(prop, st, world, 20, 4)
-        with pytest.raises(ProposerError):
-            propose(prop, st, world, 20, 0)
-        prop.free_state(st)
-        # the graph went with its buffers: replaying it is refused, not run on freed memory
-        with pytest.raises(GraphLifetimeError):
-            cuda.graph_launch(g)
-        with pytest.raises(ProposerError, match="freed"):
-            propose(prop, st, world, 20, 1)
-        with pytest.raises(ProposerError, match="freed"):
-            feed(prop, st, world, 20, 1)
-    finally:
-        prop.close()
+    st = prop.alloc_state()
+    feed(prop, st, world, 0, 20)
+    propose(prop, st, world, 20, 2)
+    g = prop.captured_graphs[(1, 2)]
+    # freeing memory a live graph references is refused, and changes nothing
+    with pytest.raises(GraphLifetimeError):
+        cuda.free(prop.step.entries)
+    with pytest.raises(GraphLifetimeError):
+        cuda.free(prop.pools.tables)
+    assert propose(prop, st, world, 20, 2) == propose(prop, st, world, 20, 2)
+    with pytest.raises(ProposerError, match="max_draft_tokens"):
+        propose(prop, st, world, 20, 4)
+    with pytest.raises(ProposerError):
+        propose(prop, st, world, 20, 0)
+    prop.free_state(st)
+    with pytest.raises(ProposerError, match="freed"):
+        propose(prop, st, world, 20, 1)
+    with pytest.raises(ProposerError, match="freed"):
+        feed(prop, st, world, 20, 1)
+    prop.close()
+    # the graphs went with the proposer's buffers: replaying one is refused, not run on freed memory
+    with pytest.raises(GraphLifetimeError):
+        cuda.graph_launch(g)
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph"])
@@ -288,7 +289,7 @@ def test_nonfinite_input_is_refused_on_the_device(cuda, graphs, fp8_head):
             finally:
                 cuda.free(p)
             assert st.rows == 20 and prop.last_pair_key(st) == 19
-            assert (st.drafts_host[:3] < CFG.vocab_size).all()
+            assert (prop.step.drafts_host[0, :3] < CFG.vocab_size).all()
         assert propose(prop, st, world, 20, 3) == propose(prop, ref, world, 20, 3)
         rows = world.hiddens[23:27].copy()
         rows[2, 5] = np.nan

@@ -147,7 +147,7 @@ def test_host_proposer_against_transformers(fixture, share, fp8_head):
             if got_d[:i] != want_d[:i]:
                 break  # the draft consumed another token than transformers' did
             lg = np.empty(cfg.vocab_size, BF16)
-            gpu.copy_d2h(lg, st.logits)
+            gpu.copy_d2h(lg, prop.step.logits)
             err = rel_err(lg, want_l[i])
             worst = max(worst, err)
             assert err < LOGIT_TOL, f"context {n} draft {kk}: logits {err:.3g} of the spread off"

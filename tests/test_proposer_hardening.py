@@ -95,7 +95,7 @@ def test_a_nonfinite_target_hidden_is_refused_and_changes_nothing(bad, fp8_head)
     with pytest.raises(ProposerError, match=rf"slot {st.slot} at position 12: target_hidden is not finite"):
         propose(prop, st, world, 12, 3, hidden=hid)
     assert_unchanged(prop, st, snap)
-    assert (st.drafts_host[:3] < V).all(), "even a refused step committed only valid token ids"
+    assert (prop.step.drafts_host[0, :3] < V).all(), "even a refused step committed only valid token ids"
     # nothing of the refused step leaks into the next: the drafts of a state that never saw it
     assert propose(prop, st, world, 12, 3) == propose(prop, ref, world, 12, 3)
     prop.close()
@@ -171,11 +171,11 @@ def test_the_step_flags_say_which_input_was_not_finite():
     hid[0, 1] = np.nan
     with pytest.raises(ProposerError):
         propose(prop, st, world, 8, 3, hidden=hid)
-    flags = st.flags_host.tolist()
+    flags = prop.step.flags_host[0].tolist()
     assert flags[0] == HIDDEN_NONFINITE  # the target's hidden
     assert flags[1] == HIDDEN_NONFINITE  # draft 2's hidden is draft 1's NaN output
     assert flags[2] == draft_head.NONFINITE_NAN  # every logit NaN: token 0, flagged
-    assert st.drafts_host[:3].tolist() == [0, 0, 0]
+    assert prop.step.drafts_host[0, :3].tolist() == [0, 0, 0]
     prop.close()
 
 

@@ -43,12 +43,10 @@ class FullBlockContextRows(MtpProposer):
     """Diagnostic: context rows through the full block (attention and MoE included), to tell a
     wrong cache-only shortcut from wrong attention over real context."""
 
-    def _context_rows(self, st, n):
-        H = self.cfg.hidden_size
-        for r in range(n):
-            self.layer.full_row(
-                st.x.offset(r * H * 2), st.scratch, st.dsa, self.kv, st.row, r, self.rows_cap, self.stream
-            )
+    def _context_rows(self, n, s):
+        # Full rows over the chunk's entries in one launch (the chunk fits the batch scratch: the
+        # test sizes context_chunk to the largest bucket).
+        self.layer.full_rows(self.ctx.x, self.scratch, self.pools, self.ctx.entries, n, 0, s)
 
 
 def test_diagnostic_full_context_rows_build_the_same_caches():
@@ -56,7 +54,7 @@ def test_diagnostic_full_context_rows_build_the_same_caches():
     MoE for context rows must write exactly what the full block writes."""
     gpu = HostBackend()
     a = make_proposer(CFG, W, gpu=gpu)
-    b = make_proposer(CFG, W, gpu=gpu, cls=FullBlockContextRows)
+    b = make_proposer(CFG, W, gpu=gpu, cls=FullBlockContextRows, context_chunk=4)
     sa, da = _history(a, gpu)
     sb, db = _history(b, gpu)
     assert da == db

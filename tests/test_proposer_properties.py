@@ -254,16 +254,19 @@ def test_drafter_context_rows_follows_the_config(reservation, served, kpool):
 
 
 def test_buffers_are_sized_from_the_drafter_reach():
-    """Per-sequence bytes grow with the reach and stop growing where the reservation caps it."""
+    """Per-sequence bytes (a slot's share of the pools) grow with the reach and stop growing where
+    the reservation caps it; allocating a sequence allocates nothing (the pools are up front)."""
 
     def state_bytes(reservation: int, served: int) -> tuple[int, int]:
         cfg = tiny(index_topk=8, index_kpool=2, max_context=reservation)
         gpu = HostBackend()
         prop = make_proposer(cfg, bf16_weights(cfg, 0), gpu=gpu, served=served)
         before = gpu.stats().live_bytes
-        st = prop.alloc_state()
-        used = gpu.stats().live_bytes - before
-        kv_rows = len(st.dsa.table.blocks) * prop.kv.config.block_size
+        prop.alloc_state()
+        assert gpu.stats().live_bytes == before
+        rep = prop.memory_report()
+        used = (rep["kv_pool"] + rep["indexer_caches"]) // prop.opt.max_sequences
+        kv_rows = prop.pools.geometry.blocks_per_slot * prop.pools.geometry.block_size
         prop.close()
         return used, kv_rows
 
@@ -274,8 +277,8 @@ def test_buffers_are_sized_from_the_drafter_reach():
     assert b64 == b128s and b128 == b_cap
     assert b128 > b64
     assert kv64 >= 64 and kv64 - 64 < 16 and kv128 >= 128 and kv128 - 128 < 16
-    per_row = (b128 - b64) / 64  # bytes a row costs: keys and gates, pool key, scores, selection
-    assert per_row >= 2 * 2 * CFG.dsa.index_head_dim
+    per_row = (b128 - b64) / 64  # bytes a row costs: latent, keys and gates, pool key
+    assert per_row >= 2 * 2 * CFG.dsa.index_head_dim + CFG.attention.kv_lora_rank
 
 
 # ---- lifecycle ---------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ def test_drafts_and_logits_match_float64(seed, rows, topk, kpool, fp8_head):
     ref.rewind_to(rows)
     _, rl1, _ = ref.propose(last, hiddens[rows].astype(np.float64), 1)
     got = np.empty(cfg.vocab_size, BF16)
-    gpu.copy_d2h(got, st.logits)
+    gpu.copy_d2h(got, prop.step.logits)
     err = np.abs(got.astype(np.float64) - rl1[0]).max() / np.ptp(rl1[0])
     assert err < LOGIT_RTOL, err
     prop.close()

@@ -20,6 +20,9 @@ import numpy as np
 ENTRY_WORDS = 4
 ENTRY_BYTES = 4 * ENTRY_WORDS
 PAD_SLOT = 0xFFFFFFFF
+# Entries one batched launch covers (every batched kernel takes 1..MAX_ROWS): it bounds a proposer's
+# max_sequences and context_chunk.
+MAX_ROWS = 256
 
 
 def pack_entries(slots, rows, tokens, m: int | None = None) -> np.ndarray:

@@ -1,0 +1,111 @@
+"""Per-sequence DSA state of every sequence slot, in pools allocated up front and indexed by slot.
+
+A bucket graph of ``propose_batch`` bakes the pools' base addresses, never one sequence's buffers:
+the kernels find a sequence's rows from the slot id in its batch entry (model/kernels/batch.py).
+So sequences come and go and slots are reused without a recapture, and allocating a sequence
+allocates nothing on the device.
+
+Per layer: indexer keys and gates ``[slots][slot_rows][idim]`` BF16, compressed pool keys
+``[slots][pools_per_slot][idim]`` FP8 with one f32 scale each. Shared by the layers: the paged
+latent cache (one FP8 row of ``kv_lora_rank`` per token and layer) and the block tables
+``[slots][blocks_per_slot]`` that map a slot's rows into it; every slot claims its blocks here,
+so the tables never change after construction.
+
+A slot's bytes past its sequence's row count are unreachable (the selection reads complete pools
+below the current row, attention only selected rows), so a reused slot needs no clearing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from runtime.backend import GpuBackend
+from runtime.device_ptr import DevicePtr
+from runtime.kv_cache import BlockTable, PagedKvCache
+
+from .config import DsaConfig
+from .dsa import latent_cache_config
+from .kernels.batch import SlotGeometry
+
+
+@dataclass(frozen=True)
+class LayerPools:
+    keys: DevicePtr
+    gates: DevicePtr
+    pool_keys: DevicePtr
+    pool_scales: DevicePtr
+
+
+class SlotPools:
+    """The DSA caches of ``slots`` sequences of ``slot_rows`` rows each, for ``layers`` layers."""
+
+    def __init__(
+        self, gpu: GpuBackend, dsa: DsaConfig, kv_lora_rank: int, slot_rows: int, slots: int, layers: int = 1
+    ) -> None:
+        self.gpu, self.slots, self.slot_rows = gpu, slots, slot_rows
+        kvc = latent_cache_config(kv_lora_rank, layers)
+        self.geometry = g = SlotGeometry(slot_rows, dsa.index_head_dim, dsa.index_kpool, kvc.block_size)
+        self._ptrs: list[DevicePtr] = []
+        self._claims: list[BlockTable] = []
+        self.kv: PagedKvCache | None = None
+        self.layers: list[LayerPools] = []
+        try:
+            self.kv = PagedKvCache(kvc, g.blocks_per_slot * slots, gpu)
+            ids = np.empty((slots, g.blocks_per_slot), np.uint32)
+            for s in range(slots):
+                claim = self.kv.claim(slot_rows)
+                self._claims.append(claim)
+                ids[s] = claim.blocks
+            self.tables = self._alloc(ids.nbytes)
+            gpu.copy_h2d(self.tables, ids)
+            self.block_ids = ids
+            idim, pools = g.idim, g.pools_per_slot
+            for _ in range(layers):
+                self.layers.append(
+                    LayerPools(
+                        keys=self._alloc(slots * slot_rows * idim * 2),
+                        gates=self._alloc(slots * slot_rows * idim * 2),
+                        pool_keys=self._alloc(slots * pools * idim),
+                        pool_scales=self._alloc(slots * pools * 4),
+                    )
+                )
+        except Exception:
+            self.free()
+            raise
+
+    def _alloc(self, nbytes: int) -> DevicePtr:
+        p = self.gpu.alloc(max(nbytes, 1))
+        self._ptrs.append(p)
+        return p
+
+    @property
+    def nbytes_by_kind(self) -> dict[str, int]:
+        """Device bytes of the pools: the latent cache (with its scales and tables), and the
+        indexer's per-token keys and gates and compressed pools."""
+        g, kv = self.geometry, self.kv
+        row = kv.config.num_kv_heads * kv.config.head_dim * kv.config.dtype.itemsize + 4
+        latent = kv.num_blocks * kv.config.block_size * row * kv.config.num_layers
+        per_layer = self.slots * (2 * self.slot_rows * g.idim * 2 + g.pools_per_slot * (g.idim + 4))
+        return {
+            "kv_pool": latent + self.slots * g.blocks_per_slot * 4,
+            "indexer_caches": per_layer * len(self.layers),
+        }
+
+    def latent_slot(self, slot: int, row: int) -> int:
+        """Index of (slot, row) among the latent cache's rows (what the block table maps to)."""
+        bs = self.geometry.block_size
+        return int(self.block_ids[slot, row // bs]) * bs + row % bs
+
+    def free(self) -> None:
+        if self.kv is not None:
+            for c in self._claims:
+                self.kv.release(c)
+            self.kv.free()
+            self.kv = None
+        self._claims = []
+        for p in reversed(self._ptrs):
+            self.gpu.free(p)
+        self._ptrs = []
+        self.layers = []

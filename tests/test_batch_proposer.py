@@ -1,0 +1,295 @@
+"""Batched drafting on the host backend: random histories of batches checked after every step
+against a twin proposer that drafts each sequence alone (identical drafts, identical cache bytes),
+and the refusals of bad batches (nothing of any sequence changed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st_
+
+from model.config import tiny
+from model.proposer import ProposerError
+from runtime.host_backend import HostBackend
+from tests.proposer_fixtures import (
+    assert_same_caches,
+    bf16_weights,
+    cache_snapshot,
+    make_proposer,
+    upload_rows,
+)
+
+CFG = tiny(index_topk=8, index_kpool=2, max_context=96)
+WEIGHTS = bf16_weights(CFG, seed=5)
+H = CFG.hidden_size
+SLOTS = 6
+KMAX = 3
+
+
+class Seq:
+    """One sequence's target-side facts (a token and a hidden row per position) and its two
+    drafter states: in the batched proposer and in the twin that drafts it alone."""
+
+    def __init__(self, seed: int, a, b) -> None:
+        rng = np.random.default_rng(seed)
+        n = CFG.dsa.max_context + 2
+        self.tokens = rng.integers(0, CFG.vocab_size, n + 1)
+        self.hiddens = rng.standard_normal((n + 1, H)).astype(np.float32)
+        self.a, self.b = a, b
+
+
+class Pair:
+    """The batched proposer (graphs, small buckets so batches need padding) and its twin."""
+
+    def __init__(self) -> None:
+        self.gpu = HostBackend()
+        self.batched = make_proposer(
+            CFG,
+            WEIGHTS,
+            gpu=self.gpu,
+            max_sequences=SLOTS,
+            max_draft_tokens=KMAX,
+            use_graphs=True,
+            batch_buckets=(1, 2, 4, 8),
+            context_chunk=5,
+        )
+        self.alone = make_proposer(CFG, WEIGHTS, gpu=self.gpu, max_sequences=SLOTS, max_draft_tokens=KMAX)
+        self.live: list[Seq] = []
+
+    def check(self, seqs) -> None:
+        for q in seqs:
+            assert self.batched.drafter_rows(q.a) == self.alone.drafter_rows(q.b)
+            assert_same_caches(cache_snapshot(self.batched, q.a), cache_snapshot(self.alone, q.b))
+
+    def close(self) -> None:
+        self.batched.close()
+        self.alone.close()
+
+
+def _rows(gpu, q: Seq, base: int, n: int):
+    return upload_rows(gpu, q.hiddens[base : base + n])
+
+
+def _catchup(pair: Pair, seqs: list[Seq], counts: list[int]) -> None:
+    gpu = pair.gpu
+    bases = [pair.alone.drafter_rows(q.b) for q in seqs]
+    ptrs = [_rows(gpu, q, base, max(n, 1)) for q, base, n in zip(seqs, bases, counts)]
+    toks = [q.tokens[base : base + n + 1] for q, base, n in zip(seqs, bases, counts)]
+    got = pair.batched.catchup_batch([q.a for q in seqs], toks, ptrs, bases)
+    want = [pair.alone.catchup_drafter(q.b, t, p, base) for q, t, p, base in zip(seqs, toks, ptrs, bases)]
+    assert got == want
+    for p in ptrs:
+        gpu.free(p)
+
+
+def _propose(pair: Pair, seqs: list[Seq], backs: list[int], k: int) -> None:
+    gpu = pair.gpu
+    pos = [max(pair.alone.drafter_rows(q.b) - back, 0) for q, back in zip(seqs, backs)]
+    hid = upload_rows(gpu, np.stack([q.hiddens[p] for q, p in zip(seqs, pos)]))
+    toks = [int(q.tokens[p + 1]) for q, p in zip(seqs, pos)]
+    got = pair.batched.propose_batch([q.a for q in seqs], toks, hid, pos, k)
+    assert got.shape == (len(seqs), k)
+    for b, q in enumerate(seqs):
+        one = upload_rows(gpu, q.hiddens[pos[b] : pos[b] + 1])
+        want = pair.alone.propose(q.b, toks[b], one, pos[b], k)
+        gpu.free(one)
+        assert list(got[b]) == want, f"sequence {b} of the batch drafted differently than alone"
+    gpu.free(hid)
+
+
+OPS = st_.one_of(
+    st_.tuples(st_.just("alloc"), st_.integers(1, 40)),
+    st_.tuples(st_.just("propose"), st_.integers(0, 2**32 - 1), st_.integers(1, KMAX)),
+    st_.tuples(st_.just("verify"), st_.integers(0, 2**32 - 1)),
+    st_.tuples(st_.just("catchup"), st_.integers(0, 2**32 - 1)),
+    st_.tuples(st_.just("rewind"), st_.integers(0, 2**32 - 1)),
+    st_.tuples(st_.just("free"), st_.integers(0, 2**32 - 1)),
+)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st_.lists(OPS, min_size=4, max_size=22), st_.integers(0, 10**6))
+def test_batches_draft_as_each_sequence_alone(ops, seed):
+    """Random subsets and orders of live slots, random positions (rewinds included) and context
+    lengths, any acceptance, catch-up, rewind, free and slot reuse, batches that need padding:
+    after every step every sequence's drafts and cache bytes equal its twin's, drafted alone."""
+    pair = Pair()
+    rng = np.random.default_rng(seed)
+    serial = 0
+    proposed: list[Seq] = []
+    try:
+        for op in ops:
+            live = pair.live
+            if op[0] == "alloc":
+                if len(live) >= SLOTS:
+                    continue
+                serial += 1
+                q = Seq(seed * 1000 + serial, pair.batched.alloc_state(), pair.alone.alloc_state())
+                live.append(q)
+                _catchup(pair, [q], [min(op[1], CFG.dsa.max_context - KMAX - 8)])
+                pair.check([q])
+                continue
+            if not live:
+                continue
+            pick = list(np.random.default_rng(op[1]).permutation(len(live)))
+            subset = [live[i] for i in pick[: 1 + int(rng.integers(len(live)))]]
+            if op[0] == "propose":
+                k = op[2]
+                subset = [q for q in subset if pair.alone.drafter_rows(q.b) + k + 2 < CFG.dsa.max_context]
+                if not subset:
+                    continue
+                backs = [int(rng.integers(0, 3)) for _ in subset]
+                _propose(pair, subset, backs, k)
+                proposed = subset
+            elif op[0] == "verify":
+                if not proposed or any(q not in live for q in proposed):
+                    continue
+                acc = [int(rng.integers(0, q.a.last_drafted + 1)) for q in proposed]
+                pair.batched.after_verify_batch([q.a for q in proposed], acc)
+                for q, a in zip(proposed, acc):
+                    pair.alone.after_verify(q.b, a)
+                subset, proposed = proposed, []
+            elif op[0] == "catchup":
+                counts = [
+                    int(rng.integers(0, 6)) if pair.alone.drafter_rows(q.b) + 14 < CFG.dsa.max_context else 0
+                    for q in subset
+                ]
+                _catchup(pair, subset, counts)
+            elif op[0] == "rewind":
+                q = subset[0]
+                n = int(rng.integers(0, pair.alone.drafter_rows(q.b) + 1))
+                pair.batched.rewind_to(q.a, n)
+                pair.alone.rewind_to(q.b, n)
+                subset = [q]
+            elif op[0] == "free":
+                q = subset[0]
+                pair.batched.free_state(q.a)
+                pair.alone.free_state(q.b)
+                live.remove(q)
+                proposed = [p for p in proposed if p is not q]
+                continue
+            pair.check(live)
+    finally:
+        pair.close()
+
+
+# ---- refusals: a clear error, and no sequence of the batch changed ---------------------------------
+
+
+@pytest.fixture
+def filled():
+    gpu = HostBackend()
+    prop = make_proposer(CFG, WEIGHTS, gpu=gpu, max_sequences=4, max_draft_tokens=KMAX, batch_buckets=(1, 2))
+    seqs = [Seq(50 + i, prop.alloc_state(), None) for i in range(3)]
+    for q in seqs:
+        p = _rows(gpu, q, 0, 12)
+        prop.catchup_drafter(q.a, q.tokens[:13], p, 0)
+        gpu.free(p)
+    yield gpu, prop, seqs
+    prop.close()
+
+
+def _snapshots(prop, seqs):
+    return [(prop.drafter_rows(q.a), cache_snapshot(prop, q.a)) for q in seqs]
+
+
+def _unchanged(prop, seqs, before):
+    for q, (rows, snap) in zip(seqs, before):
+        assert prop.drafter_rows(q.a) == rows
+        assert_same_caches(cache_snapshot(prop, q.a), snap)
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("twice", "listed twice"),
+        ("freed", "was freed"),
+        ("foreign", "belongs to"),
+        ("lengths", "2 states but 1 last tokens"),
+        ("above_bucket", "largest batch bucket holds 2"),
+        ("small_hidden", "holds"),
+        ("behind", "catch up the missing rows"),
+        ("token", "outside the vocabulary"),
+    ],
+)
+def test_bad_batches_are_refused_and_change_nothing(filled, case, message):
+    gpu, prop, seqs = filled
+    other = make_proposer(CFG, WEIGHTS, gpu=gpu, max_sequences=1)
+    stranger = other.alloc_state()
+    dead = prop.alloc_state()
+    prop.free_state(dead)
+    a, b, c = (q.a for q in seqs)
+    rows = prop.drafter_rows(a)
+    hid = upload_rows(gpu, np.ones((3, H), np.float32))
+    before = _snapshots(prop, seqs)
+    args = {
+        "twice": ([a, a], [1, 2], hid, [rows, rows]),
+        "freed": ([a, dead], [1, 2], hid, [rows, 0]),
+        "foreign": ([a, stranger], [1, 2], hid, [rows, 0]),
+        "lengths": ([a, b], [1], hid, [rows, rows]),
+        "above_bucket": ([a, b, c], [1, 2, 3], hid, [rows] * 3),
+        "small_hidden": ([a, b], [1, 2], hid.offset(2 * H * 2), [rows, rows]),
+        "behind": ([a, b], [1, 2], hid, [rows, rows + 1]),
+        "token": ([a, b], [1, CFG.vocab_size], hid, [rows, rows - 2]),
+    }[case]
+    with pytest.raises(ProposerError, match=message):
+        prop.propose_batch(*args, 2)
+    _unchanged(prop, seqs, before)
+    gpu.free(hid)
+    other.close()
+
+
+def test_bad_catchup_and_verify_batches_change_nothing(filled):
+    gpu, prop, seqs = filled
+    a, b, _ = (q.a for q in seqs)
+    ra, rb = prop.drafter_rows(a), prop.drafter_rows(b)
+    good = _rows(gpu, seqs[0], ra, 3)
+    nan = upload_rows(gpu, np.where(np.arange(H) == 2, np.nan, 1.0)[None].repeat(3, 0))
+    before = _snapshots(prop, seqs)
+    toks = [seqs[0].tokens[ra : ra + 4], seqs[1].tokens[rb : rb + 4]]
+    with pytest.raises(ProposerError, match="sequence 1 .*not finite"):
+        prop.catchup_batch([a, b], toks, [good, nan], [ra, rb])
+    with pytest.raises(ProposerError, match="sequence 1 .*feed starts at row"):
+        prop.catchup_batch([a, b], toks, [good, good], [ra, rb + 1])
+    with pytest.raises(ProposerError, match="listed twice"):
+        prop.catchup_batch([a, a], toks, [good, good], [ra, ra])
+    with pytest.raises(ProposerError, match="accepted=1 outside 0..0"):
+        prop.after_verify_batch([a, b], [0, 1])
+    _unchanged(prop, seqs, before)
+    gpu.free(good)
+    gpu.free(nan)
+
+
+class FakeTensor:
+    """A stand-in for a PyTorch tensor on the host backend: only its __cuda_array_interface__."""
+
+    def __init__(self, ptr, shape, typestr="<V2", strides=None):
+        self.__cuda_array_interface__ = {
+            "shape": shape,
+            "typestr": typestr,
+            "data": (ptr.addr, False),
+            "strides": strides,
+            "version": 2,
+        }
+
+
+def test_cuda_array_interface_rows_are_read_and_checked(filled):
+    gpu, prop, seqs = filled
+    a, b, _ = (q.a for q in seqs)
+    rows = prop.drafter_rows(a)
+    hid = upload_rows(gpu, np.stack([seqs[0].hiddens[rows], seqs[1].hiddens[rows]]))
+    toks = [int(seqs[0].tokens[rows + 1]), int(seqs[1].tokens[rows + 1])]
+    before = _snapshots(prop, seqs)
+    for bad, msg in (
+        (FakeTensor(hid, (2, H + 1)), "shape"),
+        (FakeTensor(hid, (2, H), typestr="<f2"), "dtype"),
+        (FakeTensor(hid, (2, H), strides=(2, 2 * 2)), "C-contiguous"),
+    ):
+        with pytest.raises(ProposerError, match=msg):
+            prop.propose_batch([a, b], toks, bad, [rows, rows], 2)
+    _unchanged(prop, seqs, before)
+    via_ptr = prop.propose_batch([a, b], toks, hid, [rows, rows], 2)
+    via_cai = prop.propose_batch([a, b], toks, FakeTensor(hid, (2, H)), [rows, rows], 2, stream=prop.stream)
+    np.testing.assert_array_equal(via_ptr, via_cai)
+    gpu.free(hid)
