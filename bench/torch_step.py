@@ -37,7 +37,10 @@ the B x top_k (row, expert) pairs sorted by expert, group ends by ``searchsorted
 weights read once per draft; the shared expert one GEMM; the head one [B, H] x [H, V] GEMM in BF16,
 or (``fp8_head``) ``torch._scaled_mm`` on an FP8 copy with per-row scales, the activations
 quantized per row (``_scaled_mm`` takes no BF16 operand); argmax per row feeds the next draft.
-One graph per (B, k, contexts): the contexts are baked, as above.
+One graph per (B, k, contexts): the contexts are baked, as above. On an H200 (torch 2.11, k = 3,
+every sequence at 4096, BF16 head, graph): 2.9 ms at B = 1, 8.5 ms at B = 16, 16.8 ms at B = 64,
+26.3 ms at B = 256; the grouped expert GEMMs take about 70% of it at B = 64 (about 3.1 TB/s of
+expert weights), ragged contexts (128..16000) about the same.
 """
 
 from __future__ import annotations
@@ -346,7 +349,9 @@ class BatchDraftStep:
         self.keys = rnd(batch, rows, d.index_head_dim)
         self.gates = rnd(batch, rows, d.index_head_dim)
         self.pool_keys = rnd(batch, rows // d.index_kpool, d.index_head_dim)
-        self.tok_in = torch.zeros(batch, dtype=torch.long, device=dev)
+        # Each sequence's own token: with one token for all, draft 1's rows route alike and the
+        # batch chooses far fewer distinct experts than a real batch (59 of 288 at B = 16, not 104).
+        self.tok_in = torch.randint(0, cfg.vocab_size, (batch,), device=dev, generator=g)
         self.hid_in = rnd(batch, H)
         self.drafts = torch.zeros(batch, 8, dtype=torch.long, device=dev)
         self.last_hidden = torch.zeros(batch, H, device=dev, dtype=dt)
