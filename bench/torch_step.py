@@ -26,6 +26,21 @@ the caches (random latents, indexer keys and gates, BF16 pool keys); each draft 
 Graph replays are timed with CUDA events around each replay (median of many); eager runs with a
 synchronize around each k-draft propose (median). One graph per (context, k): row indices are
 baked into the captured kernels, as a fixed-shape capture would do.
+
+The whole batch (``BatchDraftStep``, ``run_batch``; ``--batches 1,16,64``): B sequences, each with
+its own caches and context, drafted together with the same arithmetic per row as ``DraftStep``:
+every projection one [B, ·] GEMM; each sequence's indexer scores over its own pools (padded to
+the batch's largest pool count, masked), its own top-k and selection (padded to one width, masked
+in the softmax) and absorbed MLA over its own latent rows; the MoE as ``torch._grouped_mm`` over
+the B x top_k (row, expert) pairs sorted by expert, group ends by ``searchsorted`` on the device
+(no host sync: capturable; no padding of groups needed, empty groups allowed), each expert's
+weights read once per draft; the shared expert one GEMM; the head one [B, H] x [H, V] GEMM in BF16,
+or (``fp8_head``) ``torch._scaled_mm`` on an FP8 copy with per-row scales, the activations
+quantized per row (``_scaled_mm`` takes no BF16 operand); argmax per row feeds the next draft.
+One graph per (B, k, contexts): the contexts are baked, as above. On an H200 (torch 2.11, k = 3,
+every sequence at 4096, BF16 head, graph): 2.9 ms at B = 1, 8.5 ms at B = 16, 16.8 ms at B = 64,
+26.3 ms at B = 256; the grouped expert GEMMs take about 70% of it at B = 64 (about 3.1 TB/s of
+expert weights), ragged contexts (128..16000) about the same.
 """
 
 from __future__ import annotations
@@ -270,6 +285,230 @@ def weights_from_state_dict(cfg, sd: dict, device="cpu", dtype=torch.float32) ->
     return W
 
 
+# ---- the whole batch -----------------------------------------------------------------------------
+
+
+class _DraftPlan:
+    """One draft's per-sequence indices, built on the host before the step runs (and before a
+    capture: a graph bakes them, so there is one graph per (B, k, contexts))."""
+
+    def __init__(self, cfg, contexts: list[int], i: int, device: torch.device) -> None:
+        d = cfg.dsa
+        kp, K = d.index_kpool, d.index_topk // d.index_kpool
+        n = [c + i for c in contexts]
+        ncomp = [(r + 1) // kp for r in n]
+
+        def dev(x, dtype=torch.long):
+            return torch.as_tensor(x, dtype=dtype, device=device)
+
+        self.i = i
+        self.rows = dev(n)  # the row each sequence writes
+        comp = [b for b, r in enumerate(n) if (r + 1) % kp == 0]  # sequences whose row completes a pool
+        self.comp_seq = dev(comp) if comp else None
+        self.comp_rows = dev([[n[b] + 1 - kp + j for j in range(kp)] for b in comp]) if comp else None
+        self.comp_pool = dev([ncomp[b] - 1 for b in comp]) if comp else None
+        self.pmax = max(ncomp)
+        self.dense = dev([c <= K for c in ncomp], torch.bool)  # attends every row, as batch 1 does
+        self.pool_valid = dev([[p < c for p in range(self.pmax)] for c in ncomp], torch.bool)
+        self.k_valid = dev([[j < min(c, K) for j in range(K)] for c in ncomp], torch.bool)
+        # The tail: rows after the last complete pool (at most kp - 1 of them).
+        self.tail_rows = dev([[c * kp + j for j in range(kp - 1)] for c in ncomp])
+        self.tail_valid = dev(
+            [[c * kp + j <= r for j in range(kp - 1)] for c, r in zip(ncomp, n)], torch.bool
+        )
+        # Rows drafted since draft 1 (a shared selection attends them besides draft 1's).
+        self.extra_rows = dev([[c + j for j in range(1, i + 1)] for c in contexts])
+
+
+class BatchDraftStep:
+    """B sequences' DSA caches over one DraftStep's weights, and the k-draft propose for all of
+    them at once (the batched form of ``DraftStep.propose``, same arithmetic per row).
+
+    Per draft: every projection is one [B, ·] GEMM; the indexer scores each sequence's own pools,
+    padded to the batch's largest pool count and masked; each sequence's selection (top-k pools
+    expanded to rows, plus its tail; every row while it has at most top-k pools) is padded to one
+    width and masked in the attention's softmax; the MoE runs ``torch._grouped_mm`` over the
+    batch's B x top_k (row, expert) pairs sorted by expert, with group offsets computed on the
+    device (no host sync, so the step is capturable); the shared expert is a plain GEMM; the head
+    one [B, H] x [H, V] GEMM (BF16, or FP8 by ``torch._scaled_mm``), argmax per row feeding the
+    next draft on the device."""
+
+    def __init__(self, base: DraftStep, batch: int, rows: int, seed: int = 1) -> None:
+        self.base, self.cfg, self.W = base, base.cfg, base.W
+        self.dtype, self.device = base.dtype, base.device
+        cfg, dev, dt = base.cfg, base.device, base.dtype
+        a, d, m = cfg.attention, cfg.dsa, cfg.moe
+        H = cfg.hidden_size
+        self.B, self.rows = batch, rows
+        g = torch.Generator(device=dev).manual_seed(seed)
+
+        def rnd(*shape):
+            return torch.randn(*shape, device=dev, dtype=dt, generator=g)
+
+        self.latents = rnd(batch, rows, a.kv_lora_rank)
+        self.keys = rnd(batch, rows, d.index_head_dim)
+        self.gates = rnd(batch, rows, d.index_head_dim)
+        self.pool_keys = rnd(batch, rows // d.index_kpool, d.index_head_dim)
+        # Each sequence's own token: with one token for all, draft 1's rows route alike and the
+        # batch chooses far fewer distinct experts than a real batch (59 of 288 at B = 16, not 104).
+        self.tok_in = torch.randint(0, cfg.vocab_size, (batch,), device=dev, generator=g)
+        self.hid_in = rnd(batch, H)
+        self.drafts = torch.zeros(batch, 8, dtype=torch.long, device=dev)
+        self.last_hidden = torch.zeros(batch, H, device=dev, dtype=dt)
+        self.expert_ids = torch.zeros(8, batch, m.num_experts_per_tok, dtype=torch.long, device=dev)
+        # The stacked experts as _grouped_mm's [E, K, N] operands: transposed views, no copy.
+        self.wg_t = self.W["experts_gate_proj"].transpose(1, 2)  # [E, H, I]
+        self.wu_t = self.W["experts_up_proj"].transpose(1, 2)
+        self.wd_t = self.W["experts_down_proj"].transpose(1, 2)  # [E, I, H]
+        self.head_fp8: torch.Tensor | None = None
+        self.head_scale: torch.Tensor | None = None
+        self._plans: dict[tuple[tuple[int, ...], int], list[_DraftPlan]] = {}
+        self._bidx = torch.arange(batch, device=dev)
+        self._sel0: torch.Tensor | None = None
+        self._mask0: torch.Tensor | None = None
+
+    def load_sequence(self, b: int, step: DraftStep) -> None:
+        """Sequence b's caches and inputs from a batch-1 step's (for comparing the two)."""
+        n = min(self.rows, step.rows)
+        self.latents[b, :n] = step.latents[:n]
+        self.keys[b, :n] = step.keys[:n]
+        self.gates[b, :n] = step.gates[:n]
+        p = min(self.pool_keys.shape[1], step.pool_keys.shape[0])
+        self.pool_keys[b, :p] = step.pool_keys[:p]
+        self.tok_in[b] = step.tok_in[0]
+        self.hid_in[b] = step.hid_in
+
+    def enable_fp8_head(self) -> None:
+        """An FP8 E4M3 copy of the head with one f32 scale per vocabulary row (what the runtime's
+        FP8 head reads). ``torch._scaled_mm`` needs both operands in FP8, so the activations are
+        quantized per row too (the runtime keeps them BF16): same bytes, not the same numbers."""
+        w = self.W["head"].float()
+        scale = w.abs().amax(1, keepdim=True).clamp(min=1e-12) / 448.0
+        self.head_fp8 = (w / scale).to(torch.float8_e4m3fn)
+        self.head_scale = scale.reshape(1, -1).contiguous()
+
+    def plan(self, contexts, k: int) -> list[_DraftPlan]:
+        key = (tuple(int(c) for c in contexts), k)
+        if len(key[0]) != self.B:
+            raise ValueError(f"{len(key[0])} contexts for a batch of {self.B}")
+        if max(key[0]) + k + self.cfg.dsa.index_kpool > self.rows:
+            raise ValueError(f"contexts up to {max(key[0])} with k={k} outrun the {self.rows} cache rows")
+        if key not in self._plans:
+            self._plans[key] = [_DraftPlan(self.cfg, list(key[0]), i, self.device) for i in range(k)]
+        return self._plans[key]
+
+    def _draft(self, tok: torch.Tensor, h: torch.Tensor, p: _DraftPlan, fp8: bool):
+        """One draft for the batch: tokens [B], hiddens [B, H] -> (next tokens [B], normalised x)."""
+        cfg, W = self.cfg, self.W
+        a, d, m = cfg.attention, cfg.dsa, cfg.moe
+        eps, B = cfg.rms_norm_eps, self.B
+        nh, kp, K = a.num_attention_heads, d.index_kpool, d.index_topk // d.index_kpool
+        bidx = self._bidx
+        e = _rms(F.embedding(tok, W["embed"]), W["enorm"], eps)
+        x = F.linear(torch.cat([e, _rms(h, W["hnorm"], eps)], -1), W["eh_proj"])
+        y = _rms(x, W["in_norm"], eps)
+        qa = _rms(F.linear(y, W["q_a"]), W["q_a_norm"], eps)
+        q = F.linear(qa, W["q_b"]).view(B, nh, a.qk_head_dim)
+        self.latents[bidx, p.rows] = _rms(F.linear(y, W["kv_a"]), W["kv_a_norm"], eps)
+        self.keys[bidx, p.rows] = F.layer_norm(
+            _up(F.linear(y, W["ix_wk"])), (d.index_head_dim,), _up(W["ix_ln_w"]), _up(W["ix_ln_b"]), 1e-6
+        ).to(self.dtype)
+        self.gates[bidx, p.rows] = F.linear(y, W["ix_gate"])
+        if p.comp_seq is not None:
+            cs = p.comp_seq[:, None]
+            wts = torch.softmax(_up(self.gates[cs, p.comp_rows]) + _up(W["ix_ape"]), dim=1)
+            pooled = (wts * _up(self.keys[cs, p.comp_rows])).sum(1).to(self.dtype)
+            self.pool_keys[p.comp_seq, p.comp_pool] = pooled
+        if d.share_for_mtp_iteration and p.i > 0:
+            # Drafts 2..k attend draft 1's selection plus the rows drafted since (model/dsa.py).
+            sel = torch.cat([self._sel0, p.extra_rows], 1)
+            mask = torch.cat([self._mask0, torch.ones_like(p.extra_rows, dtype=torch.bool)], 1)
+        else:
+            ar = torch.arange(K, device=self.device).expand(B, K)
+            if p.pmax > K:
+                qi = F.linear(qa, W["ix_wq_b"]).view(B, d.index_n_heads, d.index_head_dim)
+                wh = _up(F.linear(y, W["ix_weights"])) / math.sqrt(d.index_n_heads)
+                pk = self.pool_keys[:, : p.pmax]  # padded to the batch's largest pool count
+                sc = torch.relu(_up(torch.matmul(qi, pk.transpose(1, 2))))  # [B, ih, P]
+                scores = (wh[:, None, :] @ sc)[:, 0] / math.sqrt(d.index_head_dim)
+                scores = scores.masked_fill(~p.pool_valid, float("-inf"))
+                top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :K]
+                top = torch.where(p.dense[:, None], ar, top)  # few pools: every row, in order
+            else:
+                top = ar
+            pool_rows = (top[:, :, None] * kp + torch.arange(kp, device=self.device)).reshape(B, K * kp)
+            sel = torch.cat([pool_rows, p.tail_rows], 1)
+            mask = torch.cat([p.k_valid.repeat_interleave(kp, 1), p.tail_valid], 1)
+            sel = torch.where(mask, sel, 0)
+            self._sel0, self._mask0 = sel, mask
+        c = self.latents[bidx[:, None], sel]  # [B, S, kl], padded entries masked below
+        # Absorbed MLA.
+        q_lat = torch.bmm(q[:, :, : a.qk_nope_head_dim].transpose(0, 1), self.base.w_uk).transpose(0, 1)
+        s = _up(torch.matmul(q_lat, c.transpose(1, 2))) * a.softmax_scale  # [B, nh, S]
+        s = s.masked_fill(~mask[:, None, :], float("-inf"))
+        pr = torch.softmax(s, dim=-1).to(self.dtype)
+        o_lat = torch.matmul(pr, c)  # [B, nh, kl]
+        o = torch.bmm(o_lat.transpose(0, 1), self.base.w_uv_t).transpose(0, 1)  # [B, nh, v]
+        x = x + F.linear(o.reshape(B, -1), W["o_proj"])
+        # MoE: the batch's (row, expert) pairs sorted by expert, one grouped GEMM per matrix.
+        y2 = _rms(x, W["post_norm"], eps)
+        tk = m.num_experts_per_tok
+        scr = torch.sigmoid(F.linear(_up(y2), _up(W["router"])))
+        idx = torch.sort(scr + W["router_bias"], dim=-1, descending=True, stable=True).indices[:, :tk]
+        self.expert_ids[p.i].copy_(idx)
+        w = torch.gather(scr, 1, idx)
+        if m.norm_topk_prob:
+            w = w / w.sum(-1, keepdim=True)
+        w = w * m.routed_scaling_factor
+        flat = idx.reshape(-1)
+        order = torch.sort(flat, stable=True).indices  # pairs by expert, then by row
+        experts = torch.arange(m.n_routed_experts, device=self.device)
+        offs = torch.searchsorted(flat[order], experts, right=True, out_int32=True)  # group ends
+        ya = y2.index_select(0, order // tk)
+        L = m.swiglu_limit
+        act = F.silu(torch._grouped_mm(ya, self.wg_t, offs=offs).clamp(max=L)) * torch._grouped_mm(
+            ya, self.wu_t, offs=offs
+        ).clamp(-L, L)
+        dn = _up(torch._grouped_mm(act, self.wd_t, offs=offs)) * w.reshape(-1)[order][:, None].to(
+            _up(act).dtype
+        )
+        # Back to (row, slot) order, then the per-row sum in the batch-1 step's order.
+        routed = torch.empty_like(dn).index_copy_(0, order, dn).view(B, tk, -1).sum(1)
+        sh = F.linear(
+            F.silu(F.linear(y2, W["shared_gate_proj"]).clamp(max=L))
+            * F.linear(y2, W["shared_up_proj"]).clamp(-L, L),
+            W["shared_down_proj"],
+        )
+        x = x + (routed + _up(sh)).to(self.dtype)
+        out = _rms(x, W["head_norm"], eps)
+        if fp8:
+            a_scale = _up(out).abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
+            a8 = (_up(out) / a_scale).to(torch.float8_e4m3fn)
+            logits = torch._scaled_mm(
+                a8, self.head_fp8.t(), scale_a=a_scale, scale_b=self.head_scale, out_dtype=torch.bfloat16
+            )
+        else:
+            logits = F.linear(out, W["head"])
+        return torch.argmax(logits, dim=-1), out, logits
+
+    def propose(self, contexts, k: int, fp8: bool = False) -> torch.Tensor:
+        """k drafts for every sequence b from (tok_in[b], hid_in[b]) at rows contexts[b] ..
+        contexts[b]+k-1; the drafts land in self.drafts[:, :k]."""
+        if fp8 and self.head_fp8 is None:
+            self.enable_fp8_head()
+        plans = self.plan(contexts, k)
+        tok, h = self.tok_in, self.hid_in
+        for p in plans:
+            tok, h, _ = self._draft(tok, h, p, fp8)
+            self.drafts[:, p.i].copy_(tok)
+        self.last_hidden.copy_(h)
+        return self.drafts[:, :k]
+
+    def distinct_experts(self, k: int) -> list[int]:
+        """Distinct routed experts the batch chose in each of the last propose's k drafts."""
+        return [int(torch.unique(self.expert_ids[i]).numel()) for i in range(k)]
+
+
 # ---- timing --------------------------------------------------------------------------------------
 
 _STEP: DraftStep | None = None
@@ -331,15 +570,102 @@ def run(context: int, k: int, graph: bool, iters: int = 200, warmup: int = 10) -
     return statistics.median(times)
 
 
+_BSTEP: BatchDraftStep | None = None
+
+
+def _batch_step(batch: int, max_context: int, k: int) -> BatchDraftStep:
+    """The batch's caches over the batch-1 step's weights (built once, shared)."""
+    global _BSTEP
+    base = _step(16384 + 16)
+    rows = max_context + k + base.cfg.dsa.index_kpool
+    if _BSTEP is None or _BSTEP.B != batch or _BSTEP.rows < rows:
+        _BSTEP = None
+        torch.cuda.empty_cache()
+        _BSTEP = BatchDraftStep(base, batch, rows)
+    return _BSTEP
+
+
+@torch.inference_mode()
+def run_batch(
+    contexts,
+    k: int,
+    graph: bool,
+    iters: int = 100,
+    warmup: int = 5,
+    fp8_head: bool = False,
+    info: dict | None = None,
+) -> float:
+    """Median milliseconds of one k-draft propose for a batch of ``len(contexts)`` sequences, the
+    sequence b at ``contexts[b]`` cached rows (GLM-5.3-Flash shapes, BF16 weights, the head BF16 or
+    FP8), eager (a synchronize around each propose) or as one CUDA graph per (B, k, contexts)
+    replayed back to back between CUDA events. ``info`` (a dict) receives the drafts and the
+    distinct experts the batch chose per draft (for its byte floor)."""
+    contexts = [int(c) for c in contexts]
+    st = _batch_step(len(contexts), max(contexts), k)
+    if not graph:
+        for _ in range(warmup):
+            st.propose(contexts, k, fp8_head)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            st.propose(contexts, k, fp8_head)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        ms = statistics.median(times)
+    else:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                st.propose(contexts, k, fp8_head)
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        gr = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(gr):
+            st.propose(contexts, k, fp8_head)
+        for _ in range(warmup):
+            gr.replay()
+        torch.cuda.synchronize()
+        ev = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)
+        ]
+        for a, b in ev:
+            a.record()
+            gr.replay()
+            b.record()
+        torch.cuda.synchronize()
+        ms = statistics.median(a.elapsed_time(b) for a, b in ev)
+        g_drafts = st.drafts[:, :k].clone()
+        st.propose(contexts, k, fp8_head)
+        if not torch.equal(g_drafts, st.drafts[:, :k]):
+            print("warning: batched graph drafts differ from eager", file=sys.stderr)
+        del gr
+    if info is not None:
+        info["drafts"] = st.drafts[:, :k].tolist()
+        info["distinct_experts"] = st.distinct_experts(k)
+    return ms
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16000])
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 3])
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument(
+        "--batches",
+        type=lambda s: tuple(int(c) for c in s.split(",")),
+        help="comma-separated batch sizes: time the batched step (BatchDraftStep) instead, at the "
+        "contexts of bench/bench_batch.py contexts_for (uniform 4096 and ragged 128..16000)",
+    )
+    ap.add_argument("--kinds", default="uniform,ragged", help="with --batches: context kinds")
+    ap.add_argument("--fp8-head", action="store_true", help="with --batches: the head by torch._scaled_mm")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: bench/torch_step.py times a GPU", file=sys.stderr)
         return 2
+    if args.batches:
+        return batch_main(args)
     t0 = time.time()
     _step(max(args.contexts) + max(args.ks) + 1)
     print(
@@ -362,6 +688,53 @@ def main(argv=None) -> int:
             print(f"{c:>8} {k:>3} {e:>9.3f} {g:>9.3f} {g / k:>15.3f}", flush=True)
     print(
         "TORCH_STEP_JSON "
+        + json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows})
+    )
+    return 0
+
+
+def batch_main(args) -> int:
+    from bench.bench_batch import contexts_for
+
+    t0 = time.time()
+    _step(16384 + 16)
+    print(
+        f"{torch.cuda.get_device_name()} torch {torch.__version__}: weights built in {time.time() - t0:.1f} s",
+        flush=True,
+    )
+    rows = []
+    print(
+        f"{'kind':>8} {'B':>4} {'k':>3} {'eager ms':>9} {'graph ms':>9} {'ms/seq-draft':>13}  distinct experts"
+    )
+    for kind in args.kinds.split(","):
+        for B in args.batches:
+            ctx = contexts_for(kind, B)
+            for k in args.ks:
+                info: dict = {}
+                e = run_batch(ctx, k, graph=False, iters=max(args.iters // 4, 10), fp8_head=args.fp8_head)
+                try:
+                    g = run_batch(ctx, k, graph=True, iters=args.iters, fp8_head=args.fp8_head, info=info)
+                except Exception as exc:  # keep the eager numbers if capture fails
+                    print(f"graph capture failed at {kind} B {B}, k {k}: {exc!r}", file=sys.stderr)
+                    g = float("nan")
+                rows.append(
+                    {
+                        "kind": kind,
+                        "B": B,
+                        "k": k,
+                        "head": "fp8" if args.fp8_head else "bf16",
+                        "eager_ms": round(e, 4),
+                        "graph_ms": round(g, 4),
+                        "distinct_experts": info.get("distinct_experts"),
+                    }
+                )
+                print(
+                    f"{kind:>8} {B:>4} {k:>3} {e:>9.3f} {g:>9.3f} {g / (B * k):>13.4f}  "
+                    f"{info.get('distinct_experts')}",
+                    flush=True,
+                )
+    print(
+        "TORCH_STEP_BATCH_JSON "
         + json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows})
     )
     return 0

@@ -1,0 +1,596 @@
+"""Batched drafting benchmark: ``propose_batch`` for B sequences against its byte floor (the parts
+bench/bench_propose.py wires into its run; issue 15's "Numbers to reach").
+
+One point per batch size B (1, 2, 4, ..., 256 by default), the B sequences at the contexts of
+``contexts_for``: every one at 4096 (``uniform``), or spread evenly over 128..16000 (``ragged``).
+
+- The floor of one ``propose_batch`` of k drafts is the bytes it must move over the measured copy
+  bandwidth (``batch_floor_bytes``): per draft, the block's weights once for the whole batch, the
+  distinct routed experts the batch chose in that draft (counted from the router's ids, or their
+  expectation under uniform routing when the caller has no ids), the head once; and every
+  sequence's own cache traffic: its selection's latent rows and scales, its pool keys and scales
+  when the indexer runs (draft 1 only where drafts share its selection), its embedding row (and
+  the target's hidden row on draft 1), and the rows it writes (latent, indexer key and gate, the
+  pool it completes).
+- ``measure_batch`` allocates the B states, fills their contexts through ``catchup_batch`` (random
+  tokens and hidden rows, the real cache kernels; or bench_propose's fast direct fill), times the
+  graph-replayed ``propose_batch`` (the graph it launches is caught and replayed back to back
+  between events, median), its wall time and host CPU time, and a whole drafter step: the re-feed
+  of each sequence's accepted rows by one ``catchup_batch`` and then ``propose_batch``, against
+  that step's floor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from bench.bench_propose import copy_bandwidth, draft_bytes, fill_context
+from model.config import ModelConfig
+from model.kernels.dsa_select import complete_pools
+from model.weights import Sharding
+from runtime.dtypes import BF16
+
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+UNIFORM_CONTEXT = 4096
+RAGGED_CONTEXTS = (128, 16000)
+# The weight buffers of draft_bytes that a batch reads once per draft (the experts and the head apart).
+BLOCK_WEIGHTS = ("eh_proj", "fused_in", "q_fused", "wk_t", "wv", "o_proj", "router", "shared_expert")
+
+
+# ---- what a batch is ------------------------------------------------------------------------------
+
+
+def contexts_for(kind: str | int, batch: int, rng: np.random.Generator | None = None) -> list[int]:
+    """The cached rows of each of ``batch`` sequences: ``"uniform"`` (all at 4096), ``"ragged"``
+    (evenly spread over 128..16000, ends included; one sequence sits at the middle, 8064), or an
+    int (all at that). ``rng`` shuffles the order (the set stays)."""
+    if isinstance(kind, (int, np.integer)):
+        ctx = [int(kind)] * batch
+    elif kind == "uniform":
+        ctx = [UNIFORM_CONTEXT] * batch
+    elif kind == "ragged":
+        lo, hi = RAGGED_CONTEXTS
+        ctx = [(lo + hi) // 2] if batch == 1 else [int(round(c)) for c in np.linspace(lo, hi, batch)]
+    else:
+        raise ValueError(f"contexts kind {kind!r}: 'uniform', 'ragged' or an int")
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    if rng is not None:
+        ctx = [ctx[i] for i in rng.permutation(batch)]
+    return ctx
+
+
+def distinct_experts(ids: np.ndarray, n_experts: int) -> int:
+    """How many different experts appear in ``ids`` (any shape: one draft's [B, top_k] router
+    choices). An id outside 0..n_experts-1 is refused (a padding row's or an unwritten buffer's:
+    the caller slices those off), not counted."""
+    a = np.asarray(ids)
+    if a.size == 0:
+        return 0
+    if not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"expert ids must be integers, got {a.dtype}")
+    if a.min() < 0 or a.max() >= n_experts:
+        raise ValueError(f"expert ids must lie in 0..{n_experts - 1}, got {a.min()}..{a.max()}")
+    return int(np.count_nonzero(np.bincount(a.reshape(-1).astype(np.int64), minlength=n_experts)))
+
+
+def expected_distinct_experts(n_experts: int, top_k: int, batch: int) -> float:
+    """Distinct experts ``batch`` rows choose on average when each row's top_k set is uniform: an
+    expert is missed by one row with probability 1 - top_k / n_experts (about 104 of 288 at
+    B = 16 for top-8, 241 at B = 64)."""
+    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** batch)
+
+
+# ---- bytes ----------------------------------------------------------------------------------------
+
+
+def _floor_view(cfg_or_prop: Any) -> Any:
+    """What draft_bytes reads of a proposer (cfg, sharding, the fused projection's rows, the head's
+    rows), from a proposer itself or built from a config as MtpProposer lays its weights out."""
+    if not isinstance(cfg_or_prop, ModelConfig):
+        return cfg_or_prop
+    cfg = cfg_or_prop
+    a, d, V = cfg.attention, cfg.dsa, cfg.vocab_size
+    W = cfg.parallel.world_size
+    heads = a.num_attention_heads
+    # o_proj's bytes do not depend on its group count; one group per head always divides.
+    sh = Sharding.for_config(cfg, heads)
+    fused_rows = a.kv_lora_rank + 2 * d.index_head_dim + a.q_lora_rank + d.index_n_heads
+    return SimpleNamespace(
+        cfg=cfg,
+        sharding=sh,
+        layer=SimpleNamespace(attn=SimpleNamespace(fused_rows=fused_rows)),
+        head_n=V // W if V % W == 0 else V,
+    )
+
+
+def _cfg(cfg_or_prop: Any) -> ModelConfig:
+    return cfg_or_prop if isinstance(cfg_or_prop, ModelConfig) else cfg_or_prop.cfg
+
+
+def selection_size(cfg: ModelConfig, row: int) -> int:
+    """Rows a draft at ``row`` attends when it runs the indexer: every row while there are at
+    most top-k complete pools, else the top-k pools' rows; the incomplete tail besides, where
+    ``always_select_tail`` (the rule draft_bytes counts)."""
+    d = cfg.dsa
+    kp = d.index_kpool
+    npools = complete_pools(row, kp)
+    tail = row + 1 - npools * kp if d.always_select_tail else 0
+    return (npools if npools <= d.topk_pools else d.topk_pools) * kp + tail
+
+
+def _row_writes(cfg: ModelConfig, row: int) -> int:
+    """Bytes a row writes to its sequence's caches: the FP8 latent and its scale, the BF16
+    indexer key and gate, and, when the row completes a pool, the pool's FP8 key and scale from
+    the pool's other rows' keys and gates (read back)."""
+    C, d = cfg.attention.kv_lora_rank, cfg.dsa
+    idim, kp = d.index_head_dim, d.index_kpool
+    out = (C + 4) + 2 * idim * 2
+    if (row + 1) % kp == 0:
+        out += (kp - 1) * 2 * idim * 2 + idim + 4
+    return out
+
+
+def sequence_bytes(cfg: ModelConfig, context: int, k: int) -> tuple[int, int]:
+    """(reads, writes) of one sequence's own cache traffic over a k-draft propose at ``context``:
+    draft i attends its selection (draft 1's plus the rows drafted since, where drafts share it),
+    reads the pool keys when it runs the indexer, its embedding row, the target's hidden row on
+    draft 1; and writes its row."""
+    C, d, H = cfg.attention.kv_lora_rank, cfg.dsa, cfg.hidden_size
+    reads = writes = 0
+    sel0 = selection_size(cfg, context)
+    for i in range(k):
+        row = context + i
+        if d.share_for_mtp_iteration and i > 0:
+            sel, pools = sel0 + (i if d.always_select_tail else 0), 0
+        else:
+            sel, pools = selection_size(cfg, row), complete_pools(row, d.index_kpool)
+        reads += sel * (C + 4) + pools * (d.index_head_dim + 4) + H * 2 + (H * 2 if i == 0 else 0)
+        writes += _row_writes(cfg, row)
+    return reads, writes
+
+
+def batch_floor_bytes(
+    cfg: Any,
+    contexts: Sequence[int],
+    k: int,
+    chosen_experts_per_draft: Sequence[float],
+    fp8_head: bool,
+) -> dict[str, int]:
+    """Bytes one ``propose_batch`` of k drafts must move for sequences at ``contexts`` (``cfg``: a
+    ModelConfig, or the proposer itself so its own buffer sizes are counted, as draft_bytes does).
+    ``chosen_experts_per_draft[i]``: distinct routed experts the batch chose in draft i.
+
+    Keys: ``block`` (draft_bytes' BLOCK_WEIGHTS, once per draft), ``experts`` (each chosen expert's
+    gate_up and down once per draft), ``head``, ``cache_reads`` and ``cache_writes`` (every
+    sequence's, ``sequence_bytes``), ``total``."""
+    view, c = _floor_view(cfg), _cfg(cfg)
+    contexts = [int(x) for x in contexts]
+    if k < 1 or not contexts:
+        raise ValueError(f"need k >= 1 and at least one sequence, got k={k}, {len(contexts)} sequences")
+    if len(chosen_experts_per_draft) != k:
+        raise ValueError(f"{len(chosen_experts_per_draft)} expert counts for {k} drafts")
+    m = c.moe
+    n_local = view.sharding.local_experts
+    for n in chosen_experts_per_draft:
+        if not 0 <= n <= n_local:
+            raise ValueError(f"{n} distinct experts in a draft: outside 0..{n_local}")
+    w = draft_bytes(view, contexts[0], fp8_head)
+    per_expert = w["experts"] // m.num_experts_per_tok
+    reads = writes = 0
+    for ctx in contexts:
+        r, wr = sequence_bytes(c, ctx, k)
+        reads, writes = reads + r, writes + wr
+    out = {
+        "block": k * sum(w[name] for name in BLOCK_WEIGHTS),
+        "experts": int(round(sum(chosen_experts_per_draft) * per_expert)),
+        "head": k * w["head"],
+        "cache_reads": reads,
+        "cache_writes": writes,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def catchup_floor_bytes(cfg: Any, row_bases: Sequence[int], rows: Sequence[int]) -> dict[str, int]:
+    """Bytes one ``catchup_batch`` must move to append ``rows[b]`` rows at ``row_bases[b]`` to
+    sequence b: eh_proj and the cache part of the fused projection (the latent, indexer key and
+    gate rows) once for the batch, and per row its embedding row, its hidden row and the cache
+    bytes it writes. Nothing when no sequence gains a row."""
+    c = _cfg(cfg)
+    a, d, H = c.attention, c.dsa, c.hidden_size
+    total_rows = sum(int(r) for r in rows)
+    if total_rows == 0:
+        return {"weights": 0, "inputs": 0, "cache_writes": 0, "total": 0}
+    ctx_rows = a.kv_lora_rank + 2 * d.index_head_dim  # rows of fused_in a context row needs
+    writes = sum(_row_writes(c, base + r) for base, n in zip(row_bases, rows) for r in range(int(n)))
+    out = {
+        "weights": H * 2 * H * 2 + ctx_rows * H * 2,
+        "inputs": total_rows * 2 * H * 2,
+        "cache_writes": writes,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def step_floor_bytes(
+    cfg: Any,
+    contexts: Sequence[int],
+    accepted: Sequence[int],
+    k: int,
+    chosen_experts_per_draft: Sequence[float],
+    fp8_head: bool,
+) -> dict[str, int]:
+    """A whole drafter step for sequences that hold ``contexts[b] + 1`` rows (the last propose's
+    first row kept) and had ``accepted[b]`` drafts accepted: the re-feed of those rows by one
+    catchup_batch, then propose_batch at ``contexts[b] + 1 + accepted[b]``."""
+    bases = [int(c) + 1 for c in contexts]
+    cu = catchup_floor_bytes(cfg, bases, accepted)
+    pr = batch_floor_bytes(
+        cfg, [b + int(a) for b, a in zip(bases, accepted)], k, chosen_experts_per_draft, fp8_head
+    )
+    return {"catchup": cu["total"], "propose": pr["total"], "total": cu["total"] + pr["total"]}
+
+
+# ---- measuring ------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def caught_graphs(gpu: Any) -> Iterator[list[tuple[Any, Any]]]:
+    """Every (graph, stream) launched on ``gpu`` inside (the proposer's graph for a bucket is its
+    own business; this finds it without asking), launching them as usual."""
+    caught: list[tuple[Any, Any]] = []
+    had = "graph_launch" in vars(gpu)
+    old = vars(gpu).get("graph_launch")
+    inner = gpu.graph_launch
+
+    def launch(graph: Any, stream: Any = None) -> None:
+        caught.append((graph, stream))
+        inner(graph, stream)
+
+    gpu.graph_launch = launch
+    try:
+        yield caught
+    finally:
+        if had:
+            gpu.graph_launch = old
+        else:
+            del gpu.graph_launch
+
+
+def time_graphs(gpu: Any, graphs: Sequence[tuple[Any, Any]], iters: int) -> float:
+    """Median device milliseconds of one replay of ``graphs`` (in order), back to back."""
+    stream = graphs[0][1]
+    evs = [(gpu.event_create(), gpu.event_create()) for _ in range(iters)]
+    try:
+        for _ in range(3):
+            for g, s in graphs:
+                gpu.graph_launch(g, s)
+        for a, b in evs:
+            gpu.event_record(a, stream)
+            for g, s in graphs:
+                gpu.graph_launch(g, s)
+            gpu.event_record(b, stream)
+        gpu.synchronize(stream)
+        return statistics.median(gpu.event_elapsed_ms(a, b) for a, b in evs)
+    finally:
+        for a, b in evs:
+            gpu.event_destroy(a)
+            gpu.event_destroy(b)
+
+
+def _random_rows(gpu: Any, rng: np.random.Generator, rows: int, width: int) -> Any:
+    buf = gpu.alloc(rows * width * 2)
+    gpu.copy_h2d(buf, rng.standard_normal((rows, width), dtype=np.float32).astype(BF16))
+    return buf
+
+
+def fill_batch(
+    prop: Any,
+    states: Sequence[Any],
+    rows: Sequence[int],
+    rng: np.random.Generator,
+    chunk: int = 512,
+    how: str = "catchup",
+) -> None:
+    """Give ``states[b]`` ``rows[b]`` rows of context. ``catchup``: through ``catchup_batch``, up
+    to ``chunk`` rows of each sequence per call (random tokens; hidden rows drawn from one random
+    pool at per-sequence offsets), so the caches hold what the real kernels write; ``direct``:
+    bench_propose's fill_context per state (random bytes written straight into the caches)."""
+    if how == "direct":
+        for st, n in zip(states, rows):
+            fill_context(prop, st, int(n), rng)
+        return
+    if how != "catchup":
+        raise ValueError(f"fill {how!r}: 'catchup' or 'direct'")
+    cfg, gpu = prop.cfg, prop.gpu
+    H, V, spread = cfg.hidden_size, cfg.vocab_size, 61
+    pool = _random_rows(gpu, rng, chunk + spread, H)
+    try:
+        done = [0] * len(states)
+        while True:
+            todo = [b for b in range(len(states)) if done[b] < rows[b]]
+            if not todo:
+                break
+            toks, hids, bases = [], [], []
+            for b in todo:
+                n = min(chunk, int(rows[b]) - done[b])
+                toks.append([int(t) for t in rng.integers(0, V, n + 1)])
+                hids.append(pool.offset(int(rng.integers(0, spread)) * H * 2))
+                bases.append(done[b])
+            prop.catchup_batch([states[b] for b in todo], toks, hids, bases)
+            for b, t in zip(todo, toks):
+                done[b] += len(t) - 1
+    finally:
+        gpu.free(pool)
+
+
+def _host_s(prop: Any, states: Sequence[Any]) -> float:
+    """The proposer's own account of its host time in the last call, the wait excluded (the
+    batch-level ``last_host_s`` where the proposer keeps one, else the first state's)."""
+    for obj in (prop, states[0]):
+        v = getattr(obj, "last_host_s", None)
+        if isinstance(v, (int, float)):
+            return float(v)
+    return float("nan")
+
+
+ExpertIds = Callable[[Any, Sequence[Any], int], "np.ndarray | Sequence[np.ndarray]"]
+
+
+def _chosen(
+    prop: Any, states: Sequence[Any], k: int, expert_ids: ExpertIds | None
+) -> tuple[list[float], str]:
+    cfg, B = prop.cfg, len(states)
+    m = cfg.moe
+    if expert_ids is None:
+        n = expected_distinct_experts(m.n_routed_experts, m.num_experts_per_tok, B)
+        return [n] * k, "expected"
+    ids = expert_ids(prop, states, k)
+    per = [ids] * k if isinstance(ids, np.ndarray) else list(ids)
+    if len(per) != k:
+        raise ValueError(f"expert_ids gave {len(per)} drafts' ids for k={k}")
+    return [float(distinct_experts(a, m.n_routed_experts)) for a in per], "router"
+
+
+def measure_batch(
+    prop: Any,
+    gpu: Any,
+    Bs: Sequence[int],
+    contexts_kind: str | int,
+    k: int,
+    iters: int,
+    rng: np.random.Generator,
+    *,
+    bandwidth: float | None = None,
+    expert_ids: ExpertIds | None = None,
+    fill: str = "catchup",
+    step: bool = True,
+    log: Callable[..., Any] = print,
+) -> list[dict[str, Any]]:
+    """One row per batch size in ``Bs`` (``prop``: an MtpProposer with graphs on, max_sequences
+    >= max(Bs), served length >= the largest context + 2k + 1).
+
+    For each B: B fresh states at ``contexts_for(contexts_kind, B, rng)`` (filled by
+    ``fill_batch``); ``propose_batch`` at those positions (the first call captures; the graph it
+    launches is then replayed back to back between events: ``graph_device_ms``, median of
+    ``iters``), its wall time (perf_counter around the call, median) and host CPU time (the
+    proposer's ``last_host_s``); the floor (``batch_floor_bytes`` over ``bandwidth`` bytes/s,
+    measured by copy_bandwidth when not given) with the distinct experts from ``expert_ids(prop,
+    states, k)`` (one [B, top_k] id array per draft, or one for all, read after a propose) or their
+    expectation under uniform routing; and, with ``step``, a whole drafter step: each sequence
+    rewound to ``context + 1`` rows (untimed), then one ``catchup_batch`` re-feeding its accepted
+    rows (random acceptance 0..k per sequence, fixed per B) and ``propose_batch`` after them, wall
+    time and the device span between events around both (median), against ``step_floor_bytes``.
+    The states are freed before the next B."""
+    cfg = prop.cfg
+    H, V = cfg.hidden_size, cfg.vocab_size
+    bw = bandwidth if bandwidth is not None else copy_bandwidth(gpu)
+    fp8 = getattr(prop, "head_fp8", None) is not None
+    out: list[dict[str, Any]] = []
+    for B in Bs:
+        ctx = contexts_for(contexts_kind, B, rng)
+        states: list[Any] = []
+        bufs: list[Any] = []
+        try:
+            for _ in range(B):
+                states.append(prop.alloc_state())
+            t0 = time.perf_counter()
+            fill_batch(prop, states, ctx, rng, how=fill)
+            fill_s = time.perf_counter() - t0
+            hidden = _random_rows(gpu, rng, B, H)
+            bufs.append(hidden)
+            last = [int(t) for t in rng.integers(0, V, B)]
+            prop.propose_batch(states, last, hidden, ctx, k)  # captures the bucket's graph
+            with caught_graphs(gpu) as graphs:
+                drafts = np.asarray(prop.propose_batch(states, last, hidden, ctx, k))
+            if drafts.shape != (B, k) or drafts.min() < 0 or drafts.max() >= V:
+                raise AssertionError(
+                    f"propose_batch gave {drafts.shape} drafts {drafts.min()}..{drafts.max()}"
+                )
+            chosen, source = _chosen(prop, states, k, expert_ids)
+            walls, hosts = [], []
+            for _ in range(iters):
+                t1 = time.perf_counter()
+                prop.propose_batch(states, last, hidden, ctx, k)
+                walls.append(time.perf_counter() - t1)
+                hosts.append(_host_s(prop, states))
+            device_ms = time_graphs(gpu, graphs, iters) if graphs else float("nan")
+            fb = batch_floor_bytes(prop, ctx, k, chosen, fp8)
+            row: dict[str, Any] = {
+                "kind": str(contexts_kind),
+                "B": B,
+                "k": k,
+                "head": "fp8" if fp8 else "bf16",
+                "contexts": [min(ctx), int(round(statistics.mean(ctx))), max(ctx)],
+                "fill_s": fill_s,
+                "distinct_experts": chosen,
+                "experts_from": source,
+                "floor_bytes": fb,
+                "floor_ms": fb["total"] / bw * 1e3,
+                "graph_device_ms": device_ms,
+                "graph_wall_ms": statistics.median(walls) * 1e3,
+                "host_cpu_us": statistics.median(hosts) * 1e6,
+            }
+            row["host_us"] = (row["graph_wall_ms"] - device_ms) * 1e3
+            row["over_floor"] = device_ms / row["floor_ms"]
+            row["ms_per_seq_draft"] = device_ms / (B * k)
+            if step:
+                row.update(
+                    _measure_step(prop, gpu, states, ctx, last, hidden, k, iters, rng, chosen, fp8, bw)
+                )
+            out.append(row)
+            log(
+                f"{row['kind']} B {B:>3} k {k}: floor {row['floor_ms']:.3f} ms, graph {device_ms:.3f} ms "
+                f"({row['over_floor']:.2f}x), {row['ms_per_seq_draft'] * 1e3:.1f} us per sequence-draft, "
+                f"wall {row['graph_wall_ms']:.3f} ms, host CPU {row['host_cpu_us']:.0f} us"
+                + (
+                    f"; step {row['step_wall_ms']:.3f} ms wall ({row['step_over_floor']:.2f}x its floor)"
+                    if step
+                    else ""
+                ),
+                flush=True,
+            )
+        finally:
+            for st in states:
+                prop.free_state(st)
+            for buf in bufs:
+                gpu.free(buf)
+    return out
+
+
+def _measure_step(
+    prop: Any,
+    gpu: Any,
+    states: Sequence[Any],
+    ctx: Sequence[int],
+    last: Sequence[int],
+    hidden: Any,
+    k: int,
+    iters: int,
+    rng: np.random.Generator,
+    chosen: Sequence[float],
+    fp8: bool,
+    bw: float,
+) -> dict[str, Any]:
+    """The whole drafter step of measure_batch (re-feed of the accepted rows, then propose)."""
+    s, H, V = prop.stream, prop.cfg.hidden_size, prop.cfg.vocab_size
+    B = len(states)
+    acc = [int(a) for a in rng.integers(0, k + 1, B)]
+    feed = [b for b in range(B) if acc[b]]
+    toks = [[int(t) for t in rng.integers(0, V, acc[b] + 1)] for b in feed]
+    rows = _random_rows(gpu, rng, max(sum(acc), 1), H)
+    offs = np.concatenate([[0], np.cumsum([acc[b] for b in feed])]).astype(int)
+    hids = [rows.offset(int(o) * H * 2) for o in offs[:-1]]
+    bases = [ctx[b] + 1 for b in feed]
+    pos = [c + 1 + a for c, a in zip(ctx, acc)]
+    e0, e1 = gpu.event_create(), gpu.event_create()
+    walls, spans = [], []
+    try:
+        for it in range(iters + 1):
+            for st, c in zip(states, ctx):
+                prop.rewind_to(st, c + 1)
+            t0 = time.perf_counter()
+            gpu.event_record(e0, s)
+            if feed:
+                prop.catchup_batch([states[b] for b in feed], toks, hids, bases)
+            prop.propose_batch(states, last, hidden, pos, k)
+            gpu.event_record(e1, s)
+            wall = time.perf_counter() - t0
+            gpu.synchronize(s)
+            if it:  # the first one captures what the new positions need
+                walls.append(wall)
+                spans.append(gpu.event_elapsed_ms(e0, e1))
+    finally:
+        gpu.event_destroy(e0)
+        gpu.event_destroy(e1)
+        gpu.free(rows)
+    fb = step_floor_bytes(prop, ctx, acc, k, chosen, fp8)
+    out = {
+        "step_accepted_mean": statistics.mean(acc),
+        "step_floor_bytes": fb,
+        "step_floor_ms": fb["total"] / bw * 1e3,
+        "step_wall_ms": statistics.median(walls) * 1e3,
+        "step_span_ms": statistics.median(spans),
+    }
+    out["step_over_floor"] = out["step_wall_ms"] / out["step_floor_ms"]
+    return out
+
+
+# ---- reporting ------------------------------------------------------------------------------------
+
+
+def _f(x: Any, fmt: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def batch_table(rows: Sequence[dict[str, Any]]) -> str:
+    """Markdown table of measure_batch rows. Columns for the PyTorch batched step appear when
+    rows carry ``torch_graph_ms`` (bench/torch_step.py run_batch at the same contexts)."""
+    torch_cols = any("torch_graph_ms" in r for r in rows)
+    step_cols = any("step_wall_ms" in r for r in rows)
+    head = [
+        "contexts",
+        "B",
+        "k",
+        "head",
+        "distinct experts / draft",
+        "MB / propose",
+        "floor ms",
+        "graph ms (device)",
+        "x floor",
+        "us / seq-draft",
+        "wall ms",
+        "wall - device us",
+        "host CPU us",
+    ]
+    if step_cols:
+        head += ["step floor ms", "step wall ms", "step x floor"]
+    if torch_cols:
+        head += ["torch graph ms", "torch / ours"]
+    lines = [
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join("---" if h in ("contexts", "head") else "---:" for h in head) + "|",
+    ]
+    for r in rows:
+        lo, mean, hi = r["contexts"]
+        ctx = f"{r['kind']} {lo}" if lo == hi else f"{r['kind']} {lo}..{hi} (mean {mean})"
+        de = r["distinct_experts"]
+        de_s = "/".join(f"{x:.0f}" for x in de) + (
+            " (expected)" if r.get("experts_from") == "expected" else ""
+        )
+        cells = [
+            ctx,
+            str(r["B"]),
+            str(r["k"]),
+            r["head"],
+            de_s,
+            f"{r['floor_bytes']['total'] / 1e6:.0f}",
+            _f(r["floor_ms"], ".3f"),
+            _f(r["graph_device_ms"], ".3f"),
+            _f(r["over_floor"], ".2f"),
+            _f(r["ms_per_seq_draft"] * 1e3, ".1f"),
+            _f(r["graph_wall_ms"], ".3f"),
+            _f(r["host_us"], ".0f"),
+            _f(r["host_cpu_us"], ".0f"),
+        ]
+        if step_cols:
+            cells += [
+                _f(r.get("step_floor_ms"), ".3f"),
+                _f(r.get("step_wall_ms"), ".3f"),
+                _f(r.get("step_over_floor"), ".2f"),
+            ]
+        if torch_cols:
+            tg = r.get("torch_graph_ms")
+            ratio = tg / r["graph_device_ms"] if tg is not None and r["graph_device_ms"] else None
+            cells += [_f(tg, ".3f"), _f(ratio, ".2f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
