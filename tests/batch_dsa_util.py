@@ -495,6 +495,26 @@ def rng_row_noise(e: int) -> int:
     return (e * 2654435761) % 5000
 
 
+def runs_of(layout: list) -> list[tuple[int, int, int, int]]:
+    """(e0, slot, r0, n) of each maximal run of consecutive rows of one slot in a layout."""
+    runs = []
+    for e, it in enumerate(layout):
+        if it is None:
+            continue
+        slot, row = it
+        if (
+            runs
+            and runs[-1][1] == slot
+            and runs[-1][0] + runs[-1][3] == e
+            and runs[-1][2] + runs[-1][3] == row
+        ):
+            e0, _, r0, n = runs[-1]
+            runs[-1] = (e0, slot, r0, n + 1)
+        else:
+            runs.append((e, slot, row, 1))
+    return runs
+
+
 @dataclass
 class CacheRun:
     """One launch's layout: entries, the live (e, slot, row), the runs (e0, slot, r0, n)."""
