@@ -373,9 +373,11 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_partial(
 // The split pair for m batch entries: the per-entry workspace of a selection of at most sel_cap
 // rows is splits = max(ceil(sel_cap / 64), 1) partials, part + e * splits * heads * dim and
 // ml + e * splits * heads * 2 (model/kernels/sparse_mla.py split_workspace_batch).
+namespace {
 __device__ __forceinline__ uint32_t batch_splits(uint32_t sel_cap) {
     return max((sel_cap + MLA_RT - 1u) / MLA_RT, 1u);
 }
+}  // namespace
 
 // sparse_mla_partial for m entries: grid (splits, ceil(heads / 16), m), blockIdx.z = entry e; the
 // tile of (split, head tile) of entry e is sparse_mla_partial's on e's query, selection (count[e]

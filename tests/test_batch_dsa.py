@@ -417,3 +417,44 @@ def test_scores_grid_is_one_launch_of_about_two_blocks_per_sm():
     assert dsa_select.scores_batch_grid(1, 64) == (8, 1)
     assert dsa_select.scores_batch_grid(64, 4096) == (5, 64)
     assert dsa_select.scores_batch_grid(256, 4096) == (2, 256)
+
+
+# ---- the committed PTX of the batched kernels (as tests/test_pdl_ptx.py checks every kernel) -----
+
+BATCH_KERNELS = [
+    ("dsa_cache", "dsa_cache_write_batch"),
+    ("dsa_select", "indexer_scores_batch"),
+    ("dsa_select", "select_topk_pools_batch"),
+    ("dsa_select", "extend_selection_batch"),
+    ("sparse_mla", "sparse_mla_partial_batch"),
+    ("sparse_mla", "sparse_mla_combine_batch"),
+    ("sparse_mla", "sparse_mla_attend_batch"),
+]
+
+
+@pytest.mark.parametrize("module,function", BATCH_KERNELS, ids=lambda v: str(v))
+def test_batched_kernels_keep_their_single_twins_pdl_flags(module, function):
+    """Each batched kernel takes part in PDL as the kernel it stands in for (WAIT, releasing right
+    after its wait), so the step keeps its overlaps when the model switches over."""
+    from runtime.kernel import lookup
+
+    single, batch = lookup(module, function.removesuffix("_batch")), lookup(module, function)
+    assert batch is not None and single is not None
+    assert (batch.pdl, batch.releases) == (single.pdl, single.releases)
+
+
+@pytest.mark.parametrize(
+    "module,function,form",
+    [("dsa_select", "select_topk_pools_batch", "f32"), ("sparse_mla", "sparse_mla_combine_batch", "f32")],
+    ids=lambda v: str(v),
+)
+def test_a_batched_successor_of_an_early_release_reads_it_through_l2(module, function, form):
+    """The indexer's scores and the MLA partials come from kernels that release early: their
+    readers must not take the read-only path (ptx/common.cuh)."""
+    from test_pdl_ptx import _READ_ONLY_FORMS, entry_body
+
+    body = entry_body(module, function)
+    assert _READ_ONLY_FORMS[form].search(body) is None, (
+        f"{function} reads its predecessor through ld.global.nc"
+    )
+    assert "ld.global.cg" in body
