@@ -9,6 +9,11 @@
 Rows are read from a fused projection output with row stride ``stride`` (elements).
 CUDA: ptx/dsa_cache.cu (grid = rows, block 128). ``dsa_cache_write`` does all three for the same
 rows in one launch (the block path's only cache write).
+
+``dsa_cache_write_batch`` is ``dsa_cache_write`` for m batch entries (model/kernels/batch.py):
+entry e writes its own row of its own slot in the slot pools from fused row e, with today's
+arithmetic per entry (the same device functions and twin helpers), so a slot's bytes do not
+depend on the batch, its order or its chunking.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ drafted after it (``index_share_for_mtp_iteration``, ``model.dsa``, "Shared sele
 ``TOPK_MAX_POOLS`` is the selection kernel's capacity (its per-block shared-memory budget holds one
 f32 score per pool); ``model.dsa.max_dsa_context`` derives the drafter's reach from it, so a kernel
 change moves the sizing with it. CUDA: ptx/dsa_select.cu.
+
+The ``*_batch`` kernels do the same for m batch entries (model/kernels/batch.py), each entry over
+its own slot's pools with its own row, query and output rows; per entry they compute the bits of
+the single-sequence kernel (the same device functions and twin helpers).
 """
 
 from __future__ import annotations

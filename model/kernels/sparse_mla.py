@@ -9,6 +9,10 @@ Two implementations of the same function: ``sparse_mla_attend`` (one launch, one
 CUDA cores) and the split pair ``sparse_mla_partial`` + ``sparse_mla_combine`` (flash-decoding:
 64-row splits x 16-head tiles on the tensor cores, then an exact merge), which the decoder block
 uses where the shapes allow it (``split_supported``).
+
+``sparse_mla_split_batch`` / ``sparse_mla_attend_batch`` run either for m batch entries
+(model/kernels/batch.py): each entry attends its own selection through its own slot's block
+table, with the single-sequence kernel's bits (the same device functions and twin helpers).
 """
 
 from __future__ import annotations
