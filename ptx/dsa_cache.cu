@@ -231,14 +231,24 @@ extern "C" __global__ void __launch_bounds__(128) dsa_cache_write_batch(
     write_key_gate(src + C, knorm_w, knorm_b, skeys, sgates, row, idim, ln_eps, scratch);
     if (kpool == 0 || kpool > DSA_MAX_KPOOL || idim > DSA_MAX_DIM || (row + 1u) % kpool) return;
     const uint32_t p = row / kpool;  // < pps: row < slot_rows
-    for (uint32_t i = 0; i < kpool; ++i) {
-        const uint32_t back = row - (p * kpool + i);  // entries before e the row would sit at
-        bool here = back <= e;
-        if (here) {
+    // Which of the pool's rows are entries of this launch: lane i looks up row p * kpool + i, all
+    // kpool (<= 32) loads in flight at once rather than one round trip per row.
+    __shared__ uint32_t here_s;
+    if (threadIdx.x < 32) {
+        const uint32_t back = row - (p * kpool + threadIdx.x);  // entries before e the row would sit at
+        bool here = false;
+        if (threadIdx.x < kpool && back <= e) {
             const BatchEntry o = load_entry(entries, e - back);
-            here = o.slot == b.slot && o.row + row_add == p * kpool + i;
+            here = o.slot == b.slot && o.row + row_add == p * kpool + threadIdx.x;
         }
-        if (here) {  // uniform over the block: ln_stats has barriers
+        const uint32_t mask = __ballot_sync(0xFFFFFFFFu, here);
+        if (threadIdx.x == 0) here_s = mask;
+    }
+    __syncthreads();
+    const uint32_t here_mask = here_s;
+    for (uint32_t i = 0; i < kpool; ++i) {
+        const uint32_t back = row - (p * kpool + i);
+        if ((here_mask >> i) & 1u) {  // uniform over the block: ln_stats has barriers
             const uint16_t* kg = fused + (size_t)(e - back) * stride + C;
             float mu, den;
             ln_stats(kg, idim, ln_eps, scratch, mu, den);

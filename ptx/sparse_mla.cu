@@ -113,11 +113,14 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_attend_batch(
     __shared__ AttendSmem sm;
     const uint32_t e = blockIdx.y;
     if (e >= m || blockIdx.x >= heads || dim > MLA_MAX_DIM) return;
+    // The count is the entry's scratch, not a sequence's state: loaded beside the entry (one
+    // round trip), used only for a live one.
+    const uint32_t n = min(count[e], sel_cap);
     const BatchEntry b = load_entry(entries, e);
     if (entry_is_pad(b)) return;
     const size_t hd = (size_t)heads * dim;
     attend_head(q + e * hd, cache, scales, tables + (size_t)b.slot * blocks_per_slot(slot_rows, block_size),
-                selected + (size_t)e * sel_cap, min(count[e], sel_cap), out + e * hd, dim, block_size, scale, sm);
+                selected + (size_t)e * sel_cap, n, out + e * hd, dim, block_size, scale, sm);
 }
 
 // ---- the split pair: sparse_mla_partial + sparse_mla_combine ------------------------------------
@@ -392,9 +395,9 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_partial_batch(
     wait_then_release();
     const uint32_t e = blockIdx.z;
     if (e >= m) return;
+    const uint32_t n = min(count[e], sel_cap);  // beside the entry's load, as in sparse_mla_attend_batch
     const BatchEntry b = load_entry(entries, e);
     if (entry_is_pad(b)) return;
-    const uint32_t n = min(count[e], sel_cap);
     const size_t hd = (size_t)heads * dim, splits = batch_splits(sel_cap);
     const float* qe = q + e * hd;
     const uint32_t* table = tables + (size_t)b.slot * blocks_per_slot(slot_rows, block_size);
@@ -509,9 +512,9 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_combine_batch(
     wait_then_release();
     const uint32_t e = blockIdx.z;
     if (e >= m || blockIdx.x >= heads || dim % 4u != 0) return;
+    const uint32_t n = min(count[e], sel_cap);  // beside the entry's load, as in sparse_mla_attend_batch
     const BatchEntry b = load_entry(entries, e);
     if (entry_is_pad(b)) return;
     const size_t hd = (size_t)heads * dim, splits = batch_splits(sel_cap);
-    combine_head(part + e * splits * hd, ml + e * splits * heads * 2u, min(count[e], sel_cap), out + e * hd, heads,
-                 dim, sm);
+    combine_head(part + e * splits * hd, ml + e * splits * heads * 2u, n, out + e * hd, heads, dim, sm);
 }
