@@ -411,12 +411,17 @@ def test_batched_wrappers_refuse_m_outside_the_grid():
     gpu.free(p)
 
 
-def test_scores_grid_is_one_launch_of_about_two_blocks_per_sm():
-    """At m = 1 it is indexer_scores' grid; larger batches give each entry fewer blocks."""
+def test_scores_grid_keeps_m_1_and_bounds_the_launch():
+    """At m = 1 it is indexer_scores' grid; larger batches give each entry fewer blocks, the
+    launch about SCORES_BATCH_BLOCKS whatever m."""
     assert dsa_select.scores_batch_grid(1, 4096) == (dsa_select.SCORES_MAX_GRID, 1)
     assert dsa_select.scores_batch_grid(1, 64) == (8, 1)
-    assert dsa_select.scores_batch_grid(64, 4096) == (5, 64)
-    assert dsa_select.scores_batch_grid(256, 4096) == (2, 256)
+    assert dsa_select.scores_batch_grid(4, 4096) == (dsa_select.SCORES_MAX_GRID, 4)
+    assert dsa_select.scores_batch_grid(64, 4096) == (17, 64)
+    assert dsa_select.scores_batch_grid(256, 4096) == (5, 256)
+    for m in (3, 17, 64, 200, 256):
+        per, _ = dsa_select.scores_batch_grid(m, 4096)
+        assert per * m <= dsa_select.SCORES_BATCH_BLOCKS + m
 
 
 # ---- the committed PTX of the batched kernels (as tests/test_pdl_ptx.py checks every kernel) -----

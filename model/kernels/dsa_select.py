@@ -369,14 +369,20 @@ def _check_m(what: str, m: int, hi: int = MAX_GRID_YZ) -> None:
         raise ValueError(f"{what}: m={m} entries outside 1..{hi}")
 
 
+# indexer_scores_batch: blocks of a launch, about eight resident per SM of an H200 (256 threads and
+# 21 KB of shared memory each): past one entry, the launch's pools are many, and a warp's rounds
+# wait on its pool key's load, so more warps in flight hide more of it. Not measured yet.
+SCORES_BATCH_BLOCKS = 4 * SCORES_MAX_GRID
+
+
 def scores_batch_grid(m: int, pools_per_slot: int) -> tuple[int, int]:
-    """indexer_scores_batch's grid: (blocks per entry, m). An entry gets SCORES_MAX_GRID / m blocks
-    (at least one, at most one per 8 pools a slot can have), so the launch stays near two blocks
-    per SM whatever m: at m = 1 it is indexer_scores' grid; at m = 64 an entry's 5 blocks take
-    its pools grid-stride instead of 264 blocks that would mostly exit. A pool's score is one
-    warp's in every grid, so the choice moves work, never bits."""
-    per = min(max(-(-SCORES_MAX_GRID // m), 1), max(-(-pools_per_slot // 8), 1))
-    return per, m
+    """indexer_scores_batch's grid: (blocks per entry, m). An entry gets SCORES_BATCH_BLOCKS / m
+    blocks, at least one and at most indexer_scores' grid (SCORES_MAX_GRID, or one per 8 pools a
+    slot can have): at m = 1 it is indexer_scores' grid; at m = 64 an entry's 17 blocks take its
+    pools grid-stride instead of 264 blocks that would mostly exit. A pool's score is one warp's
+    in every grid, so the choice moves work, never bits."""
+    per = max(-(-SCORES_BATCH_BLOCKS // m), 1)
+    return min(per, SCORES_MAX_GRID, max(-(-pools_per_slot // 8), 1)), m
 
 
 def indexer_scores_batch(
