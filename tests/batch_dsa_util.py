@@ -26,23 +26,6 @@ def random_fp8(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
     return b.view(FP8).reshape(shape)
 
 
-def entries_array(slots, rows, m: int | None = None, pad_at=()) -> np.ndarray:
-    """u32 [m, 4] entries of (slot, row) pairs with padding entries inserted before the positions
-    in ``pad_at`` (indices into the live list) and appended up to ``m``."""
-    live = [(int(s), int(r)) for s, r in zip(slots, rows)]
-    out = []
-    for i, (s, r) in enumerate(live):
-        out.extend([(PAD_SLOT, 0)] * list(pad_at).count(i))
-        out.append((s, r))
-    m = len(out) if m is None else m
-    assert m >= len(out)
-    ent = np.zeros((m, 4), np.uint32)
-    ent[:, 0] = PAD_SLOT
-    for e, (s, r) in enumerate(out):
-        ent[e, 0], ent[e, 1], ent[e, 2] = s, r, 7 + e  # a token word the kernels must ignore
-    return ent
-
-
 def upload_all(gpu, arrays: dict[str, np.ndarray]) -> dict:
     ptrs = {}
     for name, a in arrays.items():
@@ -475,7 +458,7 @@ def _pad_layout(rng, items: list, npad: int) -> list:
     return out
 
 
-def _entries_of(layout: list, row_add: int) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+def entries_of(layout: list, row_add: int) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
     """u32 entries of a layout of (slot, row) / None, and the live (e, slot, row)."""
     ent = np.zeros((len(layout), 4), np.uint32)
     live = []
@@ -483,16 +466,12 @@ def _entries_of(layout: list, row_add: int) -> tuple[np.ndarray, list[tuple[int,
         ent[e, 2] = 1000 + e  # the token word: the kernels must ignore it
         if it is None:
             ent[e, 0] = PAD_SLOT
-            ent[e, 1] = int(rng_row_noise(e))  # a padding entry's row means nothing
+            ent[e, 1] = (e * 2654435761) % 5000  # a padding entry's row means nothing (nor is read)
         else:
             slot, row = it
             ent[e, 0], ent[e, 1] = slot, row - row_add
             live.append((e, slot, row))
     return ent, live
-
-
-def rng_row_noise(e: int) -> int:
-    return (e * 2654435761) % 5000
 
 
 def runs_of(layout: list) -> list[tuple[int, int, int, int]]:
@@ -552,7 +531,7 @@ def cache_layout(rng, sh: CacheShape, m: int, row_add: int, lo: int, hi: int, ma
         s, r0, n = it
         runs.append((len(layout), s, r0, n))
         layout.extend((s, r0 + i) for i in range(n))
-    ent, live = _entries_of(layout, row_add)
+    ent, live = entries_of(layout, row_add)
     fused = random_bf16(rng, (len(layout), sh.stride), exp_lo=-2)
     return CacheRun(ent, live, runs, fused)
 
@@ -663,7 +642,7 @@ def read_layout(
     items += [(int(rng.integers(0, slots)), slot_rows + int(rng.integers(0, 3)))] * n_out
     rng.shuffle(items)
     layout = _pad_layout(rng, items, npad)
-    ent, live_all = _entries_of(layout, row_add)
+    ent, live_all = entries_of(layout, row_add)
     live = [x for x in live_all if x[2] < slot_rows]
     out = [x for x in live_all if x[2] >= slot_rows]
     pads = [e for e, it in enumerate(layout) if it is None]
@@ -870,7 +849,7 @@ def attn_case(rng, sh: AttnShape, m: int, counts) -> AttnCase:
     npad = m // 5
     items = [(int(rng.integers(0, sh.slots)), 0) for _ in range(m - npad)]
     layout = _pad_layout(rng, items, npad)
-    ent, live0 = _entries_of(layout, 0)
+    ent, live0 = entries_of(layout, 0)
     sel = np.full((m, sh.sel_cap), 0xFFFFFFFF, np.uint32)
     cnt = np.full(m, 0xFFFFFFFF, np.uint32)  # padding: a kernel must not read it either
     live = []

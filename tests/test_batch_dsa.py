@@ -26,7 +26,6 @@ from batch_dsa_util import (
     CacheRun,
     CacheShape,
     ScoreShape,
-    _entries_of,
     attn_case,
     attn_f64,
     attn_world,
@@ -37,6 +36,7 @@ from batch_dsa_util import (
     check_cache_write,
     check_scores,
     check_select,
+    entries_of,
     free_all,
     read_layout,
     score_world,
@@ -173,7 +173,7 @@ def test_catchup_chunks_equal_sequences_written_alone(sh):
     pr, p = upload_all(ref_gpu, world), upload_all(gpu, world)
     for slot, (r0, rows) in seqs.items():  # alone: one row per launch
         for i in range(len(rows)):
-            ent, _ = _entries_of([(slot, r0 + i)], 0)
+            ent, _ = entries_of([(slot, r0 + i)], 0)
             io = upload_all(ref_gpu, {"fused": rows[i : i + 1], "entries": ent})
             cache_write_batch(ref_gpu, pr, sh, io["fused"], io["entries"], 1, 0)
             free_all(ref_gpu, io)
@@ -193,7 +193,7 @@ def test_catchup_chunks_equal_sequences_written_alone(sh):
             layout.extend((s, r0 + i) for i in take)
             fused.extend(rows[i] for i in take)
             done[s] = take.stop
-        ent, _ = _entries_of(layout, 0)
+        ent, _ = entries_of(layout, 0)
         io = upload_all(gpu, {"fused": np.stack(fused), "entries": ent})
         cache_write_batch(gpu, p, sh, io["fused"], io["entries"], len(layout), 0)
         free_all(gpu, io)
@@ -217,7 +217,7 @@ def test_cache_write_batch_keeps_the_slot_order_free():
         e0, slot, r0, n = run.runs[i]
         layout.extend((slot, r0 + j) for j in range(n))
         fused.extend(run.fused[e0 : e0 + n])
-    ent, live = _entries_of(layout, 0)
+    ent, live = entries_of(layout, 0)
     other = check_cache_write(
         HostBackend(), world, sh, CacheRun(ent, live, [], np.stack(fused)), 0, invariance=False
     )
@@ -270,7 +270,7 @@ def test_select_batch_past_sel_cap_is_count_zero():
     """A selection longer than sel_cap (a sizing error) is the visible failure, count 0."""
     sh = ScoreShape(slots=2, slot_rows=64, heads=1, dim=4, kpool=4)
     rng = np.random.default_rng(2)
-    ent, _ = _entries_of([(0, 40), (1, 9), (1, 62)], 0)
+    ent, _ = entries_of([(0, 40), (1, 9), (1, 62)], 0)
     gpu = HostBackend()
     io = upload_all(gpu, {"entries": ent, "scores": select_scores(rng, sh, 3, "random")})
     out = upload_all(gpu, {"sel": np.full(3 * 8, 0xFFFFFFFF, np.uint32), "cnt": np.full(3, 7, np.uint32)})
@@ -298,7 +298,7 @@ def test_select_batch_past_sel_cap_is_count_zero():
 def test_extend_batch_leaves_a_full_list():
     """Entry 0's list is full (count == sel_cap): unchanged; padding: unchanged; entry 2 appends."""
     gpu = HostBackend()
-    ent, _ = _entries_of([(0, 5), None, (1, 9)], 0)
+    ent, _ = entries_of([(0, 5), None, (1, 9)], 0)
     start = 100 + np.arange(12, dtype=np.uint32)
     io = upload_all(gpu, {"entries": ent, "sel": start, "cnt": np.array([4, 1, 2], np.uint32)})
     dsa_select.extend_selection_batch(

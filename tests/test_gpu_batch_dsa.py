@@ -30,7 +30,6 @@ from batch_dsa_util import (
     CacheRun,
     CacheShape,
     ScoreShape,
-    _entries_of,
     attn_case,
     attn_world,
     cache_layout,
@@ -39,6 +38,7 @@ from batch_dsa_util import (
     check_cache_write,
     check_scores,
     check_select,
+    entries_of,
     read_layout,
     runs_of,
     score_world,
@@ -151,7 +151,7 @@ def test_dsa_cache_write_batch_pools_inside_and_across_chunks(cuda):
         *((5, r) for r in range(126, 132)),
         (0, 16383),
     ]
-    ent, live = _entries_of(layout, 1)
+    ent, live = entries_of(layout, 1)
     runs = runs_of(layout)
     assert [r[1:] for r in runs] == [(3, 4095, 9), (5, 126, 6), (0, 16383, 1)]
     rng = np.random.default_rng(99)
