@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from batch_dsa_util import (
+    AttnCase,
     AttnShape,
     CacheRun,
     CacheShape,
@@ -234,10 +235,21 @@ def _attn(cuda, sh: AttnShape, m: int, split: bool, counts) -> None:
     world = attn_world(rng, sh, m)
     case = attn_case(rng, sh, m, counts)
     g = check_attn(cuda, world, sh, case, split)
-    h = check_attn(HostBackend(), world, sh, case, split, invariance=False)
     for e, _, rows in case.live:
         if rows.size == 0:
             assert not g[e].any(), f"entry {e}: an empty selection must give zeros"
+    # The twin on the first 16 entries (its float32 gathers of 2k rows x 64 heads cost a fifth of a
+    # second an entry); the bit equalities above tie every other entry to its own launch.
+    k = min(m, 16)
+    head = AttnCase(
+        case.entries[:k],
+        [x for x in case.live if x[0] < k],
+        [e for e in case.pads if e < k],
+        case.sel[:k],
+        case.cnt[:k],
+    )
+    h = check_attn(HostBackend(), world, sh, head, split, invariance=False)
+    for e, _, _ in head.live:
         assert_close(g[e], h[e], 2.0**-7, float(np.abs(h[e]).max()) * 2.0**-9 + 1e-30, f"entry {e}")
 
 
