@@ -7,6 +7,7 @@
 // rounded to BF16 (multiply and add kept separate, as NumPy does them); a pool key is the
 // per-dimension softmax over its slots of (gate + ape) weighting the slots' keys, summed in slot
 // order, then quantised like a latent.
+#include "batch.cuh"
 #include "model_common.cuh"
 
 #define DSA_MAX_DIM 1024   // smem row buffer of a pool key (index_head_dim)
@@ -188,4 +189,75 @@ extern "C" __global__ void __launch_bounds__(128) dsa_cache_write(
     __syncthreads();
     compress_pool(keys, gates, ape, pool_keys, pool_scales, p, idim, kpool, kg_rows, mu_s, den_s, knorm_w,
                   knorm_b, key_buf, scratch);
+}
+
+// ---- dsa_cache_write_batch: the same writes for m entries of the slot pools (ptx/batch.cuh) -----
+// Grid = m, block 128: block e writes entry e's row (entries[e].row + row_add) of its slot from
+// fused row e (fused + e * stride). Per entry the arithmetic is dsa_cache_write's, through the
+// same device functions, on the slot's keys / gates / pool keys / pool scales / block table.
+//
+// A pool's rows that belong to this launch are recomputed from their fused rows, as in
+// dsa_cache_write. Entries of one sequence are consecutive and ascending in row (a catch-up
+// chunk), so row r' < row of the same slot is in this launch exactly when entry j = e - (row - r')
+// exists and holds (slot, r'); rows of other sequences may share the launch. A padding entry, or
+// one whose row is past slot_rows (a sizing error that would reach the next slot's rows), reads
+// and writes nothing of any sequence. So an entry's bytes are those of writing its sequence's rows
+// alone, in any chunking and in any batch.
+extern "C" __global__ void __launch_bounds__(128) dsa_cache_write_batch(
+    const uint16_t* __restrict__ fused, uint32_t stride, const uint16_t* __restrict__ kv_norm_w,
+    uint8_t* __restrict__ cache, float* __restrict__ scales, const uint32_t* __restrict__ tables,
+    const uint16_t* __restrict__ knorm_w, const uint16_t* __restrict__ knorm_b, uint16_t* __restrict__ keys,
+    uint16_t* __restrict__ gates, const uint16_t* __restrict__ ape, uint8_t* __restrict__ pool_keys,
+    float* __restrict__ pool_scales, const uint32_t* __restrict__ entries, uint32_t m, uint32_t row_add,
+    uint32_t slot_rows, uint32_t C, uint32_t idim, uint32_t block_size, uint32_t kpool, float eps, float ln_eps) {
+    __shared__ float scratch[32];
+    __shared__ float key_buf[DSA_MAX_DIM];
+    __shared__ float mu_s[DSA_MAX_KPOOL], den_s[DSA_MAX_KPOOL];
+    __shared__ const uint16_t* kg_rows[DSA_MAX_KPOOL];
+    // As dsa_cache_write: the q projection over the same fused rows runs beside it.
+    wait_then_release();
+    const uint32_t e = blockIdx.x;
+    if (e >= m) return;
+    const BatchEntry b = load_entry(entries, e);
+    const uint32_t row = b.row + row_add;
+    if (entry_is_pad(b) || row >= slot_rows) return;
+    const size_t slot = b.slot;
+    const uint32_t pps = pools_per_slot(slot_rows, kpool);
+    const uint32_t* table = tables + slot * blocks_per_slot(slot_rows, block_size);
+    uint16_t* skeys = keys + slot * slot_rows * idim;
+    uint16_t* sgates = gates + slot * slot_rows * idim;
+    const uint16_t* src = fused + (size_t)e * stride;
+    write_latent(src, kv_norm_w, cache, scales, slot_of(table, row, block_size), C, eps, scratch);
+    write_key_gate(src + C, knorm_w, knorm_b, skeys, sgates, row, idim, ln_eps, scratch);
+    if (kpool == 0 || kpool > DSA_MAX_KPOOL || idim > DSA_MAX_DIM || (row + 1u) % kpool) return;
+    const uint32_t p = row / kpool;  // < pps: row < slot_rows
+    // Which of the pool's rows are entries of this launch: lane i looks up row p * kpool + i, all
+    // kpool (<= 32) loads in flight at once rather than one round trip per row.
+    __shared__ uint32_t here_s;
+    if (threadIdx.x < 32) {
+        const uint32_t back = row - (p * kpool + threadIdx.x);  // entries before e the row would sit at
+        bool here = false;
+        if (threadIdx.x < kpool && back <= e) {
+            const BatchEntry o = load_entry(entries, e - back);
+            here = o.slot == b.slot && o.row + row_add == p * kpool + threadIdx.x;
+        }
+        const uint32_t mask = __ballot_sync(0xFFFFFFFFu, here);
+        if (threadIdx.x == 0) here_s = mask;
+    }
+    __syncthreads();
+    const uint32_t here_mask = here_s;
+    for (uint32_t i = 0; i < kpool; ++i) {
+        const uint32_t back = row - (p * kpool + i);
+        if ((here_mask >> i) & 1u) {  // uniform over the block: ln_stats has barriers
+            const uint16_t* kg = fused + (size_t)(e - back) * stride + C;
+            float mu, den;
+            ln_stats(kg, idim, ln_eps, scratch, mu, den);
+            if (threadIdx.x == 0) { mu_s[i] = mu; den_s[i] = den; kg_rows[i] = kg; }
+        } else if (threadIdx.x == 0) {
+            kg_rows[i] = nullptr;
+        }
+    }
+    __syncthreads();
+    compress_pool(skeys, sgates, ape, pool_keys + slot * pps * idim, pool_scales + slot * pps, p, idim, kpool,
+                  kg_rows, mu_s, den_s, knorm_w, knorm_b, key_buf, scratch);
 }

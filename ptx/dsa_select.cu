@@ -1,6 +1,7 @@
 // KPool lightning-indexer scores and the top-k pool selection (model/kernels/dsa_select.py).
 // The row is read from device memory (*row_ptr + row_add), so a captured graph follows the row the
 // host or an earlier node set.
+#include "batch.cuh"
 #include "model_common.cuh"
 
 // The selection kernel's capacity in pools; model/kernels/dsa_select.py TOPK_MAX_POOLS must equal it
@@ -16,16 +17,14 @@
 // heads) instead of one per head. q is staged once per block as f32 with a row pitch of dim + 4
 // floats: lane h's 16-byte reads of row h then land on distinct banks (pitch 132 words = 4 mod 32).
 // Dynamic smem (launch helper): heads * (dim + 4) * 4 + heads * 4 + 8 * dim * 4 bytes.
-extern "C" __global__ void __launch_bounds__(256) indexer_scores(
-    const uint16_t* __restrict__ q, const uint16_t* __restrict__ w, const uint8_t* __restrict__ pool_keys,
-    const float* __restrict__ pool_scales, float* __restrict__ scores, const uint32_t* __restrict__ row_ptr,
-    uint32_t row_add, uint32_t heads, uint32_t dim, uint32_t kpool, float w_scale) {
-    extern __shared__ __align__(16) float sm[];
-    wait_then_release();
-    const uint32_t row = *row_ptr + row_add;
-    const uint32_t npools = (row + 1u) / kpool;
+namespace {
+// The scores of pools blockIdx.x * 8 + warp, + gridDim.x * 8, ... below npools: one sequence's,
+// whichever kernel (and grid) calls it, so a pool's score never depends on the launch.
+__device__ __forceinline__ void score_pools(const uint16_t* __restrict__ q, const uint16_t* __restrict__ w,
+                                            const uint8_t* __restrict__ pool_keys,
+                                            const float* __restrict__ pool_scales, float* __restrict__ scores,
+                                            uint32_t npools, uint32_t heads, uint32_t dim, float w_scale, float* sm) {
     const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (blockIdx.x * 8u >= npools) return;
     const uint32_t pitch = dim + 4u;
     float* qs = sm;                       // [heads][pitch]
     float* ws = qs + (size_t)heads * pitch;  // [heads]
@@ -92,6 +91,43 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores(
         __syncwarp();  // the next pool overwrites key[]
     }
 }
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(256) indexer_scores(
+    const uint16_t* __restrict__ q, const uint16_t* __restrict__ w, const uint8_t* __restrict__ pool_keys,
+    const float* __restrict__ pool_scales, float* __restrict__ scores, const uint32_t* __restrict__ row_ptr,
+    uint32_t row_add, uint32_t heads, uint32_t dim, uint32_t kpool, float w_scale) {
+    extern __shared__ __align__(16) float sm[];
+    wait_then_release();
+    const uint32_t row = *row_ptr + row_add;
+    const uint32_t npools = (row + 1u) / kpool;
+    if (blockIdx.x * 8u >= npools) return;
+    score_pools(q, w, pool_keys, pool_scales, scores, npools, heads, dim, w_scale, sm);
+}
+
+// The same scores for m batch entries (ptx/batch.cuh): blockIdx.y = entry e, whose query is
+// q + e * q_stride, head weights w + e * w_stride, pools its slot's and scores
+// scores + e * pools_per_slot; blockIdx.x strides over its pools as indexer_scores' grid does. A
+// pool's score is one warp's whatever the grid, so the entry's scores are indexer_scores' bits.
+// Padding entries and rows past slot_rows read and write nothing.
+extern "C" __global__ void __launch_bounds__(256) indexer_scores_batch(
+    const uint16_t* __restrict__ q, uint32_t q_stride, const uint16_t* __restrict__ w, uint32_t w_stride,
+    const uint8_t* __restrict__ pool_keys, const float* __restrict__ pool_scales, float* __restrict__ scores,
+    const uint32_t* __restrict__ entries, uint32_t m, uint32_t row_add, uint32_t slot_rows, uint32_t heads,
+    uint32_t dim, uint32_t kpool, float w_scale) {
+    extern __shared__ __align__(16) float sm[];
+    wait_then_release();
+    const uint32_t e = blockIdx.y;
+    if (e >= m) return;
+    const BatchEntry b = load_entry(entries, e);
+    const uint32_t row = b.row + row_add;
+    if (entry_is_pad(b) || row >= slot_rows) return;
+    const uint32_t npools = (row + 1u) / kpool;  // <= pools_per_slot: row < slot_rows
+    if (blockIdx.x * 8u >= npools) return;
+    const size_t pps = pools_per_slot(slot_rows, kpool);
+    score_pools(q + (size_t)e * q_stride, w + (size_t)e * w_stride, pool_keys + b.slot * pps * dim,
+                pool_scales + b.slot * pps, scores + e * pps, npools, heads, dim, w_scale, sm);
+}
 
 // ---- select_topk_pools ------------------------------------------------------------------------
 // One block of 1024 threads; dynamic smem holds one u32 key per pool (TOPK_MAX_POOLS * 4 bytes,
@@ -105,21 +141,31 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores(
 // for output positions), expanded to their kpool rows. With `tail` the rows of the incomplete pool
 // are appended in both cases (index_kpool_always_select_tail). The result is exactly
 // select_rows_ref's.
-extern "C" __global__ void __launch_bounds__(1024) select_topk_pools(
-    const float* __restrict__ scores, uint32_t* __restrict__ selected, uint32_t* __restrict__ count,
-    const uint32_t* __restrict__ row_ptr, uint32_t row_add, uint32_t topk_pools, uint32_t kpool,
-    uint32_t tail) {
-    extern __shared__ uint32_t keys_s[];
-    __shared__ uint32_t hist[256];
-    __shared__ uint32_t scan_scratch[32];
-    __shared__ uint32_t s_digit, s_remaining;
+namespace {
+// One sequence's selection for its row (the whole block), whichever kernel calls it. A selection
+// longer than sel_cap rows (a sizing error; the single-sequence kernel passes no bound) is a
+// visible failure like a row past the capacity: count 0, nothing listed.
+struct SelectSmem {
+    uint32_t hist[256];
+    uint32_t scan_scratch[32];
+    uint32_t digit, remaining;
+};
+
+__device__ __forceinline__ void select_rows(const float* __restrict__ scores, uint32_t* __restrict__ selected,
+                                            uint32_t* __restrict__ count, uint32_t row, uint32_t topk_pools,
+                                            uint32_t kpool, uint32_t tail, uint32_t sel_cap, uint32_t* keys_s,
+                                            SelectSmem& sm) {
+    uint32_t* hist = sm.hist;
+    uint32_t* scan_scratch = sm.scan_scratch;
+    uint32_t& s_digit = sm.digit;
+    uint32_t& s_remaining = sm.remaining;
     const uint32_t tid = threadIdx.x, nt = blockDim.x;
-    // One block on one SM: the q_abs GEMV, which needs only the q projection, runs beside it
-    // (bgemv_bf16_f32_beside), released once the indexer's scores have completed.
-    wait_then_release();
-    const uint32_t row = *row_ptr + row_add;
     const uint32_t npools = (row + 1u) / kpool;
     const uint32_t tail0 = npools * kpool, tail_n = tail ? row + 1u - tail0 : 0u;
+    if ((npools <= topk_pools ? tail0 : topk_pools * kpool) + tail_n > sel_cap) {
+        if (tid == 0) *count = 0u;
+        return;
+    }
     if (npools <= topk_pools) {
         for (uint32_t i = tid; i < tail0 + tail_n; i += nt) selected[i] = i;
         if (tid == 0) *count = tail0 + tail_n;
@@ -215,6 +261,45 @@ extern "C" __global__ void __launch_bounds__(1024) select_topk_pools(
     for (uint32_t i = tid; i < tail_n; i += nt) selected[base + i] = tail0 + i;
     if (tid == 0) *count = base + tail_n;
 }
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(1024) select_topk_pools(
+    const float* __restrict__ scores, uint32_t* __restrict__ selected, uint32_t* __restrict__ count,
+    const uint32_t* __restrict__ row_ptr, uint32_t row_add, uint32_t topk_pools, uint32_t kpool,
+    uint32_t tail) {
+    extern __shared__ uint32_t keys_s[];
+    __shared__ SelectSmem sm;
+    // One block on one SM: the q_abs GEMV, which needs only the q projection, runs beside it
+    // (bgemv_bf16_f32_beside), released once the indexer's scores have completed.
+    wait_then_release();
+    select_rows(scores, selected, count, *row_ptr + row_add, topk_pools, kpool, tail, 0xFFFFFFFFu, keys_s, sm);
+}
+
+// The same selection for m batch entries, one block each (grid = m): entry e's row of its slot
+// (entries[e].row + row_add) from scores + e * pools_per_slot, its rows into
+// selected + e * sel_cap and their count into count[e]. Dynamic smem: one u32 key per pool a slot
+// can have, at most TOPK_MAX_POOLS (launch helper). Padding entries read and write nothing; a row
+// past slot_rows gets count 0 (its scores would be another entry's).
+extern "C" __global__ void __launch_bounds__(1024) select_topk_pools_batch(
+    const float* __restrict__ scores, uint32_t* __restrict__ selected, uint32_t* __restrict__ count,
+    const uint32_t* __restrict__ entries, uint32_t m, uint32_t row_add, uint32_t slot_rows, uint32_t sel_cap,
+    uint32_t topk_pools, uint32_t kpool, uint32_t tail) {
+    extern __shared__ uint32_t keys_s[];
+    __shared__ SelectSmem sm;
+    // As select_topk_pools: the q_abs GEMV runs beside it.
+    wait_then_release();
+    const uint32_t e = blockIdx.x;
+    if (e >= m) return;
+    const BatchEntry b = load_entry(entries, e);
+    if (entry_is_pad(b)) return;
+    const uint32_t row = b.row + row_add;
+    if (row >= slot_rows) {
+        if (threadIdx.x == 0) count[e] = 0u;
+        return;
+    }
+    select_rows(scores + (size_t)e * pools_per_slot(slot_rows, kpool), selected + (size_t)e * sel_cap, count + e,
+                row, topk_pools, kpool, tail, sel_cap, keys_s, sm);
+}
 
 // ---- extend_selection -------------------------------------------------------------------------
 // A draft after the first of a propose that shares draft 1's pool selection
@@ -229,4 +314,23 @@ extern "C" __global__ void __launch_bounds__(32) extend_selection(
     const uint32_t n = *count;
     selected[n] = *row_ptr + row_add;
     *count = n + 1u;
+}
+
+// Drafts 2..k of a shared selection for m batch entries: entry e appends its row
+// (entries[e].row + row_add) to its list selected + e * sel_cap, count[e]. One thread per entry,
+// grid ceil(m / 256) x 256 threads, in select_topk_pools_batch's place (it waits and releases as
+// that kernel does). A full list (count[e] == sel_cap, a sizing error) is left as it is; padding
+// entries read and write nothing.
+extern "C" __global__ void __launch_bounds__(256) extend_selection_batch(
+    uint32_t* __restrict__ selected, uint32_t* __restrict__ count, const uint32_t* __restrict__ entries, uint32_t m,
+    uint32_t row_add, uint32_t sel_cap) {
+    wait_then_release();
+    const uint32_t e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= m) return;
+    const BatchEntry b = load_entry(entries, e);
+    if (entry_is_pad(b)) return;
+    const uint32_t n = count[e];
+    if (n >= sel_cap) return;
+    selected[(size_t)e * sel_cap + n] = b.row + row_add;
+    count[e] = n + 1u;
 }

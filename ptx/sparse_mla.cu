@@ -3,6 +3,7 @@
 // p = softmax(s), o_h = sum_j p_j c_j, with c_j = fp8(cache[slot_j]) * scales[slot_j] and
 // slot_j = block_table[r / block_size] * block_size + r % block_size for r = selected[j].
 // The row count is read from device memory (the selection kernel wrote it).
+#include "batch.cuh"
 #include "model_common.cuh"
 
 // ---- sparse_mla_attend: the declared one-launch kernel (CUDA cores) ----------------------------
@@ -14,18 +15,26 @@
 #define MLA_MAX_DIM 1024
 #define MLA_PER_LANE (MLA_MAX_DIM / 32)
 
-extern "C" __global__ void __launch_bounds__(256) sparse_mla_attend(
-    const float* __restrict__ q, const uint8_t* __restrict__ cache, const float* __restrict__ scales,
-    const uint32_t* __restrict__ block_table, const uint32_t* __restrict__ selected,
-    const uint32_t* __restrict__ count, uint16_t* __restrict__ out, uint32_t heads, uint32_t dim,
-    uint32_t block_size, float scale) {
-    __shared__ float qs[MLA_MAX_DIM];
-    __shared__ float acc_s[8][MLA_MAX_DIM / 4];  // merged a quarter of the dims at a time
-    __shared__ float m_s[8], l_s[8];
+namespace {
+struct AttendSmem {
+    float qs[MLA_MAX_DIM];
+    float acc_s[8][MLA_MAX_DIM / 4];  // merged a quarter of the dims at a time
+    float m_s[8], l_s[8];
+};
+
+// Head blockIdx.x of one sequence over its n selected rows, whichever kernel calls it.
+__device__ __forceinline__ void attend_head(const float* __restrict__ q, const uint8_t* __restrict__ cache,
+                                            const float* __restrict__ scales,
+                                            const uint32_t* __restrict__ block_table,
+                                            const uint32_t* __restrict__ selected, uint32_t n,
+                                            uint16_t* __restrict__ out, uint32_t dim, uint32_t block_size,
+                                            float scale, AttendSmem& sm) {
+    float* qs = sm.qs;
+    float(*acc_s)[MLA_MAX_DIM / 4] = sm.acc_s;
+    float* m_s = sm.m_s;
+    float* l_s = sm.l_s;
     const uint32_t h = blockIdx.x;
-    if (h >= heads || dim > MLA_MAX_DIM) return;
     const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const uint32_t n = *count;
     for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x) qs[d] = q[(size_t)h * dim + d];
     __syncthreads();
     float acc[MLA_PER_LANE];
@@ -78,6 +87,40 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_attend(
         }
         __syncthreads();
     }
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(256) sparse_mla_attend(
+    const float* __restrict__ q, const uint8_t* __restrict__ cache, const float* __restrict__ scales,
+    const uint32_t* __restrict__ block_table, const uint32_t* __restrict__ selected,
+    const uint32_t* __restrict__ count, uint16_t* __restrict__ out, uint32_t heads, uint32_t dim,
+    uint32_t block_size, float scale) {
+    __shared__ AttendSmem sm;
+    if (blockIdx.x >= heads || dim > MLA_MAX_DIM) return;
+    attend_head(q, cache, scales, block_table, selected, *count, out, dim, block_size, scale, sm);
+}
+
+// sparse_mla_attend for m batch entries (ptx/batch.cuh): grid (heads, m); entry e's absorbed query
+// q + e * heads * dim, its selection selected + e * sel_cap with count[e] rows (at most sel_cap),
+// gathered through its slot's block table (tables + slot * blocks_per_slot), its output
+// out + e * heads * dim. Padding entries read and write nothing (their output rows keep whatever
+// they held).
+extern "C" __global__ void __launch_bounds__(256) sparse_mla_attend_batch(
+    const float* __restrict__ q, const uint8_t* __restrict__ cache, const float* __restrict__ scales,
+    const uint32_t* __restrict__ tables, const uint32_t* __restrict__ selected, const uint32_t* __restrict__ count,
+    uint16_t* __restrict__ out, const uint32_t* __restrict__ entries, uint32_t m, uint32_t slot_rows,
+    uint32_t sel_cap, uint32_t heads, uint32_t dim, uint32_t block_size, float scale) {
+    __shared__ AttendSmem sm;
+    const uint32_t e = blockIdx.y;
+    if (e >= m || blockIdx.x >= heads || dim > MLA_MAX_DIM) return;
+    // The count is the entry's scratch, not a sequence's state: loaded beside the entry (one
+    // round trip), used only for a live one.
+    const uint32_t n = min(count[e], sel_cap);
+    const BatchEntry b = load_entry(entries, e);
+    if (entry_is_pad(b)) return;
+    const size_t hd = (size_t)heads * dim;
+    attend_head(q + e * hd, cache, scales, tables + (size_t)b.slot * blocks_per_slot(slot_rows, block_size),
+                selected + (size_t)e * sel_cap, n, out + e * hd, dim, block_size, scale, sm);
 }
 
 // ---- the split pair: sparse_mla_partial + sparse_mla_combine ------------------------------------
@@ -330,6 +373,43 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_partial(
         mla_partial_tile<0>(q, cache, scales, block_table, selected, n, part, ml, heads, dim, block_size, scale, smem);
 }
 
+// The split pair for m batch entries: the per-entry workspace of a selection of at most sel_cap
+// rows is splits = max(ceil(sel_cap / 64), 1) partials, part + e * splits * heads * dim and
+// ml + e * splits * heads * 2 (model/kernels/sparse_mla.py split_workspace_batch).
+namespace {
+__device__ __forceinline__ uint32_t batch_splits(uint32_t sel_cap) {
+    return max((sel_cap + MLA_RT - 1u) / MLA_RT, 1u);
+}
+}  // namespace
+
+// sparse_mla_partial for m entries: grid (splits, ceil(heads / 16), m), blockIdx.z = entry e; the
+// tile of (split, head tile) of entry e is sparse_mla_partial's on e's query, selection (count[e]
+// rows, at most sel_cap) and slot's block table, into e's workspace. Splits past the count and
+// padding entries exit (padding reads and writes nothing).
+extern "C" __global__ void __launch_bounds__(256) sparse_mla_partial_batch(
+    const float* __restrict__ q, const uint8_t* __restrict__ cache, const float* __restrict__ scales,
+    const uint32_t* __restrict__ tables, const uint32_t* __restrict__ selected, const uint32_t* __restrict__ count,
+    float* __restrict__ part, float* __restrict__ ml, const uint32_t* __restrict__ entries, uint32_t m,
+    uint32_t slot_rows, uint32_t sel_cap, uint32_t heads, uint32_t dim, uint32_t block_size, float scale) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    wait_then_release();
+    const uint32_t e = blockIdx.z;
+    if (e >= m) return;
+    const uint32_t n = min(count[e], sel_cap);  // beside the entry's load, as in sparse_mla_attend_batch
+    const BatchEntry b = load_entry(entries, e);
+    if (entry_is_pad(b)) return;
+    const size_t hd = (size_t)heads * dim, splits = batch_splits(sel_cap);
+    const float* qe = q + e * hd;
+    const uint32_t* table = tables + (size_t)b.slot * blocks_per_slot(slot_rows, block_size);
+    const uint32_t* sel = selected + (size_t)e * sel_cap;
+    float* pe = part + e * splits * hd;
+    float* me = ml + e * splits * heads * 2u;
+    if (dim == 512u)
+        mla_partial_tile<512>(qe, cache, scales, table, sel, n, pe, me, heads, dim, block_size, scale, smem);
+    else
+        mla_partial_tile<0>(qe, cache, scales, table, sel, n, pe, me, heads, dim, block_size, scale, smem);
+}
+
 // out[h] = sum_s exp(m_s - M) part_s[h] / sum_s exp(m_s - M) l_s, M = max_s m_s, over the
 // ceil(count / 64) splits sparse_mla_partial wrote. Grid (heads, ceil(dim / 128)), block 256: lane
 // l owns dims 128 y + 4 l .. + 3, warp w sums splits w, w + 8, ... with four splits' loads in flight
@@ -339,19 +419,25 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_partial(
 // dim % 16 == 0). The merge is latency-bound: eight warps per head, not one block of 128 threads
 // with eight splits in flight per thread (BENCHMARKS.md, "Drafter kernel notes").
 #define MLA_MAX_SPLITS 1024
-extern "C" __global__ void __launch_bounds__(256) sparse_mla_combine(
-    const float* __restrict__ part, const float* __restrict__ ml, const uint32_t* __restrict__ count,
-    uint16_t* __restrict__ out, uint32_t heads, uint32_t dim) {
-    constexpr int WARPS_C = 8, SL = 4;
-    __shared__ float4 acc_s[WARPS_C][32];
+namespace {
+constexpr int WARPS_C = 8, SL = 4;
+struct CombineSmem {
+    float4 acc_s[WARPS_C][32];
     // This head's (m, l) of every split, read once per block through L2 (the partials kernel
     // releases its dependents early, ptx/common.cuh), not per warp and per round, which made the
     // merge about twice as slow (BENCHMARKS.md, "Drafter kernel notes").
-    __shared__ float2 ml_s[MLA_MAX_SPLITS];
-    wait_then_release();
+    float2 ml_s[MLA_MAX_SPLITS];
+};
+
+// Head blockIdx.x, dims 128 blockIdx.y + 4 lane of one sequence's n-row selection, whichever
+// kernel calls it.
+__device__ __forceinline__ void combine_head(const float* __restrict__ part, const float* __restrict__ ml,
+                                             uint32_t n, uint16_t* __restrict__ out, uint32_t heads, uint32_t dim,
+                                             CombineSmem& sm) {
+    float4(*acc_s)[32] = sm.acc_s;
+    float2* ml_s = sm.ml_s;
     const uint32_t h = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (h >= heads || dim % 4u != 0) return;
-    const uint32_t splits = min((*count + MLA_RT - 1u) / MLA_RT, (uint32_t)MLA_MAX_SPLITS);
+    const uint32_t splits = min((n + MLA_RT - 1u) / MLA_RT, (uint32_t)MLA_MAX_SPLITS);
     for (uint32_t s = threadIdx.x; s < splits; s += blockDim.x)
         ml_s[s] = __ldcg(reinterpret_cast<const float2*>(ml) + (size_t)s * heads + h);
     __syncthreads();
@@ -403,4 +489,32 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_combine(
     if (splits == 0u) r = make_float4(0.0f, 0.0f, 0.0f, 0.0f), L = 1.0f;  // empty selection: zero
     *reinterpret_cast<uint2*>(out + (size_t)h * dim + d) = make_uint2(pack_bf16x2(r.x / L, r.y / L),
                                                                      pack_bf16x2(r.z / L, r.w / L));
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(256) sparse_mla_combine(
+    const float* __restrict__ part, const float* __restrict__ ml, const uint32_t* __restrict__ count,
+    uint16_t* __restrict__ out, uint32_t heads, uint32_t dim) {
+    __shared__ CombineSmem sm;
+    wait_then_release();
+    if (blockIdx.x >= heads || dim % 4u != 0) return;
+    combine_head(part, ml, *count, out, heads, dim, sm);
+}
+
+// sparse_mla_combine for m entries: grid (heads, ceil(dim / 128), m), blockIdx.z = entry e, over
+// e's workspace (batch_splits above) and count[e] (at most sel_cap), into out + e * heads * dim.
+// Padding entries read and write nothing.
+extern "C" __global__ void __launch_bounds__(256) sparse_mla_combine_batch(
+    const float* __restrict__ part, const float* __restrict__ ml, const uint32_t* __restrict__ count,
+    uint16_t* __restrict__ out, const uint32_t* __restrict__ entries, uint32_t m, uint32_t sel_cap, uint32_t heads,
+    uint32_t dim) {
+    __shared__ CombineSmem sm;
+    wait_then_release();
+    const uint32_t e = blockIdx.z;
+    if (e >= m || blockIdx.x >= heads || dim % 4u != 0) return;
+    const uint32_t n = min(count[e], sel_cap);  // beside the entry's load, as in sparse_mla_attend_batch
+    const BatchEntry b = load_entry(entries, e);
+    if (entry_is_pad(b)) return;
+    const size_t hd = (size_t)heads * dim, splits = batch_splits(sel_cap);
+    combine_head(part + e * splits * hd, ml + e * splits * heads * 2u, n, out + e * hd, heads, dim, sm);
 }

@@ -9,6 +9,11 @@
 Rows are read from a fused projection output with row stride ``stride`` (elements).
 CUDA: ptx/dsa_cache.cu (grid = rows, block 128). ``dsa_cache_write`` does all three for the same
 rows in one launch (the block path's only cache write).
+
+``dsa_cache_write_batch`` is ``dsa_cache_write`` for m batch entries (model/kernels/batch.py):
+entry e writes its own row of its own slot in the slot pools from fused row e, with today's
+arithmetic per entry (the same device functions and twin helpers), so a slot's bytes do not
+depend on the batch, its order or its chunking.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from runtime.dtypes import BF16, FP8, quantize_rows_fp8
 from runtime.kernel import F32, PTR, U32, declare
 from runtime.kernels.rmsnorm import rmsnorm_ref
 from runtime.launch import launch
+
+from .batch import SlotGeometry, is_pad, read_entries
 
 
 def layernorm_ref(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
@@ -40,6 +47,34 @@ def compress_pool_ref(k: np.ndarray, g: np.ndarray, ape: np.ndarray) -> np.ndarr
 def _rows(mem, row_ptr, row_add, rows):
     base = int(mem.scalar(row_ptr, np.uint32)) + row_add
     return range(base, base + rows)
+
+
+# One row's writes, shared by the single-sequence twins and the batched one (which passes a slot's
+# keys / gates / pool keys / pool scales / block table as the bases), so both compute the same.
+
+
+def _latent_row(mem, x_ptr, w, cache, scales, block_table, row, dim, block_size, eps):
+    x = mem.read(x_ptr, BF16, dim)
+    c = rmsnorm_ref(x, w, eps).astype(np.float32)
+    q, s = quantize_rows_fp8(c[None])
+    blk = int(mem.scalar(block_table.offset((row // block_size) * 4), np.uint32))
+    slot = blk * block_size + row % block_size
+    mem.write(cache.offset(slot * dim), q[0])
+    mem.write(scales.offset(slot * 4), s)
+
+
+def _key_gate_row(mem, src_ptr, w, b, keys, gates, row, dim, eps):
+    src = mem.read(src_ptr, BF16, 2 * dim)
+    mem.write(keys.offset(row * dim * 2), layernorm_ref(src[:dim], w, b, eps).astype(BF16))
+    mem.write(gates.offset(row * dim * 2), src[dim:])
+
+
+def _compress_row_pool(mem, keys, gates, apev, pool_keys, pool_scales, p, dim, kpool):
+    k = mem.read(keys.offset(p * kpool * dim * 2), BF16, (kpool, dim))
+    g = mem.read(gates.offset(p * kpool * dim * 2), BF16, (kpool, dim))
+    q, s = quantize_rows_fp8(compress_pool_ref(k, g, apev)[None])
+    mem.write(pool_keys.offset(p * dim), q[0])
+    mem.write(pool_scales.offset(p * 4), s)
 
 
 @declare(
@@ -66,13 +101,7 @@ def LATENT_WRITE_FP8(
 ):
     w = mem.read(norm_w, BF16, dim)
     for r, row in enumerate(_rows(mem, row_ptr, row_add, rows)):
-        x = mem.read(kv.offset(r * stride * 2), BF16, dim)
-        c = rmsnorm_ref(x, w, eps).astype(np.float32)
-        q, s = quantize_rows_fp8(c[None])
-        blk = int(mem.scalar(block_table.offset((row // block_size) * 4), np.uint32))
-        slot = blk * block_size + row % block_size
-        mem.write(cache.offset(slot * dim), q[0])
-        mem.write(scales.offset(slot * 4), s)
+        _latent_row(mem, kv.offset(r * stride * 2), w, cache, scales, block_table, row, dim, block_size, eps)
 
 
 @declare(
@@ -97,9 +126,7 @@ def INDEXER_WRITE_KEYS(mem, kg, stride, knorm_w, knorm_b, keys, gates, row_ptr, 
     """kg row r holds [wk y (dim) ; compress_gate y (dim)]."""
     w, b = mem.read(knorm_w, BF16, dim), mem.read(knorm_b, BF16, dim)
     for r, row in enumerate(_rows(mem, row_ptr, row_add, rows)):
-        src = mem.read(kg.offset(r * stride * 2), BF16, 2 * dim)
-        mem.write(keys.offset(row * dim * 2), layernorm_ref(src[:dim], w, b, eps).astype(BF16))
-        mem.write(gates.offset(row * dim * 2), src[dim:])
+        _key_gate_row(mem, kg.offset(r * stride * 2), w, b, keys, gates, row, dim, eps)
 
 
 @declare(
@@ -123,14 +150,8 @@ def INDEXER_COMPRESS_POOLS(mem, keys, gates, ape, pool_keys, pool_scales, row_pt
     """Compress every pool whose last row is among the rows written: row + 1 divisible by kpool."""
     apev = mem.read(ape, BF16, (kpool, dim))
     for row in _rows(mem, row_ptr, row_add, rows):
-        if (row + 1) % kpool:
-            continue
-        p = row // kpool
-        k = mem.read(keys.offset(p * kpool * dim * 2), BF16, (kpool, dim))
-        g = mem.read(gates.offset(p * kpool * dim * 2), BF16, (kpool, dim))
-        q, s = quantize_rows_fp8(compress_pool_ref(k, g, apev)[None])
-        mem.write(pool_keys.offset(p * dim), q[0])
-        mem.write(pool_scales.offset(p * 4), s)
+        if (row + 1) % kpool == 0:
+            _compress_row_pool(mem, keys, gates, apev, pool_keys, pool_scales, row // kpool, dim, kpool)
 
 
 @declare(
@@ -200,6 +221,108 @@ def DSA_CACHE_WRITE(
     INDEXER_COMPRESS_POOLS.host(
         mem, keys, gates, ape, pool_keys, pool_scales, row_ptr, row_add, rows, idim, kpool
     )
+
+
+def _live_entries(mem, entries, m, row_add, slot_rows):
+    """(e, slot, row) of every entry that is not padding and whose row lies inside its slot, in
+    entry order: what the batched kernels address (the others read and write nothing)."""
+    out = []
+    for e, ent in enumerate(read_entries(mem, entries, m)):
+        row = (int(ent[1]) + row_add) & 0xFFFFFFFF  # the kernel's u32 sum
+        if not is_pad(ent) and row < slot_rows:
+            out.append((e, int(ent[0]), row))
+    return out
+
+
+@declare(
+    "dsa_cache",
+    "dsa_cache_write_batch",
+    [
+        ("fused", PTR),
+        ("stride", U32),
+        ("kv_norm_w", PTR),
+        ("cache", PTR),
+        ("scales", PTR),
+        ("tables", PTR),
+        ("knorm_w", PTR),
+        ("knorm_b", PTR),
+        ("keys", PTR),
+        ("gates", PTR),
+        ("ape", PTR),
+        ("pool_keys", PTR),
+        ("pool_scales", PTR),
+        ("entries", PTR),
+        ("m", U32),
+        ("row_add", U32),
+        ("slot_rows", U32),
+        ("C", U32),
+        ("idim", U32),
+        ("block_size", U32),
+        ("kpool", U32),
+        ("eps", F32),
+        ("ln_eps", F32),
+    ],
+    writes=("cache", "scales", "keys", "gates", "pool_keys", "pool_scales"),
+    pdl=True,
+    releases=True,  # as dsa_cache_write: the q projection runs beside it
+)
+def DSA_CACHE_WRITE_BATCH(
+    mem,
+    fused,
+    stride,
+    kv_norm_w,
+    cache,
+    scales,
+    tables,
+    knorm_w,
+    knorm_b,
+    keys,
+    gates,
+    ape,
+    pool_keys,
+    pool_scales,
+    entries,
+    m,
+    row_add,
+    slot_rows,
+    C,
+    idim,
+    block_size,
+    kpool,
+    eps,
+    ln_eps,
+):
+    """dsa_cache_write for m entries: entry e's row (entries[e].row + row_add) of its slot, from
+    fused row e; latents, then keys and gates, then the pools the rows complete (so a pool whose
+    rows share the launch sees them, as the kernel's recomputation does)."""
+    geo = SlotGeometry(slot_rows, idim, kpool, block_size)
+    live = _live_entries(mem, entries, m, row_add, slot_rows)
+    if not live:
+        return
+    w = mem.read(kv_norm_w, BF16, C)
+    for e, slot, row in live:
+        table = tables.offset(geo.table_base(slot) * 4)
+        _latent_row(mem, fused.offset(e * stride * 2), w, cache, scales, table, row, C, block_size, eps)
+    kw, kb = mem.read(knorm_w, BF16, idim), mem.read(knorm_b, BF16, idim)
+    for e, slot, row in live:
+        k, g = keys.offset(geo.key_row(slot, 0) * 2), gates.offset(geo.key_row(slot, 0) * 2)
+        _key_gate_row(mem, fused.offset((e * stride + C) * 2), kw, kb, k, g, row, idim, ln_eps)
+    if not 1 <= kpool <= MAX_KPOOL or idim > MAX_DIM:
+        return
+    apev = mem.read(ape, BF16, (kpool, idim))
+    for _, slot, row in live:
+        if (row + 1) % kpool == 0:
+            _compress_row_pool(
+                mem,
+                keys.offset(geo.key_row(slot, 0) * 2),
+                gates.offset(geo.key_row(slot, 0) * 2),
+                apev,
+                pool_keys.offset(geo.pool_row(slot, 0) * idim),
+                pool_scales.offset(geo.pool_row(slot, 0) * 4),
+                row // kpool,
+                idim,
+                kpool,
+            )
 
 
 assert FP8.itemsize == 1
@@ -348,6 +471,82 @@ def dsa_cache_write(
         row_ptr,
         row_add,
         rows,
+        C,
+        idim,
+        block_size,
+        kpool,
+        eps,
+        ln_eps,
+        stream=stream,
+    )
+
+
+def dsa_cache_write_batch(
+    gpu,
+    *,
+    fused,
+    stride,
+    kv_norm_w,
+    cache,
+    scales,
+    tables,
+    knorm_w,
+    knorm_b,
+    keys,
+    gates,
+    ape,
+    pool_keys,
+    pool_scales,
+    entries,
+    m,
+    row_add,
+    slot_rows,
+    C,
+    idim,
+    block_size,
+    kpool,
+    eps,
+    ln_eps,
+    stream=None,
+):
+    """``dsa_cache_write`` for ``m`` batch entries (model/kernels/batch.py), one block each.
+
+    Entry e = ``[slot, row, token, reserved]`` writes row ``row + row_add`` of its slot from fused
+    row e (``fused + e * stride * 2`` bytes, ``[kv (C) ; wk y (idim) ; compress_gate y (idim) ;
+    ...]``): the latent into the paged cache at the slot's block table
+    (``tables + slot * blocks_per_slot``), the indexer key and gate into the slot's rows of the
+    keys / gates pools, and the pool key of every pool the row completes into the slot's pool keys
+    / scales. Several consecutive rows of one sequence may share a launch (a catch-up chunk:
+    consecutive entries, ascending rows, no gap), beside other sequences' rows; a pool's rows of
+    the same launch are recomputed from their fused rows, with the bits of the cached path. So a
+    slot's bytes are those of writing its rows alone, one at a time, in any chunking and batch.
+    Padding entries, and entries whose row is not below ``slot_rows``, read and write nothing of any
+    sequence."""
+    check_dims(idim, kpool)
+    if m < 1:  # a catch-up chunk may hold more entries than a draft batch (the grid is m blocks)
+        raise ValueError(f"dsa_cache_write_batch: m={m} entries")
+    launch(
+        gpu,
+        gpu.kernel(*DSA_CACHE_WRITE_BATCH.key),
+        m,
+        128,
+        fused,
+        stride,
+        kv_norm_w,
+        cache,
+        scales,
+        tables,
+        knorm_w,
+        knorm_b,
+        keys,
+        gates,
+        ape,
+        pool_keys,
+        pool_scales,
+        entries,
+        m,
+        row_add,
+        slot_rows,
         C,
         idim,
         block_size,

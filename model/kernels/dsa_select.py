@@ -5,6 +5,10 @@ drafted after it (``index_share_for_mtp_iteration``, ``model.dsa``, "Shared sele
 ``TOPK_MAX_POOLS`` is the selection kernel's capacity (its per-block shared-memory budget holds one
 f32 score per pool); ``model.dsa.max_dsa_context`` derives the drafter's reach from it, so a kernel
 change moves the sizing with it. CUDA: ptx/dsa_select.cu.
+
+The ``*_batch`` kernels do the same for m batch entries (model/kernels/batch.py), each entry over
+its own slot's pools with its own row, query and output rows; per entry they compute the bits of
+the single-sequence kernel (the same device functions and twin helpers).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import numpy as np
 from runtime.dtypes import BF16, FP8
 from runtime.kernel import F32, PTR, U32, declare
 from runtime.launch import launch
+
+from .batch import SlotGeometry, is_pad, read_entries
 
 # 16384 pools x 4 B of f32 score = 64 KiB of dynamic shared memory in ptx/dsa_select.cu.
 TOPK_MAX_POOLS = 16384
@@ -54,14 +60,18 @@ def selection_capacity(rows: int, topk_pools: int, kpool: int, extra: int = 0) -
 def INDEXER_SCORES(mem, q, w, pool_keys, pool_scales, scores, row_ptr, row_add, heads, dim, kpool, w_scale):
     """scores[p] = sum_h (w_h * w_scale) * relu(q_h . key_p) / sqrt(dim) for every complete pool."""
     row = int(mem.scalar(row_ptr, np.uint32)) + row_add
-    npools = complete_pools(row, kpool)
+    _score_pools(mem, q, w, pool_keys, pool_scales, scores, complete_pools(row, kpool), heads, dim, w_scale)
+
+
+def _score_pools(mem, q, w, pool_keys, pool_scales, scores, npools, heads, dim, w_scale):
+    """One sequence's scores of its first ``npools`` pools (the single and the batched twin)."""
     if npools == 0:
         return
     qv = mem.read(q, BF16, (heads, dim)).astype(np.float32)
     wv = mem.read(w, BF16, heads).astype(np.float32) * np.float32(w_scale)
     keys = mem.read(pool_keys, FP8, (npools, dim)).astype(np.float32)
     keys *= mem.read(pool_scales, np.float32, npools)[:, None]
-    dots = np.maximum(qv @ keys.T, 0)  # [heads, pools]
+    dots = np.maximum(qv @ keys.T, 0)  # [heads, pools]: the shapes are one sequence's alone
     s = (wv @ dots) / np.float32(np.sqrt(dim))
     mem.write(scores, s.astype(np.float32))
 
@@ -102,9 +112,22 @@ def select_rows_ref(
 )
 def SELECT_TOPK_POOLS(mem, scores, selected, count, row_ptr, row_add, topk_pools, kpool, tail):
     row = int(mem.scalar(row_ptr, np.uint32)) + row_add
+    _select(mem, scores, selected, count, row, topk_pools, kpool, tail, None)
+
+
+def _select(mem, scores, selected, count, row, topk_pools, kpool, tail, sel_cap):
+    """One sequence's selection (the single and the batched twin). With ``sel_cap`` (the batched
+    twin) a row past the kernel's TOPK_MAX_POOLS or a selection of more than ``sel_cap`` rows is
+    the kernel's visible failure, count 0."""
     npools = complete_pools(row, kpool)
+    if sel_cap is not None and npools > TOPK_MAX_POOLS:
+        mem.write(count, np.array([0], np.uint32))
+        return
     sc = mem.read(scores, np.float32, npools) if npools > topk_pools else np.zeros(0, np.float32)
     rows = select_rows_ref(sc, row, topk_pools, kpool, bool(tail))
+    if sel_cap is not None and rows.size > sel_cap:
+        mem.write(count, np.array([0], np.uint32))
+        return
     if rows.size:
         mem.write(selected, rows)
     mem.write(count, np.array([rows.size], np.uint32))
@@ -125,6 +148,142 @@ def EXTEND_SELECTION(mem, selected, count, row_ptr, row_add):
     n = int(mem.scalar(count, np.uint32))
     mem.write(selected.offset(n * 4), np.array([int(mem.scalar(row_ptr, np.uint32)) + row_add], np.uint32))
     mem.write(count, np.array([n + 1], np.uint32))
+
+
+# ---- the batched kernels: m entries [slot, row, token, reserved] of the slot pools (batch.py) ----
+
+
+def _entry_rows(mem, entries, m, row_add):
+    """(e, slot, row) of every entry that is not padding, in entry order."""
+    return [
+        (e, int(ent[0]), (int(ent[1]) + row_add) & 0xFFFFFFFF)  # the kernel's u32 sum
+        for e, ent in enumerate(read_entries(mem, entries, m))
+        if not is_pad(ent)
+    ]
+
+
+@declare(
+    "dsa_select",
+    "indexer_scores_batch",
+    [
+        ("q", PTR),
+        ("q_stride", U32),
+        ("w", PTR),
+        ("w_stride", U32),
+        ("pool_keys", PTR),
+        ("pool_scales", PTR),
+        ("scores", PTR),
+        ("entries", PTR),
+        ("m", U32),
+        ("row_add", U32),
+        ("slot_rows", U32),
+        ("heads", U32),
+        ("dim", U32),
+        ("kpool", U32),
+        ("w_scale", F32),
+    ],
+    writes=("scores",),
+    pdl=True,
+    releases=True,  # as indexer_scores
+)
+def INDEXER_SCORES_BATCH(
+    mem,
+    q,
+    q_stride,
+    w,
+    w_stride,
+    pool_keys,
+    pool_scales,
+    scores,
+    entries,
+    m,
+    row_add,
+    slot_rows,
+    heads,
+    dim,
+    kpool,
+    w_scale,
+):
+    """indexer_scores of each entry over its slot's complete pools, into scores + e * pools_per_slot."""
+    geo = SlotGeometry(slot_rows, dim, kpool, 1)
+    pps = geo.pools_per_slot
+    for e, slot, row in _entry_rows(mem, entries, m, row_add):
+        if row >= slot_rows:
+            continue
+        _score_pools(
+            mem,
+            q.offset(e * q_stride * 2),
+            w.offset(e * w_stride * 2),
+            pool_keys.offset(geo.pool_row(slot, 0) * dim),
+            pool_scales.offset(geo.pool_row(slot, 0) * 4),
+            scores.offset(e * pps * 4),
+            complete_pools(row, kpool),
+            heads,
+            dim,
+            w_scale,
+        )
+
+
+@declare(
+    "dsa_select",
+    "select_topk_pools_batch",
+    [
+        ("scores", PTR),
+        ("selected", PTR),
+        ("count", PTR),
+        ("entries", PTR),
+        ("m", U32),
+        ("row_add", U32),
+        ("slot_rows", U32),
+        ("sel_cap", U32),
+        ("topk_pools", U32),
+        ("kpool", U32),
+        ("tail", U32),
+    ],
+    writes=("selected", "count"),
+    pdl=True,
+    releases=True,  # as select_topk_pools: the q_abs GEMV runs beside it
+)
+def SELECT_TOPK_POOLS_BATCH(
+    mem, scores, selected, count, entries, m, row_add, slot_rows, sel_cap, topk_pools, kpool, tail
+):
+    """select_topk_pools of each entry: scores + e * pools_per_slot -> selected + e * sel_cap, count[e]."""
+    pps = SlotGeometry(slot_rows, 1, kpool, 1).pools_per_slot
+    for e, _, row in _entry_rows(mem, entries, m, row_add):
+        cnt = count.offset(e * 4)
+        if row >= slot_rows:
+            mem.write(cnt, np.array([0], np.uint32))
+            continue
+        _select(
+            mem,
+            scores.offset(e * pps * 4),
+            selected.offset(e * sel_cap * 4),
+            cnt,
+            row,
+            topk_pools,
+            kpool,
+            tail,
+            sel_cap,
+        )
+
+
+@declare(
+    "dsa_select",
+    "extend_selection_batch",
+    [("selected", PTR), ("count", PTR), ("entries", PTR), ("m", U32), ("row_add", U32), ("sel_cap", U32)],
+    writes=("selected", "count"),
+    pdl=True,
+    releases=True,  # in select_topk_pools_batch's place
+)
+def EXTEND_SELECTION_BATCH(mem, selected, count, entries, m, row_add, sel_cap):
+    """extend_selection of each entry: its row appended to selected + e * sel_cap, count[e] + 1; a
+    full list (count == sel_cap) is left as it is."""
+    for e, _, row in _entry_rows(mem, entries, m, row_add):
+        n = int(mem.scalar(count.offset(e * 4), np.uint32))
+        if n >= sel_cap:
+            continue
+        mem.write(selected.offset((e * sel_cap + n) * 4), np.array([row], np.uint32))
+        mem.write(count.offset(e * 4), np.array([n + 1], np.uint32))
 
 
 # indexer_scores: a warp per pool, 8 per block, grid-stride. The grid is capped at two blocks per SM
@@ -199,3 +358,149 @@ def select_topk_pools(
 
 def extend_selection(gpu, selected, count, row_ptr, row_add, stream=None):
     launch(gpu, gpu.kernel(*EXTEND_SELECTION.key), 1, 32, selected, count, row_ptr, row_add, stream=stream)
+
+
+# Grid dims y and z of a launch (the batched kernels put the entry there).
+MAX_GRID_YZ = 65535
+
+
+def _check_m(what: str, m: int, hi: int = MAX_GRID_YZ) -> None:
+    if not 1 <= m <= hi:
+        raise ValueError(f"{what}: m={m} entries outside 1..{hi}")
+
+
+# indexer_scores_batch: blocks of a launch, about eight resident per SM of an H200 (256 threads and
+# 21 KB of shared memory each): past one entry, the launch's pools are many, and a warp's rounds
+# wait on its pool key's load, so more warps in flight hide more of it. Not measured yet.
+SCORES_BATCH_BLOCKS = 4 * SCORES_MAX_GRID
+
+
+def scores_batch_grid(m: int, pools_per_slot: int) -> tuple[int, int]:
+    """indexer_scores_batch's grid: (blocks per entry, m). An entry gets SCORES_BATCH_BLOCKS / m
+    blocks, at least one and at most indexer_scores' grid (SCORES_MAX_GRID, or one per 8 pools a
+    slot can have): at m = 1 it is indexer_scores' grid; at m = 64 an entry's 17 blocks take its
+    pools grid-stride instead of 264 blocks that would mostly exit. A pool's score is one warp's
+    in every grid, so the choice moves work, never bits."""
+    per = max(-(-SCORES_BATCH_BLOCKS // m), 1)
+    return min(per, SCORES_MAX_GRID, max(-(-pools_per_slot // 8), 1)), m
+
+
+def indexer_scores_batch(
+    gpu,
+    *,
+    q,
+    q_stride,
+    w,
+    w_stride,
+    pool_keys,
+    pool_scales,
+    scores,
+    entries,
+    m,
+    row_add,
+    slot_rows,
+    heads,
+    dim,
+    kpool,
+    w_scale,
+    stream=None,
+):
+    """``indexer_scores`` for ``m`` batch entries (model/kernels/batch.py).
+
+    Entry e ``[slot, row, ...]`` scores its slot's complete pools below row ``row + row_add``
+    (pools ``0 .. (row + row_add + 1) // kpool - 1`` of the slot's pool keys / scales, a slot
+    holding ``pools_per_slot = max(slot_rows // kpool, 1)``) with its query ``q + e * q_stride * 2``
+    (BF16 ``[heads][dim]``) and head weights ``w + e * w_stride * 2`` (BF16 ``[heads]``), into
+    ``scores + e * pools_per_slot * 4`` (f32). Each score is indexer_scores' for that sequence, bit
+    for bit, whatever m and the entry's place. Padding entries and rows at or past ``slot_rows``
+    read and write nothing; scores past an entry's complete pools are not written."""
+    _check_m("indexer_scores_batch", m)
+    pps = SlotGeometry(slot_rows, dim, kpool, 1).pools_per_slot
+    launch(
+        gpu,
+        gpu.kernel(*INDEXER_SCORES_BATCH.key),
+        scores_batch_grid(m, pps),
+        256,
+        q,
+        q_stride,
+        w,
+        w_stride,
+        pool_keys,
+        pool_scales,
+        scores,
+        entries,
+        m,
+        row_add,
+        slot_rows,
+        heads,
+        dim,
+        kpool,
+        w_scale,
+        smem=indexer_scores_smem(heads, dim),
+        stream=stream,
+    )
+
+
+def select_topk_pools_batch(
+    gpu,
+    *,
+    scores,
+    selected,
+    count,
+    entries,
+    m,
+    row_add,
+    slot_rows,
+    sel_cap,
+    topk_pools,
+    kpool,
+    tail,
+    stream=None,
+):
+    """``select_topk_pools`` for ``m`` entries, one block each: entry e's row ``row + row_add``,
+    its scores at ``scores + e * pools_per_slot * 4``, its ascending rows into
+    ``selected + e * sel_cap * 4`` and their number into ``count[e]`` (u32), identical to
+    select_topk_pools for that sequence. A selection longer than ``sel_cap`` (size it with
+    ``selection_capacity(slot_rows, topk_pools, kpool, extra)``), a row at or past ``slot_rows``
+    or past the kernel's TOPK_MAX_POOLS give count 0. Padding entries read and write nothing."""
+    _check_m("select_topk_pools_batch", m, 2**31 - 1)
+    pps = SlotGeometry(slot_rows, 1, kpool, 1).pools_per_slot
+    launch(
+        gpu,
+        gpu.kernel(*SELECT_TOPK_POOLS_BATCH.key),
+        m,
+        1024,
+        scores,
+        selected,
+        count,
+        entries,
+        m,
+        row_add,
+        slot_rows,
+        sel_cap,
+        topk_pools,
+        kpool,
+        int(bool(tail)),
+        smem=min(pps, TOPK_MAX_POOLS) * 4,
+        stream=stream,
+    )
+
+
+def extend_selection_batch(gpu, *, selected, count, entries, m, row_add, sel_cap, stream=None):
+    """``extend_selection`` for ``m`` entries: entry e appends row ``row + row_add`` to its list
+    ``selected + e * sel_cap * 4`` and increments ``count[e]`` (a full list is left as it is).
+    Padding entries read and write nothing."""
+    _check_m("extend_selection_batch", m, 2**31 - 1)
+    launch(
+        gpu,
+        gpu.kernel(*EXTEND_SELECTION_BATCH.key),
+        -(-m // 256),
+        256,
+        selected,
+        count,
+        entries,
+        m,
+        row_add,
+        sel_cap,
+        stream=stream,
+    )

@@ -9,6 +9,10 @@ Two implementations of the same function: ``sparse_mla_attend`` (one launch, one
 CUDA cores) and the split pair ``sparse_mla_partial`` + ``sparse_mla_combine`` (flash-decoding:
 64-row splits x 16-head tiles on the tensor cores, then an exact merge), which the decoder block
 uses where the shapes allow it (``split_supported``).
+
+``sparse_mla_split_batch`` / ``sparse_mla_attend_batch`` run either for m batch entries
+(model/kernels/batch.py): each entry attends its own selection through its own slot's block
+table, with the single-sequence kernel's bits (the same device functions and twin helpers).
 """
 
 from __future__ import annotations
@@ -20,10 +24,17 @@ from runtime.host_math import dot_rows
 from runtime.kernel import F32, PTR, U32, declare
 from runtime.launch import launch
 
+from .batch import is_pad, read_entries
+
 
 def _gather(mem, cache, scales, block_table, selected, count, dim, block_size):
     """(count, the selected rows' FP8 latents widened to f32 and times their row scales)."""
-    n = int(mem.scalar(count, np.uint32))
+    return _gather_n(
+        mem, cache, scales, block_table, selected, int(mem.scalar(count, np.uint32)), dim, block_size
+    )
+
+
+def _gather_n(mem, cache, scales, block_table, selected, n, dim, block_size):
     if n == 0:
         return 0, np.zeros((0, dim), np.float32)
     rows = mem.read(selected, np.uint32, n).astype(np.int64)
@@ -57,6 +68,11 @@ def SPARSE_MLA_ATTEND(
     mem, q, cache, scales, block_table, selected, count, out, heads, dim, block_size, scale
 ):
     n, c = _gather(mem, cache, scales, block_table, selected, count, dim, block_size)
+    _attend(mem, q, n, c, out, heads, dim, scale)
+
+
+def _attend(mem, q, n, c, out, heads, dim, scale):
+    """One sequence's attention over its gathered rows (the single and the batched twin)."""
     if n == 0:
         mem.write(out, np.zeros((heads, dim), BF16))
         return
@@ -101,6 +117,10 @@ def SPARSE_MLA_PARTIAL(
     """Split s = rows [64 s, 64 s + 64) of the selection: m = max_j s_j, l = sum_j exp(s_j - m),
     part[s][h] = sum_j exp(s_j - m) c_j (f32), ml[s][h] = (m, l)."""
     n, c = _gather(mem, cache, scales, block_table, selected, count, dim, block_size)
+    _partial(mem, q, n, c, part, ml, heads, dim, scale)
+
+
+def _partial(mem, q, n, c, part, ml, heads, dim, scale):
     qv = mem.read(q, np.float32, (heads, dim))
     s = dot_rows(qv, c) * np.float32(scale)
     for sp in range(-(-n // SPLIT_ROWS)):
@@ -121,7 +141,11 @@ def SPARSE_MLA_PARTIAL(
 )
 def SPARSE_MLA_COMBINE(mem, part, ml, count, out, heads, dim):
     """out[h] = sum_s w_s part[s][h] / sum_s w_s l_s with w_s = exp(m_s - max_s m_s)."""
-    splits = -(-int(mem.scalar(count, np.uint32)) // SPLIT_ROWS)
+    _combine(mem, part, ml, int(mem.scalar(count, np.uint32)), out, heads, dim)
+
+
+def _combine(mem, part, ml, n, out, heads, dim):
+    splits = -(-n // SPLIT_ROWS)
     if splits == 0:
         mem.write(out, np.zeros((heads, dim), BF16))
         return
@@ -136,6 +160,173 @@ def SPARSE_MLA_COMBINE(mem, part, ml, count, out, heads, dim):
     mem.write(out, (num / den[:, None]).astype(BF16))
 
 
+# ---- the batched kernels: m entries [slot, row, token, reserved] of the slot pools (batch.py) ----
+# Entry e's absorbed query is q + e * heads * dim (f32), its selection selected + e * sel_cap with
+# count[e] rows (at most sel_cap), its latent rows gathered through its slot's block table
+# (tables + slot * blocks_per_slot), its output out + e * heads * dim (BF16); the split pair's
+# workspace is per entry (split_workspace_batch). Padding entries read and write nothing.
+
+
+def _batch_entries(mem, entries, m, count, sel_cap):
+    """(e, slot, n) of every entry that is not padding, n = min(count[e], sel_cap)."""
+    out = []
+    for e, ent in enumerate(read_entries(mem, entries, m)):
+        if not is_pad(ent):
+            out.append((e, int(ent[0]), min(int(mem.scalar(count.offset(e * 4), np.uint32)), sel_cap)))
+    return out
+
+
+def batch_splits(sel_cap: int) -> int:
+    """Partials per entry of the batched split pair: a selection of at most sel_cap rows."""
+    return max(-(-sel_cap // SPLIT_ROWS), 1)
+
+
+def _blocks_per_slot(slot_rows: int, block_size: int) -> int:
+    return -(-slot_rows // block_size)
+
+
+@declare(
+    "sparse_mla",
+    "sparse_mla_attend_batch",
+    [
+        ("q", PTR),
+        ("cache", PTR),
+        ("scales", PTR),
+        ("tables", PTR),
+        ("selected", PTR),
+        ("count", PTR),
+        ("out", PTR),
+        ("entries", PTR),
+        ("m", U32),
+        ("slot_rows", U32),
+        ("sel_cap", U32),
+        ("heads", U32),
+        ("dim", U32),
+        ("block_size", U32),
+        ("scale", F32),
+    ],
+    writes=("out",),
+)
+def SPARSE_MLA_ATTEND_BATCH(
+    mem,
+    q,
+    cache,
+    scales,
+    tables,
+    selected,
+    count,
+    out,
+    entries,
+    m,
+    slot_rows,
+    sel_cap,
+    heads,
+    dim,
+    block_size,
+    scale,
+):
+    bps = _blocks_per_slot(slot_rows, block_size)
+    for e, slot, n in _batch_entries(mem, entries, m, count, sel_cap):
+        table = tables.offset(slot * bps * 4)
+        _, c = _gather_n(mem, cache, scales, table, selected.offset(e * sel_cap * 4), n, dim, block_size)
+        _attend(mem, q.offset(e * heads * dim * 4), n, c, out.offset(e * heads * dim * 2), heads, dim, scale)
+
+
+@declare(
+    "sparse_mla",
+    "sparse_mla_partial_batch",
+    [
+        ("q", PTR),
+        ("cache", PTR),
+        ("scales", PTR),
+        ("tables", PTR),
+        ("selected", PTR),
+        ("count", PTR),
+        ("part", PTR),
+        ("ml", PTR),
+        ("entries", PTR),
+        ("m", U32),
+        ("slot_rows", U32),
+        ("sel_cap", U32),
+        ("heads", U32),
+        ("dim", U32),
+        ("block_size", U32),
+        ("scale", F32),
+    ],
+    writes=("part", "ml"),
+    pdl=True,
+    releases=True,  # as sparse_mla_partial
+)
+def SPARSE_MLA_PARTIAL_BATCH(
+    mem,
+    q,
+    cache,
+    scales,
+    tables,
+    selected,
+    count,
+    part,
+    ml,
+    entries,
+    m,
+    slot_rows,
+    sel_cap,
+    heads,
+    dim,
+    block_size,
+    scale,
+):
+    """sparse_mla_partial of each entry into its workspace (split_workspace_batch)."""
+    bps, splits = _blocks_per_slot(slot_rows, block_size), batch_splits(sel_cap)
+    for e, slot, n in _batch_entries(mem, entries, m, count, sel_cap):
+        table = tables.offset(slot * bps * 4)
+        _, c = _gather_n(mem, cache, scales, table, selected.offset(e * sel_cap * 4), n, dim, block_size)
+        _partial(
+            mem,
+            q.offset(e * heads * dim * 4),
+            n,
+            c,
+            part.offset(e * splits * heads * dim * 4),
+            ml.offset(e * splits * heads * 8),
+            heads,
+            dim,
+            scale,
+        )
+
+
+@declare(
+    "sparse_mla",
+    "sparse_mla_combine_batch",
+    [
+        ("part", PTR),
+        ("ml", PTR),
+        ("count", PTR),
+        ("out", PTR),
+        ("entries", PTR),
+        ("m", U32),
+        ("sel_cap", U32),
+        ("heads", U32),
+        ("dim", U32),
+    ],
+    writes=("out",),
+    pdl=True,
+    releases=True,  # as sparse_mla_combine
+)
+def SPARSE_MLA_COMBINE_BATCH(mem, part, ml, count, out, entries, m, sel_cap, heads, dim):
+    """sparse_mla_combine of each entry's workspace into out + e * heads * dim."""
+    splits = batch_splits(sel_cap)
+    for e, _, n in _batch_entries(mem, entries, m, count, sel_cap):
+        _combine(
+            mem,
+            part.offset(e * splits * heads * dim * 4),
+            ml.offset(e * splits * heads * 8),
+            n,
+            out.offset(e * heads * dim * 2),
+            heads,
+            dim,
+        )
+
+
 def split_supported(dim: int, rows_capacity: int) -> bool:
     """Shapes the tensor-core split kernels take: dim a multiple of 16 up to 512, and at most
     MAX_SPLITS splits (sparse_mla_combine's shared weights)."""
@@ -146,6 +337,13 @@ def split_workspace(heads: int, dim: int, rows_capacity: int) -> tuple[int, int]
     """Bytes of (part, ml) for a selection of at most ``rows_capacity`` rows."""
     splits = max(-(-rows_capacity // SPLIT_ROWS), 1)
     return splits * heads * dim * 4, splits * heads * 8
+
+
+def split_workspace_batch(heads: int, dim: int, sel_cap: int, m: int) -> tuple[int, int]:
+    """Bytes of (part, ml) for m entries of the batched split pair, entry e's at
+    ``e * split_workspace(heads, dim, sel_cap)`` (``batch_splits(sel_cap)`` partials each)."""
+    pb, mb = split_workspace(heads, dim, sel_cap)
+    return m * pb, m * mb
 
 
 def partial_smem(dim: int) -> int:
@@ -237,6 +435,139 @@ def sparse_mla_attend(
         selected,
         count,
         out,
+        heads,
+        dim,
+        block_size,
+        scale,
+        stream=stream,
+    )
+
+
+# Grid dims y and z of a launch (the batched kernels put the entry there).
+MAX_GRID_YZ = 65535
+
+
+def _check_batch(what: str, m: int) -> None:
+    if not 1 <= m <= MAX_GRID_YZ:
+        raise ValueError(f"{what}: m={m} entries outside 1..{MAX_GRID_YZ}")
+
+
+def sparse_mla_split_batch(
+    gpu,
+    *,
+    q,
+    cache,
+    scales,
+    tables,
+    selected,
+    count,
+    part,
+    ml,
+    out,
+    entries,
+    m,
+    slot_rows,
+    sel_cap,
+    heads,
+    dim,
+    block_size,
+    scale,
+    stream=None,
+):
+    """``sparse_mla_split`` for ``m`` batch entries (model/kernels/batch.py): partials over grid
+    ``(batch_splits(sel_cap), ceil(heads / 16), m)``, then the merge over ``(heads, ceil(dim / 128),
+    m)``. Entry e: absorbed query ``q + e * heads * dim * 4`` (f32 ``[heads][dim]``), selection
+    ``selected + e * sel_cap * 4`` with ``count[e]`` rows (at most ``sel_cap``), latent rows through
+    its slot's block table (``tables + slot * ceil(slot_rows / block_size) * 4``), workspace
+    ``part`` / ``ml`` per entry (``split_workspace_batch``), output ``out + e * heads * dim * 2``
+    (BF16). Each entry's output is sparse_mla_split's for that sequence, bit for bit. Padding
+    entries read and write nothing (their output rows keep what they held)."""
+    if not split_supported(dim, sel_cap):
+        raise ValueError(f"sparse_mla_split_batch: dim {dim} / {sel_cap} rows outside the split kernels")
+    _check_batch("sparse_mla_split_batch", m)
+    launch(
+        gpu,
+        gpu.kernel(*SPARSE_MLA_PARTIAL_BATCH.key),
+        (batch_splits(sel_cap), -(-heads // HEAD_TILE), m),
+        256,
+        q,
+        cache,
+        scales,
+        tables,
+        selected,
+        count,
+        part,
+        ml,
+        entries,
+        m,
+        slot_rows,
+        sel_cap,
+        heads,
+        dim,
+        block_size,
+        scale,
+        smem=partial_smem(dim),
+        stream=stream,
+    )
+    launch(
+        gpu,
+        gpu.kernel(*SPARSE_MLA_COMBINE_BATCH.key),
+        (heads, -(-dim // 128), m),
+        256,
+        part,
+        ml,
+        count,
+        out,
+        entries,
+        m,
+        sel_cap,
+        heads,
+        dim,
+        stream=stream,
+    )
+
+
+def sparse_mla_attend_batch(
+    gpu,
+    *,
+    q,
+    cache,
+    scales,
+    tables,
+    selected,
+    count,
+    out,
+    entries,
+    m,
+    slot_rows,
+    sel_cap,
+    heads,
+    dim,
+    block_size,
+    scale,
+    stream=None,
+):
+    """``sparse_mla_attend`` (the fallback for shapes ``split_supported`` refuses) for ``m`` entries,
+    grid ``(heads, m)``, addressed as ``sparse_mla_split_batch``; no workspace."""
+    if dim > 1024:
+        raise ValueError(f"sparse_mla_attend_batch: dim {dim} > 1024 (the kernel's per-lane registers)")
+    _check_batch("sparse_mla_attend_batch", m)
+    launch(
+        gpu,
+        gpu.kernel(*SPARSE_MLA_ATTEND_BATCH.key),
+        (heads, m),
+        256,
+        q,
+        cache,
+        scales,
+        tables,
+        selected,
+        count,
+        out,
+        entries,
+        m,
+        slot_rows,
+        sel_cap,
         heads,
         dim,
         block_size,
