@@ -429,6 +429,10 @@ __device__ __forceinline__ void gemv_pairs(const WRows& wr, uint4 (&wv)[R][U], c
             }
         }
     } else {
+        // The rows' lanes leave this loop at different trips when k % 32 != 0: no shuffle inside.
+        uint32_t xr[MOE_PAIRS];
+#pragma unroll
+        for (int p = 0; p < (int)MOE_PAIRS; ++p) xr[p] = __shfl_sync(0xFFFFFFFFu, xrow, p);
         for (uint32_t i = lane; i < k; i += 32u) {
             float wf[R];
 #pragma unroll
@@ -436,9 +440,8 @@ __device__ __forceinline__ void gemv_pairs(const WRows& wr, uint4 (&wv)[R][U], c
                 wf[r] = (uint32_t)r < wr.nr ? bf16_bits_to_f32(wr.base[(size_t)r * wr.stride + i]) : 0.0f;
 #pragma unroll
             for (int p = 0; p < (int)MOE_PAIRS; ++p) {
-                const uint32_t xr = __shfl_sync(0xFFFFFFFFu, xrow, p);
                 if (!((pm >> p) & 1u)) continue;
-                const float xi = bf16_bits_to_f32(x[(size_t)xr * k + i]);
+                const float xi = bf16_bits_to_f32(x[(size_t)xr[p] * k + i]);
 #pragma unroll
                 for (int r = 0; r < R; ++r) acc[r][p] = fmaf(wf[r], xi, acc[r][p]);
             }

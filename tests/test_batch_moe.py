@@ -430,6 +430,10 @@ def test_wrappers_refuse_batches_outside_the_convention():
             gpu, w=z, y=z, bias=z, scores=z, ids=z, weights=z, counter=z, entries=z, m=1, n_experts=2000,
             h=8, topk=8, norm=True, scale=1.0, shared=True,
         )  # fmt: skip
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        moe.moe_group_batch(
+            gpu, ids=z, entries=z, group=z.offset(4), m=1, ntopk=8, nslots=9, expert_base=0, n_local=288
+        )
     with pytest.raises(ValueError, match="local experts"):
         moe.moe_group_batch(
             gpu, ids=z, entries=z, group=z, m=1, ntopk=8, nslots=9, expert_base=0, n_local=2000

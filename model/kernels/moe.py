@@ -738,9 +738,11 @@ def MOE_DOWN_BATCH(
                 mem.write(parts.offset(p * h * 4), (np.float32(wt) * (cache[x] @ a)).astype(np.float32))
 
 
-def _check_batch(what: str, m: int) -> None:
+def _check_batch(what: str, m: int, group=None) -> None:
     if not 1 <= m <= MAX_BATCH:
         raise ValueError(f"{what}: m = {m} entries outside 1..{MAX_BATCH}")
+    if group is not None and group.addr % 16:
+        raise ValueError(f"{what}: the group workspace must be 16-byte aligned (its items are uint4)")
 
 
 def router_fused_batch(
@@ -799,7 +801,7 @@ def router_fused_batch(
 
 def moe_group_batch(gpu, *, ids, entries, group, m, ntopk, nslots, expert_base, n_local, stream=None):
     """MOE_GROUP_BATCH: one block of 1024 threads (no host sync: the counts stay on the device)."""
-    _check_batch("moe_group_batch", m)
+    _check_batch("moe_group_batch", m, group)
     if not 1 <= ntopk <= 128 or nslots < ntopk or not 1 <= n_local <= 1024:
         raise ValueError(f"moe_group_batch: top-{ntopk} of {nslots} slots over {n_local} local experts")
     smem = 4 * (n_local * -(-m // 32) + m * ntopk + m * -(-ntopk // 32))
@@ -831,7 +833,7 @@ def moe_gate_up_batch(
 ):
     """MOE_GATE_UP_BATCH. Grid (ceil(inter / 8), shared tiles + items_bound): at m = 1, top-8 with
     a shared expert, (256, 9) as moe_gate_up. ``group`` may be None when ntopk == 0 (dense MLP)."""
-    _check_batch("moe_gate_up_batch", m)
+    _check_batch("moe_gate_up_batch", m, group)
     gy = _batch_grid_y(m, ntopk, n_local, shared == SHARED_HERE)
     if gy == 0:
         return
@@ -881,7 +883,7 @@ def moe_down_batch(
 ):
     """MOE_DOWN_BATCH. Grid (ceil(h / 32), shared tiles + items_bound): (128, 9) at m = 1, top-8
     with a shared slot, as moe_down. ``group`` / ``weights`` may be None when ntopk == 0."""
-    _check_batch("moe_down_batch", m)
+    _check_batch("moe_down_batch", m, group)
     gy = _batch_grid_y(m, ntopk, n_local, shared != SHARED_NONE)
     if gy == 0:
         return
