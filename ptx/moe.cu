@@ -485,20 +485,139 @@ __device__ __forceinline__ bool routed_item(const uint32_t* group, const GroupLa
     expert = rec.x;
     return true;
 }
+
+// Groups the routed pairs (e, j < ntopk) of the live entries by local expert x = ids[e][j] -
+// expert_base < n_local, deterministically: an expert's pairs in increasing pair index, the experts
+// in increasing order; then the live pairs of experts outside the range (the zero pairs, whose
+// parts rows moe_down_batch writes as zeros), in increasing pair index. Writes the header, the
+// items, counts / offsets of every local expert, the used experts, the pairs (group_layout).
+// A row's routed ids must be distinct (the router's top-k is). Called by a whole block (blockDim a
+// multiple of 32, n_local and m at most 4 * blockDim); `sm` is moe.py group_smem_bytes(m, ntopk,
+// n_local) of shared memory (the arrays below), `scan_s` 32 u32 more. The ids are read through L2 (in router_group_batch other
+// blocks of the launch wrote them).
+// Each pair's rank in its expert is the number of earlier rows that chose the expert: a popcount
+// over the expert's row bitmask, so no step depends on the order the atomics land in.
+constexpr int GROUP_PER_THREAD = 4;
+
+__device__ __forceinline__ void group_pairs(const uint32_t* ids, const uint32_t* entries, uint32_t* group, uint32_t m,
+                                            uint32_t ntopk, uint32_t nslots, uint32_t expert_base, uint32_t n_local,
+                                            uint32_t* sm, uint32_t* scan_s) {
+    constexpr int CH = GROUP_PER_THREAD;
+    const uint32_t tid = threadIdx.x, nt = blockDim.x;
+    const uint32_t mw = (m + 31u) / 32u, zw = (ntopk + 31u) / 32u, t_pairs = m * ntopk;
+    uint32_t* bits = sm;                  // [n_local][mw]: bit e set when row e chose expert x
+    uint32_t* code = bits + n_local * mw;  // [t_pairs]: local expert, CODE_PAD or CODE_ELSEWHERE
+    uint32_t* zmask = code + t_pairs;      // [m][zw]: bit j set when slot j is a zero pair
+    uint32_t* off_s = zmask + m * zw;      // [n_local]: the expert's first pair
+    uint32_t* zoff_s = off_s + n_local;    // [m]: the row's first zero pair
+    for (uint32_t i = tid; i < n_local * mw; i += nt) bits[i] = 0u;
+    for (uint32_t i = tid; i < m * zw; i += nt) zmask[i] = 0u;
+    __syncthreads();
+    for (uint32_t p = tid; p < t_pairs; p += nt) {
+        const uint32_t e = p / ntopk, j = p - e * ntopk;
+        uint32_t c = CODE_PAD;
+        if (__ldcg(entries + (size_t)e * ENTRY_WORDS) != BATCH_PAD) {
+            c = __ldcg(ids + (size_t)e * nslots + j) - expert_base;  // wraps below the base: not local
+            if (c < n_local) {
+                atomicOr(&bits[c * mw + (e >> 5)], 1u << (e & 31u));
+            } else {
+                c = CODE_ELSEWHERE;
+                atomicOr(&zmask[e * zw + (j >> 5)], 1u << (j & 31u));
+            }
+        }
+        code[p] = c;
+    }
+    __syncthreads();
+    const GroupLayout g = group_layout(m, ntopk, n_local);
+    // Thread t holds experts t * ept .. + ept - 1 and rows t * rpt .. + rpt - 1 (contiguous, so a
+    // block scan of the per-thread sums gives every expert's and row's exclusive prefix).
+    const uint32_t ept = (n_local + nt - 1u) / nt, rpt = (m + nt - 1u) / nt;
+    uint32_t cnt[CH], zc[CH], sum_a = 0u, sum_b = 0u;
+#pragma unroll
+    for (int q = 0; q < CH; ++q) {
+        const uint32_t x = tid * ept + (uint32_t)q;
+        cnt[q] = 0u;
+        if ((uint32_t)q < ept && x < n_local)
+            for (uint32_t w = 0; w < mw; ++w) cnt[q] += __popc(bits[x * mw + w]);
+        const uint32_t e = tid * rpt + (uint32_t)q;
+        zc[q] = 0u;
+        if ((uint32_t)q < rpt && e < m)
+            for (uint32_t w = 0; w < zw; ++w) zc[q] += __popc(zmask[e * zw + w]);
+        // Two 16-bit fields per scan: every total is at most 32768 pairs or 4096 items, and a low
+        // field's sum never carries into the high one.
+        sum_a += (cnt[q] << 16) | zc[q];
+        sum_b += (((cnt[q] + MOE_PAIRS - 1u) / MOE_PAIRS) << 16) | (cnt[q] > 0u ? 1u : 0u);
+    }
+    uint32_t tot_a, tot_b;
+    const uint32_t ex_a = block_exclusive_scan(sum_a, scan_s, &tot_a);
+    const uint32_t ex_b = block_exclusive_scan(sum_b, scan_s, &tot_b);
+    const uint32_t n_pairs = tot_a >> 16, n_zero = tot_a & 0xFFFFu;
+    const uint32_t n_items_local = tot_b >> 16, n_used = tot_b & 0xFFFFu;
+    const uint32_t n_zero_items = (n_zero + MOE_PAIRS - 1u) / MOE_PAIRS;
+    uint4* items = reinterpret_cast<uint4*>(group + g.items);
+    uint32_t off = ex_a >> 16, first = ex_b >> 16, uidx = ex_b & 0xFFFFu, zoff = ex_a & 0xFFFFu;
+#pragma unroll
+    for (int q = 0; q < CH; ++q) {
+        const uint32_t x = tid * ept + (uint32_t)q;
+        if ((uint32_t)q < ept && x < n_local) {
+            const uint32_t n_x = (cnt[q] + MOE_PAIRS - 1u) / MOE_PAIRS;
+            off_s[x] = off;
+            group[g.counts + x] = cnt[q];
+            group[g.offsets + x] = off;
+            if (cnt[q] > 0u) group[g.used + uidx++] = x;
+            for (uint32_t t = 0; t < n_x; ++t) items[first + t] = make_uint4(x, first | (n_x << 16), off, cnt[q]);
+            off += cnt[q];
+            first += n_x;
+        }
+        const uint32_t e = tid * rpt + (uint32_t)q;
+        if ((uint32_t)q < rpt && e < m) {
+            zoff_s[e] = zoff;
+            zoff += zc[q];
+        }
+    }
+    for (uint32_t t = tid; t < n_zero_items; t += nt)
+        items[n_items_local + t] = make_uint4(GROUP_ZERO, n_items_local | (n_zero_items << 16), n_pairs, n_zero);
+    if (tid == 0) {
+        group[0] = n_items_local + n_zero_items;
+        group[1] = n_used;
+        group[2] = n_pairs;
+        group[3] = n_zero;
+    }
+    __syncthreads();
+    for (uint32_t p = tid; p < t_pairs; p += nt) {
+        const uint32_t c = code[p];
+        if (c == CODE_PAD) continue;
+        const uint32_t e = p / ntopk, j = p - e * ntopk;
+        uint32_t below = 0u, at;
+        if (c == CODE_ELSEWHERE) {
+            for (uint32_t q = 0; q < (j >> 5); ++q) below += __popc(zmask[e * zw + q]);
+            below += __popc(zmask[e * zw + (j >> 5)] & ((1u << (j & 31u)) - 1u));
+            at = n_pairs + zoff_s[e] + below;
+        } else {
+            for (uint32_t q = 0; q < (e >> 5); ++q) below += __popc(bits[c * mw + q]);
+            below += __popc(bits[c * mw + (e >> 5)] & ((1u << (e & 31u)) - 1u));
+            at = off_s[c] + below;
+        }
+        group[g.pairs + at] = e * nslots + j;
+    }
+}
+
+__device__ __forceinline__ bool group_fits(uint32_t m, uint32_t ntopk, uint32_t n_local) {
+    const uint32_t most = (uint32_t)GROUP_PER_THREAD * blockDim.x;
+    return m >= 1u && m <= most && n_local <= most && ntopk <= 128u && (blockDim.x & 31u) == 0u;
+}
 }  // namespace
 
-// router_fused for the live entries of a batch: scores [m][n_experts], ids / weights [m][topk +
-// shared]; a padding entry's rows are neither read nor written. Grid (ceil(m / 8), ceil(n_experts /
-// 8)), block 256, dynamic shared memory min(m, 8) * h * 2 bytes. Block (x, y): warp w scores expert
-// 8y + w for the rows 8x .. 8x + 7 (the row chunk varies fastest, so the chunks after the first
-// read the expert rows from L2); the last block of a row chunk to finish routes its rows, one row
-// per warp. `counter` is u32[ceil(m / 8)], zero, left zero. Per row the arithmetic of router_rows
-// (one round of 16 chunks per lane for h = 4096) and route_warp.
-extern "C" __global__ void __launch_bounds__(256) router_fused_batch(
-    const uint16_t* __restrict__ w, const uint16_t* __restrict__ y, const float* __restrict__ bias,
-    float* scores, uint32_t* __restrict__ ids, float* __restrict__ weights, uint32_t* __restrict__ counter,
-    const uint32_t* __restrict__ entries, uint32_t m, uint32_t n_experts, uint32_t h, uint32_t topk, uint32_t norm,
-    float scale, uint32_t shared) {
+namespace {
+// router_fused_batch, and with GROUP the grouping of all rows by the last row chunk to finish
+// (router_group_batch): counter[ceil(m / 8)] is the chunks' handshake.
+template <bool GROUP>
+__device__ __forceinline__ void router_batch(const uint16_t* __restrict__ w, const uint16_t* __restrict__ y,
+                                             const float* __restrict__ bias, float* scores, uint32_t* ids,
+                                             float* __restrict__ weights, uint32_t* __restrict__ counter,
+                                             const uint32_t* __restrict__ entries, uint32_t m, uint32_t n_experts,
+                                             uint32_t h, uint32_t topk, uint32_t norm, float scale, uint32_t shared,
+                                             uint32_t* group, uint32_t expert_base, uint32_t n_local) {
     constexpr int U = 16;
     constexpr int R = (int)ROUTER_ROWS;
     __shared__ uint32_t ids_s[WARPS][128];
@@ -528,8 +647,9 @@ extern "C" __global__ void __launch_bounds__(256) router_fused_batch(
         wv[u] = (vec && have && c < kc) ? ld_stream16(reinterpret_cast<const uint4*>(wrow) + c) : make_uint4(0, 0, 0, 0);
     }
     grid_dependency_wait();  // y is the previous kernel's output (read through L2: it releases early)
+    // The chunk's y rows are staged whole, padding rows too (y is batch scratch, not a sequence's
+    // state): the loads then go out beside the entries' instead of one L2 round trip after them.
     const uint32_t slot = lane < nrows ? __ldcg(entries + (size_t)(e0 + lane) * ENTRY_WORDS) : BATCH_PAD;
-    const uint32_t live = __ballot_sync(0xFFFFFFFFu, slot != BATCH_PAD);
     if (vec) {
         // Eight loads in flight per thread before their stores (a store right after its load
         // would hold the thread for one L2 round trip per chunk).
@@ -541,7 +661,7 @@ extern "C" __global__ void __launch_bounds__(256) router_fused_batch(
 #pragma unroll
             for (int s = 0; s < SB; ++s) {
                 const uint32_t q = q0 + (uint32_t)s * blockDim.x;
-                v[s] = (q < total && ((live >> (q / kc)) & 1u)) ? __ldcg(yv + q) : make_uint4(0, 0, 0, 0);
+                v[s] = q < total ? __ldcg(yv + q) : make_uint4(0, 0, 0, 0);
             }
 #pragma unroll
             for (int s = 0; s < SB; ++s) {
@@ -551,9 +671,9 @@ extern "C" __global__ void __launch_bounds__(256) router_fused_batch(
         }
     } else {
         const uint16_t* yr = y + (size_t)e0 * h;
-        for (uint32_t q = threadIdx.x; q < nrows * h; q += blockDim.x)
-            ys[q] = ((live >> (q / h)) & 1u) ? __ldcg(yr + q) : (uint16_t)0;
+        for (uint32_t q = threadIdx.x; q < nrows * h; q += blockDim.x) ys[q] = __ldcg(yr + q);
     }
+    const uint32_t live = __ballot_sync(0xFFFFFFFFu, slot != BATCH_PAD);
 #pragma unroll
     for (int q = 0; q < ROUTER_BIAS_PER_THREAD; ++q) {
         const uint32_t i = threadIdx.x + (uint32_t)q * blockDim.x;
@@ -600,23 +720,57 @@ extern "C" __global__ void __launch_bounds__(256) router_fused_batch(
         }
     }
     if (!last_of(counter + blockIdx.x, gridDim.y)) return;
-    if (warp < nrows && ((live >> warp) & 1u) && n_experts <= 1024u && topk <= 128u && topk <= n_experts) {
-        const uint32_t e = e0 + warp, slots = topk + (shared ? 1u : 0u);
+    const bool routable = n_experts <= 1024u && topk <= 128u && topk <= n_experts;
+    const uint32_t slots = topk + (shared ? 1u : 0u);
+    if (warp < nrows && ((live >> warp) & 1u) && routable) {
+        const uint32_t e = e0 + warp;
         route_warp(scores + (size_t)e * n_experts, bias_s, ids + (size_t)e * slots, weights + (size_t)e * slots,
                    n_experts, topk, norm, scale, shared, ids_s[warp], wsel[warp]);
     }
+    if (GROUP) {
+        // The chunks' routing blocks hand over once more (last_of's barrier and fence publish this
+        // block's ids); the last one groups every row, in the staging memory the rows are done with.
+        __shared__ uint32_t scan_s[32];
+        if (!last_of(counter + gridDim.x, gridDim.x)) return;
+        if (routable && topk >= 1u && group_fits(m, topk, n_local))
+            group_pairs(ids, entries, group, m, topk, slots, expert_base, n_local, reinterpret_cast<uint32_t*>(ys4),
+                        scan_s);
+    }
+}
+}  // namespace
+
+// router_fused for the live entries of a batch: scores [m][n_experts], ids / weights [m][topk +
+// shared]; a padding entry's output rows are not written (its y row, batch scratch, is read).
+// Grid (ceil(m / 8), ceil(n_experts / 8)), block 256, dynamic shared memory min(m, 8) * h * 2
+// bytes. Block (x, y): warp w scores expert 8y + w for the rows 8x .. 8x + 7 (the row chunk varies
+// fastest, so the chunks after the first read the expert rows from L2); the last block of a row
+// chunk to finish routes its rows, one row per warp. `counter` is u32[ceil(m / 8)], zero, left zero.
+// Per row the arithmetic of router_rows (one round of 16 chunks per lane for h = 4096) and
+// route_warp.
+extern "C" __global__ void __launch_bounds__(256) router_fused_batch(
+    const uint16_t* __restrict__ w, const uint16_t* __restrict__ y, const float* __restrict__ bias,
+    float* scores, uint32_t* __restrict__ ids, float* __restrict__ weights, uint32_t* __restrict__ counter,
+    const uint32_t* __restrict__ entries, uint32_t m, uint32_t n_experts, uint32_t h, uint32_t topk, uint32_t norm,
+    float scale, uint32_t shared) {
+    router_batch<false>(w, y, bias, scores, ids, weights, counter, entries, m, n_experts, h, topk, norm, scale, shared,
+                        nullptr, 0u, 0u);
 }
 
-// Groups the routed pairs (e, j < ntopk) of the live entries by local expert x = ids[e][j] -
-// expert_base < n_local, deterministically: an expert's pairs in increasing pair index, the experts
-// in increasing order; then the live pairs of experts outside the range (the zero pairs, whose
-// parts rows moe_down_batch writes as zeros), in increasing pair index. Writes the header, the
-// items, counts / offsets of every local expert, the used experts, the pairs (moe.py group_layout).
-// A row's routed ids must be distinct (the router's top-k is). Grid 1, block 1024, dynamic shared
-// memory 4 * (n_local * ceil(m / 32) + m * ntopk + m * ceil(ntopk / 32)) bytes; m <= 1024,
-// n_local <= 1024, ntopk <= 128.
-// Each pair's rank in its expert is the number of earlier rows that chose the expert: a popcount
-// over the expert's row bitmask, so no step depends on the order atomics land in.
+// router_fused_batch, then moe_group_batch's grouping of the batch's pairs into `group`, in one
+// launch: the last row chunk to be routed groups them (ids through L2), saving the group launch.
+// `counter` is u32[ceil(m / 8) + 1], zero, left zero; dynamic shared memory the larger of the
+// router's and group_smem_bytes(m, topk, n_local).
+extern "C" __global__ void __launch_bounds__(256) router_group_batch(
+    const uint16_t* __restrict__ w, const uint16_t* __restrict__ y, const float* __restrict__ bias,
+    float* scores, uint32_t* ids, float* __restrict__ weights, uint32_t* __restrict__ counter,
+    const uint32_t* __restrict__ entries, uint32_t m, uint32_t n_experts, uint32_t h, uint32_t topk, uint32_t norm,
+    float scale, uint32_t shared, uint32_t* __restrict__ group, uint32_t expert_base, uint32_t n_local) {
+    router_batch<true>(w, y, bias, scores, ids, weights, counter, entries, m, n_experts, h, topk, norm, scale, shared,
+                       group, expert_base, n_local);
+}
+
+// group_pairs as a launch of its own. Grid 1, block 1024, dynamic shared memory
+// group_smem_bytes(m, ntopk, n_local) bytes (model/kernels/moe.py).
 extern "C" __global__ void __launch_bounds__(1024) moe_group_batch(const uint32_t* __restrict__ ids,
                                                                    const uint32_t* __restrict__ entries,
                                                                    uint32_t* __restrict__ group, uint32_t m,
@@ -624,83 +778,9 @@ extern "C" __global__ void __launch_bounds__(1024) moe_group_batch(const uint32_
                                                                    uint32_t expert_base, uint32_t n_local) {
     extern __shared__ uint32_t gsm[];
     __shared__ uint32_t scan_s[32];
-    __shared__ uint32_t off_s[1024];  // an expert's first pair; then a row's first zero pair
-    __shared__ uint32_t zoff_s[1024];
     grid_dependency_wait();  // the ids are the router's output
-    if (m == 0u || m > 1024u || n_local > 1024u || ntopk > 128u || blockDim.x != 1024u) return;
-    const uint32_t tid = threadIdx.x, mw = (m + 31u) / 32u, zw = (ntopk + 31u) / 32u, t_pairs = m * ntopk;
-    uint32_t* bits = gsm;                     // [n_local][mw]: bit e set when row e chose expert x
-    uint32_t* code = bits + n_local * mw;     // [t_pairs]: local expert, CODE_PAD or CODE_ELSEWHERE
-    uint32_t* zmask = code + t_pairs;         // [m][zw]: bit j set when slot j is a zero pair
-    for (uint32_t i = tid; i < n_local * mw; i += blockDim.x) bits[i] = 0u;
-    for (uint32_t i = tid; i < m * zw; i += blockDim.x) zmask[i] = 0u;
-    __syncthreads();
-    for (uint32_t p = tid; p < t_pairs; p += blockDim.x) {
-        const uint32_t e = p / ntopk, j = p - e * ntopk;
-        uint32_t c = CODE_PAD;
-        if (__ldcg(entries + (size_t)e * ENTRY_WORDS) != BATCH_PAD) {
-            c = __ldcg(ids + (size_t)e * nslots + j) - expert_base;  // wraps below the base: not local
-            if (c < n_local) atomicOr(&bits[c * mw + (e >> 5)], 1u << (e & 31u));
-            else {
-                c = CODE_ELSEWHERE;
-                atomicOr(&zmask[e * zw + (j >> 5)], 1u << (j & 31u));
-            }
-        }
-        code[p] = c;
-    }
-    __syncthreads();
-    const GroupLayout g = group_layout(m, ntopk, n_local);
-    uint32_t cnt = 0u, zc = 0u;
-    if (tid < n_local)
-        for (uint32_t q = 0; q < mw; ++q) cnt += __popc(bits[tid * mw + q]);
-    if (tid < m)
-        for (uint32_t q = 0; q < zw; ++q) zc += __popc(zmask[tid * zw + q]);
-    // Two scans of two 16-bit fields each (every total is at most 32768 pairs or 4096 items, and a
-    // low field's sum never carries into the high one).
-    uint32_t tot_a, tot_b;
-    const uint32_t items_x = (cnt + MOE_PAIRS - 1u) / MOE_PAIRS;
-    const uint32_t ex_a = block_exclusive_scan((cnt << 16) | zc, scan_s, &tot_a);
-    const uint32_t ex_b = block_exclusive_scan((items_x << 16) | (cnt > 0u ? 1u : 0u), scan_s, &tot_b);
-    const uint32_t n_pairs = tot_a >> 16, n_zero = tot_a & 0xFFFFu;
-    const uint32_t n_items_local = tot_b >> 16, n_used = tot_b & 0xFFFFu;
-    const uint32_t n_zero_items = (n_zero + MOE_PAIRS - 1u) / MOE_PAIRS;
-    uint4* items = reinterpret_cast<uint4*>(group + g.items);
-    if (tid < n_local) {
-        const uint32_t off = ex_a >> 16, first = ex_b >> 16;
-        off_s[tid] = off;
-        group[g.counts + tid] = cnt;
-        group[g.offsets + tid] = off;
-        if (cnt > 0u) group[g.used + (ex_b & 0xFFFFu)] = tid;
-        for (uint32_t t = 0; t < items_x; ++t) items[first + t] = make_uint4(tid, first | (items_x << 16), off, cnt);
-    }
-    if (tid < m) zoff_s[tid] = ex_a & 0xFFFFu;
-    if (tid < n_zero_items)
-        items[n_items_local + tid] = make_uint4(GROUP_ZERO, n_items_local | (n_zero_items << 16), n_pairs, n_zero);
-    if (tid == 0) {
-        group[0] = n_items_local + n_zero_items;
-        group[1] = n_used;
-        group[2] = n_pairs;
-        group[3] = n_zero;
-    }
-    __syncthreads();
-    for (uint32_t p = tid; p < t_pairs; p += blockDim.x) {
-        const uint32_t c = code[p];
-        if (c == CODE_PAD) continue;
-        const uint32_t e = p / ntopk, j = p - e * ntopk;
-        uint32_t at;
-        if (c == CODE_ELSEWHERE) {
-            uint32_t below = 0u;
-            for (uint32_t q = 0; q < (j >> 5); ++q) below += __popc(zmask[e * zw + q]);
-            below += __popc(zmask[e * zw + (j >> 5)] & ((1u << (j & 31u)) - 1u));
-            at = n_pairs + zoff_s[e] + below;
-        } else {
-            uint32_t below = 0u;
-            for (uint32_t q = 0; q < (e >> 5); ++q) below += __popc(bits[c * mw + q]);
-            below += __popc(bits[c * mw + (e >> 5)] & ((1u << (e & 31u)) - 1u));
-            at = off_s[c] + below;
-        }
-        group[g.pairs + at] = e * nslots + j;
-    }
+    if (!group_fits(m, ntopk, n_local)) return;
+    group_pairs(ids, entries, group, m, ntopk, nslots, expert_base, n_local, gsm, scan_s);
 }
 
 // The routed experts' and the shared expert's gate/up rows for every pair of the batch: act[pair][i]

@@ -269,3 +269,52 @@ def router_single_today(gpu, w, y_row, bias, n_experts, h, topk, norm, scale, sh
     finally:
         for p in ptrs + [sc, ids, wts, ctr]:
             gpu.free(p)
+
+
+def router_group(gpu, w, y, bias, entries, n_experts, h, topk, norm, scale, shared, expert_base, n_local):
+    """router_group_batch from poison: (scores, ids, weights, counter words, group words)."""
+    m = len(entries)
+    slots = topk + int(bool(shared))
+    ptrs = [put(gpu, w), put(gpu, y), put(gpu, bias), put(gpu, entries)]
+    sc, ids, wts = (
+        poisoned(gpu, m * n_experts * 4),
+        poisoned(gpu, m * slots * 4),
+        poisoned(gpu, m * slots * 4),
+    )
+    gbytes = moe.group_workspace_bytes(m, topk, n_local)
+    grp = poisoned(gpu, gbytes)
+    cw = moe.router_counter_words(m, grouped=True)
+    ctr = put(gpu, np.zeros(cw + GUARD // 4, np.uint32))
+    try:
+        moe.router_group_batch(
+            gpu,
+            w=ptrs[0],
+            y=ptrs[1],
+            bias=ptrs[2],
+            scores=sc,
+            ids=ids,
+            weights=wts,
+            counter=ctr,
+            entries=ptrs[3],
+            group=grp,
+            m=m,
+            n_experts=n_experts,
+            h=h,
+            topk=topk,
+            norm=norm,
+            scale=scale,
+            shared=shared,
+            expert_base=expert_base,
+            n_local=n_local,
+        )
+        gpu.synchronize()
+        return (
+            get(gpu, sc, m * n_experts * 4).view(np.float32).reshape(m, n_experts).copy(),
+            get(gpu, ids, m * slots * 4).view(np.uint32).reshape(m, slots).copy(),
+            get(gpu, wts, m * slots * 4).view(np.float32).reshape(m, slots).copy(),
+            get(gpu, ctr, 4 * cw + GUARD, check_guard=False).view(np.uint32).copy(),
+            get(gpu, grp, gbytes).view(np.uint32).copy(),
+        )
+    finally:
+        for p in ptrs + [sc, ids, wts, ctr, grp]:
+            gpu.free(p)

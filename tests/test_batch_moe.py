@@ -24,6 +24,7 @@ from batch_moe_util import (
     random_weights,
     random_weights_rows,
     router_batch,
+    router_group,
     router_single_today,
     run_batch,
     run_single_today,
@@ -225,6 +226,27 @@ def test_group_layout_of_the_largest_batch_holds_every_smaller_one():
         big = moe.group_workspace_bytes(moe.MAX_BATCH, k, n)
         assert all(moe.group_workspace_bytes(m, k, n) <= big for m in range(1, moe.MAX_BATCH + 1))
         assert moe.GroupLayout(moe.MAX_BATCH, k, n).items * 4 % 16 == 0
+
+
+@pytest.mark.parametrize("m,pads,base,n_local", [(1, 0, 0, 40), (21, 5, 0, 40), (30, 3, 30, 10)])
+def test_router_group_batch_is_the_router_then_the_grouping(m, pads, base, n_local):
+    """The fused launch's scores, ids and weights are router_fused_batch's, its group workspace is
+    moe_group_batch's of those ids, and it leaves its chunk counters and the hand-over word zero."""
+    gpu = HostBackend()
+    rng = np.random.default_rng(m + base)
+    E, H, k = 40, 56, 6
+    w = (rng.standard_normal((E, H)) / 4).astype(BF16)
+    bias = (0.05 * rng.standard_normal(E)).astype(np.float32)
+    ent, rows = entries_with_pads(rng, m - pads, pads)
+    y = rng.standard_normal((m, H)).astype(BF16)
+    s, i, wt, ctr, grp = router_group(gpu, w, y, bias, ent, E, H, k, True, 1.5, True, base, n_local)
+    s0, i0, w0, _ = router_batch(gpu, w, y, bias, ent, E, H, k, True, 1.5, True)
+    same_bits(s, s0, "scores")
+    same_bits(i, i0, "ids")
+    same_bits(wt, w0, "weights")
+    assert (ctr[: moe.router_counter_words(m, grouped=True)] == 0).all()
+    assert (grp == group_run(gpu, i0, ent, k, k + 1, base, n_local)).all()
+    check_group(grp, i0, rows, m, k, k + 1, base, n_local)
 
 
 # ---- the experts --------------------------------------------------------------------------------

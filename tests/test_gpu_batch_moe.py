@@ -33,6 +33,7 @@ from batch_moe_util import (
     random_weights,
     random_weights_rows,
     router_batch,
+    router_group,
     router_single_today,
     run_batch,
     run_single_today,
@@ -213,6 +214,31 @@ def test_group_is_its_twin_word_for_word(cuda, m, pads, E, ntopk, nslots, base, 
     assert dec.n_items <= moe.items_bound(m * ntopk, n_local)
     for _ in range(2):  # deterministic across launches
         assert _group(cuda, ids, ent, ntopk, nslots, base, n_local).tobytes() == g.tobytes()
+
+
+@pytest.mark.parametrize("base,n_local", [(0, GLM_E), (252, 36), (36, 36)])
+def test_router_group_batch_is_the_router_then_the_grouping(cuda, base, n_local):
+    """The fused launch against router_fused_batch + moe_group_batch on the device, bit for bit and
+    word for word, at every batch size up to 256 (the grouping then in 256 threads, not 1024), and
+    its group against the twin's grouping of the device's own ids."""
+    rng = np.random.default_rng()
+    w, bias = _router_case(rng)
+    E, H, k = GLM_E, GLM_H, GLM_K
+    for m in rng.permutation(BATCH_SIZES + (256,)):
+        m = int(m)
+        ent, rows = entries_with_pads(rng, m - m // 7, m // 7)
+        y = random_bf16(rng, (m, H), exp_lo=-3)
+        for _ in range(2):  # the counters and the hand-over word serve the next launch
+            s, i, wt, ctr, grp = router_group(cuda, w, y, bias, ent, E, H, k, True, 2.5, True, base, n_local)
+            assert (ctr[: moe.router_counter_words(m, grouped=True)] == 0).all(), f"m={m}: counters not reset"
+        s0, i0, w0, _ = router_batch(cuda, w, y, bias, ent, E, H, k, True, 2.5, True)
+        same_bits(s, s0, f"m={m} scores")
+        same_bits(i, i0, f"m={m} ids")
+        same_bits(wt, w0, f"m={m} weights")
+        g0 = _group(cuda, i0, ent, k, k + 1, base, n_local)
+        assert grp.tobytes() == g0.tobytes(), f"m={m}: the fused grouping differs from moe_group_batch"
+        gh = _group(HostBackend(), i0, ent, k, k + 1, base, n_local)
+        assert grp.tobytes() == gh.tobytes(), f"m={m}: the fused grouping differs from the twin"
 
 
 # ---- experts --------------------------------------------------------------------------------------

@@ -452,9 +452,16 @@ def group_workspace_bytes(m: int, ntopk: int, n_local: int) -> int:
     return 4 * GroupLayout(m, ntopk, n_local).words
 
 
-def router_counter_words(m: int) -> int:
-    """u32 words of router_fused_batch's counter (one per row chunk; zero, left zero)."""
-    return -(-m // ROUTER_ROWS)
+def router_counter_words(m: int, grouped: bool = False) -> int:
+    """u32 words of router_fused_batch's counter (one per row chunk; zero, left zero), and one more
+    for router_group_batch's hand-over between the chunks."""
+    return -(-m // ROUTER_ROWS) + (1 if grouped else 0)
+
+
+def group_smem_bytes(m: int, ntopk: int, n_local: int) -> int:
+    """Shared memory of the grouping (ptx/moe.cu group_smem_words): the experts' row bitmasks, a
+    code per pair, the rows' zero-slot masks, an offset per expert and per row."""
+    return 4 * (n_local * -(-m // 32) + m * ntopk + m * -(-ntopk // 32) + n_local + m)
 
 
 @dataclass(frozen=True)
@@ -522,8 +529,8 @@ def ROUTER_FUSED_BATCH(
     mem, w, y, bias, scores, ids, weights, counter, entries, m, n_experts, h, topk, norm, scale, shared
 ):
     """router_fused per live entry e: y row e [h] BF16 -> scores row e [n_experts] f32, ids / weights
-    row e [topk + shared] (the shared expert as slot topk: id 0, weight 1). A padding entry's rows
-    are neither read nor written. ``counter``: u32[router_counter_words(m)], zero, left zero. Each
+    row e [topk + shared] (the shared expert as slot topk: id 0, weight 1). A padding entry's output
+    rows are not written (the device reads its y row, which is batch scratch). ``counter``: u32[router_counter_words(m)], zero, left zero. Each
     row's values are router_fused's for that row alone (its own matrix-vector product)."""
     wv = mem.read(w, BF16, (n_experts, h)).astype(np.float32)
     b = mem.read(bias, np.float32, n_experts)
@@ -617,6 +624,64 @@ def MOE_GROUP_BATCH(mem, ids, entries, group, m, ntopk, nslots, expert_base, n_l
         mem.write(base.offset(4 * g.used), used)
     if len(pairs):
         mem.write(base.offset(4 * g.pairs), pairs)
+
+
+@declare(
+    "moe",
+    "router_group_batch",
+    [
+        ("w", PTR),
+        ("y", PTR),
+        ("bias", PTR),
+        ("scores", PTR),
+        ("ids", PTR),
+        ("weights", PTR),
+        ("counter", PTR),
+        ("entries", PTR),
+        ("m", U32),
+        ("n_experts", U32),
+        ("h", U32),
+        ("topk", U32),
+        ("norm", U32),
+        ("scale", F32),
+        ("shared", U32),
+        ("group", PTR),
+        ("expert_base", U32),
+        ("n_local", U32),
+    ],
+    writes=("scores", "ids", "weights", "counter", "group"),
+    pdl=True,
+)
+def ROUTER_GROUP_BATCH(
+    mem,
+    w,
+    y,
+    bias,
+    scores,
+    ids,
+    weights,
+    counter,
+    entries,
+    m,
+    n_experts,
+    h,
+    topk,
+    norm,
+    scale,
+    shared,
+    group,
+    expert_base,
+    n_local,
+):
+    """router_fused_batch, then moe_group_batch of its ids (nslots = topk + shared), in one launch
+    (the last row chunk to be routed groups the batch). ``counter``: u32[router_counter_words(m,
+    grouped=True)], zero, left zero."""
+    ROUTER_FUSED_BATCH.host(
+        mem, w, y, bias, scores, ids, weights, counter, entries, m, n_experts, h, topk, norm, scale, shared
+    )
+    slots = topk + (1 if shared else 0)
+    MOE_GROUP_BATCH.host(mem, ids, entries, group, m, topk, slots, expert_base, n_local)
+    mem.write(counter, np.zeros(router_counter_words(m, grouped=True), np.uint32))
 
 
 def _items(mem, group, m: int, ntopk: int, n_local: int):
@@ -799,12 +864,73 @@ def router_fused_batch(
     )
 
 
+def router_group_batch(
+    gpu,
+    *,
+    w,
+    y,
+    bias,
+    scores,
+    ids,
+    weights,
+    counter,
+    entries,
+    group,
+    m,
+    n_experts,
+    h,
+    topk,
+    norm,
+    scale,
+    shared,
+    expert_base,
+    n_local,
+    stream=None,
+):
+    """ROUTER_GROUP_BATCH: router_fused_batch's grid; the grouping runs in the last routing block
+    (256 threads) in the staging memory, so the launch asks for the larger of the two."""
+    _check_batch("router_group_batch", m, group)
+    if n_experts > 1024 or topk > min(128, n_experts) or topk < 1:
+        raise ValueError(f"router: {n_experts} experts / top-{topk} outside the kernel's 1024 / 128")
+    if not 1 <= n_local <= 1024:
+        raise ValueError(f"router_group_batch: {n_local} local experts outside 1..1024")
+    smem = max(min(m, ROUTER_ROWS) * (-(-h * 2 // 16) * 16), group_smem_bytes(m, topk, n_local))
+    if smem > 200 * 1024:
+        raise ValueError(f"router_group_batch: h = {h} needs {smem} bytes of shared memory per block")
+    launch(
+        gpu,
+        gpu.kernel(*ROUTER_GROUP_BATCH.key),
+        (-(-m // ROUTER_ROWS), -(-n_experts // 8)),
+        256,
+        w,
+        y,
+        bias,
+        scores,
+        ids,
+        weights,
+        counter,
+        entries,
+        m,
+        n_experts,
+        h,
+        topk,
+        int(norm),
+        scale,
+        int(bool(shared)),
+        group,
+        expert_base,
+        n_local,
+        smem=smem,
+        stream=stream,
+    )
+
+
 def moe_group_batch(gpu, *, ids, entries, group, m, ntopk, nslots, expert_base, n_local, stream=None):
     """MOE_GROUP_BATCH: one block of 1024 threads (no host sync: the counts stay on the device)."""
     _check_batch("moe_group_batch", m, group)
     if not 1 <= ntopk <= 128 or nslots < ntopk or not 1 <= n_local <= 1024:
         raise ValueError(f"moe_group_batch: top-{ntopk} of {nslots} slots over {n_local} local experts")
-    smem = 4 * (n_local * -(-m // 32) + m * ntopk + m * -(-ntopk // 32))
+    smem = group_smem_bytes(m, ntopk, n_local)
     launch(
         gpu,
         gpu.kernel(*MOE_GROUP_BATCH.key),
