@@ -470,11 +470,14 @@ __device__ __forceinline__ uint32_t tile_pairs(const uint32_t* entries, uint32_t
 // Block y >= st: routed item it = y - st of the group. Returns false past the group's item count.
 // Expert x's n items occupy n consecutive grid rows; block (bx, it) of them takes row block
 // l / n and item l % n of the expert, l = (it - first) * gridDim.x + bx (the items of one row block
-// are neighbours, as the shared tiles are).
+// are neighbours, as the shared tiles are). The record is loaded beside the count (it lies inside
+// the workspace for every block of the grid, items_bound records): one L2 round trip, not two,
+// before the block knows its expert.
 __device__ __forceinline__ bool routed_item(const uint32_t* group, const GroupLayout& g, uint32_t it,
                                             uint32_t& expert, uint32_t& xb, uint32_t& pm, uint32_t& pair) {
-    if (it >= __ldcg(group)) return false;
+    const uint32_t n_items = __ldcg(group);
     const uint4 rec = __ldcg(reinterpret_cast<const uint4*>(group + g.items) + it);
+    if (it >= n_items) return false;
     const uint32_t first = rec.y & 0xFFFFu, n = rec.y >> 16;
     const uint32_t l = (it - first) * gridDim.x + blockIdx.x;
     xb = l / n;
