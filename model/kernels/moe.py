@@ -6,6 +6,11 @@ with weight 1 (it has no gate: the published checkpoints store none, and transfo
 ``Glm5NextTextMoE`` adds it ungated). ``expert_down`` writes one f32 row per slot (zero for an expert this rank does not hold), and
 ``bgemv.sum_rows_residual`` adds the rows in slot order, so the zero-padded all-reduce of a sharded
 run reproduces one rank's arithmetic exactly. CUDA: ptx/moe.cu.
+
+Batched drafting (the second half of this module): router_fused_batch (or router_group_batch, the
+router with the grouping in its last block), moe_group_batch, moe_gate_up_batch and moe_down_batch
+cover the m entries of a batch, each used expert's rows read once for all its pairs, every pair's
+rows the bits of the single-row kernels above.
 """
 
 from __future__ import annotations
