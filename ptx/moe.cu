@@ -3,6 +3,7 @@
 // chose). Expert weights: gate_up [n_local, 2 * inter, h] (gate rows, then up rows) and
 // down [n_local, h, inter].
 #include "model_common.cuh"
+#include "batch.cuh"
 
 namespace {
 constexpr int WARPS = 8;
@@ -300,4 +301,616 @@ extern "C" __global__ void __launch_bounds__(256) moe_down(
     else we = shared == 1u ? w_shared : nullptr;
     const uint32_t row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * DOWN_ROWS;
     down_rows<true>(we, act + (size_t)j * inter, weights + j, parts + (size_t)j * h, row0, h, inter);
+}
+
+// ==== Batched drafting (issue 15) ===============================================================
+//
+// One launch per step covers the m entries of a batch (ptx/batch.cuh). The router scores every
+// live row and routes it as router_fused does; moe_group_batch groups the batch's (row, slot)
+// pairs by local expert on the device (the host of a captured graph never learns the counts);
+// moe_gate_up_batch / moe_down_batch then read each used expert's rows once for all its pairs.
+// Every pair keeps its own f32 accumulator in the K order of the single-row kernels above (the
+// lane's 16-byte chunks in increasing order, then warp_sum), so a pair's act and parts rows are the
+// bits expert_gate_up / expert_down give it, whatever m, the pair's position or the other pairs.
+//
+// Pair (e, j) is entry e's slot j; its index e * nslots + j is its row in act [m * nslots][inter]
+// and in parts [m * nslots][h], and its y row is e. Work items carry up to MOE_PAIRS pairs of one
+// expert; an expert with more pairs has several items, which run as consecutive blocks per row
+// block (so all but the first find the expert's rows in L2).
+
+namespace {
+constexpr uint32_t MOE_PAIRS = 8;             // pairs per work item (moe.py PAIRS_PER_ITEM)
+constexpr uint32_t ROUTER_ROWS = WARPS;       // batch rows per router block: one per warp in the top-k
+constexpr uint32_t GROUP_ZERO = 0xFFFFFFFFu;  // item expert: live pairs this rank does not hold
+constexpr uint32_t GROUP_HEADER = 4;          // n_items, n_used, local pairs, zero pairs
+constexpr uint32_t CODE_PAD = 0xFFFFFFFEu;    // moe_group_batch's per-pair code: padding entry
+constexpr uint32_t CODE_ELSEWHERE = 0xFFFFFFFFu;  // ... an expert outside this rank's range
+
+// Work items over `pairs` routed pairs among n_local experts: an expert with c pairs has
+// ceil(c / MOE_PAIRS) items, and the zero pairs (other ranks' experts) ceil(z / MOE_PAIRS) more.
+// At most `pairs` when every pair can have an expert of its own; beyond, every expert past the
+// first MOE_PAIRS pairs costs an item per MOE_PAIRS more, plus one for a partial zero item.
+// Sizes the launches' grids from the host (m = 1, top-8: 8 items, today's 8 routed slots).
+__device__ __forceinline__ uint32_t items_bound(uint32_t pairs, uint32_t n_local) {
+    return pairs <= n_local ? pairs : n_local + (pairs - n_local) / MOE_PAIRS + 1u;
+}
+
+// The group workspace (u32 words; moe.py GroupLayout is its twin): the header, the items (uint4
+// each: expert, first item of the expert | its item count << 16, the expert's first pair in
+// `pairs`, its pair count), counts and offsets per local expert, the used experts, the pairs.
+struct GroupLayout {
+    uint32_t items, counts, offsets, used, pairs;
+};
+
+__device__ __forceinline__ GroupLayout group_layout(uint32_t m, uint32_t ntopk, uint32_t n_local) {
+    const uint32_t t = m * ntopk;
+    GroupLayout g;
+    g.items = GROUP_HEADER;
+    g.counts = g.items + 4u * items_bound(t, n_local);
+    g.offsets = g.counts + n_local;
+    g.used = g.offsets + n_local;
+    g.pairs = g.used + min(n_local, t);
+    return g;
+}
+
+// last_block_done over `total` blocks sharing one counter (the router's blocks of one row chunk).
+__device__ __forceinline__ bool last_of(uint32_t* counter, uint32_t total) {
+    __shared__ bool is_last;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const uint32_t prev = atomicAdd(counter, 1u);
+        is_last = (prev == total - 1u);
+        if (is_last) {
+            *counter = 0u;
+            __threadfence();
+        }
+    }
+    __syncthreads();
+    return is_last;
+}
+
+// A warp's R weight rows: row r at base + r * stride (elements); rows r >= nr are past the matrix
+// and read as zeros (their results are not stored). One base and a stride, not R pointers: the
+// registers the pointers took spilled moe_down_batch's inner loop at two blocks per SM.
+struct WRows {
+    const uint16_t* base;
+    size_t stride;
+    uint32_t nr;
+};
+
+// One round of a warp's weight loads: chunks c0 + lane + 32u of the R rows (zeros past the row).
+template <int R, int U>
+__device__ __forceinline__ void load_w_round(uint4 (&wv)[R][U], const WRows& wr, uint32_t c0, uint32_t kc) {
+    const uint32_t lane = threadIdx.x & 31;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const uint32_t c = c0 + lane + 32u * u;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+            wv[r][u] = (c < kc && (uint32_t)r < wr.nr)
+                           ? ld_stream16(reinterpret_cast<const uint4*>(wr.base + (size_t)r * wr.stride) + c)
+                           : make_uint4(0, 0, 0, 0);
+    }
+}
+
+// acc[r][p] = w_r . x_p for the pairs p in the (warp-uniform) mask pm, where lane p holds xrow,
+// the row of x that pair p multiplies; warp_gemv_bf16's arithmetic per (r, p): the vector path
+// accumulates the lane's chunks in increasing order (fmaf per element, dot8_bf16), the scalar path
+// its elements lane, lane + 32, ... The weights are read once for all pairs; with `vec` the
+// caller has issued round 0 into wv (before its grid dependency wait, for the shared expert).
+template <int R, int U>
+__device__ __forceinline__ void gemv_pairs(const WRows& wr, uint4 (&wv)[R][U], const uint16_t* __restrict__ x,
+                                           uint32_t xrow, uint32_t pm, uint32_t k, bool vec,
+                                           float (&acc)[R][MOE_PAIRS]) {
+    const uint32_t lane = threadIdx.x & 31;
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int p = 0; p < (int)MOE_PAIRS; ++p) acc[r][p] = 0.0f;
+    if (vec) {
+        const uint32_t kc = k >> 3;
+        const uint4* xv = reinterpret_cast<const uint4*>(x);
+        for (uint32_t c0 = 0; c0 < kc; c0 += 32u * U) {
+            if (c0 > 0) load_w_round<R, U>(wv, wr, c0, kc);
+#pragma unroll
+            for (int p = 0; p < (int)MOE_PAIRS; ++p) {
+                const uint32_t xr = __shfl_sync(0xFFFFFFFFu, xrow, p);
+                if (!((pm >> p) & 1u)) continue;
+                uint4 xs[U];
+                load_x_chunks<U>(xv + (size_t)xr * kc, c0 + lane, kc, xs);
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    if (c0 + lane + 32u * u < kc) {
+#pragma unroll
+                        for (int r = 0; r < R; ++r) acc[r][p] = dot8_bf16(wv[r][u], xs[u], acc[r][p]);
+                    }
+                }
+            }
+        }
+    } else {
+        // The rows' lanes leave this loop at different trips when k % 32 != 0: no shuffle inside.
+        uint32_t xr[MOE_PAIRS];
+#pragma unroll
+        for (int p = 0; p < (int)MOE_PAIRS; ++p) xr[p] = __shfl_sync(0xFFFFFFFFu, xrow, p);
+        for (uint32_t i = lane; i < k; i += 32u) {
+            float wf[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                wf[r] = (uint32_t)r < wr.nr ? bf16_bits_to_f32(wr.base[(size_t)r * wr.stride + i]) : 0.0f;
+#pragma unroll
+            for (int p = 0; p < (int)MOE_PAIRS; ++p) {
+                if (!((pm >> p) & 1u)) continue;
+                const float xi = bf16_bits_to_f32(x[(size_t)xr[p] * k + i]);
+#pragma unroll
+                for (int r = 0; r < R; ++r) acc[r][p] = fmaf(wf[r], xi, acc[r][p]);
+            }
+        }
+    }
+}
+
+// The shared expert's tiles are blocks y < st; tile t holds entries t * MOE_PAIRS .. + 7. The tile
+// varies fastest, so the tiles of one row block are neighbours and read its rows once from HBM.
+__device__ __forceinline__ void shared_tile(uint32_t st, uint32_t& xb, uint32_t& tile) {
+    const uint32_t l = blockIdx.y * gridDim.x + blockIdx.x;
+    xb = l / st;
+    tile = l - xb * st;
+}
+
+// The live entries of a shared tile as a pair mask; lane p gets pair (entry, slot_j)'s index.
+// The slot word is read through L2 (the heads write the entries' token words).
+__device__ __forceinline__ uint32_t tile_pairs(const uint32_t* entries, uint32_t m, uint32_t tile, uint32_t nslots,
+                                               uint32_t slot_j, uint32_t& pair) {
+    const uint32_t lane = threadIdx.x & 31, e = tile * MOE_PAIRS + lane;
+    const bool live = lane < MOE_PAIRS && e < m && __ldcg(entries + (size_t)e * ENTRY_WORDS) != BATCH_PAD;
+    pair = e * nslots + slot_j;
+    return __ballot_sync(0xFFFFFFFFu, live);
+}
+
+// Block y >= st: routed item it = y - st of the group. Returns false past the group's item count.
+// Expert x's n items occupy n consecutive grid rows; block (bx, it) of them takes row block
+// l / n and item l % n of the expert, l = (it - first) * gridDim.x + bx (the items of one row block
+// are neighbours, as the shared tiles are). The record is loaded beside the count (it lies inside
+// the workspace for every block of the grid, items_bound records): one L2 round trip, not two,
+// before the block knows its expert.
+__device__ __forceinline__ bool routed_item(const uint32_t* group, const GroupLayout& g, uint32_t it,
+                                            uint32_t& expert, uint32_t& xb, uint32_t& pm, uint32_t& pair) {
+    const uint32_t n_items = __ldcg(group);
+    const uint4 rec = __ldcg(reinterpret_cast<const uint4*>(group + g.items) + it);
+    if (it >= n_items) return false;
+    const uint32_t first = rec.y & 0xFFFFu, n = rec.y >> 16;
+    const uint32_t l = (it - first) * gridDim.x + blockIdx.x;
+    xb = l / n;
+    const uint32_t p0 = (l - xb * n) * MOE_PAIRS, np = min(MOE_PAIRS, rec.w - p0);
+    const uint32_t lane = threadIdx.x & 31;
+    pair = lane < np ? __ldcg(group + g.pairs + rec.z + p0 + lane) : 0u;
+    pm = (1u << np) - 1u;
+    expert = rec.x;
+    return true;
+}
+
+// Groups the routed pairs (e, j < ntopk) of the live entries by local expert x = ids[e][j] -
+// expert_base < n_local, deterministically: an expert's pairs in increasing pair index, the experts
+// in increasing order; then the live pairs of experts outside the range (the zero pairs, whose
+// parts rows moe_down_batch writes as zeros), in increasing pair index. Writes the header, the
+// items, counts / offsets of every local expert, the used experts, the pairs (group_layout).
+// A row's routed ids must be distinct (the router's top-k is). Called by a whole block (blockDim a
+// multiple of 32, n_local and m at most 4 * blockDim); `sm` is moe.py group_smem_bytes(m, ntopk,
+// n_local) of shared memory (the arrays below), `scan_s` 32 u32 more. The ids are read through L2 (in router_group_batch other
+// blocks of the launch wrote them).
+// Each pair's rank in its expert is the number of earlier rows that chose the expert: a popcount
+// over the expert's row bitmask, so no step depends on the order the atomics land in.
+constexpr int GROUP_PER_THREAD = 4;
+
+__device__ __forceinline__ void group_pairs(const uint32_t* ids, const uint32_t* entries, uint32_t* group, uint32_t m,
+                                            uint32_t ntopk, uint32_t nslots, uint32_t expert_base, uint32_t n_local,
+                                            uint32_t* sm, uint32_t* scan_s) {
+    constexpr int CH = GROUP_PER_THREAD;
+    const uint32_t tid = threadIdx.x, nt = blockDim.x;
+    const uint32_t mw = (m + 31u) / 32u, zw = (ntopk + 31u) / 32u, t_pairs = m * ntopk;
+    uint32_t* bits = sm;                  // [n_local][mw]: bit e set when row e chose expert x
+    uint32_t* code = bits + n_local * mw;  // [t_pairs]: local expert, CODE_PAD or CODE_ELSEWHERE
+    uint32_t* zmask = code + t_pairs;      // [m][zw]: bit j set when slot j is a zero pair
+    uint32_t* off_s = zmask + m * zw;      // [n_local]: the expert's first pair
+    uint32_t* zoff_s = off_s + n_local;    // [m]: the row's first zero pair
+    for (uint32_t i = tid; i < n_local * mw; i += nt) bits[i] = 0u;
+    for (uint32_t i = tid; i < m * zw; i += nt) zmask[i] = 0u;
+    __syncthreads();
+    for (uint32_t p = tid; p < t_pairs; p += nt) {
+        const uint32_t e = p / ntopk, j = p - e * ntopk;
+        uint32_t c = CODE_PAD;
+        if (__ldcg(entries + (size_t)e * ENTRY_WORDS) != BATCH_PAD) {
+            c = __ldcg(ids + (size_t)e * nslots + j) - expert_base;  // wraps below the base: not local
+            if (c < n_local) {
+                atomicOr(&bits[c * mw + (e >> 5)], 1u << (e & 31u));
+            } else {
+                c = CODE_ELSEWHERE;
+                atomicOr(&zmask[e * zw + (j >> 5)], 1u << (j & 31u));
+            }
+        }
+        code[p] = c;
+    }
+    __syncthreads();
+    const GroupLayout g = group_layout(m, ntopk, n_local);
+    // Thread t holds experts t * ept .. + ept - 1 and rows t * rpt .. + rpt - 1 (contiguous, so a
+    // block scan of the per-thread sums gives every expert's and row's exclusive prefix).
+    const uint32_t ept = (n_local + nt - 1u) / nt, rpt = (m + nt - 1u) / nt;
+    uint32_t cnt[CH], zc[CH], sum_a = 0u, sum_b = 0u;
+#pragma unroll
+    for (int q = 0; q < CH; ++q) {
+        const uint32_t x = tid * ept + (uint32_t)q;
+        cnt[q] = 0u;
+        if ((uint32_t)q < ept && x < n_local)
+            for (uint32_t w = 0; w < mw; ++w) cnt[q] += __popc(bits[x * mw + w]);
+        const uint32_t e = tid * rpt + (uint32_t)q;
+        zc[q] = 0u;
+        if ((uint32_t)q < rpt && e < m)
+            for (uint32_t w = 0; w < zw; ++w) zc[q] += __popc(zmask[e * zw + w]);
+        // Two 16-bit fields per scan: every total is at most 32768 pairs or 4096 items, and a low
+        // field's sum never carries into the high one.
+        sum_a += (cnt[q] << 16) | zc[q];
+        sum_b += (((cnt[q] + MOE_PAIRS - 1u) / MOE_PAIRS) << 16) | (cnt[q] > 0u ? 1u : 0u);
+    }
+    uint32_t tot_a, tot_b;
+    const uint32_t ex_a = block_exclusive_scan(sum_a, scan_s, &tot_a);
+    const uint32_t ex_b = block_exclusive_scan(sum_b, scan_s, &tot_b);
+    const uint32_t n_pairs = tot_a >> 16, n_zero = tot_a & 0xFFFFu;
+    const uint32_t n_items_local = tot_b >> 16, n_used = tot_b & 0xFFFFu;
+    const uint32_t n_zero_items = (n_zero + MOE_PAIRS - 1u) / MOE_PAIRS;
+    uint4* items = reinterpret_cast<uint4*>(group + g.items);
+    uint32_t off = ex_a >> 16, first = ex_b >> 16, uidx = ex_b & 0xFFFFu, zoff = ex_a & 0xFFFFu;
+#pragma unroll
+    for (int q = 0; q < CH; ++q) {
+        const uint32_t x = tid * ept + (uint32_t)q;
+        if ((uint32_t)q < ept && x < n_local) {
+            const uint32_t n_x = (cnt[q] + MOE_PAIRS - 1u) / MOE_PAIRS;
+            off_s[x] = off;
+            group[g.counts + x] = cnt[q];
+            group[g.offsets + x] = off;
+            if (cnt[q] > 0u) group[g.used + uidx++] = x;
+            for (uint32_t t = 0; t < n_x; ++t) items[first + t] = make_uint4(x, first | (n_x << 16), off, cnt[q]);
+            off += cnt[q];
+            first += n_x;
+        }
+        const uint32_t e = tid * rpt + (uint32_t)q;
+        if ((uint32_t)q < rpt && e < m) {
+            zoff_s[e] = zoff;
+            zoff += zc[q];
+        }
+    }
+    for (uint32_t t = tid; t < n_zero_items; t += nt)
+        items[n_items_local + t] = make_uint4(GROUP_ZERO, n_items_local | (n_zero_items << 16), n_pairs, n_zero);
+    if (tid == 0) {
+        group[0] = n_items_local + n_zero_items;
+        group[1] = n_used;
+        group[2] = n_pairs;
+        group[3] = n_zero;
+    }
+    __syncthreads();
+    for (uint32_t p = tid; p < t_pairs; p += nt) {
+        const uint32_t c = code[p];
+        if (c == CODE_PAD) continue;
+        const uint32_t e = p / ntopk, j = p - e * ntopk;
+        uint32_t below = 0u, at;
+        if (c == CODE_ELSEWHERE) {
+            for (uint32_t q = 0; q < (j >> 5); ++q) below += __popc(zmask[e * zw + q]);
+            below += __popc(zmask[e * zw + (j >> 5)] & ((1u << (j & 31u)) - 1u));
+            at = n_pairs + zoff_s[e] + below;
+        } else {
+            for (uint32_t q = 0; q < (e >> 5); ++q) below += __popc(bits[c * mw + q]);
+            below += __popc(bits[c * mw + (e >> 5)] & ((1u << (e & 31u)) - 1u));
+            at = off_s[c] + below;
+        }
+        group[g.pairs + at] = e * nslots + j;
+    }
+}
+
+__device__ __forceinline__ bool group_fits(uint32_t m, uint32_t ntopk, uint32_t n_local) {
+    const uint32_t most = (uint32_t)GROUP_PER_THREAD * blockDim.x;
+    return m >= 1u && m <= most && n_local <= most && ntopk <= 128u && (blockDim.x & 31u) == 0u;
+}
+}  // namespace
+
+namespace {
+// router_fused_batch, and with GROUP the grouping of all rows by the last row chunk to finish
+// (router_group_batch): counter[ceil(m / 8)] is the chunks' handshake.
+template <bool GROUP>
+__device__ __forceinline__ void router_batch(const uint16_t* __restrict__ w, const uint16_t* __restrict__ y,
+                                             const float* __restrict__ bias, float* scores, uint32_t* ids,
+                                             float* __restrict__ weights, uint32_t* __restrict__ counter,
+                                             const uint32_t* __restrict__ entries, uint32_t m, uint32_t n_experts,
+                                             uint32_t h, uint32_t topk, uint32_t norm, float scale, uint32_t shared,
+                                             uint32_t* group, uint32_t expert_base, uint32_t n_local) {
+    constexpr int U = 16;
+    constexpr int R = (int)ROUTER_ROWS;
+    __shared__ uint32_t ids_s[WARPS][128];
+    __shared__ float wsel[WARPS][128];
+    __shared__ float bias_s[1024];
+    extern __shared__ uint4 ys4[];  // the chunk's live y rows (staged once: every warp reads them all)
+    uint16_t* ys = reinterpret_cast<uint16_t*>(ys4);
+    const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const uint32_t e0 = blockIdx.x * ROUTER_ROWS;
+    const uint32_t nrows = min(ROUTER_ROWS, m - e0);
+    const uint32_t row = blockIdx.y * WARPS + warp;
+    const bool have = row < n_experts;
+    const bool vec = (h % 8u == 0) && aligned16(w) && aligned16(y);
+    const uint32_t kc = h >> 3;
+    const uint32_t nb = min(n_experts, 1024u);
+    float bias_r[ROUTER_BIAS_PER_THREAD];
+#pragma unroll
+    for (int q = 0; q < ROUTER_BIAS_PER_THREAD; ++q) {
+        const uint32_t i = threadIdx.x + (uint32_t)q * blockDim.x;
+        bias_r[q] = i < nb ? __ldg(bias + i) : 0.0f;
+    }
+    const uint16_t* wrow = w + (size_t)(have ? row : 0u) * h;
+    uint4 wv[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const uint32_t c = lane + 32u * u;
+        wv[u] = (vec && have && c < kc) ? ld_stream16(reinterpret_cast<const uint4*>(wrow) + c) : make_uint4(0, 0, 0, 0);
+    }
+    grid_dependency_wait();  // y is the previous kernel's output (read through L2: it releases early)
+    // The chunk's y rows are staged whole, padding rows too (y is batch scratch, not a sequence's
+    // state): the loads then go out beside the entries' instead of one L2 round trip after them.
+    const uint32_t slot = lane < nrows ? __ldcg(entries + (size_t)(e0 + lane) * ENTRY_WORDS) : BATCH_PAD;
+    if (vec) {
+        // Eight loads in flight per thread before their stores (a store right after its load
+        // would hold the thread for one L2 round trip per chunk).
+        constexpr int SB = 8;
+        const uint4* yv = reinterpret_cast<const uint4*>(y) + (size_t)e0 * kc;
+        const uint32_t total = nrows * kc;
+        for (uint32_t q0 = threadIdx.x; q0 < total; q0 += SB * blockDim.x) {
+            uint4 v[SB];
+#pragma unroll
+            for (int s = 0; s < SB; ++s) {
+                const uint32_t q = q0 + (uint32_t)s * blockDim.x;
+                v[s] = q < total ? __ldcg(yv + q) : make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int s = 0; s < SB; ++s) {
+                const uint32_t q = q0 + (uint32_t)s * blockDim.x;
+                if (q < total) ys4[q] = v[s];
+            }
+        }
+    } else {
+        const uint16_t* yr = y + (size_t)e0 * h;
+        for (uint32_t q = threadIdx.x; q < nrows * h; q += blockDim.x) ys[q] = __ldcg(yr + q);
+    }
+    const uint32_t live = __ballot_sync(0xFFFFFFFFu, slot != BATCH_PAD);
+#pragma unroll
+    for (int q = 0; q < ROUTER_BIAS_PER_THREAD; ++q) {
+        const uint32_t i = threadIdx.x + (uint32_t)q * blockDim.x;
+        if (i < nb) bias_s[i] = bias_r[q];
+    }
+    __syncthreads();
+    if (have) {
+        float acc[R];
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+        if (vec) {
+            for (uint32_t c0 = 0; c0 < kc; c0 += 32u * U) {
+                if (c0 > 0) {
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        const uint32_t c = c0 + lane + 32u * u;
+                        wv[u] = c < kc ? ld_stream16(reinterpret_cast<const uint4*>(wrow) + c) : make_uint4(0, 0, 0, 0);
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    if (!((live >> r) & 1u)) continue;
+                    const uint4* yr = ys4 + (size_t)r * kc;
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        const uint32_t c = c0 + lane + 32u * u;
+                        if (c < kc) acc[r] = dot8_bf16(wv[u], yr[c], acc[r]);
+                    }
+                }
+            }
+        } else {
+            for (uint32_t i = lane; i < h; i += 32u) {
+                const float wf = bf16_bits_to_f32(wrow[i]);
+#pragma unroll
+                for (int r = 0; r < R; ++r)
+                    if ((live >> r) & 1u) acc[r] = fmaf(wf, bf16_bits_to_f32(ys[(size_t)r * h + i]), acc[r]);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            if (!((live >> r) & 1u)) continue;
+            const float v = warp_sum(acc[r]);
+            if (lane == 0) scores[(size_t)(e0 + r) * n_experts + row] = sigmoidf_(v);
+        }
+    }
+    if (!last_of(counter + blockIdx.x, gridDim.y)) return;
+    const bool routable = n_experts <= 1024u && topk <= 128u && topk <= n_experts;
+    const uint32_t slots = topk + (shared ? 1u : 0u);
+    if (warp < nrows && ((live >> warp) & 1u) && routable) {
+        const uint32_t e = e0 + warp;
+        route_warp(scores + (size_t)e * n_experts, bias_s, ids + (size_t)e * slots, weights + (size_t)e * slots,
+                   n_experts, topk, norm, scale, shared, ids_s[warp], wsel[warp]);
+    }
+    if (GROUP) {
+        // The chunks' routing blocks hand over once more (last_of's barrier and fence publish this
+        // block's ids); the last one groups every row, in the staging memory the rows are done with.
+        __shared__ uint32_t scan_s[32];
+        if (!last_of(counter + gridDim.x, gridDim.x)) return;
+        if (routable && topk >= 1u && group_fits(m, topk, n_local))
+            group_pairs(ids, entries, group, m, topk, slots, expert_base, n_local, reinterpret_cast<uint32_t*>(ys4),
+                        scan_s);
+    }
+}
+}  // namespace
+
+// router_fused for the live entries of a batch: scores [m][n_experts], ids / weights [m][topk +
+// shared]; a padding entry's output rows are not written (its y row, batch scratch, is read).
+// Grid (ceil(m / 8), ceil(n_experts / 8)), block 256, dynamic shared memory min(m, 8) * h * 2
+// bytes. Block (x, y): warp w scores expert 8y + w for the rows 8x .. 8x + 7 (the row chunk varies
+// fastest, so the chunks after the first read the expert rows from L2); the last block of a row
+// chunk to finish routes its rows, one row per warp. `counter` is u32[ceil(m / 8)], zero, left zero.
+// Per row the arithmetic of router_rows (one round of 16 chunks per lane for h = 4096) and
+// route_warp.
+extern "C" __global__ void __launch_bounds__(256) router_fused_batch(
+    const uint16_t* __restrict__ w, const uint16_t* __restrict__ y, const float* __restrict__ bias,
+    float* scores, uint32_t* __restrict__ ids, float* __restrict__ weights, uint32_t* __restrict__ counter,
+    const uint32_t* __restrict__ entries, uint32_t m, uint32_t n_experts, uint32_t h, uint32_t topk, uint32_t norm,
+    float scale, uint32_t shared) {
+    router_batch<false>(w, y, bias, scores, ids, weights, counter, entries, m, n_experts, h, topk, norm, scale, shared,
+                        nullptr, 0u, 0u);
+}
+
+// router_fused_batch, then moe_group_batch's grouping of the batch's pairs into `group`, in one
+// launch: the last row chunk to be routed groups them (ids through L2), saving the group launch.
+// `counter` is u32[ceil(m / 8) + 1], zero, left zero; dynamic shared memory the larger of the
+// router's and group_smem_bytes(m, topk, n_local).
+extern "C" __global__ void __launch_bounds__(256) router_group_batch(
+    const uint16_t* __restrict__ w, const uint16_t* __restrict__ y, const float* __restrict__ bias,
+    float* scores, uint32_t* ids, float* __restrict__ weights, uint32_t* __restrict__ counter,
+    const uint32_t* __restrict__ entries, uint32_t m, uint32_t n_experts, uint32_t h, uint32_t topk, uint32_t norm,
+    float scale, uint32_t shared, uint32_t* __restrict__ group, uint32_t expert_base, uint32_t n_local) {
+    router_batch<true>(w, y, bias, scores, ids, weights, counter, entries, m, n_experts, h, topk, norm, scale, shared,
+                       group, expert_base, n_local);
+}
+
+// group_pairs as a launch of its own. Grid 1, block 1024, dynamic shared memory
+// group_smem_bytes(m, ntopk, n_local) bytes (model/kernels/moe.py).
+extern "C" __global__ void __launch_bounds__(1024) moe_group_batch(const uint32_t* __restrict__ ids,
+                                                                   const uint32_t* __restrict__ entries,
+                                                                   uint32_t* __restrict__ group, uint32_t m,
+                                                                   uint32_t ntopk, uint32_t nslots,
+                                                                   uint32_t expert_base, uint32_t n_local) {
+    extern __shared__ uint32_t gsm[];
+    __shared__ uint32_t scan_s[32];
+    grid_dependency_wait();  // the ids are the router's output
+    if (!group_fits(m, ntopk, n_local)) return;
+    group_pairs(ids, entries, group, m, ntopk, nslots, expert_base, n_local, gsm, scan_s);
+}
+
+// The routed experts' and the shared expert's gate/up rows for every pair of the batch: act[pair][i]
+// = silu(min(g, L)) * clamp(u, -L, L), [g; u] = w_x @ y[e], as expert_gate_up computes it. Grid
+// (ceil(inter / 8), st + items_bound(m * ntopk, n_local)), block 256; st = ceil(m / 8) shared tiles
+// when shared == 1 (the shared expert of every live entry is slot ntopk), else 0. Warp w of a block
+// computes act element 8 * row block + w for the block's pairs (up to 8). Blocks past the group's
+// item count, and zero items, exit; shared == 2 writes nothing (as moe_gate_up). With ntopk == 0
+// (a dense MLP as a lone shared expert) the group is not read.
+// PDL: the shared tiles issue their first weight round before the wait; the routed items wait for
+// the group first.
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up_batch(
+    const uint16_t* __restrict__ w, const uint16_t* __restrict__ w_shared, const uint16_t* __restrict__ y,
+    const uint32_t* __restrict__ group, uint16_t* __restrict__ act, const uint32_t* __restrict__ entries, uint32_t m,
+    uint32_t ntopk, uint32_t n_local, uint32_t inter, uint32_t h, float limit, uint32_t shared) {
+    constexpr int U = 8;
+    const uint32_t warp = threadIdx.x >> 5;
+    const uint32_t nslots = ntopk + (shared != 0u ? 1u : 0u);
+    const uint32_t st = shared == 1u ? (m + MOE_PAIRS - 1u) / MOE_PAIRS : 0u;
+    const bool in_shared = blockIdx.y < st;
+    const bool vec = (h % 8u == 0) && aligned16(in_shared ? w_shared : w) && aligned16(y);
+    const uint32_t kc = h >> 3;
+    uint4 wv[2][U];
+    uint32_t xb, pm, pair, i;
+    WRows wr;  // the warp's gate row i and up row inter + i
+    wr.stride = (size_t)inter * h;
+    if (in_shared) {
+        uint32_t tile;
+        shared_tile(st, xb, tile);
+        i = xb * WARPS + warp;
+        wr.base = w_shared + (size_t)i * h;
+        wr.nr = i < inter ? 2u : 0u;
+        if (vec) load_w_round<2, U>(wv, wr, 0, kc);
+        grid_dependency_wait();
+        pm = tile_pairs(entries, m, tile, nslots, ntopk, pair);
+    } else {
+        grid_dependency_wait();
+        uint32_t x;
+        if (!routed_item(group, group_layout(m, ntopk, n_local), blockIdx.y - st, x, xb, pm, pair)) return;
+        if (x >= n_local) return;  // a zero item: gate/up has nothing to compute for it
+        i = xb * WARPS + warp;
+        wr.base = w + (size_t)x * 2 * inter * h + (size_t)i * h;
+        wr.nr = i < inter ? 2u : 0u;
+        if (vec) load_w_round<2, U>(wv, wr, 0, kc);
+    }
+    if (i >= inter || pm == 0u) return;
+    float acc[2][MOE_PAIRS];
+    gemv_pairs<2, U>(wr, wv, y, pair / nslots, pm, h, vec, acc);
+#pragma unroll
+    for (int p = 0; p < (int)MOE_PAIRS; ++p) {
+        const uint32_t pp = __shfl_sync(0xFFFFFFFFu, pair, p);
+        if (!((pm >> p) & 1u)) continue;
+        const float gv = warp_sum(acc[0][p]), uv = warp_sum(acc[1][p]);
+        if ((threadIdx.x & 31) == 0) act[(size_t)pp * inter + i] = f32_to_bf16_bits(clamped_swiglu(gv, uv, limit));
+    }
+}
+
+// The down rows for every pair: parts[pair][row] = weights[pair] * (w_x[row] . act[pair]) in f32, as
+// expert_down computes it; the shared expert's rows (shared == 1) are its dot products (its weight
+// is 1, as the router and the dense MLP give it); zeros for the zero items' pairs and, with shared
+// == 2, for every live entry's shared slot. Grid (ceil(h / 32), st + items_bound(m * ntopk,
+// n_local)), block 256, st = ceil(m / 8) when shared != 0; warp w computes rows 32 * row block +
+// 4w .. + 3 for the block's pairs. Padding entries' rows are not written.
+extern "C" __global__ void __launch_bounds__(256, 2) moe_down_batch(
+    const uint16_t* __restrict__ w, const uint16_t* __restrict__ w_shared, const uint16_t* __restrict__ act,
+    const float* __restrict__ weights, const uint32_t* __restrict__ group, float* __restrict__ parts,
+    const uint32_t* __restrict__ entries, uint32_t m, uint32_t ntopk, uint32_t n_local, uint32_t h, uint32_t inter,
+    uint32_t shared) {
+    constexpr int R = DOWN_ROWS;
+    constexpr int U = 4;
+    const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const uint32_t nslots = ntopk + (shared != 0u ? 1u : 0u);
+    const uint32_t st = shared != 0u ? (m + MOE_PAIRS - 1u) / MOE_PAIRS : 0u;
+    const bool in_shared = blockIdx.y < st;
+    const bool vec = (inter % 8u == 0) && aligned16(in_shared ? w_shared : w) && aligned16(act);
+    const uint32_t kc = inter >> 3;
+    uint4 wv[R][U];
+    uint32_t xb, pm, pair, row0;
+    bool compute = false, routed = false;  // neither: the block's pairs get zero rows
+    WRows wr;  // the warp's rows row0 .. row0 + 3
+    wr.stride = inter;
+    if (in_shared) {
+        uint32_t tile;
+        shared_tile(st, xb, tile);
+        row0 = (xb * WARPS + warp) * R;
+        if (shared == 1u) {
+            compute = true;
+            wr.base = w_shared + (size_t)row0 * inter;
+            wr.nr = row0 < h ? min((uint32_t)R, h - row0) : 0u;
+            if (vec) load_w_round<R, U>(wv, wr, 0, kc);
+        }
+        grid_dependency_wait();
+        pm = tile_pairs(entries, m, tile, nslots, ntopk, pair);
+    } else {
+        grid_dependency_wait();
+        uint32_t x;
+        if (!routed_item(group, group_layout(m, ntopk, n_local), blockIdx.y - st, x, xb, pm, pair)) return;
+        row0 = (xb * WARPS + warp) * R;
+        if (x < n_local) {
+            compute = routed = true;
+            wr.base = w + (size_t)x * h * inter + (size_t)row0 * inter;
+            wr.nr = row0 < h ? min((uint32_t)R, h - row0) : 0u;
+            if (vec) load_w_round<R, U>(wv, wr, 0, kc);
+        }
+    }
+    if (row0 >= h || pm == 0u) return;
+    if (!compute) {
+#pragma unroll
+        for (int p = 0; p < (int)MOE_PAIRS; ++p) {
+            const uint32_t pp = __shfl_sync(0xFFFFFFFFu, pair, p);
+            if (((pm >> p) & 1u) && lane < (uint32_t)R && row0 + lane < h) parts[(size_t)pp * h + row0 + lane] = 0.0f;
+        }
+        return;
+    }
+    float acc[R][MOE_PAIRS];
+    gemv_pairs<R, U>(wr, wv, act, pair, pm, inter, vec, acc);
+    // The routing weight is read after the GEMV, as down_rows reads it.
+    const float wt = (routed && ((pm >> lane) & 1u)) ? __ldcg(weights + pair) : 1.0f;
+#pragma unroll
+    for (int p = 0; p < (int)MOE_PAIRS; ++p) {
+        const uint32_t pp = __shfl_sync(0xFFFFFFFFu, pair, p);
+        const float g = __shfl_sync(0xFFFFFFFFu, wt, p);
+        if (!((pm >> p) & 1u)) continue;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float v = warp_sum(acc[r][p]);
+            if (lane == (uint32_t)r && row0 + r < h) parts[(size_t)pp * h + row0 + r] = routed ? __fmul_rn(g, v) : v;
+        }
+    }
 }

@@ -6,15 +6,24 @@ with weight 1 (it has no gate: the published checkpoints store none, and transfo
 ``Glm5NextTextMoE`` adds it ungated). ``expert_down`` writes one f32 row per slot (zero for an expert this rank does not hold), and
 ``bgemv.sum_rows_residual`` adds the rows in slot order, so the zero-padded all-reduce of a sharded
 run reproduces one rank's arithmetic exactly. CUDA: ptx/moe.cu.
+
+Batched drafting (the second half of this module): router_fused_batch (or router_group_batch, the
+router with the grouping in its last block), moe_group_batch, moe_gate_up_batch and moe_down_batch
+cover the m entries of a batch, each used expert's rows read once for all its pairs, every pair's
+rows the bits of the single-row kernels above.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
 from runtime.dtypes import BF16
 from runtime.kernel import F32, PTR, U32, Pdl, declare
 from runtime.launch import launch
+
+from .batch import is_pad, read_entries
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
@@ -365,6 +374,668 @@ def moe_down(
         parts,
         ntopk,
         expert_base,
+        n_local,
+        h,
+        inter,
+        shared,
+        stream=stream,
+    )
+
+
+# ---- batched drafting (issue 15) -----------------------------------------------------------------
+#
+# One launch covers the m entries of a batch (model/kernels/batch.py): the router scores and routes
+# every live entry; moe_group_batch groups the batch's (entry, slot) pairs by local expert on the
+# device; moe_gate_up_batch / moe_down_batch read each used expert's rows once for all its pairs.
+# Pair (e, j) is entry e's slot j; its index e * nslots + j is its row in act [m * nslots][inter] and
+# in parts [m * nslots][h] (nslots = ntopk + 1 with a shared-expert slot), and its y row is e. A
+# pair's act and parts rows are the bits the single-row kernels give it, whatever the batch.
+
+# Pairs per work item (ptx/moe.cu MOE_PAIRS): an expert with c pairs has ceil(c / 8) items, each
+# item's blocks read the expert's rows once for up to 8 pairs (8 f32 accumulators per row and lane).
+PAIRS_PER_ITEM = 8
+ROUTER_ROWS = 8  # batch rows per router block (ptx/moe.cu ROUTER_ROWS)
+GROUP_ZERO = 0xFFFFFFFF  # an item's expert: live pairs of experts this rank does not hold
+GROUP_HEADER_WORDS = 4  # n_items, n_used, local pairs, zero pairs
+MAX_BATCH = 256
+_GROUP_BLOCK = 1024
+
+
+def items_bound(pairs: int, n_local: int) -> int:
+    """Most work items ``pairs`` routed pairs can make over ``n_local`` experts (the zero items
+    included): ``pairs`` while every pair can have an expert of its own, else one item per expert
+    plus one per further PAIRS_PER_ITEM pairs plus one partial zero item. The launches' grids are
+    sized by it: at m = 1, top-8, 8 items, as today's eight routed slots."""
+    if pairs <= n_local:
+        return pairs
+    return n_local + (pairs - n_local) // PAIRS_PER_ITEM + 1
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """The group workspace (u32 words, ptx/moe.cu group_layout): header [n_items, n_used,
+    n_pairs (local), n_zero], items [items_bound][4] (expert or GROUP_ZERO, the expert's first item
+    | its item count << 16, its first pair in ``pairs``, its pair count), counts [n_local],
+    offsets [n_local], used [min(n_local, m * ntopk)], pairs [m * ntopk] (the local pairs by
+    expert, then the zero pairs). The workspace must be 16-byte aligned (the items are uint4)."""
+
+    m: int
+    ntopk: int
+    n_local: int
+
+    @property
+    def n_items_max(self) -> int:
+        return items_bound(self.m * self.ntopk, self.n_local)
+
+    @property
+    def items(self) -> int:
+        return GROUP_HEADER_WORDS
+
+    @property
+    def counts(self) -> int:
+        return self.items + 4 * self.n_items_max
+
+    @property
+    def offsets(self) -> int:
+        return self.counts + self.n_local
+
+    @property
+    def used(self) -> int:
+        return self.offsets + self.n_local
+
+    @property
+    def pairs(self) -> int:
+        return self.used + min(self.n_local, self.m * self.ntopk)
+
+    @property
+    def words(self) -> int:
+        return self.pairs + self.m * self.ntopk
+
+
+def group_workspace_bytes(m: int, ntopk: int, n_local: int) -> int:
+    """Bytes of the group workspace for m entries (also enough for every smaller m)."""
+    return 4 * GroupLayout(m, ntopk, n_local).words
+
+
+def router_counter_words(m: int, grouped: bool = False) -> int:
+    """u32 words of router_fused_batch's counter (one per row chunk; zero, left zero), and one more
+    for router_group_batch's hand-over between the chunks."""
+    return -(-m // ROUTER_ROWS) + (1 if grouped else 0)
+
+
+def group_smem_bytes(m: int, ntopk: int, n_local: int) -> int:
+    """Shared memory of the grouping (ptx/moe.cu group_smem_words): the experts' row bitmasks, a
+    code per pair, the rows' zero-slot masks, an offset per expert and per row."""
+    return 4 * (n_local * -(-m // 32) + m * ntopk + m * -(-ntopk // 32) + n_local + m)
+
+
+@dataclass(frozen=True)
+class Group:
+    """A decoded group workspace (tests and the host twins read it)."""
+
+    n_items: int
+    n_used: int
+    n_pairs: int
+    n_zero: int
+    items: np.ndarray  # [n_items, 4] u32
+    counts: np.ndarray  # [n_local]
+    offsets: np.ndarray  # [n_local]
+    used: np.ndarray  # [n_used]
+    pairs: np.ndarray  # [n_pairs + n_zero]
+
+
+def decode_group(words: np.ndarray, m: int, ntopk: int, n_local: int) -> Group:
+    """The written parts of a group workspace (u32 words, as read back from memory)."""
+    g = GroupLayout(m, ntopk, n_local)
+    w = np.asarray(words, np.uint32)
+    n_items, n_used, n_pairs, n_zero = (int(v) for v in w[:GROUP_HEADER_WORDS])
+    return Group(
+        n_items,
+        n_used,
+        n_pairs,
+        n_zero,
+        w[g.items : g.items + 4 * n_items].reshape(n_items, 4),
+        w[g.counts : g.counts + n_local],
+        w[g.offsets : g.offsets + n_local],
+        w[g.used : g.used + n_used],
+        w[g.pairs : g.pairs + n_pairs + n_zero],
+    )
+
+
+def _live(mem, entries, m: int) -> list[int]:
+    ent = read_entries(mem, entries, m)
+    return [e for e in range(m) if not is_pad(ent[e])]
+
+
+@declare(
+    "moe",
+    "router_fused_batch",
+    [
+        ("w", PTR),
+        ("y", PTR),
+        ("bias", PTR),
+        ("scores", PTR),
+        ("ids", PTR),
+        ("weights", PTR),
+        ("counter", PTR),
+        ("entries", PTR),
+        ("m", U32),
+        ("n_experts", U32),
+        ("h", U32),
+        ("topk", U32),
+        ("norm", U32),
+        ("scale", F32),
+        ("shared", U32),
+    ],
+    writes=("scores", "ids", "weights", "counter"),
+    pdl=True,
+)
+def ROUTER_FUSED_BATCH(
+    mem, w, y, bias, scores, ids, weights, counter, entries, m, n_experts, h, topk, norm, scale, shared
+):
+    """router_fused per live entry e: y row e [h] BF16 -> scores row e [n_experts] f32, ids / weights
+    row e [topk + shared] (the shared expert as slot topk: id 0, weight 1). A padding entry's output
+    rows are not written (the device reads its y row, which is batch scratch). ``counter``: u32[router_counter_words(m)], zero, left zero. Each
+    row's values are router_fused's for that row alone (its own matrix-vector product)."""
+    wv = mem.read(w, BF16, (n_experts, h)).astype(np.float32)
+    b = mem.read(bias, np.float32, n_experts)
+    slots = topk + (1 if shared else 0)
+    for e in _live(mem, entries, m):
+        s = sigmoid(wv @ mem.read(y.offset(e * h * 2), BF16, h).astype(np.float32))
+        mem.write(scores.offset(e * n_experts * 4), s)
+        i, wt = route_ref(s, b, topk, bool(norm), scale)
+        if shared:
+            i = np.append(i, np.uint32(0))
+            wt = np.append(wt, np.float32(1.0)).astype(np.float32)
+        mem.write(ids.offset(e * slots * 4), i.astype(np.uint32))
+        mem.write(weights.offset(e * slots * 4), wt.astype(np.float32))
+    mem.write(counter, np.zeros(router_counter_words(m), np.uint32))
+
+
+def group_ref(
+    ids: np.ndarray, live: list[int], m: int, ntopk: int, nslots: int, expert_base: int, n_local: int
+):
+    """The grouping as plain Python: ``ids`` u32 [m, nslots] (only the live rows' first ntopk
+    slots are looked at). Returns (counts, pairs by local expert, zero pairs) in the kernel's
+    deterministic order: pair indices increasing within an expert and among the zero pairs."""
+    by_expert: list[list[int]] = [[] for _ in range(n_local)]
+    zero: list[int] = []
+    for e in live:
+        seen = set()
+        for j in range(ntopk):
+            x = (int(ids[e, j]) - expert_base) & 0xFFFFFFFF  # below the base wraps: not local
+            if x < n_local:
+                if x in seen:
+                    raise ValueError(
+                        f"moe_group_batch: entry {e} names local expert {x} twice (a row's routed "
+                        "ids must be distinct, as the router's top-k makes them)"
+                    )
+                seen.add(x)
+                by_expert[x].append(e * nslots + j)
+            else:
+                zero.append(e * nslots + j)
+    return by_expert, zero
+
+
+@declare(
+    "moe",
+    "moe_group_batch",
+    [
+        ("ids", PTR),
+        ("entries", PTR),
+        ("group", PTR),
+        ("m", U32),
+        ("ntopk", U32),
+        ("nslots", U32),
+        ("expert_base", U32),
+        ("n_local", U32),
+    ],
+    writes=("group",),
+    pdl=True,
+)
+def MOE_GROUP_BATCH(mem, ids, entries, group, m, ntopk, nslots, expert_base, n_local):
+    """The live entries' routed pairs (e, j < ntopk) grouped by local expert x = ids[e][j] -
+    expert_base in [0, n_local), into the group workspace (GroupLayout): per expert its pairs in
+    increasing pair index, experts in increasing order, then the zero pairs (live pairs of other
+    ranks' experts) in increasing pair index; counts and offsets of every local expert, the used
+    experts, and the work items (ceil(count / 8) per used expert, then ceil(zero / 8)). Padding
+    entries give no pairs. Writes the header, items [0, n_items), counts, offsets, used [0, n_used)
+    and pairs [0, n_pairs + n_zero), nothing else. A row's routed ids must be distinct."""
+    g = GroupLayout(m, ntopk, n_local)
+    idv = mem.read(ids, np.uint32, (m, nslots))
+    by_expert, zero = group_ref(idv, _live(mem, entries, m), m, ntopk, nslots, expert_base, n_local)
+    counts = np.array([len(p) for p in by_expert], np.uint32)
+    offsets = (np.cumsum(counts, dtype=np.uint64) - counts).astype(np.uint32)
+    used = np.array([x for x in range(n_local) if counts[x]], np.uint32)
+    items = []
+    for x in used:
+        n = -(-int(counts[x]) // PAIRS_PER_ITEM)
+        first = len(items)
+        items += [(int(x), first | (n << 16), int(offsets[x]), int(counts[x]))] * n
+    n_pairs = int(counts.sum())
+    if zero:
+        n = -(-len(zero) // PAIRS_PER_ITEM)
+        first = len(items)
+        items += [(GROUP_ZERO, first | (n << 16), n_pairs, len(zero))] * n
+    pairs = np.array([p for lst in by_expert for p in lst] + zero, np.uint32)
+    base = group
+    mem.write(base, np.array([len(items), len(used), n_pairs, len(zero)], np.uint32))
+    if items:
+        mem.write(base.offset(4 * g.items), np.array(items, np.uint32).reshape(-1))
+    if n_local:
+        mem.write(base.offset(4 * g.counts), counts)
+        mem.write(base.offset(4 * g.offsets), offsets)
+    if len(used):
+        mem.write(base.offset(4 * g.used), used)
+    if len(pairs):
+        mem.write(base.offset(4 * g.pairs), pairs)
+
+
+@declare(
+    "moe",
+    "router_group_batch",
+    [
+        ("w", PTR),
+        ("y", PTR),
+        ("bias", PTR),
+        ("scores", PTR),
+        ("ids", PTR),
+        ("weights", PTR),
+        ("counter", PTR),
+        ("entries", PTR),
+        ("m", U32),
+        ("n_experts", U32),
+        ("h", U32),
+        ("topk", U32),
+        ("norm", U32),
+        ("scale", F32),
+        ("shared", U32),
+        ("group", PTR),
+        ("expert_base", U32),
+        ("n_local", U32),
+    ],
+    writes=("scores", "ids", "weights", "counter", "group"),
+    pdl=True,
+)
+def ROUTER_GROUP_BATCH(
+    mem,
+    w,
+    y,
+    bias,
+    scores,
+    ids,
+    weights,
+    counter,
+    entries,
+    m,
+    n_experts,
+    h,
+    topk,
+    norm,
+    scale,
+    shared,
+    group,
+    expert_base,
+    n_local,
+):
+    """router_fused_batch, then moe_group_batch of its ids (nslots = topk + shared), in one launch
+    (the last row chunk to be routed groups the batch). ``counter``: u32[router_counter_words(m,
+    grouped=True)], zero, left zero."""
+    ROUTER_FUSED_BATCH.host(
+        mem, w, y, bias, scores, ids, weights, counter, entries, m, n_experts, h, topk, norm, scale, shared
+    )
+    slots = topk + (1 if shared else 0)
+    MOE_GROUP_BATCH.host(mem, ids, entries, group, m, topk, slots, expert_base, n_local)
+    mem.write(counter, np.zeros(router_counter_words(m, grouped=True), np.uint32))
+
+
+def _items(mem, group, m: int, ntopk: int, n_local: int):
+    """(expert, pair indices) of each work item, as the device blocks read them."""
+    g = GroupLayout(m, ntopk, n_local)
+    n_items = int(mem.read(group, np.uint32, 1)[0])
+    if n_items == 0:
+        return
+    rec = mem.read(group.offset(4 * g.items), np.uint32, (n_items, 4))
+    for it in range(n_items):
+        x, fn, start, count = (int(v) for v in rec[it])
+        t = it - (fn & 0xFFFF)
+        p0 = t * PAIRS_PER_ITEM
+        n = min(PAIRS_PER_ITEM, count - p0)
+        yield x, mem.read(group.offset(4 * (g.pairs + start + p0)), np.uint32, n)
+
+
+@declare(
+    "moe",
+    "moe_gate_up_batch",
+    [
+        ("w", PTR),
+        ("w_shared", PTR),
+        ("y", PTR),
+        ("group", PTR),
+        ("act", PTR),
+        ("entries", PTR),
+        ("m", U32),
+        ("ntopk", U32),
+        ("n_local", U32),
+        ("inter", U32),
+        ("h", U32),
+        ("limit", F32),
+        ("shared", U32),
+    ],
+    writes=("act",),
+    pdl=True,
+)
+def MOE_GATE_UP_BATCH(mem, w, w_shared, y, group, act, entries, m, ntopk, n_local, inter, h, limit, shared):
+    """moe_gate_up for every pair of the batch: act[pair] = clamped SwiGLU of w_x @ y[e] for the
+    group's local pairs (w [n_local, 2 * inter, h]), and with shared == SHARED_HERE of w_shared @
+    y[e] as slot ntopk of every live entry. Zero pairs, padding entries and (SHARED_ELSEWHERE) the
+    shared slot are not written. ntopk == 0 with SHARED_HERE is a dense MLP (the group is not
+    read)."""
+    nslots = ntopk + (1 if shared != SHARED_NONE else 0)
+
+    def run(we: np.ndarray, pairs) -> None:
+        for p in pairs:
+            p = int(p)
+            yv = mem.read(y.offset((p // nslots) * h * 2), BF16, h).astype(np.float32)
+            gu = we @ yv
+            mem.write(act.offset(p * inter * 2), clamped_swiglu(gu[:inter], gu[inter:], limit).astype(BF16))
+
+    if shared == SHARED_HERE:
+        we = mem.read(w_shared, BF16, (2 * inter, h)).astype(np.float32)
+        run(we, [e * nslots + ntopk for e in _live(mem, entries, m)])
+    if ntopk:
+        cache: dict[int, np.ndarray] = {}
+        for x, pairs in _items(mem, group, m, ntopk, n_local):
+            if x >= n_local:
+                continue
+            if x not in cache:
+                cache = {
+                    x: mem.read(w.offset(x * 2 * inter * h * 2), BF16, (2 * inter, h)).astype(np.float32)
+                }
+            run(cache[x], pairs)
+
+
+@declare(
+    "moe",
+    "moe_down_batch",
+    [
+        ("w", PTR),
+        ("w_shared", PTR),
+        ("act", PTR),
+        ("weights", PTR),
+        ("group", PTR),
+        ("parts", PTR),
+        ("entries", PTR),
+        ("m", U32),
+        ("ntopk", U32),
+        ("n_local", U32),
+        ("h", U32),
+        ("inter", U32),
+        ("shared", U32),
+    ],
+    writes=("parts",),
+    pdl=True,
+)
+def MOE_DOWN_BATCH(
+    mem, w, w_shared, act, weights, group, parts, entries, m, ntopk, n_local, h, inter, shared
+):
+    """moe_down for every pair: parts[pair] = weights[pair] * (w_x @ act[pair]) in f32 for the
+    group's local pairs (w [n_local, h, inter]); zeros for its zero pairs; the shared slot of every
+    live entry: w_shared @ act[pair] with SHARED_HERE (its weight is 1, as the router and the dense
+    MLP give it), zeros with SHARED_ELSEWHERE. Padding entries' rows are not written."""
+    nslots = ntopk + (1 if shared != SHARED_NONE else 0)
+    if shared != SHARED_NONE:
+        pairs = [e * nslots + ntopk for e in _live(mem, entries, m)]
+        we = mem.read(w_shared, BF16, (h, inter)).astype(np.float32) if shared == SHARED_HERE else None
+        for p in pairs:
+            if we is None:
+                mem.write(parts.offset(p * h * 4), np.zeros(h, np.float32))
+            else:
+                a = mem.read(act.offset(p * inter * 2), BF16, inter).astype(np.float32)
+                mem.write(parts.offset(p * h * 4), (we @ a).astype(np.float32))
+    if ntopk:
+        cache: dict[int, np.ndarray] = {}
+        for x, pairs in _items(mem, group, m, ntopk, n_local):
+            for p in pairs:
+                p = int(p)
+                if x >= n_local:
+                    mem.write(parts.offset(p * h * 4), np.zeros(h, np.float32))
+                    continue
+                if x not in cache:
+                    cache = {x: mem.read(w.offset(x * h * inter * 2), BF16, (h, inter)).astype(np.float32)}
+                a = mem.read(act.offset(p * inter * 2), BF16, inter).astype(np.float32)
+                wt = mem.read(weights.offset(p * 4), np.float32, 1)[0]
+                mem.write(parts.offset(p * h * 4), (np.float32(wt) * (cache[x] @ a)).astype(np.float32))
+
+
+def _check_batch(what: str, m: int, group=None) -> None:
+    if not 1 <= m <= MAX_BATCH:
+        raise ValueError(f"{what}: m = {m} entries outside 1..{MAX_BATCH}")
+    if group is not None and group.addr % 16:
+        raise ValueError(f"{what}: the group workspace must be 16-byte aligned (its items are uint4)")
+
+
+def router_fused_batch(
+    gpu,
+    *,
+    w,
+    y,
+    bias,
+    scores,
+    ids,
+    weights,
+    counter,
+    entries,
+    m,
+    n_experts,
+    h,
+    topk,
+    norm,
+    scale,
+    shared,
+    stream=None,
+):
+    """ROUTER_FUSED_BATCH. Grid (ceil(m / 8), ceil(n_experts / 8)): the 8 rows of a chunk share a
+    block's expert rows, the chunks of one expert block are neighbours (the expert rows come from
+    HBM once); at m = 1 it is router_fused's grid."""
+    _check_batch("router_fused_batch", m)
+    if n_experts > 1024 or topk > min(128, n_experts):
+        raise ValueError(f"router: {n_experts} experts / top-{topk} outside the kernel's 1024 / 128")
+    smem = min(m, ROUTER_ROWS) * (-(-h * 2 // 16) * 16)
+    if smem > 200 * 1024:
+        raise ValueError(f"router_fused_batch: h = {h} needs {smem} bytes of shared memory per block")
+    launch(
+        gpu,
+        gpu.kernel(*ROUTER_FUSED_BATCH.key),
+        (-(-m // ROUTER_ROWS), -(-n_experts // 8)),
+        256,
+        w,
+        y,
+        bias,
+        scores,
+        ids,
+        weights,
+        counter,
+        entries,
+        m,
+        n_experts,
+        h,
+        topk,
+        int(norm),
+        scale,
+        int(bool(shared)),
+        smem=smem,
+        stream=stream,
+    )
+
+
+def router_group_batch(
+    gpu,
+    *,
+    w,
+    y,
+    bias,
+    scores,
+    ids,
+    weights,
+    counter,
+    entries,
+    group,
+    m,
+    n_experts,
+    h,
+    topk,
+    norm,
+    scale,
+    shared,
+    expert_base,
+    n_local,
+    stream=None,
+):
+    """ROUTER_GROUP_BATCH: router_fused_batch's grid; the grouping runs in the last routing block
+    (256 threads) in the staging memory, so the launch asks for the larger of the two."""
+    _check_batch("router_group_batch", m, group)
+    if n_experts > 1024 or topk > min(128, n_experts) or topk < 1:
+        raise ValueError(f"router: {n_experts} experts / top-{topk} outside the kernel's 1024 / 128")
+    if not 1 <= n_local <= 1024:
+        raise ValueError(f"router_group_batch: {n_local} local experts outside 1..1024")
+    smem = max(min(m, ROUTER_ROWS) * (-(-h * 2 // 16) * 16), group_smem_bytes(m, topk, n_local))
+    if smem > 200 * 1024:
+        raise ValueError(f"router_group_batch: h = {h} needs {smem} bytes of shared memory per block")
+    launch(
+        gpu,
+        gpu.kernel(*ROUTER_GROUP_BATCH.key),
+        (-(-m // ROUTER_ROWS), -(-n_experts // 8)),
+        256,
+        w,
+        y,
+        bias,
+        scores,
+        ids,
+        weights,
+        counter,
+        entries,
+        m,
+        n_experts,
+        h,
+        topk,
+        int(norm),
+        scale,
+        int(bool(shared)),
+        group,
+        expert_base,
+        n_local,
+        smem=smem,
+        stream=stream,
+    )
+
+
+def moe_group_batch(gpu, *, ids, entries, group, m, ntopk, nslots, expert_base, n_local, stream=None):
+    """MOE_GROUP_BATCH: one block of 1024 threads (no host sync: the counts stay on the device)."""
+    _check_batch("moe_group_batch", m, group)
+    if not 1 <= ntopk <= 128 or nslots < ntopk or not 1 <= n_local <= 1024:
+        raise ValueError(f"moe_group_batch: top-{ntopk} of {nslots} slots over {n_local} local experts")
+    smem = group_smem_bytes(m, ntopk, n_local)
+    launch(
+        gpu,
+        gpu.kernel(*MOE_GROUP_BATCH.key),
+        1,
+        _GROUP_BLOCK,
+        ids,
+        entries,
+        group,
+        m,
+        ntopk,
+        nslots,
+        expert_base,
+        n_local,
+        smem=smem,
+        stream=stream,
+    )
+
+
+def _batch_grid_y(m: int, ntopk: int, n_local: int, shared_tiles: bool) -> int:
+    st = -(-m // PAIRS_PER_ITEM) if shared_tiles else 0
+    return st + (items_bound(m * ntopk, n_local) if ntopk else 0)
+
+
+def moe_gate_up_batch(
+    gpu, *, w, w_shared, y, group, act, entries, m, ntopk, n_local, inter, h, limit, shared, stream=None
+):
+    """MOE_GATE_UP_BATCH. Grid (ceil(inter / 8), shared tiles + items_bound): at m = 1, top-8 with
+    a shared expert, (256, 9) as moe_gate_up. ``group`` may be None when ntopk == 0 (dense MLP)."""
+    _check_batch("moe_gate_up_batch", m, group)
+    gy = _batch_grid_y(m, ntopk, n_local, shared == SHARED_HERE)
+    if gy == 0:
+        return
+    if group is None:
+        if ntopk:
+            raise ValueError("moe_gate_up_batch: routed experts need the group workspace")
+        group = entries  # never read with ntopk == 0; the launch wants a pointer
+    launch(
+        gpu,
+        gpu.kernel(*MOE_GATE_UP_BATCH.key),
+        (-(-inter // GATE_UP_PER_BLOCK), gy),
+        256,
+        w,
+        w_shared,
+        y,
+        group,
+        act,
+        entries,
+        m,
+        ntopk,
+        n_local,
+        inter,
+        h,
+        limit,
+        shared,
+        stream=stream,
+    )
+
+
+def moe_down_batch(
+    gpu,
+    *,
+    w,
+    w_shared,
+    act,
+    weights,
+    group,
+    parts,
+    entries,
+    m,
+    ntopk,
+    n_local,
+    h,
+    inter,
+    shared,
+    stream=None,
+):
+    """MOE_DOWN_BATCH. Grid (ceil(h / 32), shared tiles + items_bound): (128, 9) at m = 1, top-8
+    with a shared slot, as moe_down. ``group`` / ``weights`` may be None when ntopk == 0."""
+    _check_batch("moe_down_batch", m, group)
+    gy = _batch_grid_y(m, ntopk, n_local, shared != SHARED_NONE)
+    if gy == 0:
+        return
+    if ntopk and (group is None or weights is None):
+        raise ValueError("moe_down_batch: routed experts need the group workspace and the weights")
+    group = entries if group is None else group
+    weights = entries if weights is None else weights
+    launch(
+        gpu,
+        gpu.kernel(*MOE_DOWN_BATCH.key),
+        (-(-h // DOWN_ROWS_PER_BLOCK), gy),
+        256,
+        w,
+        w_shared,
+        act,
+        weights,
+        group,
+        parts,
+        entries,
+        m,
+        ntopk,
         n_local,
         h,
         inter,
