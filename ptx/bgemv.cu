@@ -262,51 +262,69 @@ constexpr uint32_t BATCH_ROWS = 8;  // model/kernels/bgemv.py BATCH_ROWS
 // index bit o equals its own lane bit o and adds the partner's copy of that half (own + partner, as
 // warp_sum adds), so every total is built from the same pairs in the same order as warp_sum builds
 // it in every lane: the same bits, with 31 shuffles for 32 totals instead of 160.
+// One stage per offset as its own template, so that every index is a constant (a loop over the
+// offsets was left rolled and put v in local memory).
+template <int O>
+__device__ __forceinline__ void scatter_stage(float (&v)[32], uint32_t lane) {
+    const bool upper = (lane & (uint32_t)O) != 0u;
+#pragma unroll
+    for (int j = 0; j < O; ++j) {
+        const float send = upper ? v[j] : v[j + O];
+        const float keep = upper ? v[j + O] : v[j];
+        v[j] = keep + __shfl_xor_sync(0xFFFFFFFFu, send, O);
+    }
+}
+
 __device__ __forceinline__ float warp_sum_scatter32(float (&v)[32]) {
     const uint32_t lane = threadIdx.x & 31;
-#pragma unroll
-    for (int o = 16; o >= 1; o >>= 1) {
-        const bool upper = (lane & (uint32_t)o) != 0u;
-#pragma unroll
-        for (int j = 0; j < o; ++j) {
-            const float send = upper ? v[j] : v[j + o];
-            const float keep = upper ? v[j + o] : v[j];
-            v[j] = keep + __shfl_xor_sync(0xFFFFFFFFu, send, o);
-        }
-    }
+    scatter_stage<16>(v, lane);
+    scatter_stage<8>(v, lane);
+    scatter_stage<4>(v, lane);
+    scatter_stage<2>(v, lane);
+    scatter_stage<1>(v, lane);
     return v[0];
 }
 
-// warp_gemv_bf16 for M rows of x (row i at x + min(i, rows - 1) * x_row: a chunk of fewer rows than
-// the template repeats its last row, whose extra totals the caller drops) against RS rows of W:
-// acc[i][r] is W[r] . x_i summed exactly as warp_gemv_bf16 sums it for one row. `wait_first`: this
-// call is the warp's first, so it waits (and releases) after its first weight batch as
-// warp_gemv_bf16 does under WAIT_FIRST.
-template <int RS, int U, int M, bool WAIT_FIRST, bool X_L2>
-__device__ __forceinline__ void warp_gemv_bf16_rows(const uint16_t* const (&w)[RS], const uint16_t* __restrict__ x,
-                                                    size_t x_row, uint32_t rows, uint32_t k, bool vec,
-                                                    bool wait_first, float (&acc)[M][RS]) {
+__device__ __forceinline__ uint32_t dynamic_smem_bytes() {
+    uint32_t r;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+    return r;
+}
+
+// warp_gemv_bf16 for M rows of x against RS rows of W, after the wait: acc[i][r] is W[r] . x_i summed
+// exactly as warp_gemv_bf16 sums it for one row. Row i of x at x + min(i, rows - 1) * x_row (a chunk
+// shorter than the template repeats its last row; the caller drops those totals), in shared memory
+// (X_SMEM, staged by the caller) or global memory (through L2 when X_L2). Vector path: `wv` holds
+// the first weight batch when `preloaded` (issued before the wait).
+template <int RS, int U, int M, bool X_SMEM, bool X_L2>
+__device__ __forceinline__ void warp_gemv_bf16_rows(const uint16_t* const (&w)[RS], const uint16_t* x, size_t x_row,
+                                                    uint32_t rows, uint32_t k, bool vec, uint4 (&wv)[RS][U],
+                                                    bool preloaded, float (&acc)[M][RS]) {
     const uint32_t lane = threadIdx.x & 31;
     const uint16_t* xr[M];
 #pragma unroll
     for (int i = 0; i < M; ++i) xr[i] = x + (size_t)min((uint32_t)i, rows - 1u) * x_row;
     if (vec) {
         const uint32_t kc = k >> 3;
-        if (WAIT_FIRST && wait_first && kc == 0) wait_then_release();
         for (uint32_t c0 = 0; c0 < kc; c0 += 32u * U) {
-            uint4 wv[RS][U];
+            if (!preloaded || c0 > 0) {
 #pragma unroll
-            for (int u = 0; u < U; ++u) {
-                const uint32_t c = c0 + lane + 32u * u;
+                for (int u = 0; u < U; ++u) {
+                    const uint32_t c = c0 + lane + 32u * u;
 #pragma unroll
-                for (int r = 0; r < RS; ++r)
-                    wv[r][u] = c < kc ? ld_stream16(reinterpret_cast<const uint4*>(w[r]) + c) : make_uint4(0, 0, 0, 0);
+                    for (int r = 0; r < RS; ++r)
+                        wv[r][u] = c < kc ? ld_stream16(reinterpret_cast<const uint4*>(w[r]) + c) : make_uint4(0, 0, 0, 0);
+                }
             }
-            if (WAIT_FIRST && wait_first && c0 == 0) wait_then_release();
 #pragma unroll
             for (int i = 0; i < M; ++i) {
                 uint4 xs[U];
-                load_x_chunks<U, X_L2>(reinterpret_cast<const uint4*>(xr[i]), c0 + lane, kc, xs);
+                if (X_SMEM) {
+#pragma unroll
+                    for (int u = 0; u < U; ++u) xs[u] = reinterpret_cast<const uint4*>(xr[i])[min(c0 + lane + 32u * u, kc - 1u)];
+                } else {
+                    load_x_chunks<U, X_L2>(reinterpret_cast<const uint4*>(xr[i]), c0 + lane, kc, xs);
+                }
 #pragma unroll
                 for (int u = 0; u < U; ++u) {
                     if (c0 + lane + 32u * u < kc) {
@@ -317,7 +335,6 @@ __device__ __forceinline__ void warp_gemv_bf16_rows(const uint16_t* const (&w)[R
             }
         }
     } else {
-        if (WAIT_FIRST && wait_first) wait_then_release();
         for (uint32_t j = lane; j < k; j += 32u) {
             float wj[RS];
 #pragma unroll
@@ -335,50 +352,78 @@ __device__ __forceinline__ void warp_gemv_bf16_rows(const uint16_t* const (&w)[R
 // The `rows` (<= M) rows of the chunk at e0 against the warp's `rpw` rows of W[b] (rows_per_warp(k),
 // the tile of the m = 1 path, so the grid is the same for every m), taken RS = 4 at a time so that
 // the M * 4 accumulators and the weight loads in flight stay within the register count of the m = 1
-// path (the kernel's count is the maximum over its paths). Each total lands in its own lane
-// (warp_sum_scatter32), which stores it.
+// path (the kernel's count is the maximum over its paths). The first weight batch is issued, then
+// the wait (WAIT_FIRST, releasing), then the block stages the chunk's x rows in shared memory once
+// (`xsm`, [M][k], when the launch gave it M * k * 2 bytes): read per warp, as bgemv_body reads its
+// one row, they would cost the L2 eight times the x bytes, twice the weight bytes at o_proj's
+// shape. Each total lands in its own lane (warp_sum_scatter32), which stores it.
 template <bool OUT_F32, int M, PdlMode MODE>
 __device__ __forceinline__ void bgemv_rows_body(const uint16_t* __restrict__ w, const uint16_t* __restrict__ x,
                                                 void* __restrict__ y, uint32_t heads, uint32_t n, uint32_t k,
                                                 uint32_t e0, uint32_t rows, uint32_t b, uint32_t tile,
-                                                uint32_t rpw) {
+                                                uint32_t rpw, uint16_t* xsm) {
     constexpr int RS = 4, U = 2;
+    constexpr bool X_L2 = MODE == WAIT_FIRST;
     static_assert(M * RS <= 32, "bgemv_rows_body: 32 totals per warp at most");
     const uint32_t lane = threadIdx.x & 31;
     const uint32_t row0 = (tile * WARPS + (threadIdx.x >> 5)) * rpw;
-    if (row0 >= n) {
-        if (MODE == WAIT_FIRST) wait_then_release(); else grid_dependency_wait();
-        return;
-    }
+    const bool has_rows = row0 < n;  // the same in the whole warp
     const uint16_t* wb = w + (size_t)b * n * k;
     const size_t x_row = (size_t)heads * k;
     const uint16_t* xb = x + ((size_t)e0 * heads + b) * k;
     const bool vec = (k % 8u == 0) && aligned16(w) && aligned16(x);
+    const uint32_t kc = k >> 3;
+    const bool staged = vec && (uint32_t)M * k * 2u <= dynamic_smem_bytes();  // the same in the whole block
+    const uint16_t* wr[RS];
+#pragma unroll
+    for (int r = 0; r < RS; ++r) wr[r] = wb + (size_t)min(row0 + r, n - 1) * k;
+    uint4 wv[RS][U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const uint32_t c = lane + 32u * u;
+#pragma unroll
+        for (int r = 0; r < RS; ++r)
+            wv[r][u] = (vec && has_rows && c < kc) ? ld_stream16(reinterpret_cast<const uint4*>(wr[r]) + c)
+                                                   : make_uint4(0, 0, 0, 0);
+    }
+    if (MODE == WAIT_FIRST) wait_then_release();
+    if (staged) {
+        const uint4* xv = reinterpret_cast<const uint4*>(xb);
+        uint4* sv = reinterpret_cast<uint4*>(xsm);
+        for (uint32_t t = threadIdx.x; t < (uint32_t)M * kc; t += blockDim.x) {
+            const uint32_t i = t / kc, c = t - i * kc;
+            sv[t] = i < rows ? ld_x16<X_L2>(xv + i * (x_row >> 3) + c) : make_uint4(0, 0, 0, 0);
+        }
+        __syncthreads();
+    }
+    if (has_rows) {
 #pragma unroll 1
-    for (uint32_t r0 = row0; r0 < min(row0 + rpw, n); r0 += RS) {
-        const uint16_t* wr[RS];
+        for (uint32_t r0 = row0; r0 < min(row0 + rpw, n); r0 += RS) {
+            if (r0 != row0) {
 #pragma unroll
-        for (int r = 0; r < RS; ++r) wr[r] = wb + (size_t)min(r0 + r, n - 1) * k;
-        float acc[M][RS];
+                for (int r = 0; r < RS; ++r) wr[r] = wb + (size_t)min(r0 + r, n - 1) * k;
+            }
+            float acc[M][RS];
 #pragma unroll
-        for (int i = 0; i < M; ++i)
+            for (int i = 0; i < M; ++i)
 #pragma unroll
-            for (int r = 0; r < RS; ++r) acc[i][r] = 0.0f;
-        warp_gemv_bf16_rows<RS, U, M, MODE == WAIT_FIRST, MODE == WAIT_FIRST>(wr, xb, x_row, rows, k, vec,
-                                                                              r0 == row0, acc);
-        float v[32];
+                for (int r = 0; r < RS; ++r) acc[i][r] = 0.0f;
+            if (staged) warp_gemv_bf16_rows<RS, U, M, true, false>(wr, xsm, k, rows, k, vec, wv, r0 == row0, acc);
+            else warp_gemv_bf16_rows<RS, U, M, false, X_L2>(wr, xb, x_row, rows, k, vec, wv, r0 == row0, acc);
+            float v[32];
 #pragma unroll
-        for (int j = 0; j < 32; ++j) v[j] = 0.0f;
+            for (int j = 0; j < 32; ++j) v[j] = 0.0f;
 #pragma unroll
-        for (int i = 0; i < M; ++i)
+            for (int i = 0; i < M; ++i)
 #pragma unroll
-            for (int r = 0; r < RS; ++r) v[i * RS + r] = acc[i][r];
-        const float total = warp_sum_scatter32(v);
-        const uint32_t i = lane / RS, r = lane % RS;
-        if (i < rows && r0 + r < n) {
-            const size_t at = ((size_t)(e0 + i) * heads + b) * n + r0 + r;
-            if (OUT_F32) reinterpret_cast<float*>(y)[at] = total;
-            else reinterpret_cast<uint16_t*>(y)[at] = f32_to_bf16_bits(total);
+                for (int r = 0; r < RS; ++r) v[i * RS + r] = acc[i][r];
+            const float total = warp_sum_scatter32(v);
+            const uint32_t i = lane / RS, r = lane % RS;
+            if (i < rows && r0 + r < n) {
+                const size_t at = ((size_t)(e0 + i) * heads + b) * n + r0 + r;
+                if (OUT_F32) reinterpret_cast<float*>(y)[at] = total;
+                else reinterpret_cast<uint16_t*>(y)[at] = f32_to_bf16_bits(total);
+            }
         }
     }
     if (MODE == BESIDE) grid_dependency_wait();  // not complete before the kernel it ran beside
@@ -389,7 +434,7 @@ __device__ __forceinline__ void bgemv_rows_body(const uint16_t* __restrict__ w, 
 // of two over the same tile.
 template <bool OUT_F32, PdlMode MODE>
 __device__ __forceinline__ void bgemv_batch_dispatch(const uint16_t* w, const uint16_t* x, void* y, uint32_t m,
-                                                     uint32_t heads, uint32_t n, uint32_t k) {
+                                                     uint32_t heads, uint32_t n, uint32_t k, uint16_t* xsm) {
     const uint32_t e0 = blockIdx.x * BATCH_ROWS, b = blockIdx.z, tile = blockIdx.y;
     const uint32_t rows = e0 < m ? min(m - e0, BATCH_ROWS) : 0u;
     if (rows <= 1u) {
@@ -401,22 +446,25 @@ __device__ __forceinline__ void bgemv_batch_dispatch(const uint16_t* w, const ui
         return;
     }
     const uint32_t rpw = k <= 256u ? 16u : k <= 512u ? 8u : 4u;
-    if (rows == 2u) bgemv_rows_body<OUT_F32, 2, MODE>(w, x, y, heads, n, k, e0, rows, b, tile, rpw);
-    else if (rows <= 4u) bgemv_rows_body<OUT_F32, 4, MODE>(w, x, y, heads, n, k, e0, rows, b, tile, rpw);
-    else bgemv_rows_body<OUT_F32, 8, MODE>(w, x, y, heads, n, k, e0, rows, b, tile, rpw);
+    if (rows == 2u) bgemv_rows_body<OUT_F32, 2, MODE>(w, x, y, heads, n, k, e0, rows, b, tile, rpw, xsm);
+    else if (rows <= 4u) bgemv_rows_body<OUT_F32, 4, MODE>(w, x, y, heads, n, k, e0, rows, b, tile, rpw, xsm);
+    else bgemv_rows_body<OUT_F32, 8, MODE>(w, x, y, heads, n, k, e0, rows, b, tile, rpw, xsm);
 }
 }  // namespace
 
 // y[e][h] = W[h] @ x[e][h] for every row e < m and head h < heads: W [heads][n][k] BF16, x [m][heads][k]
-// BF16, y [m][heads][n]. Grid (ceil(m / 8), ceil(n / (8 rows_per_warp(k))), heads), block 256; the
-// PDL modes of the single-row kernels (WAIT_FIRST, releasing after the wait, x through L2; BESIDE).
+// BF16, y [m][heads][n]. Grid (ceil(m / 8), ceil(n / (8 rows_per_warp(k))), heads), block 256,
+// dynamic smem M * k * 2 bytes for M the next power of two of min(m, 8) when m > 1 (none at m = 1:
+// today's path and residency), or none, where the chunks read x from global memory; the PDL modes of
+// the single-row kernels (WAIT_FIRST, releasing after the wait, x through L2; BESIDE).
 // __launch_bounds__(256, 2): the m = 1 path of bgemv_body needs 122 registers, and the M-row paths
 // must not raise the count past two blocks per SM (the m = 1 path's residency).
 extern "C" __global__ void __launch_bounds__(256, 2) bgemv_bf16_f32_batch(const uint16_t* __restrict__ w,
                                                                         const uint16_t* __restrict__ x,
                                                                         float* __restrict__ y, uint32_t m,
                                                                         uint32_t heads, uint32_t n, uint32_t k) {
-    bgemv_batch_dispatch<true, WAIT_FIRST>(w, x, y, m, heads, n, k);
+    extern __shared__ __align__(16) uint16_t xsm[];  // the chunk's x rows, [M][k] (bgemv_rows_body)
+    bgemv_batch_dispatch<true, WAIT_FIRST>(w, x, y, m, heads, n, k, xsm);
 }
 
 // bgemv_bf16_f32_batch beside the kernel launched before it (Pdl.BESIDE), as bgemv_bf16_f32_beside.
@@ -425,14 +473,16 @@ extern "C" __global__ void __launch_bounds__(256, 2) bgemv_bf16_f32_batch_beside
                                                                                float* __restrict__ y, uint32_t m,
                                                                                uint32_t heads, uint32_t n,
                                                                                uint32_t k) {
-    bgemv_batch_dispatch<true, BESIDE>(w, x, y, m, heads, n, k);
+    extern __shared__ __align__(16) uint16_t xsm[];  // the chunk's x rows, [M][k] (bgemv_rows_body)
+    bgemv_batch_dispatch<true, BESIDE>(w, x, y, m, heads, n, k, xsm);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) bgemv_bf16_bf16_batch(const uint16_t* __restrict__ w,
                                                                          const uint16_t* __restrict__ x,
                                                                          uint16_t* __restrict__ y, uint32_t m,
                                                                          uint32_t heads, uint32_t n, uint32_t k) {
-    bgemv_batch_dispatch<false, WAIT_FIRST>(w, x, y, m, heads, n, k);
+    extern __shared__ __align__(16) uint16_t xsm[];  // the chunk's x rows, [M][k] (bgemv_rows_body)
+    bgemv_batch_dispatch<false, WAIT_FIRST>(w, x, y, m, heads, n, k, xsm);
 }
 
 // sum_rows_residual for each row e < m: parts [m][rows][n] f32, residual / out [m][n] BF16. Grid

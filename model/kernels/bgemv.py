@@ -252,7 +252,35 @@ def bgemv_batch(gpu, *, w, x, y, m, heads, n, k, out_f32: bool, beside: bool = F
     decl = BGEMV_F32_BATCH_BESIDE if beside else BGEMV_F32_BATCH if out_f32 else BGEMV_BF16_BATCH
     per_block = 8 * rows_per_warp(k)  # 8 warps
     grid = (-(-m // BATCH_ROWS), -(-n // per_block), heads)
-    launch(gpu, gpu.kernel(*decl.key), grid, 256, w, x, y, m, heads, n, k, stream=stream)
+    launch(
+        gpu,
+        gpu.kernel(*decl.key),
+        grid,
+        256,
+        w,
+        x,
+        y,
+        m,
+        heads,
+        n,
+        k,
+        smem=bgemv_batch_smem(m, k),
+        stream=stream,
+    )
+
+
+# Shared memory a bgemv_batch block may stage its chunk's x rows in: two blocks per SM (the register
+# count's residency) keep fitting. Longer rows are read from global memory (the kernel sees the size).
+BGEMV_STAGE_MAX = 96 << 10
+
+
+def bgemv_batch_smem(m: int, k: int) -> int:
+    """Dynamic shared memory of bgemv_batch: the chunk's x rows [M][k] BF16 when m > 1 (none at m = 1,
+    today's path and residency), or none where that exceeds BGEMV_STAGE_MAX."""
+    if m < 2:
+        return 0
+    nbytes = _pow2_rows(m) * k * 2
+    return nbytes if nbytes <= BGEMV_STAGE_MAX else 0
 
 
 _SUM_BATCH_ARGS = [("parts", PTR), ("residual", PTR), ("out", PTR), ("m", U32), ("rows", U32), ("n", U32)]
