@@ -19,18 +19,20 @@ constexpr int WARPS = 8;
 // whole GEMV runs without waiting and the wait comes last.
 enum PdlMode { WAIT_FIRST, BESIDE };
 
+// W[b] (rows `tile` * 8 * ROWS ...) against x row `xrow` of [*, k] into y row `xrow` of [*, n]: the
+// launch's own entry (xrow = b) or one row of the batch (xrow = e * heads + b).
 template <bool OUT_F32, int ROWS, int UNROLL, PdlMode MODE>
 __device__ __forceinline__ void bgemv_body(const uint16_t* __restrict__ w, const uint16_t* __restrict__ x,
-                                           void* __restrict__ y, uint32_t batch, uint32_t n, uint32_t k) {
-    const uint32_t b = blockIdx.y;
+                                           void* __restrict__ y, bool active, uint32_t b, uint32_t xrow,
+                                           uint32_t tile, uint32_t n, uint32_t k) {
     const uint32_t lane = threadIdx.x & 31;
-    const uint32_t row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
-    if (b >= batch || row0 >= n) {
+    const uint32_t row0 = (tile * WARPS + (threadIdx.x >> 5)) * ROWS;
+    if (!active || row0 >= n) {
         if (MODE == WAIT_FIRST) wait_then_release(); else grid_dependency_wait();
         return;
     }
     const uint16_t* wb = w + (size_t)b * n * k;
-    const uint16_t* xb = x + (size_t)b * k;
+    const uint16_t* xb = x + (size_t)xrow * k;
     const bool vec = (k % 8u == 0) && aligned16(w) && aligned16(x);
     const uint16_t* wr[ROWS];
 #pragma unroll
@@ -43,8 +45,8 @@ __device__ __forceinline__ void bgemv_body(const uint16_t* __restrict__ w, const
     for (int r = 0; r < ROWS; ++r) {
         const float v = warp_sum(acc[r]);
         if (lane == (uint32_t)r && row0 + r < n) {
-            if (OUT_F32) reinterpret_cast<float*>(y)[(size_t)b * n + row0 + r] = v;
-            else reinterpret_cast<uint16_t*>(y)[(size_t)b * n + row0 + r] = f32_to_bf16_bits(v);
+            if (OUT_F32) reinterpret_cast<float*>(y)[(size_t)xrow * n + row0 + r] = v;
+            else reinterpret_cast<uint16_t*>(y)[(size_t)xrow * n + row0 + r] = f32_to_bf16_bits(v);
         }
     }
     if (MODE == BESIDE) grid_dependency_wait();  // not complete before the kernel it ran beside
@@ -54,9 +56,11 @@ __device__ __forceinline__ void bgemv_body(const uint16_t* __restrict__ w, const
 template <bool OUT_F32, PdlMode MODE>
 __device__ __forceinline__ void bgemv_dispatch(const uint16_t* w, const uint16_t* x, void* y, uint32_t batch,
                                                uint32_t n, uint32_t k) {
-    if (k <= 256u) bgemv_body<OUT_F32, 16, 1, MODE>(w, x, y, batch, n, k);
-    else if (k <= 512u) bgemv_body<OUT_F32, 8, 2, MODE>(w, x, y, batch, n, k);
-    else bgemv_body<OUT_F32, 4, 4, MODE>(w, x, y, batch, n, k);
+    const uint32_t b = blockIdx.y;
+    const bool active = b < batch;
+    if (k <= 256u) bgemv_body<OUT_F32, 16, 1, MODE>(w, x, y, active, b, b, blockIdx.x, n, k);
+    else if (k <= 512u) bgemv_body<OUT_F32, 8, 2, MODE>(w, x, y, active, b, b, blockIdx.x, n, k);
+    else bgemv_body<OUT_F32, 4, 4, MODE>(w, x, y, active, b, b, blockIdx.x, n, k);
 }
 }  // namespace
 
@@ -139,10 +143,11 @@ __device__ __forceinline__ void sum_chunk_rows(const float* __restrict__ parts, 
 // rows' float4 loads in flight, so the launch waits a few L2 round trips instead of one per part
 // row (BENCHMARKS.md, "Drafter kernel notes"). The adds stay in row order, so `out` is
 // bit-identical to sum_rows_residual's.
-extern "C" __global__ void __launch_bounds__(1024) sum_rows_residual_rmsnorm(
+namespace {
+// The kernel's body for one row (the batch runs it once per block, with that row's pointers).
+__device__ __forceinline__ void sum_rows_residual_rmsnorm_row(
     const float* __restrict__ parts, const uint16_t* residual, const uint16_t* __restrict__ norm_w,
-    uint16_t* out, uint16_t* __restrict__ normed, uint32_t rows, uint32_t n, float eps) {
-    __shared__ float scratch[32];
+    uint16_t* out, uint16_t* __restrict__ normed, uint32_t rows, uint32_t n, float eps, float* scratch) {
     const bool vec = (n % 4u == 0) && aligned16(parts) && ((uintptr_t)residual & 7u) == 0 &&
                      ((uintptr_t)out & 7u) == 0 && ((uintptr_t)normed & 7u) == 0 && ((uintptr_t)norm_w & 7u) == 0;
     // A row of at most 4 * blockDim elements (the GLM hidden 4096): one float4 per thread, the norm
@@ -202,6 +207,15 @@ extern "C" __global__ void __launch_bounds__(1024) sum_rows_residual_rmsnorm(
     }
 }
 
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(1024) sum_rows_residual_rmsnorm(
+    const float* __restrict__ parts, const uint16_t* residual, const uint16_t* __restrict__ norm_w,
+    uint16_t* out, uint16_t* __restrict__ normed, uint32_t rows, uint32_t n, float eps) {
+    __shared__ float scratch[32];
+    sum_rows_residual_rmsnorm_row(parts, residual, norm_w, out, normed, rows, n, eps, scratch);
+}
+
 // y = W @ (rmsnorm(x) * norm_w): the RMSNorm of the GEMV's input computed by every block into
 // shared memory (smem_x_gemv), replacing a single-block rmsnorm launch and its round trip.
 // Grid min(ceil(n / 8), the blocks resident at once), block 256, dynamic smem k * 2 bytes.
@@ -227,4 +241,453 @@ extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_gemv_beside(const u
     extern __shared__ __align__(16) uint16_t xs[];
     __shared__ float scratch[64];
     smem_x_gemv<true>(w, y, n, k, xs, RmsNormToSmem{x, norm_w, k, eps, scratch});
+}
+
+// ---- the batch: m rows of activations (1 <= m <= 256) against each weight matrix read once --------
+//
+// Every batched kernel below takes the rows of x in chunks of BATCH_ROWS: blockIdx.x is the chunk, so
+// the blocks that stream one tile of weights are consecutive in launch order and all but the first
+// find it in L2 (the weights come from HBM once per launch). A chunk of one row runs today's
+// single-row path; a chunk of M rows applies each weight load to its M rows, with one accumulator
+// per (row, weight row) summed in the same order as the single-row path sums it: lane l takes the
+// 16-byte chunks l, l + 32, ... in that order (eight fmaf each, in element order), then the lanes are
+// added in warp_sum's butterfly. How many weight loads are in flight and how many rows share them is
+// chosen per M; that order never is. So row e of any batch is bit-identical to a launch of that row
+// alone (m = 1), which is today's kernel's arithmetic, and no row depends on another.
+namespace {
+constexpr uint32_t BATCH_ROWS = 8;  // model/kernels/bgemv.py BATCH_ROWS
+
+// The 32 per-lane partial sums v[0..31] of a warp reduced so that lane j returns the total of v[j]:
+// warp_sum's butterfly as a recursive halving. At offset o a lane keeps the half of its values whose
+// index bit o equals its own lane bit o and adds the partner's copy of that half (own + partner, as
+// warp_sum adds), so every total is built from the same pairs in the same order as warp_sum builds
+// it in every lane: the same bits, with 31 shuffles for 32 totals instead of 160.
+// One stage per offset as its own template, so that every index is a constant (a loop over the
+// offsets was left rolled and put v in local memory).
+template <int O>
+__device__ __forceinline__ void scatter_stage(float (&v)[32], uint32_t lane) {
+    const bool upper = (lane & (uint32_t)O) != 0u;
+#pragma unroll
+    for (int j = 0; j < O; ++j) {
+        const float send = upper ? v[j] : v[j + O];
+        const float keep = upper ? v[j + O] : v[j];
+        v[j] = keep + __shfl_xor_sync(0xFFFFFFFFu, send, O);
+    }
+}
+
+__device__ __forceinline__ float warp_sum_scatter32(float (&v)[32]) {
+    const uint32_t lane = threadIdx.x & 31;
+    scatter_stage<16>(v, lane);
+    scatter_stage<8>(v, lane);
+    scatter_stage<4>(v, lane);
+    scatter_stage<2>(v, lane);
+    scatter_stage<1>(v, lane);
+    return v[0];
+}
+
+__device__ __forceinline__ uint32_t dynamic_smem_bytes() {
+    uint32_t r;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+    return r;
+}
+
+// warp_gemv_bf16 for M rows of x against RS rows of W, after the wait: acc[i][r] is W[r] . x_i summed
+// exactly as warp_gemv_bf16 sums it for one row. Row i of x at x + min(i, rows - 1) * x_row (a chunk
+// shorter than the template repeats its last row; the caller drops those totals), in shared memory
+// (X_SMEM, staged by the caller) or global memory (through L2 when X_L2). Vector path: `wv` holds
+// the first weight batch when `preloaded` (issued before the wait).
+template <int RS, int U, int M, bool X_SMEM, bool X_L2>
+__device__ __forceinline__ void warp_gemv_bf16_rows(const uint16_t* const (&w)[RS], const uint16_t* x, size_t x_row,
+                                                    uint32_t rows, uint32_t k, bool vec, uint4 (&wv)[RS][U],
+                                                    bool preloaded, float (&acc)[M][RS]) {
+    const uint32_t lane = threadIdx.x & 31;
+    const uint16_t* xr[M];
+#pragma unroll
+    for (int i = 0; i < M; ++i) xr[i] = x + (size_t)min((uint32_t)i, rows - 1u) * x_row;
+    if (vec) {
+        const uint32_t kc = k >> 3;
+        for (uint32_t c0 = 0; c0 < kc; c0 += 32u * U) {
+            if (!preloaded || c0 > 0) {
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const uint32_t c = c0 + lane + 32u * u;
+#pragma unroll
+                    for (int r = 0; r < RS; ++r)
+                        wv[r][u] = c < kc ? ld_stream16(reinterpret_cast<const uint4*>(w[r]) + c) : make_uint4(0, 0, 0, 0);
+                }
+            }
+#pragma unroll
+            for (int i = 0; i < M; ++i) {
+                uint4 xs[U];
+                if (X_SMEM) {
+#pragma unroll
+                    for (int u = 0; u < U; ++u) xs[u] = reinterpret_cast<const uint4*>(xr[i])[min(c0 + lane + 32u * u, kc - 1u)];
+                } else {
+                    load_x_chunks<U, X_L2>(reinterpret_cast<const uint4*>(xr[i]), c0 + lane, kc, xs);
+                }
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    if (c0 + lane + 32u * u < kc) {
+#pragma unroll
+                        for (int r = 0; r < RS; ++r) acc[i][r] = dot8_bf16(wv[r][u], xs[u], acc[i][r]);
+                    }
+                }
+            }
+        }
+    } else {
+        for (uint32_t j = lane; j < k; j += 32u) {
+            float wj[RS];
+#pragma unroll
+            for (int r = 0; r < RS; ++r) wj[r] = bf16_bits_to_f32(w[r][j]);
+#pragma unroll
+            for (int i = 0; i < M; ++i) {
+                const float xf = bf16_bits_to_f32(X_L2 ? __ldcg(xr[i] + j) : xr[i][j]);
+#pragma unroll
+                for (int r = 0; r < RS; ++r) acc[i][r] = fmaf(wj[r], xf, acc[i][r]);
+            }
+        }
+    }
+}
+
+// The `rows` (<= M) rows of the chunk at e0 against the warp's `rpw` rows of W[b] (rows_per_warp(k),
+// the tile of the m = 1 path, so the grid is the same for every m), taken RS = 4 at a time so that
+// the M * 4 accumulators and the weight loads in flight stay within the register count of the m = 1
+// path (the kernel's count is the maximum over its paths). The first weight batch is issued, then
+// the wait (WAIT_FIRST, releasing), then the block stages the chunk's x rows in shared memory once
+// (`xsm`, [M][k], when the launch gave it M * k * 2 bytes): read per warp, as bgemv_body reads its
+// one row, they would cost the L2 eight times the x bytes, twice the weight bytes at o_proj's
+// shape. Each total lands in its own lane (warp_sum_scatter32), which stores it.
+template <bool OUT_F32, int M, PdlMode MODE>
+__device__ __forceinline__ void bgemv_rows_body(const uint16_t* __restrict__ w, const uint16_t* __restrict__ x,
+                                                void* __restrict__ y, uint32_t heads, uint32_t n, uint32_t k,
+                                                uint32_t e0, uint32_t rows, uint32_t b, uint32_t tile,
+                                                uint32_t rpw, uint16_t* xsm) {
+    constexpr int RS = 4, U = 2;
+    constexpr bool X_L2 = MODE == WAIT_FIRST;
+    static_assert(M * RS <= 32, "bgemv_rows_body: 32 totals per warp at most");
+    const uint32_t lane = threadIdx.x & 31;
+    const uint32_t row0 = (tile * WARPS + (threadIdx.x >> 5)) * rpw;
+    const bool has_rows = row0 < n;  // the same in the whole warp
+    const uint16_t* wb = w + (size_t)b * n * k;
+    const size_t x_row = (size_t)heads * k;
+    const uint16_t* xb = x + ((size_t)e0 * heads + b) * k;
+    const bool vec = (k % 8u == 0) && aligned16(w) && aligned16(x);
+    const uint32_t kc = k >> 3;
+    const bool staged = vec && (uint32_t)M * k * 2u <= dynamic_smem_bytes();  // the same in the whole block
+    const uint16_t* wr[RS];
+#pragma unroll
+    for (int r = 0; r < RS; ++r) wr[r] = wb + (size_t)min(row0 + r, n - 1) * k;
+    uint4 wv[RS][U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const uint32_t c = lane + 32u * u;
+#pragma unroll
+        for (int r = 0; r < RS; ++r)
+            wv[r][u] = (vec && has_rows && c < kc) ? ld_stream16(reinterpret_cast<const uint4*>(wr[r]) + c)
+                                                   : make_uint4(0, 0, 0, 0);
+    }
+    if (MODE == WAIT_FIRST) wait_then_release();
+    if (staged) {
+        const uint4* xv = reinterpret_cast<const uint4*>(xb);
+        uint4* sv = reinterpret_cast<uint4*>(xsm);
+        for (uint32_t t = threadIdx.x; t < (uint32_t)M * kc; t += blockDim.x) {
+            const uint32_t i = t / kc, c = t - i * kc;
+            sv[t] = i < rows ? ld_x16<X_L2>(xv + i * (x_row >> 3) + c) : make_uint4(0, 0, 0, 0);
+        }
+        __syncthreads();
+    }
+    if (has_rows) {
+#pragma unroll 1
+        for (uint32_t r0 = row0; r0 < min(row0 + rpw, n); r0 += RS) {
+            if (r0 != row0) {
+#pragma unroll
+                for (int r = 0; r < RS; ++r) wr[r] = wb + (size_t)min(r0 + r, n - 1) * k;
+            }
+            float acc[M][RS];
+#pragma unroll
+            for (int i = 0; i < M; ++i)
+#pragma unroll
+                for (int r = 0; r < RS; ++r) acc[i][r] = 0.0f;
+            if (staged) warp_gemv_bf16_rows<RS, U, M, true, false>(wr, xsm, k, rows, k, vec, wv, r0 == row0, acc);
+            else warp_gemv_bf16_rows<RS, U, M, false, X_L2>(wr, xb, x_row, rows, k, vec, wv, r0 == row0, acc);
+            float v[32];
+#pragma unroll
+            for (int j = 0; j < 32; ++j) v[j] = 0.0f;
+#pragma unroll
+            for (int i = 0; i < M; ++i)
+#pragma unroll
+                for (int r = 0; r < RS; ++r) v[i * RS + r] = acc[i][r];
+            const float total = warp_sum_scatter32(v);
+            const uint32_t i = lane / RS, r = lane % RS;
+            if (i < rows && r0 + r < n) {
+                const size_t at = ((size_t)(e0 + i) * heads + b) * n + r0 + r;
+                if (OUT_F32) reinterpret_cast<float*>(y)[at] = total;
+                else reinterpret_cast<uint16_t*>(y)[at] = f32_to_bf16_bits(total);
+            }
+        }
+    }
+    if (MODE == BESIDE) grid_dependency_wait();  // not complete before the kernel it ran beside
+}
+
+// One chunk of the batch: a single row runs bgemv_body (today's kernel, rows per warp by row length as
+// bgemv_dispatch, model/kernels/bgemv.py rows_per_warp), 2..8 rows the M-row path of the next power
+// of two over the same tile.
+template <bool OUT_F32, PdlMode MODE>
+__device__ __forceinline__ void bgemv_batch_dispatch(const uint16_t* w, const uint16_t* x, void* y, uint32_t m,
+                                                     uint32_t heads, uint32_t n, uint32_t k, uint16_t* xsm) {
+    const uint32_t e0 = blockIdx.x * BATCH_ROWS, b = blockIdx.z, tile = blockIdx.y;
+    const uint32_t rows = e0 < m ? min(m - e0, BATCH_ROWS) : 0u;
+    if (rows <= 1u) {
+        const bool active = rows == 1u;  // a chunk past m (the launch helper makes none) only waits
+        const uint32_t xrow = active ? e0 * heads + b : 0u;
+        if (k <= 256u) bgemv_body<OUT_F32, 16, 1, MODE>(w, x, y, active, b, xrow, tile, n, k);
+        else if (k <= 512u) bgemv_body<OUT_F32, 8, 2, MODE>(w, x, y, active, b, xrow, tile, n, k);
+        else bgemv_body<OUT_F32, 4, 4, MODE>(w, x, y, active, b, xrow, tile, n, k);
+        return;
+    }
+    const uint32_t rpw = k <= 256u ? 16u : k <= 512u ? 8u : 4u;
+    if (rows == 2u) bgemv_rows_body<OUT_F32, 2, MODE>(w, x, y, heads, n, k, e0, rows, b, tile, rpw, xsm);
+    else if (rows <= 4u) bgemv_rows_body<OUT_F32, 4, MODE>(w, x, y, heads, n, k, e0, rows, b, tile, rpw, xsm);
+    else bgemv_rows_body<OUT_F32, 8, MODE>(w, x, y, heads, n, k, e0, rows, b, tile, rpw, xsm);
+}
+}  // namespace
+
+// y[e][h] = W[h] @ x[e][h] for every row e < m and head h < heads: W [heads][n][k] BF16, x [m][heads][k]
+// BF16, y [m][heads][n]. Grid (ceil(m / 8), ceil(n / (8 rows_per_warp(k))), heads), block 256,
+// dynamic smem M * k * 2 bytes for M the next power of two of min(m, 8) when m > 1 (none at m = 1:
+// today's path and residency), or none, where the chunks read x from global memory; the PDL modes of
+// the single-row kernels (WAIT_FIRST, releasing after the wait, x through L2; BESIDE).
+// __launch_bounds__(256, 2): the m = 1 path of bgemv_body needs 122 registers, and the M-row paths
+// must not raise the count past two blocks per SM (the m = 1 path's residency).
+extern "C" __global__ void __launch_bounds__(256, 2) bgemv_bf16_f32_batch(const uint16_t* __restrict__ w,
+                                                                        const uint16_t* __restrict__ x,
+                                                                        float* __restrict__ y, uint32_t m,
+                                                                        uint32_t heads, uint32_t n, uint32_t k) {
+    extern __shared__ __align__(16) uint16_t xsm[];  // the chunk's x rows, [M][k] (bgemv_rows_body)
+    bgemv_batch_dispatch<true, WAIT_FIRST>(w, x, y, m, heads, n, k, xsm);
+}
+
+// bgemv_bf16_f32_batch beside the kernel launched before it (Pdl.BESIDE), as bgemv_bf16_f32_beside.
+extern "C" __global__ void __launch_bounds__(256, 2) bgemv_bf16_f32_batch_beside(const uint16_t* __restrict__ w,
+                                                                               const uint16_t* __restrict__ x,
+                                                                               float* __restrict__ y, uint32_t m,
+                                                                               uint32_t heads, uint32_t n,
+                                                                               uint32_t k) {
+    extern __shared__ __align__(16) uint16_t xsm[];  // the chunk's x rows, [M][k] (bgemv_rows_body)
+    bgemv_batch_dispatch<true, BESIDE>(w, x, y, m, heads, n, k, xsm);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) bgemv_bf16_bf16_batch(const uint16_t* __restrict__ w,
+                                                                         const uint16_t* __restrict__ x,
+                                                                         uint16_t* __restrict__ y, uint32_t m,
+                                                                         uint32_t heads, uint32_t n, uint32_t k) {
+    extern __shared__ __align__(16) uint16_t xsm[];  // the chunk's x rows, [M][k] (bgemv_rows_body)
+    bgemv_batch_dispatch<false, WAIT_FIRST>(w, x, y, m, heads, n, k, xsm);
+}
+
+// sum_rows_residual for each row e < m: parts [m][rows][n] f32, residual / out [m][n] BF16. Grid
+// (ceil(n / 256), m), block 256; row e's arithmetic is sum_rows_residual's, element by element.
+extern "C" __global__ void __launch_bounds__(256) sum_rows_residual_batch(const float* __restrict__ parts,
+                                                                          const uint16_t* residual, uint16_t* out,
+                                                                          uint32_t m, uint32_t rows, uint32_t n) {
+    const uint32_t e = blockIdx.y;
+    const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= m || i >= n || rows == 0) return;
+    const float* p = parts + (size_t)e * rows * n;
+    float acc = p[i];
+    for (uint32_t r = 1; r < rows; ++r) acc = __fadd_rn(acc, p[(size_t)r * n + i]);
+    out[(size_t)e * n + i] = f32_to_bf16_bits(__fadd_rn(bf16_bits_to_f32(residual[(size_t)e * n + i]), acc));
+}
+
+// sum_rows_residual_rmsnorm for each row e < m, one block of 1024 threads per row (grid m): parts
+// [m][rows][n] f32, residual / out / normed [m][n] BF16. The vector path's test sees row e's own
+// pointers, which are aligned as row 0's whenever n % 4 == 0 (the only case it takes).
+extern "C" __global__ void __launch_bounds__(1024) sum_rows_residual_rmsnorm_batch(
+    const float* __restrict__ parts, const uint16_t* residual, const uint16_t* __restrict__ norm_w,
+    uint16_t* out, uint16_t* __restrict__ normed, uint32_t m, uint32_t rows, uint32_t n, float eps) {
+    __shared__ float scratch[32];
+    const uint32_t e = blockIdx.x;
+    if (e >= m) {
+        wait_then_release();
+        return;
+    }
+    const size_t row = (size_t)e * n;
+    sum_rows_residual_rmsnorm_row(parts + row * rows, residual + row, norm_w, out + row, normed + row, rows, n, eps,
+                                  scratch);
+}
+
+namespace {
+// Sums of M values over the block at once, each by block_sum's tree (warp_sum, then warp_sum of the
+// warps' sums), so each is bit for bit what block_sum / block_sum2 give it alone. `scratch` holds
+// 32 * M floats; ends with a barrier.
+template <int M>
+__device__ __forceinline__ void block_sum_rows(float (&v)[M], float* scratch) {
+    const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+    for (int i = 0; i < M; ++i) {
+        const float s = warp_sum(v[i]);
+        if (lane == 0) scratch[i * 32 + warp] = s;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < M; ++i) v[i] = warp_sum(lane < nwarps ? scratch[i * 32 + lane] : 0.0f);
+    __syncthreads();
+}
+
+// RmsNormToSmem for the first `rows` (<= M, >= 2) rows at once: row i of x (at x + i * x_row)
+// normalised into xs + i * n, each bit for bit what RmsNormToSmem gives it alone; rows rows..M-1 of
+// xs (a chunk shorter than the template) are zeroed, and nothing is read for them. Staged (every row
+// 16-byte aligned): a thread stages its chunks c = tid, tid + blockDim, ... of all rows with M loads
+// in flight, summing each row's squares in that order (stage_row_sumsq's), then one block reduction
+// for the M sums and scale_staged_row per row. Otherwise each row through rms_divisor and
+// rms_apply, RmsNormToSmem's fallback (whose divisor equals the staged one for an aligned row).
+// Ends with a barrier. `scratch` holds 32 * M floats.
+template <int M>
+__device__ __forceinline__ void rms_rows_to_smem(const uint16_t* __restrict__ x, size_t x_row, uint32_t rows,
+                                                 const uint16_t* __restrict__ w, uint32_t n, float eps,
+                                                 uint16_t* xs, float* scratch) {
+    if ((n % 8u == 0) && aligned16(x) && (x_row % 8u == 0) && aligned16(w) && aligned16(xs)) {
+        const uint32_t nc = n / 8u;
+        float ss[M];
+#pragma unroll
+        for (int i = 0; i < M; ++i) ss[i] = 0.0f;
+        for (uint32_t c = threadIdx.x; c < nc; c += blockDim.x) {
+            uint4 v[M];
+#pragma unroll
+            for (int i = 0; i < M; ++i)
+                v[i] = (uint32_t)i < rows ? __ldg(reinterpret_cast<const uint4*>(x + (size_t)i * x_row) + c)
+                                          : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int i = 0; i < M; ++i) {
+                reinterpret_cast<uint4*>(xs + (size_t)i * n)[c] = v[i];
+                ss[i] = sumsq8(v[i], ss[i]);
+            }
+        }
+        block_sum_rows<M>(ss, scratch);
+#pragma unroll
+        for (int i = 0; i < M; ++i)
+            if ((uint32_t)i < rows) scale_staged_row(xs + (size_t)i * n, w, n, sqrtf(ss[i] / (float)n + eps));
+    } else {
+#pragma unroll 1
+        for (uint32_t i = 0; i < (uint32_t)M; ++i) {
+            const uint16_t* xi = x + (size_t)i * x_row;
+            if (i < rows) rms_apply(xi, w, xs + (size_t)i * n, n, rms_divisor(xi, n, eps, scratch));
+            else
+                for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) xs[(size_t)i * n + j] = 0;
+        }
+    }
+    __syncthreads();
+}
+
+// Weight loads in flight per lane by rows per block: 8 at M = 1 (smem_x_gemv's), fewer as more rows
+// share each load, within the 64 registers of __launch_bounds__(256, 4).
+template <int M>
+__host__ __device__ constexpr int norm_gemv_unroll() { return M == 1 ? 8 : (M == 2 ? 4 : 2); }
+
+// smem_x_gemv for the `rows` (<= M) rows of the chunk at e0: the prologue normalises them into xs
+// [M][k], then each warp streams its rows of W (grid-stride over blockIdx.y, one row at a time, its
+// first U loads issued before the wait and the prologue) and applies every chunk to the M rows,
+// storing the first `rows`. At M = 1 this is rmsnorm_gemv (RmsNormToSmem, U = 8, the same loop).
+template <int M, bool BESIDE>
+__device__ __forceinline__ void norm_gemv_rows(const uint16_t* __restrict__ x, uint32_t x_stride,
+                                               const uint16_t* __restrict__ norm_w, const uint16_t* __restrict__ W,
+                                               uint16_t* __restrict__ y, uint32_t n, uint32_t k, float eps,
+                                               uint32_t e0, uint32_t rows, uint16_t* xs, float* scratch) {
+    constexpr int U = norm_gemv_unroll<M>();
+    const uint32_t lane = threadIdx.x & 31;
+    const uint32_t warps = gridDim.y * (blockDim.x >> 5);
+    uint32_t row = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const bool vec = (k % 8u == 0) && aligned16(W);
+    const uint32_t kc = k >> 3;
+    uint4 wv[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const uint32_t c = lane + 32u * u;
+        wv[u] = (row < n && vec && c < kc) ? ld_stream16(reinterpret_cast<const uint4*>(W + (size_t)row * k) + c)
+                                           : make_uint4(0, 0, 0, 0);
+    }
+    if (!BESIDE) grid_dependency_wait();  // the prologue reads activations (a no-op unless launched with PDL)
+    const uint16_t* xr = x + (size_t)e0 * x_stride;
+    if (M == 1) RmsNormToSmem{xr, norm_w, k, eps, scratch}(xs);
+    else rms_rows_to_smem<M>(xr, x_stride, rows, norm_w, k, eps, xs, scratch);
+    for (bool first = true; row < n; row += warps, first = false) {
+        const uint16_t* wr = W + (size_t)row * k;
+        float acc[M];
+#pragma unroll
+        for (int i = 0; i < M; ++i) acc[i] = 0.0f;
+        if (vec) {
+            for (uint32_t c0 = 0; c0 < kc; c0 += 32u * U) {
+                if (!first || c0 > 0) {
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        const uint32_t c = c0 + lane + 32u * u;
+                        wv[u] = c < kc ? ld_stream16(reinterpret_cast<const uint4*>(wr) + c) : make_uint4(0, 0, 0, 0);
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < U; ++u) {
+                    const uint32_t c = c0 + lane + 32u * u;
+                    if (c < kc) {
+#pragma unroll
+                        for (int i = 0; i < M; ++i)
+                            acc[i] = dot8_bf16(wv[u], reinterpret_cast<const uint4*>(xs + (size_t)i * k)[c], acc[i]);
+                    }
+                }
+            }
+        } else {
+            for (uint32_t j = lane; j < k; j += 32u) {
+                const float wj = bf16_bits_to_f32(wr[j]);
+#pragma unroll
+                for (int i = 0; i < M; ++i) acc[i] = fmaf(wj, bf16_bits_to_f32(xs[(size_t)i * k + j]), acc[i]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < M; ++i) {
+            const float v = warp_sum(acc[i]);
+            if (lane == (uint32_t)i && (uint32_t)i < rows) y[(size_t)(e0 + i) * n + row] = f32_to_bf16_bits(v);
+        }
+    }
+    if (BESIDE) grid_dependency_wait();  // not complete before the kernel it ran beside
+}
+
+template <bool BESIDE>
+__device__ __forceinline__ void norm_gemv_batch(const uint16_t* x, uint32_t x_stride, const uint16_t* norm_w,
+                                                const uint16_t* W, uint16_t* y, uint32_t m, uint32_t n, uint32_t k,
+                                                float eps, uint16_t* xs, float* scratch) {
+    const uint32_t e0 = blockIdx.x * BATCH_ROWS;
+    const uint32_t rows = e0 < m ? min(m - e0, BATCH_ROWS) : 0u;
+    // One row runs rmsnorm_gemv's path; 2..8 rows the M-row path of the next power of two.
+    if (rows == 1u) norm_gemv_rows<1, BESIDE>(x, x_stride, norm_w, W, y, n, k, eps, e0, rows, xs, scratch);
+    else if (rows == 2u) norm_gemv_rows<2, BESIDE>(x, x_stride, norm_w, W, y, n, k, eps, e0, rows, xs, scratch);
+    else if (rows > 2u && rows <= 4u) norm_gemv_rows<4, BESIDE>(x, x_stride, norm_w, W, y, n, k, eps, e0, rows, xs, scratch);
+    else if (rows > 4u) norm_gemv_rows<8, BESIDE>(x, x_stride, norm_w, W, y, n, k, eps, e0, rows, xs, scratch);
+    else grid_dependency_wait();  // a chunk past m (the launch helper makes none)
+}
+}  // namespace
+
+// rmsnorm_gemv for each row e < m: y[e] = W @ (rmsnorm(x_e) * norm_w), x_e at x + e * x_stride
+// (elements: the q projection's input sits inside the wider fused row), y dense [m][n] BF16.
+// Grid (ceil(m / 8), the blocks resident at once), block 256, dynamic smem min(m, 8) * k * 2 bytes;
+// Pdl.WAIT as rmsnorm_gemv (it releases at exit).
+extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_gemv_batch(const uint16_t* __restrict__ x,
+                                                                     uint32_t x_stride,
+                                                                     const uint16_t* __restrict__ norm_w,
+                                                                     const uint16_t* __restrict__ w,
+                                                                     uint16_t* __restrict__ y, uint32_t m, uint32_t n,
+                                                                     uint32_t k, float eps) {
+    extern __shared__ __align__(16) uint16_t xs[];
+    __shared__ float scratch[32 * BATCH_ROWS];
+    norm_gemv_batch<false>(x, x_stride, norm_w, w, y, m, n, k, eps, xs, scratch);
+}
+
+// rmsnorm_gemv_batch beside the kernel launched before it (Pdl.BESIDE), as rmsnorm_gemv_beside.
+extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_gemv_batch_beside(const uint16_t* __restrict__ x,
+                                                                            uint32_t x_stride,
+                                                                            const uint16_t* __restrict__ norm_w,
+                                                                            const uint16_t* __restrict__ w,
+                                                                            uint16_t* __restrict__ y, uint32_t m,
+                                                                            uint32_t n, uint32_t k, float eps) {
+    extern __shared__ __align__(16) uint16_t xs[];
+    __shared__ float scratch[32 * BATCH_ROWS];
+    norm_gemv_batch<true>(x, x_stride, norm_w, w, y, m, n, k, eps, xs, scratch);
 }

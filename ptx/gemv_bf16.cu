@@ -8,6 +8,7 @@
 //     from there for every row pair.
 // Block = 256 threads (8 warps); grid = ceil(n / (8 * ROWS)) (runtime/kernels/gemv_bf16.py).
 // k % 8 != 0 or a pointer that is not 16-byte aligned takes the element-wise path: correct, slower.
+// gemv_bf16_batch (the end of this file) is the same product for up to 256 rows of x.
 #include "common.cuh"
 
 // The geometry is fixed by the committed PTX; bench/sweep_gemv.py recompiles with -D overrides to
@@ -66,9 +67,9 @@ __device__ __forceinline__ void store_rows(float (&acc)[M][ROWS], uint16_t* y, u
 
 template <int M>
 __device__ __forceinline__ void gemv_vec(const uint16_t* __restrict__ W, const uint16_t* __restrict__ x,
-                                         uint16_t* __restrict__ y, uint32_t n, uint32_t k) {
+                                         uint16_t* __restrict__ y, uint32_t n, uint32_t k, uint32_t tile) {
     const uint32_t lane = threadIdx.x & 31;
-    const uint32_t row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
+    const uint32_t row0 = (tile * WARPS + (threadIdx.x >> 5)) * ROWS;
     if (row0 >= n) return;
     const uint32_t kc = k / 8u;  // 16-byte chunks per row
     const uint4* wr[ROWS];
@@ -118,9 +119,9 @@ __device__ __forceinline__ void gemv_vec(const uint16_t* __restrict__ W, const u
 
 template <int M>
 __device__ __forceinline__ void gemv_scalar(const uint16_t* __restrict__ W, const uint16_t* __restrict__ x,
-                                            uint16_t* __restrict__ y, uint32_t n, uint32_t k) {
+                                            uint16_t* __restrict__ y, uint32_t n, uint32_t k, uint32_t tile) {
     const uint32_t lane = threadIdx.x & 31;
-    const uint32_t row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
+    const uint32_t row0 = (tile * WARPS + (threadIdx.x >> 5)) * ROWS;
     if (row0 >= n) return;
     const uint16_t* wr[ROWS];
 #pragma unroll
@@ -145,11 +146,28 @@ __device__ __forceinline__ void gemv_scalar(const uint16_t* __restrict__ W, cons
     store_rows<M>(acc, y, row0, n);
 }
 
+// `tile`: which WARPS * ROWS rows of W this block owns.
 template <int M>
 __device__ __forceinline__ void gemv_dispatch(const uint16_t* W, const uint16_t* x, uint16_t* y, uint32_t n,
-                                              uint32_t k, bool vec) {
-    if (vec) gemv_vec<M>(W, x, y, n, k);
-    else gemv_scalar<M>(W, x, y, n, k);
+                                              uint32_t k, bool vec, uint32_t tile) {
+    if (vec) gemv_vec<M>(W, x, y, n, k, tile);
+    else gemv_scalar<M>(W, x, y, n, k, tile);
+}
+
+// Rows 1..8 of x against this block's tile of W (the m paths of gemv_bf16, shared by the batch).
+__device__ __forceinline__ void gemv_rows(const uint16_t* W, const uint16_t* x, uint16_t* y, uint32_t rows,
+                                          uint32_t n, uint32_t k, bool vec, uint32_t tile) {
+    switch (rows) {
+        case 1: gemv_dispatch<1>(W, x, y, n, k, vec, tile); break;
+        case 2: gemv_dispatch<2>(W, x, y, n, k, vec, tile); break;
+        case 3: gemv_dispatch<3>(W, x, y, n, k, vec, tile); break;
+        case 4: gemv_dispatch<4>(W, x, y, n, k, vec, tile); break;
+        case 5: gemv_dispatch<5>(W, x, y, n, k, vec, tile); break;
+        case 6: gemv_dispatch<6>(W, x, y, n, k, vec, tile); break;
+        case 7: gemv_dispatch<7>(W, x, y, n, k, vec, tile); break;
+        case 8: gemv_dispatch<8>(W, x, y, n, k, vec, tile); break;
+        default: break;
+    }
 }
 }  // namespace
 
@@ -159,15 +177,24 @@ extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_bf16(const ui
                                                             uint16_t* __restrict__ y,
                                                             uint32_t m, uint32_t n, uint32_t k) {
     const bool vec = (k % 8u == 0) && aligned16(W) && aligned16(x);
-    switch (m) {
-        case 1: gemv_dispatch<1>(W, x, y, n, k, vec); break;
-        case 2: gemv_dispatch<2>(W, x, y, n, k, vec); break;
-        case 3: gemv_dispatch<3>(W, x, y, n, k, vec); break;
-        case 4: gemv_dispatch<4>(W, x, y, n, k, vec); break;
-        case 5: gemv_dispatch<5>(W, x, y, n, k, vec); break;
-        case 6: gemv_dispatch<6>(W, x, y, n, k, vec); break;
-        case 7: gemv_dispatch<7>(W, x, y, n, k, vec); break;
-        case 8: gemv_dispatch<8>(W, x, y, n, k, vec); break;
-        default: break;
-    }
+    gemv_rows(W, x, y, m, n, k, vec, blockIdx.x);
+}
+
+// The batch: y[m, n] for 1 <= m <= 256, rows of x in chunks of 8. Grid (ceil(m / 8), ceil(n / 16)):
+// blockIdx.x is the chunk, so the blocks that read one tile of W are consecutive in launch order and
+// all but the first find it in L2 (W comes from HBM once per launch); each computes its chunk with
+// gemv_bf16's own m paths. A row's value is the same in every one of them: lane l sums the 16-byte
+// chunks l, l + 32, l + 64, ... of the (x row, W row) pair in that order, eight fmaf each in element
+// order, and warp_sum adds the lanes in one fixed butterfly; m only sets how many x rows share a
+// weight load and how many loads are in flight (unroll_for), never that order. So row e of any
+// batch is bit-identical to gemv_bf16 (m = 1) of that row alone, and m = 1 is gemv_bf16 itself.
+// The vector path needs k % 8 == 0 and W, x 16-byte aligned (then every row of x is), as gemv_bf16.
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_bf16_batch(const uint16_t* __restrict__ W,
+                                                                  const uint16_t* __restrict__ x,
+                                                                  uint16_t* __restrict__ y,
+                                                                  uint32_t m, uint32_t n, uint32_t k) {
+    const uint32_t e0 = blockIdx.x * 8u;
+    if (e0 >= m) return;
+    const bool vec = (k % 8u == 0) && aligned16(W) && aligned16(x);
+    gemv_rows(W, x + (size_t)e0 * k, y + (size_t)e0 * n, min(m - e0, 8u), n, k, vec, blockIdx.y);
 }

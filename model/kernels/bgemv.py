@@ -3,6 +3,10 @@
 Used for the per-head absorbed query (``kv_b``'s key half, stored transposed per head), the per-head
 value projection, and ``o_proj`` split into fixed head groups (see ``model.weights``).
 CUDA: ptx/bgemv.cu (grid (ceil(n / (8 rows_per_warp(k))), batch), block 256).
+
+The ``*_batch`` kernels (end of this module) are the drafter's projections and row sums over m rows
+of activations at once (1 <= m <= 256), each weight matrix read once for all of them; a row's bits do
+not depend on m or on the other rows.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import numpy as np
 from runtime.dtypes import BF16
 from runtime.host_math import dot_rows
 from runtime.kernel import F32, PTR, U32, Pdl, declare
-from runtime.kernels.gemv_bf16 import gemv_bf16_ref
+from runtime.kernels.gemv_bf16 import MAX_BATCH, gemv_bf16_ref
 from runtime.kernels.rmsnorm import rmsnorm_ref
 from runtime.launch import grid_stride_blocks, launch
 
@@ -174,3 +178,258 @@ def rmsnorm_gemv(gpu, x, norm_w, w, y, n, k, eps, stream=None, *, beside: bool =
     kernel = gpu.kernel(*(RMSNORM_GEMV_BESIDE if beside else RMSNORM_GEMV).key)
     grid = grid_stride_blocks(max(1, -(-n // 8)), gpu.resident_blocks(kernel, 256, 2 * k))
     launch(gpu, kernel, grid, 256, x, norm_w, w, y, n, k, eps, smem=2 * k, stream=stream)
+
+
+# ---- the batch: m rows of activations (1 <= m <= MAX_BATCH), each weight matrix read once ------------
+#
+# ptx/bgemv.cu: rows of x per block (blockIdx.x is the chunk, so the blocks that stream one tile of
+# weights launch one after another and all but the first read it from L2). A chunk of one row runs
+# the single-row kernel's path, a chunk of 2..8 rows the path of the next power of two; a row's
+# arithmetic is the same in every one of them, so row e of any batch is bit-identical to a launch of
+# that row alone (m = 1), which computes what the single-row kernel computes.
+BATCH_ROWS = 8
+
+
+def _check_batch(what: str, m: int) -> None:
+    if not 1 <= m <= MAX_BATCH:
+        raise ValueError(f"{what}: m={m} rows; a batched launch covers 1..{MAX_BATCH}")
+
+
+def _pow2_rows(m: int) -> int:
+    """Rows of the largest chunk's template: min(m, BATCH_ROWS) rounded up to a power of two."""
+    return 1 << (min(m, BATCH_ROWS) - 1).bit_length()
+
+
+_BATCH_ARGS = [
+    ("w", PTR),
+    ("x", PTR),
+    ("y", PTR),
+    ("m", U32),
+    ("heads", U32),
+    ("n", U32),
+    ("k", U32),
+]
+
+
+def _bgemv_batch(mem, w, x, m, heads, n, k):
+    """y [m, heads, n] f32: y[e, h] = w[h] @ x[e, h]; element (e, h, j) depends on x[e, h] and
+    w[h, j] alone (runtime.host_math.dot_rows), so no row depends on m or the other rows."""
+    wv = mem.read(w, BF16, (heads, n, k)).astype(np.float32)
+    xv = mem.read(x, BF16, (m, heads, k)).astype(np.float32)
+    out = np.empty((m, heads, n), np.float32)
+    for h in range(heads):
+        out[:, h] = dot_rows(xv[:, h], wv[h])
+    return out
+
+
+@declare("bgemv", "bgemv_bf16_f32_batch", list(_BATCH_ARGS), writes=("y",), pdl=True, releases=True)
+def BGEMV_F32_BATCH(mem, w, x, y, m, heads, n, k):
+    """bgemv_bf16_f32 for m rows: w [heads, n, k], x [m, heads, k], y [m, heads, n] f32."""
+    mem.write(y, _bgemv_batch(mem, w, x, m, heads, n, k))
+
+
+@declare("bgemv", "bgemv_bf16_f32_batch_beside", list(_BATCH_ARGS), writes=("y",), pdl=Pdl.BESIDE)
+def BGEMV_F32_BATCH_BESIDE(mem, w, x, y, m, heads, n, k):
+    """bgemv_bf16_f32_batch that may run beside the kernel launched before it (x is older)."""
+    BGEMV_F32_BATCH.host(mem, w, x, y, m, heads, n, k)
+
+
+@declare("bgemv", "bgemv_bf16_bf16_batch", list(_BATCH_ARGS), writes=("y",), pdl=True, releases=True)
+def BGEMV_BF16_BATCH(mem, w, x, y, m, heads, n, k):
+    """bgemv_bf16_bf16 for m rows: y [m, heads, n] BF16."""
+    mem.write(y, _bgemv_batch(mem, w, x, m, heads, n, k).astype(BF16))
+
+
+def bgemv_batch(gpu, *, w, x, y, m, heads, n, k, out_f32: bool, beside: bool = False, stream=None):
+    """Per head h: ``y[e, h, :] = w[h] (n x k) @ x[e, h, :]`` for e < m; x [m][heads][k] BF16, y
+    [m][heads][n] f32 (``out_f32``) or BF16, w[h] read once for all m rows. ``beside``: x was
+    produced before the previous launch on the stream (f32 output only; Pdl.BESIDE)."""
+    _check_batch("bgemv_batch", m)
+    if beside and not out_f32:
+        raise ValueError("the beside variant of bgemv_batch writes f32 only")
+    if heads < 1 or n < 1:
+        raise ValueError(f"bgemv_batch: bad shape heads={heads}, n={n}")
+    decl = BGEMV_F32_BATCH_BESIDE if beside else BGEMV_F32_BATCH if out_f32 else BGEMV_BF16_BATCH
+    per_block = 8 * rows_per_warp(k)  # 8 warps
+    grid = (-(-m // BATCH_ROWS), -(-n // per_block), heads)
+    launch(
+        gpu,
+        gpu.kernel(*decl.key),
+        grid,
+        256,
+        w,
+        x,
+        y,
+        m,
+        heads,
+        n,
+        k,
+        smem=bgemv_batch_smem(m, k),
+        stream=stream,
+    )
+
+
+# Shared memory a bgemv_batch block may stage its chunk's x rows in: two blocks per SM (the register
+# count's residency) keep fitting. Longer rows are read from global memory (the kernel sees the size).
+BGEMV_STAGE_MAX = 96 << 10
+
+
+def bgemv_batch_smem(m: int, k: int) -> int:
+    """Dynamic shared memory of bgemv_batch: the chunk's x rows [M][k] BF16 when m > 1 (none at m = 1,
+    today's path and residency), or none where that exceeds BGEMV_STAGE_MAX."""
+    if m < 2:
+        return 0
+    nbytes = _pow2_rows(m) * k * 2
+    return nbytes if nbytes <= BGEMV_STAGE_MAX else 0
+
+
+_SUM_BATCH_ARGS = [("parts", PTR), ("residual", PTR), ("out", PTR), ("m", U32), ("rows", U32), ("n", U32)]
+
+
+def _sum_rows_batch(mem, parts, residual, m, rows, n) -> np.ndarray:
+    """sum_rows_residual's f32 order for every row e at once (elementwise, so row by row the same)."""
+    p = mem.read(parts, np.float32, (m, rows, n))
+    acc = p[:, 0].copy()
+    for r in range(1, rows):
+        acc += p[:, r]
+    return (mem.read(residual, BF16, (m, n)).astype(np.float32) + acc).astype(BF16)
+
+
+@declare("bgemv", "sum_rows_residual_batch", _SUM_BATCH_ARGS, writes=("out",))
+def SUM_ROWS_RESIDUAL_BATCH(mem, parts, residual, out, m, rows, n):
+    """sum_rows_residual for each row e < m: parts [m, rows, n] f32, residual / out [m, n] BF16."""
+    if rows == 0 or n == 0:
+        return  # the kernel writes nothing either
+    mem.write(out, _sum_rows_batch(mem, parts, residual, m, rows, n))
+
+
+@declare(
+    "bgemv",
+    "sum_rows_residual_rmsnorm_batch",
+    [
+        ("parts", PTR),
+        ("residual", PTR),
+        ("norm_w", PTR),
+        ("out", PTR),
+        ("normed", PTR),
+        ("m", U32),
+        ("rows", U32),
+        ("n", U32),
+        ("eps", F32),
+    ],
+    writes=("out", "normed"),
+    pdl=True,
+    releases=True,  # right after its wait, as sum_rows_residual_rmsnorm
+)
+def SUM_ROWS_RESIDUAL_RMSNORM_BATCH(mem, parts, residual, norm_w, out, normed, m, rows, n, eps):
+    """sum_rows_residual_rmsnorm for each row e < m: out [m, n], normed [m, n] = rmsnorm(out) * w."""
+    if rows == 0 or n == 0:
+        return  # the kernel writes nothing either
+    o = _sum_rows_batch(mem, parts, residual, m, rows, n)
+    mem.write(out, o)
+    mem.write(normed, rmsnorm_ref(o, mem.read(norm_w, BF16, n), eps))
+
+
+def sum_rows_residual_batch(gpu, *, parts, residual, out, m, rows, n, stream=None):
+    """out[e] = bf16(residual[e] + (((parts[e, 0] + parts[e, 1]) + ...))) for e < m."""
+    _check_batch("sum_rows_residual_batch", m)
+    launch(
+        gpu,
+        gpu.kernel(*SUM_ROWS_RESIDUAL_BATCH.key),
+        (-(-n // 256), m),
+        256,
+        parts,
+        residual,
+        out,
+        m,
+        rows,
+        n,
+        stream=stream,
+    )
+
+
+def sum_rows_residual_rmsnorm_batch(
+    gpu, *, parts, residual, norm_w, out, normed, m, rows, n, eps, stream=None
+):
+    """sum_rows_residual_batch into ``out``, then ``normed[e] = rmsnorm(out[e]) * norm_w``: one
+    block of 1024 threads per row."""
+    _check_batch("sum_rows_residual_rmsnorm_batch", m)
+    launch(
+        gpu,
+        gpu.kernel(*SUM_ROWS_RESIDUAL_RMSNORM_BATCH.key),
+        m,
+        1024,
+        parts,
+        residual,
+        norm_w,
+        out,
+        normed,
+        m,
+        rows,
+        n,
+        eps,
+        stream=stream,
+    )
+
+
+_NORM_GEMV_BATCH_ARGS = [
+    ("x", PTR),
+    ("x_stride", U32),
+    ("norm_w", PTR),
+    ("w", PTR),
+    ("y", PTR),
+    ("m", U32),
+    ("n", U32),
+    ("k", U32),
+    ("eps", F32),
+]
+
+
+@declare("bgemv", "rmsnorm_gemv_batch", list(_NORM_GEMV_BATCH_ARGS), writes=("y",), pdl=True)
+def RMSNORM_GEMV_BATCH(mem, x, x_stride, norm_w, w, y, m, n, k, eps):
+    """rmsnorm_gemv for each row e < m: x_e at ``x + e * x_stride * 2`` bytes (x_stride in
+    elements), y dense [m, n] BF16. Row by row the rmsnorm and gemv_bf16 twins (both depend on the
+    row alone)."""
+    xs = np.stack([mem.read(x.offset(e * x_stride * 2), BF16, k) for e in range(m)])
+    xn = rmsnorm_ref(xs, mem.read(norm_w, BF16, k), eps)
+    mem.write(y, gemv_bf16_ref(mem.view(w, BF16, (n, k)), xn))
+
+
+@declare("bgemv", "rmsnorm_gemv_batch_beside", list(_NORM_GEMV_BATCH_ARGS), writes=("y",), pdl=Pdl.BESIDE)
+def RMSNORM_GEMV_BATCH_BESIDE(mem, x, x_stride, norm_w, w, y, m, n, k, eps):
+    """rmsnorm_gemv_batch that may run beside the kernel launched before it (x is older)."""
+    RMSNORM_GEMV_BATCH.host(mem, x, x_stride, norm_w, w, y, m, n, k, eps)
+
+
+def rmsnorm_gemv_batch_smem(m: int, k: int) -> int:
+    """Dynamic shared memory of rmsnorm_gemv_batch: the chunk's normed rows, [M][k] BF16."""
+    return _pow2_rows(m) * k * 2
+
+
+def rmsnorm_gemv_batch(gpu, *, x, x_stride, norm_w, w, y, m, n, k, eps, beside: bool = False, stream=None):
+    """y [m, n] BF16, row e = W @ (rmsnorm(x_e) * norm_w) with x_e at x + e * x_stride elements (the
+    q projection's q_a sits inside the wider fused row). One grid over W's rows as rmsnorm_gemv's
+    (the blocks resident at once), times the chunks of m. ``beside`` as rmsnorm_gemv's."""
+    _check_batch("rmsnorm_gemv_batch", m)
+    if x_stride < k:
+        raise ValueError(f"rmsnorm_gemv_batch: x_stride={x_stride} is shorter than a row (k={k})")
+    kernel = gpu.kernel(*(RMSNORM_GEMV_BATCH_BESIDE if beside else RMSNORM_GEMV_BATCH).key)
+    smem = rmsnorm_gemv_batch_smem(m, k)
+    grid = grid_stride_blocks(max(1, -(-n // 8)), gpu.resident_blocks(kernel, 256, smem))
+    launch(
+        gpu,
+        kernel,
+        (-(-m // BATCH_ROWS), grid),
+        256,
+        x,
+        x_stride,
+        norm_w,
+        w,
+        y,
+        m,
+        n,
+        k,
+        eps,
+        smem=smem,
+        stream=stream,
+    )

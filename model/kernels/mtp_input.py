@@ -8,6 +8,13 @@ The embedding row is read in place from the target's table at a token id held in
 anyway for the norm, is NaN or Inf: a NaN or an Inf in the row, or an f32 sum of squares that
 overflows), ``|`` ``TOKEN_OUTSIDE`` when the token is not in the vocabulary, and leaves it alone
 otherwise.
+
+The batched kernels (``mtp_input_gemv_batch``, ``mtp_embed_norm_batch``) take m entries
+(model/kernels/batch.py): entry e's token is its word 2, its hidden row the e-th of a dense [m, h]
+buffer, its output row the e-th of a dense buffer, its flag byte ``flags + 4 e + flag_byte``. Each
+row is computed exactly as the single-row kernel computes it, whatever m and the other rows (so
+bit-identical to a launch of that entry alone); eh_proj is read once for all m. A padding entry's
+output row and flag are never written.
 """
 
 from __future__ import annotations
@@ -16,9 +23,11 @@ import numpy as np
 
 from runtime.dtypes import BF16
 from runtime.kernel import F32, PTR, U32, Pdl, declare
-from runtime.kernels.gemv_bf16 import gemv_bf16_ref
+from runtime.kernels.gemv_bf16 import MAX_BATCH, gemv_bf16_ref
 from runtime.kernels.rmsnorm import rmsnorm_ref
 from runtime.launch import grid_stride_blocks, launch
+
+from .batch import ENTRY_BYTES, is_pad, read_entries
 
 # What mtp_input_gemv stores in its flag byte (bits; 0 is never stored).
 HIDDEN_NONFINITE = 1
@@ -149,6 +158,193 @@ def mtp_embed_norm(gpu, table, tokens, enorm, hidden, hnorm, out, rows, vocab, h
         hnorm,
         out,
         rows,
+        vocab,
+        h,
+        eps,
+        stream=stream,
+    )
+
+
+# ---- the batch: m entries (model/kernels/batch.py), eh_proj read once for all of them -------------
+
+# ptx/mtp_input.cu: entries per block of the batched kernel (blockIdx.x is the chunk of entries).
+MTP_INPUT_BATCH_ROWS = 8
+
+
+def _entry_token_ptr(entries, e: int):
+    """The token word (word 2) of entry e."""
+    return entries.offset(e * ENTRY_BYTES + 8)
+
+
+@declare(
+    "mtp_input",
+    "mtp_embed_norm_batch",
+    [
+        ("table", PTR),
+        ("entries", PTR),
+        ("enorm", PTR),
+        ("hidden", PTR),
+        ("hnorm", PTR),
+        ("out", PTR),
+        ("m", U32),
+        ("vocab", U32),
+        ("h", U32),
+        ("eps", F32),
+    ],
+    writes=("out",),
+)
+def MTP_EMBED_NORM_BATCH(mem, table, entries, enorm, hidden, hnorm, out, m, vocab, h, eps):
+    """mtp_embed_norm over m entries: out row e = [rmsnorm(table[entry e's token]) * enorm ;
+    rmsnorm(hidden[e]) * hnorm] ([m, 2h] BF16), row for row mtp_embed_norm's arithmetic. A padding
+    entry's row is not written and nothing is read for it."""
+    ents = read_entries(mem, entries, m)
+    for e in range(m):
+        if is_pad(ents[e]):
+            continue
+        MTP_EMBED_NORM.host(
+            mem,
+            table,
+            _entry_token_ptr(entries, e),
+            enorm,
+            hidden.offset(e * h * 2),
+            hnorm,
+            out.offset(e * 2 * h * 2),
+            1,
+            vocab,
+            h,
+            eps,
+        )
+
+
+@declare(
+    "mtp_input",
+    "mtp_input_gemv_batch",
+    [
+        ("table", PTR),
+        ("entries", PTR),
+        ("enorm", PTR),
+        ("hidden", PTR),
+        ("hnorm", PTR),
+        ("w", PTR),
+        ("y", PTR),
+        ("m", U32),
+        ("vocab", U32),
+        ("h", U32),
+        ("n", U32),
+        ("eps", F32),
+        ("flags", PTR),
+        ("flag_byte", U32),
+    ],
+    writes=("y", "flags"),
+    # As mtp_input_gemv: the hidden halves before the wait, beside the head that released it; the
+    # entries (whose tokens the head writes) after it.
+    pdl=Pdl.BESIDE,
+)
+def MTP_INPUT_GEMV_BATCH(
+    mem, table, entries, enorm, hidden, hnorm, w, y, m, vocab, h, n, eps, flags, flag_byte
+):
+    """mtp_input_gemv for each of the m entries e that is not padding: the token is entry e's word
+    2, the hidden row ``hidden + e * h * 2`` bytes, y row e of ``[m, n]`` BF16, the flag byte
+    ``flags + e * 4 + flag_byte`` (one u32 of four flag bytes per entry). A padding entry's y row
+    and flag are never written."""
+    ents = read_entries(mem, entries, m)
+    for e in range(m):
+        if is_pad(ents[e]):
+            continue
+        MTP_INPUT_GEMV.host(
+            mem,
+            table,
+            _entry_token_ptr(entries, e),
+            enorm,
+            hidden.offset(e * h * 2),
+            hnorm,
+            w,
+            y.offset(e * n * 2),
+            vocab,
+            h,
+            n,
+            eps,
+            flags.offset(e * 4 + flag_byte),
+        )
+
+
+def _pow2_rows(m: int, chunk: int) -> int:
+    """Rows of the largest chunk's template: min(m, chunk) rounded up to a power of two (a chunk of
+    3 runs the 4-row path, whose 4th row of shared memory is zero)."""
+    r = min(m, chunk)
+    return 1 << (r - 1).bit_length()
+
+
+def mtp_input_batch_smem(m: int, h: int) -> int:
+    """Dynamic shared memory of mtp_input_gemv_batch: the chunk's normed rows, [M][h] BF16."""
+    return _pow2_rows(m, MTP_INPUT_BATCH_ROWS) * h * 2
+
+
+def mtp_input_batch_grid(gpu, m: int, n: int, h: int) -> tuple[int, int]:
+    """(chunks of entries, blocks over the rows of eh_proj): the second as mtp_input_grid, for the
+    shared memory of m's chunks, so that every warp owns at most MTP_INPUT_ROWS_PER_WARP rows."""
+    kernel = gpu.kernel(*MTP_INPUT_GEMV_BATCH.key)
+    units = -(-n // 8)
+    grid = grid_stride_blocks(units, gpu.resident_blocks(kernel, 256, mtp_input_batch_smem(m, h)))
+    return (-(-m // MTP_INPUT_BATCH_ROWS), max(grid, -(-units // MTP_INPUT_ROWS_PER_WARP)))
+
+
+def _check_batch(what: str, m: int) -> None:
+    if not 1 <= m <= MAX_BATCH:
+        raise ValueError(f"{what}: m={m} entries; a batched launch covers 1..{MAX_BATCH}")
+
+
+def mtp_input_gemv_batch(
+    gpu, *, table, entries, enorm, hidden, hnorm, w, y, m, vocab, h, n, eps, flags, flag_byte, stream=None
+):
+    """y [m, n] BF16: row e = eh_proj @ [rmsnorm(table[entry e's token]) * enorm ; rmsnorm(hidden_e)
+    * hnorm] (MTP_INPUT_GEMV_BATCH). ``entries``: m entries (16-byte aligned, u32 [m, 4]);
+    ``hidden``: m BF16 rows of h (a padding entry's row is read, never used); ``flags``: m u32
+    words, entry e's flag in byte ``flag_byte`` of word e. Each row is bit-identical to a launch of
+    that entry alone (m = 1), which computes what mtp_input_gemv computes."""
+    _check_batch("mtp_input_gemv_batch", m)
+    if not 0 <= flag_byte < 4:
+        raise ValueError(f"mtp_input_gemv_batch: flag_byte={flag_byte} is not a byte of a u32 (0..3)")
+    launch(
+        gpu,
+        gpu.kernel(*MTP_INPUT_GEMV_BATCH.key),
+        mtp_input_batch_grid(gpu, m, n, h),
+        256,
+        table,
+        entries,
+        enorm,
+        hidden,
+        hnorm,
+        w,
+        y,
+        m,
+        vocab,
+        h,
+        n,
+        eps,
+        flags,
+        flag_byte,
+        smem=mtp_input_batch_smem(m, h),
+        stream=stream,
+    )
+
+
+def mtp_embed_norm_batch(gpu, *, table, entries, enorm, hidden, hnorm, out, m, vocab, h, eps, stream=None):
+    """out [m, 2h] BF16 for the context rows of m entries (MTP_EMBED_NORM_BATCH): tokens from the
+    entries, hidden rows dense [m, h]; a padding entry's row is left as it was."""
+    _check_batch("mtp_embed_norm_batch", m)
+    launch(
+        gpu,
+        gpu.kernel(*MTP_EMBED_NORM_BATCH.key),
+        (m, 2),
+        256,
+        table,
+        entries,
+        enorm,
+        hidden,
+        hnorm,
+        out,
+        m,
         vocab,
         h,
         eps,
