@@ -11,6 +11,7 @@ import numpy as np
 
 from model.kernels import draft_head
 from model.kernels.batch import ENTRY_WORDS, PAD_SLOT
+from runtime.device_ptr import DevicePtr
 from runtime.dtypes import BF16, quantize_rows_fp8
 
 GUARD = 16
@@ -18,12 +19,18 @@ POISON = 0xFF
 TOKEN_BEFORE = 0xDEAD_BEEF  # the token word of every entry before the launch
 
 
-def run_bufs(gpu, fn: Callable[..., None], bufs: dict[str, np.ndarray | int]) -> dict[str, np.ndarray]:
+def run_bufs(
+    gpu, fn: Callable[..., None], bufs: dict[str, np.ndarray | int | DevicePtr]
+) -> dict[str, np.ndarray]:
     """Allocate every buffer with GUARD bytes after it, poison it all (0xFF), upload the arrays
     (ints are output sizes in bytes), call ``fn(gpu, **pointers)``, return every buffer's bytes
-    without the guards, after checking that the guards are intact."""
+    without the guards, after checking that the guards are intact. A DevicePtr (weights uploaded
+    once for many launches) is passed through as it is and not returned."""
     ptrs, allocs, sizes = {}, [], {}
     for name, v in bufs.items():
+        if isinstance(v, DevicePtr):
+            ptrs[name] = v
+            continue
         nbytes = v.nbytes if isinstance(v, np.ndarray) else int(v)
         base = gpu.alloc(nbytes + GUARD)
         allocs.append(base)
@@ -35,8 +42,9 @@ def run_bufs(gpu, fn: Callable[..., None], bufs: dict[str, np.ndarray | int]) ->
     try:
         fn(gpu, **ptrs)
         out = {}
-        for name, p in ptrs.items():
-            buf = np.empty(sizes[name] + GUARD, np.uint8)
+        for name, nbytes in sizes.items():
+            p = ptrs[name]
+            buf = np.empty(nbytes + GUARD, np.uint8)
             gpu.copy_d2h(buf, p)
             out[name] = buf
     finally:
@@ -127,8 +135,9 @@ class HeadCase:
             flag_byte=self.flag_byte,
         )
 
-    def run(self, gpu) -> dict[str, np.ndarray]:
-        return run_bufs(gpu, self.launch, self.bufs())
+    def run(self, gpu, resident: dict[str, DevicePtr] | None = None) -> dict[str, np.ndarray]:
+        """One launch on ``gpu``; ``resident``: the weights already there ("w", and "sc" for FP8)."""
+        return run_bufs(gpu, self.launch, {**self.bufs(), **(resident or {})})
 
     def row(self, e: int, slot: int = 7) -> HeadCase:
         """Entry e alone (m = 1, live, the same drafts row)."""
@@ -284,3 +293,62 @@ def check_rows_equal(
         assert d.tobytes() == as_u32(r["drafts"], (1, case.kmax))[0].tobytes(), f"{what}: drafts differ"
         h = out["host"].reshape(case.m, -1)[j]
         assert h.tobytes() == r["host"].tobytes(), f"{what}: host drafts differ"
+
+
+def single_row_head(
+    gpu, case: HeadCase, resident: dict[str, DevicePtr] | None = None
+) -> dict[str, np.ndarray]:
+    """Today's single-row head (head_argmax) for the one row of ``case``: its logits, token, drafts
+    row, host row and one flag byte."""
+    assert case.m == 1
+    bufs: dict[str, np.ndarray | int | DevicePtr] = {
+        "w": case.w,
+        "x": case.x,
+        "logits": 2 * case.n,
+        "key": np.zeros(1, np.uint64),
+        "ctr": np.zeros(1, np.uint32),
+        "tok": 4,
+        "drafts": case.drafts[0],
+        "host": 4 * case.kmax,
+        "flag": np.zeros(1, np.uint8),
+    }
+    if case.s is not None:
+        bufs["sc"] = case.s
+    bufs.update(resident or {})
+
+    def run(gpu, w, x, logits, key, ctr, tok, drafts, host, flag, sc=None):
+        draft_head.head_argmax(
+            gpu,
+            w,
+            sc,
+            x,
+            logits,
+            key,
+            ctr,
+            tok,
+            drafts,
+            case.draft_index,
+            host,
+            case.publish,
+            case.n,
+            case.k,
+            flag=flag,
+        )
+
+    return run_bufs(gpu, run, bufs)
+
+
+def check_row_is_single_row_head(case: HeadCase, out, j: int, old: dict[str, np.ndarray], what: str) -> None:
+    """Row j of a batched launch has the bits today's head_argmax gave that row alone."""
+    assert logits_of(case, out)[j].tobytes() == old["logits"].tobytes(), (
+        f"{what}: logits differ from head_argmax"
+    )
+    assert token_of(case, out, j) == int(old["tok"].view(np.uint32)[0]), (
+        f"{what}: token differs from head_argmax"
+    )
+    assert flag_of(case, out, j) == int(old["flag"][0]), f"{what}: flag differs from head_argmax"
+    d = as_u32(out["drafts"], (case.m, case.kmax))[j]
+    assert d.tobytes() == old["drafts"].tobytes(), f"{what}: drafts differ from head_argmax"
+    assert out["host"].reshape(case.m, -1)[j].tobytes() == old["host"].tobytes(), (
+        f"{what}: host drafts differ"
+    )

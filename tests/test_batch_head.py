@@ -34,6 +34,7 @@ from batch_head_util import (
     logits_of,
     make_entries,
     run_bufs,
+    single_row_head,
     token_of,
 )
 from kernel_util import abs_dot, assert_dot_close, dot_bound, random_bf16
@@ -76,52 +77,13 @@ def test_head_batch_twin_matches_float64(host, fp8, m, n, k, pads):
         assert token_of(case, out, e) == tok and flag_of(case, out, e) == flag == 0
 
 
-def _single_row_head(gpu, case: HeadCase) -> dict[str, np.ndarray]:
-    """Today's head_argmax for the one row of ``case``: its drafts row, host row and one flag byte."""
-    assert case.m == 1
-    bufs = {
-        "w": case.w,
-        "x": case.x,
-        "logits": 2 * case.n,
-        "key": np.zeros(1, np.uint64),
-        "ctr": np.zeros(1, np.uint32),
-        "tok": 4,
-        "drafts": case.drafts[0],
-        "host": 4 * case.kmax,
-        "flag": np.zeros(1, np.uint8),
-    }
-    if case.s is not None:
-        bufs["sc"] = case.s
-
-    def run(gpu, w, x, logits, key, ctr, tok, drafts, host, flag, sc=None):
-        draft_head.head_argmax(
-            gpu,
-            w,
-            sc,
-            x,
-            logits,
-            key,
-            ctr,
-            tok,
-            drafts,
-            case.draft_index,
-            host,
-            case.publish,
-            case.n,
-            case.k,
-            flag=flag,
-        )
-
-    return run_bufs(gpu, run, bufs)
-
-
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("n,k", [(37, 29), (300, 256), (1000, 64)])
 @pytest.mark.parametrize("draft_index,kmax,publish", [(0, 1, True), (2, 3, True), (1, 4, False)])
 def test_head_batch_at_m1_is_head_argmax(host, fp8, n, k, draft_index, kmax, publish):
     rng = np.random.default_rng(n + k + draft_index)
     case = head_case(rng, fp8, 1, n, k, draft_index=draft_index, kmax=kmax, publish=publish, flag_byte=1)
-    got, old = case.run(host), _single_row_head(host, case)
+    got, old = case.run(host), single_row_head(host, case)
     check_commit(case, got)
     assert got["logits"].tobytes() == old["logits"].tobytes()
     assert token_of(case, got, 0) == int(old["tok"].view(np.uint32)[0])
