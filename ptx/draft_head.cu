@@ -294,7 +294,6 @@ extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_fp8(
 #include "fp8_batch.cuh"
 
 namespace {
-static_assert(BATCH_TILE_ROWS <= 32, "a tile row's candidate lives in one lane");
 // Weight rows per warp and 16-byte loads per row per lane in flight when the tiles hold 2..4 rows
 // of x. Both are what fits the 64 registers without spilling (ptxas -v, nvcc 13.0): four rows per
 // warp, or four loads per row at four rows of x, spilled. The weight groups are then the 16 rows of
@@ -332,9 +331,10 @@ struct HeadBatchShape {
     uint32_t m;       // m, or 0 for a bad shape (nothing to commit)
 };
 
+// TR: the most rows a tile may hold (BATCH_TILE_ROWS for the CUDA-core heads).
+template <int TR = BATCH_TILE_ROWS>
 __device__ __forceinline__ HeadBatchShape head_batch_shape(uint32_t m, uint32_t tiles) {
-    const bool ok = m >= 1u && m <= BATCH_MAX_ROWS && tiles >= 1u && tiles <= m &&
-                    (m + tiles - 1u) / tiles <= (uint32_t)BATCH_TILE_ROWS;
+    const bool ok = m >= 1u && m <= BATCH_MAX_ROWS && tiles >= 1u && tiles <= m && (m + tiles - 1u) / tiles <= (uint32_t)TR;
     const uint32_t nt = ok ? tiles : 1u;
     HeadBatchShape s;
     s.stride = gridDim.x / nt;
@@ -351,16 +351,17 @@ __device__ __forceinline__ HeadBatchShape head_batch_shape(uint32_t m, uint32_t 
 // commits every live entry of the launch from its key (argmax_commit's rules) and re-zeroes
 // keys[0..m). The shape and the tile's live rows are derived again here rather than kept in
 // registers through the weight stream (that spilled the BF16 head).
+template <int TR = BATCH_TILE_ROWS>
 __device__ __forceinline__ void argmax_commit_batch(unsigned long long cand, uint32_t m, uint32_t tiles,
                                                     unsigned long long* keys, uint32_t* counter, uint32_t* entries,
                                                     uint32_t* drafts, uint32_t draft_index, uint32_t kmax,
                                                     uint32_t* host_drafts, uint32_t publish, uint8_t* flags,
                                                     uint32_t flag_byte) {
-    __shared__ unsigned long long best_s[WARPS][BATCH_TILE_ROWS];
+    __shared__ unsigned long long best_s[WARPS][TR];
     const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane < (uint32_t)BATCH_TILE_ROWS) best_s[warp][lane] = cand;
+    if (lane < (uint32_t)TR) best_s[warp][lane] = cand;
     __syncthreads();
-    const HeadBatchShape s = head_batch_shape(m, tiles);
+    const HeadBatchShape s = head_batch_shape<TR>(m, tiles);
     if (s.active && threadIdx.x < s.tile.rows &&
         __ldcg(entries + (size_t)(s.tile.e0 + threadIdx.x) * ENTRY_WORDS) != BATCH_PAD) {
         unsigned long long b = 0ull;
@@ -681,6 +682,163 @@ extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_bf16_batch(
     }
     argmax_commit_batch(cand, m, tiles, keys, counter, entries, drafts, draft_index, kmax, host_drafts, publish, flags,
                         flag_byte);
+}
+
+// ---- the tensor-core variant -----------------------------------------------------------------------
+//
+// head_argmax_fp8_mma: head_argmax_fp8_batch's contract (the same arguments and commit), its logits
+// from mma.sync.m16n8k16 with BF16 inputs and f32 accumulation. A warp's 16 weight rows are the
+// MMA's M, a tile's up to 8 rows of x its N, and each 64-element superblock of k is four MMAs. The
+// FP8 weights are dequantised to BF16 in registers (exact: E4M3 -> f16 -> f32 -> BF16 changes no
+// value), the row scale multiplies the finished f32 sum and x is the BF16 it is, as in the
+// CUDA-core heads; but the sum of each k16 step is the tensor core's own, so the logits are not
+// the CUDA-core heads' bits (the GPU tests hold them to the twin within the GEMV bound). Batch
+// invariance: a logit depends only on its weight row, its x row and the fixed order of the MMAs
+// over k (an MMA's output column comes from its own column of B), never on m, the tile, the other
+// rows or the row's place; that is what would let one such kernel serve every m, m = 1 included.
+// A separate kernel for the lead to measure (tests/test_gpu_batch_head.py); the model does not use
+// it.
+//
+// Fragments. Lane (g = lane / 4, t = lane % 4) loads the 16 weight bytes at superblock offset 16t
+// of rows g and g + 8, and the 16 x values at the same offset of tile row g. MMA j (0..3) takes
+// elements 16t + 4j .. 16t + 4j + 3 of them: its logical k pairs (2t, 2t + 1) and (2t + 8, 2t + 9)
+// are the physical pairs (16t + 4j, +1) and (16t + 4j + 2, +3) for A and B alike, so each product
+// pairs a weight with its own x, and the four MMAs cover the superblock's 64 k once.
+// x is staged per tile in shared memory as BF16, rows 2k + 16 bytes apart: lanes g and g + 1 then
+// fall an odd number of 16-byte bank groups apart and the 16-byte loads are conflict-free. A tile of
+// fewer than 8 rows reads row min(g, rows - 1) for the missing columns (their results are dropped).
+// Needs k % 64 == 0, 16-byte aligned wq and x (else the kernel computes nothing, every live entry
+// commits the empty key: token 0, NONFINITE_NAN; the launch helper refuses such shapes) and
+// tmax * (2k + 16) bytes of dynamic shared memory.
+namespace {
+constexpr int MMA_ROWS = 16;  // weight rows per warp: the MMA's M
+constexpr int MMA_TILE = 8;   // rows of x per tile: the MMA's N
+constexpr int MMA_U = 4;      // superblocks per row per lane in flight: 128 bytes, as the FP8 head
+
+// Two E4M3 bytes (the low 16 bits, low byte first) -> a BF16 pair (low byte in the low half), exact.
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two) {
+    uint32_t h;
+    const uint16_t v = (uint16_t)(two & 0xFFFFu);
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(v));
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    uint32_t b;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(b) : "f"(f.y), "f"(f.x));  // first operand: the upper half
+    return b;
+}
+
+__device__ __forceinline__ void mma_16816_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The tile's rows of x into shared memory, rows k / 8 + 1 uint4 apart. Every thread of the block;
+// ends with a barrier. Through L2: x may come from a kernel that released its dependents early.
+__device__ __forceinline__ void stage_x_mma(const uint16_t* __restrict__ x, uint32_t rows, uint32_t k) {
+    const uint32_t kc = k / 8u;
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    uint4* xs = reinterpret_cast<uint4*>(x_smem);
+    for (uint32_t j = threadIdx.x; j < rows * kc; j += blockDim.x) {
+        const uint32_t r = j / kc, c = j % kc;
+        xs[r * (kc + 1u) + c] = __ldcg(xv + j);
+    }
+    __syncthreads();
+}
+
+// The f32 dots of weight rows row0 + g and row0 + g + 8 (clamped to n - 1) with tile rows 2t and
+// 2t + 1: d = {(g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)} (the MMA's C layout).
+__device__ __forceinline__ void mma_group_dots(const uint8_t* __restrict__ wq, uint32_t row0, uint32_t n, uint32_t k,
+                                               uint32_t rows, float (&d)[4]) {
+    const uint32_t lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const uint8_t* w0 = wq + (size_t)min(row0 + g, n - 1u) * k + 16u * t;
+    const uint8_t* w1 = wq + (size_t)min(row0 + g + 8u, n - 1u) * k + 16u * t;
+    const uint4* xs = reinterpret_cast<const uint4*>(x_smem) + (size_t)min(g, rows - 1u) * (k / 8u + 1u) + 2u * t;
+    const uint32_t nsb = k / 64u;
+    d[0] = d[1] = d[2] = d[3] = 0.0f;
+    for (uint32_t sb0 = 0; sb0 < nsb; sb0 += MMA_U) {
+        uint4 wa[MMA_U], wb[MMA_U];
+#pragma unroll
+        for (int u = 0; u < MMA_U; ++u) {
+            const uint32_t sb = sb0 + u;
+            wa[u] = sb < nsb ? ld_stream16(w0 + 64u * sb) : make_uint4(0, 0, 0, 0);
+            wb[u] = sb < nsb ? ld_stream16(w1 + 64u * sb) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < MMA_U; ++u) {
+            const uint32_t sb = sb0 + u;
+            if (sb < nsb) {
+                const uint4 x0 = xs[8u * sb], x1 = xs[8u * sb + 1u];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const uint32_t p = word_of(wa[u], j), q = word_of(wb[u], j);
+                    const uint4& xh = j < 2 ? x0 : x1;
+                    mma_16816_bf16(d, e4m3x2_to_bf16x2(p), e4m3x2_to_bf16x2(q), e4m3x2_to_bf16x2(p >> 16),
+                                   e4m3x2_to_bf16x2(q >> 16), word_of(xh, 2 * (j & 1)), word_of(xh, 2 * (j & 1) + 1));
+                }
+            }
+        }
+    }
+}
+
+// Logit (row, col) of the group into the tile's logits and the column's candidate.
+__device__ __forceinline__ void mma_store(float v, float sc, uint32_t row, uint32_t col, uint32_t n, uint32_t rows,
+                                          uint16_t* __restrict__ logits, unsigned long long& cand) {
+    if (row < n && col < rows) {
+        const unsigned long long c = store_logit(__fmul_rn(sc, v), row, logits + (size_t)col * n);
+        cand = c > cand ? c : cand;
+    }
+}
+}  // namespace
+
+// Grid: tiles x the blocks per tile (gridDim.x a multiple of tiles), block 256: 8 warps x 16 rows =
+// 128-row groups, grid-stride; tmax * (2k + 16) bytes of dynamic shared memory.
+// __launch_bounds__(256, 4): 64 registers (ptxas -v, nvcc 13.0: one value spilled, stored once per
+// block and reloaded once per group; 72 registers without the bound), 4 blocks per SM at m = 1.
+extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_fp8_mma(
+    const uint8_t* __restrict__ wq, const float* __restrict__ scale, const uint16_t* __restrict__ x,
+    uint16_t* __restrict__ logits, unsigned long long* keys, uint32_t* counter, uint32_t* entries, uint32_t* drafts,
+    uint32_t draft_index, uint32_t kmax, uint32_t* __restrict__ host_drafts, uint32_t publish, uint32_t m, uint32_t n,
+    uint32_t k, uint8_t* __restrict__ flags, uint32_t flag_byte, uint32_t tiles) {
+    const uint32_t lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const HeadBatchShape s = head_batch_shape<MMA_TILE>(m, tiles);
+    const bool shape_ok = k % 64u == 0 && k > 0 && aligned16(wq) && aligned16(x) &&
+                          (size_t)s.tmax * (2u * k + 16u) <= dynamic_smem_bytes();
+    wait_then_release();
+    const uint32_t live = s.active && shape_ok ? tile_live(entries, s.tile) : 0u;  // block-uniform
+    unsigned long long c0 = 0ull, c1 = 0ull;  // this lane's candidates for tile rows 2t and 2t + 1
+    if (live) {
+        const uint32_t rows = s.tile.rows;
+        uint16_t* lt = logits + (size_t)s.tile.e0 * n;
+        stage_x_mma(x + (size_t)s.tile.e0 * k, rows, k);
+        const uint32_t groups = (n + WARPS * MMA_ROWS - 1) / (WARPS * MMA_ROWS);
+        for (uint32_t gi = s.gfirst; gi < groups; gi += s.stride) {
+            const uint32_t row0 = (gi * WARPS + (threadIdx.x >> 5)) * MMA_ROWS;
+            if (row0 >= n) break;  // warp-uniform; later groups only have larger rows
+            float d[4];
+            mma_group_dots(wq, row0, n, k, rows, d);
+            const uint32_t ra = row0 + g, rb = row0 + g + 8u;
+            const float sa = ra < n ? scale[ra] : 0.0f, sbb = rb < n ? scale[rb] : 0.0f;
+            mma_store(d[0], sa, ra, 2u * t, n, rows, lt, c0);
+            mma_store(d[1], sa, ra, 2u * t + 1u, n, rows, lt, c1);
+            mma_store(d[2], sbb, rb, 2u * t, n, rows, lt, c0);
+            mma_store(d[3], sbb, rb, 2u * t + 1u, n, rows, lt, c1);
+        }
+    }
+    // The warp's best per tile row: over the 8 lanes of each t (lane bits 2..4), then lane c < 8
+    // takes row c from lane c / 2 (row 2t is c0 of lane t, row 2t + 1 its c1).
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+        const unsigned long long a = __shfl_xor_sync(0xFFFFFFFFu, c0, o), b = __shfl_xor_sync(0xFFFFFFFFu, c1, o);
+        c0 = a > c0 ? a : c0;
+        c1 = b > c1 ? b : c1;
+    }
+    const uint32_t src = (lane & 7u) >> 1;
+    const unsigned long long v0 = __shfl_sync(0xFFFFFFFFu, c0, src), v1 = __shfl_sync(0xFFFFFFFFu, c1, src);
+    const unsigned long long cand = lane < (uint32_t)MMA_TILE ? ((lane & 1u) ? v1 : v0) : 0ull;
+    argmax_commit_batch<MMA_TILE>(cand, m, tiles, keys, counter, entries, drafts, draft_index, kmax, host_drafts,
+                                  publish, flags, flag_byte);
 }
 
 // ---- the sharded path over a batch ---------------------------------------------------------------

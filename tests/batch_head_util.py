@@ -80,6 +80,7 @@ class HeadCase:
     kmax: int
     publish: bool
     flag_byte: int
+    mma: bool = False  # launch the tensor-core variant (head_argmax_batch_mma)
 
     @property
     def m(self) -> int:
@@ -114,7 +115,8 @@ class HeadCase:
         return b
 
     def launch(self, gpu, w, x, logits, keys, ctr, entries, drafts, host, flags, sc=None) -> None:
-        draft_head.head_argmax_batch(
+        head = draft_head.head_argmax_batch_mma if self.mma else draft_head.head_argmax_batch
+        head(
             gpu,
             w=w,
             scale=sc,
@@ -153,6 +155,7 @@ class HeadCase:
             self.kmax,
             self.publish,
             self.flag_byte,
+            self.mma,
         )
 
     def subset(self, order: list[int], pad_at: list[int] | None = None) -> tuple[HeadCase, list[int]]:
@@ -177,6 +180,7 @@ class HeadCase:
             self.kmax,
             self.publish,
             self.flag_byte,
+            self.mma,
         )
         return case, rows
 

@@ -575,3 +575,63 @@ def test_the_batched_heads_read_x_and_entries_through_l2(function):
     assert "ld.global.cg" in body
     wait = body.find("griddepcontrol.wait")
     assert 0 <= wait < body.find("griddepcontrol.launch_dependents")
+
+
+# ---- the tensor-core variant's twin --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m,n,k,pads", [(1, 37, 64, 0), (9, 300, 256, 3), (200, 20, 64, 30)])
+def test_mma_twin_is_the_batch_twin(host, m, n, k, pads):
+    """head_argmax_fp8_mma's twin is head_argmax_fp8_batch's math (the kernels differ in how the
+    device sums, not in what): the same bytes, and the same commit contract."""
+    rng = np.random.default_rng(m + n)
+    case = head_case(rng, True, m, n, k, pads)
+    plain = case.run(host)
+    case.mma = True
+    mma = case.run(host)
+    check_commit(case, mma)
+    for name in ("entries", "drafts", "host", "flags", "keys", "ctr"):
+        assert mma[name].tobytes() == plain[name].tobytes(), name
+    for e in case.live:
+        assert logits_of(case, mma)[e].tobytes() == logits_of(case, plain)[e].tobytes()
+
+
+def test_mma_shapes_and_refusals(host):
+    for m in range(1, 257):
+        tiles, smem = draft_head.mma_tiling(m, 4096)
+        assert tiles == -(-m // draft_head.MMA_TILE_ROWS) and smem == -(-m // tiles) * (2 * 4096 + 16)
+    p = host.alloc(1 << 16)
+    kw = dict(w=p, scale=p, x=p, logits=p, keys=p, counter=p, entries=p, drafts=p, host_drafts=p, flags=p)
+    kw.update(publish=True, m=2, n=10, draft_index=0, kmax=4, flag_byte=0)
+    with pytest.raises(ValueError, match="k % 64"):
+        draft_head.head_argmax_batch_mma(host, **kw, k=48)
+    with pytest.raises(ValueError, match="FP8"):
+        draft_head.head_argmax_batch_mma(host, **(kw | dict(scale=None)), k=64)
+    with pytest.raises(ValueError, match="k % 64"):
+        draft_head.head_argmax_batch_mma(host, **(kw | dict(x=p.offset(2))), k=64)
+    host.free(p)
+
+
+def test_mma_kernel_without_its_shape_commits_the_empty_key(host):
+    """Launched directly with k % 64 != 0 the kernel computes nothing: every live entry commits
+    token 0 flagged NONFINITE_NAN (the twin as the kernel), padding nothing."""
+    rng = np.random.default_rng(2)
+    case = head_case(rng, True, 5, 30, 48, pads=2)
+
+    def run(gpu, w, x, logits, keys, ctr, entries, drafts, host, flags, sc):
+        args = (w, sc, x, logits, keys, ctr, entries, drafts, 1, 4, host, 1, 5, 30, 48, flags, 2, 1)
+        launch(gpu, gpu.kernel(*draft_head.HEAD_ARGMAX_FP8_MMA.key), 4, 256, *args)
+
+    out = run_bufs(host, run, case.bufs())
+    check_commit(case, out)
+    for e in case.live:
+        assert (token_of(case, out, e), flag_of(case, out, e)) == (0, draft_head.NONFINITE_NAN)
+
+
+def test_mma_ptx_uses_the_tensor_cores_and_reads_x_through_l2():
+    body = _entry_body("draft_head", "head_argmax_fp8_mma")
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in body
+    assert "cvt.rn.f16x2.e4m3x2" in body and "cvt.rn.bf16x2.f32" in body
+    ro = re.findall(r"ld\.global\.nc(?!\.L1::no_allocate)(\.v[24])?\.(u16|b16|u32|b32|f32)\s", body)
+    assert set(ro) <= {("", "f32")}, sorted(set(ro))  # the row scales
+    assert "ld.global.cg.v4.u32" in body  # x staged through L2

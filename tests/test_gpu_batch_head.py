@@ -538,3 +538,167 @@ def test_argmax_pack_and_draft_commit_batch_exact(cuda):
     g, h = run_bufs(cuda, run, bufs), run_bufs(HostBackend(), run, bufs)
     for name in ("keys", "entries", "drafts", "host", "flags"):
         assert g[name].tobytes() == h[name].tobytes(), name
+
+
+# ---- the tensor-core variant: head_argmax_fp8_mma ---------------------------------------------------
+
+MMA_CASES = [
+    (1, 37, 64, 0),
+    (3, 1000, 4096, 1),
+    (17, 100_003, 64, 4),
+    (9, 333, 4160, 2),
+    (64, 777, 256, 10),
+    (200, 129, 512, 50),
+    (256, 40, 64, 0),
+]
+
+
+@pytest.mark.parametrize("m,n,k,pads", MMA_CASES)
+def test_mma_head_against_the_twin(cuda, m, n, k, pads):
+    rng = np.random.default_rng()
+    case = head_case(
+        rng, True, m, n, k, pads, draft_index=int(rng.integers(0, 4)), flag_byte=int(rng.integers(0, 4))
+    )
+    case.mma = True
+    g, h = case.run(cuda), case.run(HostBackend())
+    check_commit(case, g)
+    check_commit(case, h)
+    check_against_twin(case, g, h, f"mma m={m} n={n} k={k}")
+
+
+def test_mma_ties_nan_and_inf_rows(cuda):
+    rng = np.random.default_rng()
+    n, k = 1000, 256
+    w = random_bf16(rng, (n, k), exp_lo=-6)
+    a, b = sorted(rng.choice(np.arange(1, n), 2, replace=False))
+    w[a] = w[b] = 8.0
+    xp = np.abs(random_bf16(rng, k, exp_lo=-1).astype(np.float32))
+    x = np.stack([xp, xp, xp, -xp]).astype(BF16)
+    x[1, 7] = np.nan
+    x[2, 9] = np.inf
+    case = head_case(rng, True, 4, n, k, w=w)
+    case.x, case.mma = x, True
+    case, rows = case.subset([0, 1, 2, 3], pad_at=[2])
+    g = case.run(cuda)
+    check_commit(case, g)
+    for j, e in enumerate(rows):
+        if e < 0:
+            continue
+        tok, flag = token_of(case, g, j), flag_of(case, g, j)
+        assert (tok, flag) == expected_token(logits_of(case, g)[j]), f"row {e}"
+        if e == 0:
+            assert (tok, flag) == (a, 0)
+        elif e == 1:
+            assert (tok, flag) == (0, draft_head.NONFINITE_NAN)
+        elif e == 2:
+            gl = logits_of(case, g)[j].astype(np.float32)
+            assert flag == draft_head.NONFINITE_INF and tok == int(np.flatnonzero(gl == np.inf)[0])
+        else:
+            assert tok not in (a, b) and flag == 0
+
+
+def test_mma_batch_invariance_bit_for_bit(cuda, pool_weights):
+    """As test_batch_invariance_bit_for_bit for the tensor-core kernel: 200 rows alone, then in
+    batches of 17, 200, 1, 64 and 3 (tiles of up to 8 rows, a row in any column of the MMA)."""
+    rng = np.random.default_rng()
+    base, resident = pool_weights[True]
+    base = HeadCase(**{**base.__dict__, "mma": True})
+    refcase = {e: base.row(e) for e in range(base.m)}
+    ref = {e: refcase[e].run(cuda, resident) for e in range(base.m)}
+    for m in (17, 200, 1, 64, 3):
+        pads = m // 5
+        order = [int(v) for v in rng.permutation(base.m)[: m - pads]]
+        case, rows = base.subset(order, pad_at=[int(p) for p in rng.integers(0, len(order) + 1, pads)])
+        out = case.run(cuda, resident)
+        check_commit(case, out)
+        check_rows_equal(case, out, rows, ref, refcase)
+
+
+@pytest.mark.parametrize("m,pads", [(1, 0), (17, 2)])
+def test_mma_full_fp8_head(cuda, full_head, m, pads):
+    rng = np.random.default_rng()
+    f = full_head
+    resident = {"w": f["pq"], "sc": f["ps"]}
+    case = head_case(rng, True, m, VOCAB, HIDDEN, pads, wq=(f["q"], f["s"]))
+    case.mma = True
+    g = case.run(cuda, resident)
+    check_commit(case, g)
+    live = case.live
+    xl = case.x[live]
+    ref = (xl.astype(np.float32) @ f["wd"].T).astype(np.float64)
+    assert_dot_close(
+        logits_of(case, g)[live], ref, dot_bound(abs_dot(xl, f["wd"]), ref, HIDDEN, 2), f"mma m={m}"
+    )
+    for e in live:
+        assert (token_of(case, g, e), flag_of(case, g, e)) == expected_token(logits_of(case, g)[e])
+        alone = case.row(e)
+        check_rows_equal(
+            case, g, [e if j == e else -1 for j in range(m)], {e: alone.run(cuda, resident)}, {e: alone}
+        )
+
+
+# ---- what the heads measure (printed; run with -s) -------------------------------------------------
+
+
+def test_report_head_times(cuda, full_head):
+    """Device time per launch of the full FP8 head (154880 x 4096, 634 MB) for today's single-row
+    kernel, the CUDA-core batched kernel and the tensor-core one, at m = 1, 2, 4, 8, 16, 64, 256:
+    printed for the lead (pytest -s -k report_head_times); asserts only that each ran. Launches
+    back to back on one stream between two events (PDL on, as in the graphs), so a launch's time
+    includes its overlap with the one before."""
+    f = full_head
+    rng = np.random.default_rng()
+    reps = 20
+    rows = []
+    for m in (1, 2, 4, 8, 16, 64, 256):
+        case = head_case(rng, True, m, VOCAB, HIDDEN, 0, wq=(f["q"], f["s"]))
+        times = {}
+        for kind in ["batch", "mma"] + (["today"] if m == 1 else []):
+            case.mma = kind == "mma"
+
+            def timed(gpu, w, x, logits, keys, ctr, entries, drafts, host, flags, sc=None, kind=kind):
+                def once():
+                    if kind == "today":
+                        draft_head.head_argmax(
+                            gpu,
+                            w,
+                            sc,
+                            x,
+                            logits,
+                            keys,
+                            ctr,
+                            entries.offset(8),
+                            drafts,
+                            0,
+                            host,
+                            True,
+                            VOCAB,
+                            HIDDEN,
+                            flag=flags,
+                        )
+                    else:
+                        case.launch(gpu, w, x, logits, keys, ctr, entries, drafts, host, flags, sc)
+
+                once()
+                once()
+                start, end = gpu.event_create(), gpu.event_create()
+                gpu.event_record(start)
+                for _ in range(reps):
+                    once()
+                gpu.event_record(end)
+                gpu.synchronize()
+                times[kind] = gpu.event_elapsed_ms(start, end) / reps
+                gpu.event_destroy(start)
+                gpu.event_destroy(end)
+
+            run_bufs(cuda, timed, {**case.bufs(), "w": f["pq"], "sc": f["ps"]})
+            assert times[kind] > 0
+        rows.append((m, times))
+    floor = VOCAB * HIDDEN / 4.8e12 * 1e3
+    print(f"\nFP8 head 154880 x 4096, ms per launch (mean of {reps}); 634 MB at 4.8 TB/s = {floor:.3f} ms")
+    print(f"{'m':>4} {'today':>8} {'batch':>8} {'mma':>8}  batch/floor  mma/floor")
+    for m, t in rows:
+        today = f"{t['today']:8.3f}" if "today" in t else " " * 8
+        print(
+            f"{m:4d} {today} {t['batch']:8.3f} {t['mma']:8.3f}  {t['batch'] / floor:11.2f}  {t['mma'] / floor:9.2f}"
+        )

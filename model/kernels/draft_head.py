@@ -361,10 +361,12 @@ def _head_batch(
     flags,
     flag_byte,
     tiles,
+    tile_rows=gemv_fp8w_mod.BATCH_TILE_ROWS,
 ):
     """The batched heads' twin: ``logits_of(rows)`` gives the BF16 logits [len(rows), n] of those
-    rows of x. Only live rows are computed and stored (a padding row's logits are scratch)."""
-    if not gemv_fp8w_mod.batch_shape_ok(m, tiles):
+    rows of x. Only live rows are computed and stored (a padding row's logits are scratch). A tile
+    count the kernel refuses (more than ``tile_rows`` rows in a tile) writes nothing."""
+    if not (1 <= m <= BATCH_MAX and 1 <= tiles <= m and -(-m // tiles) <= tile_rows):
         mem.write(counter, np.zeros(1, np.uint32))  # the kernel only takes part in the handshake
         return
     ent = read_entries(mem, entries, m)
@@ -652,5 +654,164 @@ def draft_commit_batch(
         m,
         flags,
         flag_byte,
+        stream=stream,
+    )
+
+
+# ---- the tensor-core variant (for the lead to measure; the model does not use it) ------------------
+#
+# ptx/draft_head.cu head_argmax_fp8_mma: head_argmax_fp8_batch's contract, its logits from
+# mma.sync.m16n8k16 (the FP8 weights dequantised to BF16 in registers, f32 accumulation, the row
+# scale after the sum). Tiles of up to MMA_TILE_ROWS rows (the MMA's N), x staged per tile as BF16
+# rows of 2k + 16 bytes. Not the CUDA-core heads' bits (the tensor core sums each k16 step its own
+# way): the twin is the same f32 math, which the GPU test holds it to within the GEMV bound; rows
+# are bit-identical across batches (each MMA output column depends on its own x row only).
+
+MMA_TILE_ROWS = 8
+MMA_GROUP_ROWS = 128  # 8 warps x 16 weight rows
+MMA_X_SMEM_MAX = 96 * 1024
+
+
+def mma_tiling(m: int, k: int) -> tuple[int, int]:
+    """(tiles, dynamic shared bytes) of head_argmax_fp8_mma: the fewest balanced tiles of at most
+    MMA_TILE_ROWS rows whose largest fits MMA_X_SMEM_MAX as BF16 rows of 2k + 16 bytes."""
+    per_row = 2 * k + 16
+    rows = max(1, min(MMA_TILE_ROWS, MMA_X_SMEM_MAX // per_row))
+    tiles = -(-m // rows)
+    return tiles, -(-m // tiles) * per_row
+
+
+def _mma_supported(wq, x, k: int) -> bool:
+    return k > 0 and k % 64 == 0 and wq.addr % 16 == 0 and x.addr % 16 == 0
+
+
+@declare(
+    "draft_head",
+    "head_argmax_fp8_mma",
+    [("wq", PTR), ("scale", PTR), ("x", PTR), *_HEAD_BATCH_TAIL],
+    writes=_HEAD_BATCH_WRITES,
+    pdl=True,
+    releases=True,
+)
+def HEAD_ARGMAX_FP8_MMA(
+    mem,
+    wq,
+    scale,
+    x,
+    logits,
+    keys,
+    counter,
+    entries,
+    drafts,
+    draft_index,
+    kmax,
+    host_drafts,
+    publish,
+    m,
+    n,
+    k,
+    flags,
+    flag_byte,
+    tiles,
+):
+    """head_argmax_fp8_batch's twin, up to MMA_TILE_ROWS rows per tile; a shape the kernel cannot
+    run (k % 64 != 0, an unaligned pointer) computes nothing: every live entry commits the empty key
+    (token 0, NONFINITE_NAN), as on the device."""
+    tiles_ok = 1 <= m <= BATCH_MAX and 1 <= tiles <= m and -(-m // tiles) <= MMA_TILE_ROWS
+    if tiles_ok and not _mma_supported(wq, x, k):
+        _batch_commit(
+            mem, [0] * m, entries, drafts, draft_index, kmax, host_drafts, publish, m, flags, flag_byte
+        )
+        mem.write(keys, np.zeros(m, np.uint64))
+        mem.write(counter, np.zeros(1, np.uint32))
+        return
+
+    def logits_of(rows):
+        xs = mem.read(x, BF16, (m, k))[rows]
+        return gemv_fp8w_ref(mem.view(wq, FP8, (n, k)), mem.read(scale, np.float32, n), xs)
+
+    _head_batch(
+        mem,
+        logits_of,
+        logits,
+        keys,
+        counter,
+        entries,
+        drafts,
+        draft_index,
+        kmax,
+        host_drafts,
+        publish,
+        m,
+        n,
+        flags,
+        flag_byte,
+        tiles,
+        MMA_TILE_ROWS,
+    )
+
+
+def head_mma_launch(gpu, m: int, n: int, k: int) -> tuple[int, int, int]:
+    """(grid, dynamic shared bytes, tiles) of head_argmax_fp8_mma."""
+    tiles, smem = mma_tiling(m, k)
+    groups = max(1, -(-n // MMA_GROUP_ROWS))
+    resident = gpu.resident_blocks(gpu.kernel(*HEAD_ARGMAX_FP8_MMA.key), 256, smem)
+    return tiles * grid_stride_blocks(groups, max(1, resident // tiles)), smem, tiles
+
+
+def head_argmax_batch_mma(
+    gpu,
+    *,
+    w,
+    scale,
+    x,
+    logits,
+    keys,
+    counter,
+    entries,
+    drafts,
+    draft_index,
+    kmax,
+    host_drafts,
+    publish,
+    m,
+    n,
+    k,
+    flags,
+    flag_byte,
+    stream=None,
+):
+    """head_argmax_batch (FP8 head) through the tensor-core kernel: the same buffers, commit and
+    padding rules; k % 64 == 0 and 16-byte aligned w and x."""
+    _check_batch(m, n, k, draft_index, kmax, flag_byte, "head_argmax_batch_mma")
+    if scale is None:
+        raise ValueError("head_argmax_batch_mma: the tensor-core head is the FP8 head (scale is required)")
+    if not _mma_supported(w, x, k):
+        raise ValueError(f"head_argmax_batch_mma: needs k % 64 == 0 (k={k}) and 16-byte aligned w and x")
+    grid, smem, tiles = head_mma_launch(gpu, m, n, k)
+    launch(
+        gpu,
+        gpu.kernel(*HEAD_ARGMAX_FP8_MMA.key),
+        grid,
+        256,
+        w,
+        scale,
+        x,
+        logits,
+        keys,
+        counter,
+        entries,
+        drafts,
+        draft_index,
+        kmax,
+        host_drafts,
+        int(bool(publish)),
+        m,
+        n,
+        k,
+        flags,
+        flag_byte,
+        tiles,
+        smem=smem,
         stream=stream,
     )
