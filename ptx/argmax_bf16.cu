@@ -43,11 +43,11 @@ __device__ __forceinline__ void consider8(uint4 c, uint32_t i0, float& best, uin
     consider(bf16_lo(c.w), i0 + 6, best, bi);
     consider(bf16_hi(c.w), i0 + 7, best, bi);
 }
-}  // namespace
 
-extern "C" __global__ void __cluster_dims__(ARGMAX_BLOCKS, 1, 1) __launch_bounds__(1024)
-    argmax_bf16(const uint16_t* __restrict__ x, uint32_t* __restrict__ out_idx, float* __restrict__ out_val,
-                uint32_t n) {
+// The argmax of one vector by the cluster of the calling block (the whole body of argmax_bf16;
+// argmax_bf16_batch runs it once per row).
+__device__ __forceinline__ void argmax_cluster(const uint16_t* __restrict__ x, uint32_t* __restrict__ out_idx,
+                                               float* __restrict__ out_val, uint32_t n) {
     __shared__ float sv[32];
     __shared__ uint32_t si[32];
     cg::cluster_group cluster = cg::this_cluster();
@@ -117,4 +117,23 @@ extern "C" __global__ void __cluster_dims__(ARGMAX_BLOCKS, 1, 1) __launch_bounds
         }
     }
     cluster.sync();  // no block exits (freeing its shared memory) before rank 0 has read it
+}
+}  // namespace
+
+extern "C" __global__ void __cluster_dims__(ARGMAX_BLOCKS, 1, 1) __launch_bounds__(1024)
+    argmax_bf16(const uint16_t* __restrict__ x, uint32_t* __restrict__ out_idx, float* __restrict__ out_val,
+                uint32_t n) {
+    argmax_cluster(x, out_idx, out_val, n);
+}
+
+// The argmax of each row of x[m][n] (rows n elements apart) into out_idx[e], out_val[e], by the
+// rules above: grid (ARGMAX_BLOCKS, m), cluster e along y works on row e. The result of a row is
+// exact whatever m (an argmax has no rounding), so it is the one argmax_bf16 gives that row alone.
+// A row whose start is not 16-byte aligned (n % 8 != 0) takes the element-wise loop.
+extern "C" __global__ void __cluster_dims__(ARGMAX_BLOCKS, 1, 1) __launch_bounds__(1024)
+    argmax_bf16_batch(const uint16_t* __restrict__ x, uint32_t* __restrict__ out_idx, float* __restrict__ out_val,
+                      uint32_t m, uint32_t n) {
+    const uint32_t e = blockIdx.y;
+    if (e >= m) return;  // uniform over the cluster: every block of it has the same row
+    argmax_cluster(x + (size_t)e * n, out_idx + e, out_val + e, n);
 }

@@ -272,3 +272,609 @@ extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_fp8(
     }
     argmax_commit(cand, key, counter, token, drafts, slot, host_drafts, publish, flag);
 }
+
+// ---- the head over a batch ------------------------------------------------------------------------
+//
+// head_argmax_{fp8,bf16}_batch: the single-rank head for the m entries of a batched launch
+// (ptx/batch.cuh). Row e of x [m][k] gets the logits row e of [m][n] and its argmax, committed as
+// the single-row heads commit theirs: entries[e].token (the next draft's embedding reads it),
+// drafts[e * kmax + draft_index], with publish drafts[e * kmax + 0 .. draft_index] into
+// host_drafts[e * kmax + ...], and the non-finite code into byte flags[e * 4 + flag_byte]. A padding
+// entry (slot BATCH_PAD) gets none of these; its logits row is scratch (a tile of padding rows only
+// is skipped). keys[0..m) (u64) and counter are zeroed scratch the last block leaves zeroed.
+//
+// Batch invariance: a row's logits are computed with the single-row heads' arithmetic
+// (fp8_batch.cuh for the order), so they have the same bits whatever the batch, and the argmax of
+// equal logits is the same index. The m rows are split into `tiles` balanced tiles of at most 4
+// rows (the launch helper's choice); a block stages its tile's x once and streams its share of the
+// weight groups with each weight chunk applied to every row of the tile. With one row per tile
+// (m = 1) the block runs the single-row kernel's code, first weight batch before the wait
+// included, so B = 1 keeps its speed.
+#include "batch.cuh"
+#include "fp8_batch.cuh"
+
+namespace {
+// Weight rows per warp and 16-byte loads per row per lane in flight when the tiles hold 2..4 rows
+// of x. Both are what fits the 64 registers without spilling (ptxas -v, nvcc 13.0): four rows per
+// warp, or four loads per row at four rows of x, spilled. The weight groups are then the 16 rows of
+// the single-row path, so every tile walks the same groups.
+constexpr int ROWS_BATCH = 2;
+constexpr int U_BATCH = 2;
+
+// Bit i set when row i of the tile is a live entry. After the grid dependency wait, through L2
+// (the last block of this kernel writes the entries' token words).
+__device__ __forceinline__ uint32_t tile_live(const uint32_t* entries, const BatchTile& tile) {
+    uint32_t live = 0u;
+    for (uint32_t i = 0; i < tile.rows; ++i)
+        if (__ldcg(entries + (size_t)(tile.e0 + i) * ENTRY_WORDS) != BATCH_PAD) live |= 1u << i;
+    return live;
+}
+
+// The warp's 32-lane max of a key: the single-row groups leave candidates in lanes 0 and 1.
+__device__ __forceinline__ unsigned long long warp_max_key(unsigned long long c) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xFFFFFFFFu, c, o);
+        c = other > c ? other : c;
+    }
+    return c;
+}
+
+// The launch's shape, common to both batched heads. `tiles` is checked here (the launch helper
+// never passes a bad one): with a bad shape the kernel only takes part in the handshake.
+struct HeadBatchShape {
+    bool active;      // this block has a tile and a first group
+    BatchTile tile;   // its tile
+    uint32_t tmax;    // rows of the largest tile
+    uint32_t gfirst;  // its first weight group
+    uint32_t stride;  // blocks per tile: the group stride
+    uint32_t m;       // m, or 0 for a bad shape (nothing to commit)
+};
+
+// TR: the most rows a tile may hold (BATCH_TILE_ROWS for the CUDA-core heads).
+template <int TR = BATCH_TILE_ROWS>
+__device__ __forceinline__ HeadBatchShape head_batch_shape(uint32_t m, uint32_t tiles) {
+    const bool ok = m >= 1u && m <= BATCH_MAX_ROWS && tiles >= 1u && tiles <= m && (m + tiles - 1u) / tiles <= (uint32_t)TR;
+    const uint32_t nt = ok ? tiles : 1u;
+    HeadBatchShape s;
+    s.stride = gridDim.x / nt;
+    s.gfirst = blockIdx.x / nt;
+    s.active = ok && s.gfirst < s.stride;
+    s.tile = batch_tile(ok ? m : 1u, nt, blockIdx.x % nt);
+    s.tmax = ok ? (m + nt - 1u) / nt : 1u;
+    s.m = ok ? m : 0u;
+    return s;
+}
+
+// argmax_commit for a batch. Lane i of each warp holds the warp's best key for row i of the
+// block's tile; the block's best per live row goes into keys[e0 + i] by atomicMax; the last block
+// commits every live entry of the launch from its key (argmax_commit's rules) and re-zeroes
+// keys[0..m). The shape and the tile's live rows are derived again here rather than kept in
+// registers through the weight stream (that spilled the BF16 head).
+template <int TR = BATCH_TILE_ROWS>
+__device__ __forceinline__ void argmax_commit_batch(unsigned long long cand, uint32_t m, uint32_t tiles,
+                                                    unsigned long long* keys, uint32_t* counter, uint32_t* entries,
+                                                    uint32_t* drafts, uint32_t draft_index, uint32_t kmax,
+                                                    uint32_t* host_drafts, uint32_t publish, uint8_t* flags,
+                                                    uint32_t flag_byte) {
+    __shared__ unsigned long long best_s[WARPS][TR];
+    const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane < (uint32_t)TR) best_s[warp][lane] = cand;
+    __syncthreads();
+    const HeadBatchShape s = head_batch_shape<TR>(m, tiles);
+    if (s.active && threadIdx.x < s.tile.rows &&
+        __ldcg(entries + (size_t)(s.tile.e0 + threadIdx.x) * ENTRY_WORDS) != BATCH_PAD) {
+        unsigned long long b = 0ull;
+        for (int w = 0; w < WARPS; ++w) b = best_s[w][threadIdx.x] > b ? best_s[w][threadIdx.x] : b;
+        if (b) atomicMax(keys + s.tile.e0 + threadIdx.x, b);
+    }
+    if (!last_block_done(counter)) return;
+    for (uint32_t e = threadIdx.x; e < s.m; e += blockDim.x) {
+        const unsigned long long k = atomicExch(keys + e, 0ull);
+        if (__ldcg(entries + (size_t)e * ENTRY_WORDS) == BATCH_PAD) continue;
+        const uint32_t t = key_index(k);
+        const uint32_t bad = key_nonfinite(k);
+        if (bad) flags[(size_t)e * 4u + flag_byte] = (uint8_t)bad;
+        entries[(size_t)e * ENTRY_WORDS + 2u] = t;
+        uint32_t* d = drafts + (size_t)e * kmax;
+        d[draft_index] = t;
+        if (publish) publish_drafts(d, host_drafts + (size_t)e * kmax, draft_index, t);
+    }
+}
+
+// One group of the FP8 head over a tile of M rows: ROWS_BATCH weight rows per warp, logits of tile
+// row i into logits + i * n, lane i's candidate for tile row i. False once the warp is past n.
+template <int M>
+__device__ __forceinline__ bool head_fp8_group_batch(const uint8_t* __restrict__ wq, const float* __restrict__ scale,
+                                                     const uint16_t* __restrict__ x, uint16_t* __restrict__ logits,
+                                                     uint32_t g, uint32_t n, uint32_t k, int mode,
+                                                     unsigned long long& cand) {
+    constexpr int R = ROWS_BATCH;
+    const uint32_t lane = threadIdx.x & 31;
+    const uint32_t row0 = (g * WARPS + (threadIdx.x >> 5)) * R;
+    if (row0 >= n) return false;  // warp-uniform; later groups only have larger rows
+    const float sc = (lane < (uint32_t)R && row0 + lane < n) ? scale[row0 + lane] : 0.0f;
+    float dot[R][M];
+    fp8_tile_dots<R, M, U_BATCH>(wq, x, row0, n, k, mode, dot);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const float s = __shfl_sync(0xFFFFFFFFu, sc, r);
+#pragma unroll
+        for (int i = 0; i < M; ++i) {
+            if (lane == (uint32_t)i && row0 + r < n) {
+                const unsigned long long c = store_logit(__fmul_rn(s, dot[r][i]), row0 + r, logits + (size_t)i * n);
+                cand = c > cand ? c : cand;
+            }
+        }
+    }
+    return true;
+}
+
+template <int M>
+__device__ __forceinline__ void head_fp8_groups_batch(const uint8_t* __restrict__ wq, const float* __restrict__ scale,
+                                                      const uint16_t* __restrict__ x, uint16_t* __restrict__ logits,
+                                                      const HeadBatchShape& s, uint32_t n, uint32_t k, int mode,
+                                                      unsigned long long& cand) {
+    const uint32_t groups = (n + WARPS * ROWS_BATCH - 1) / (WARPS * ROWS_BATCH);
+    for (uint32_t g = s.gfirst; g < groups; g += s.stride)
+        if (!head_fp8_group_batch<M>(wq, scale, x, logits, g, n, k, mode, cand)) break;
+}
+}  // namespace
+
+// Grid: tiles x the blocks per tile (the launch helper: gridDim.x a multiple of tiles, at most the
+// blocks resident at once), block 256, dynamic shared memory tmax * k * 4 bytes for the staged x
+// tile (without it x is read from global memory; same bits). __launch_bounds__(256, 4) as the
+// single-row head: 64 registers, which its m = 1 path needs for 4 blocks per SM.
+extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_fp8_batch(
+    const uint8_t* __restrict__ wq, const float* __restrict__ scale, const uint16_t* __restrict__ x,
+    uint16_t* __restrict__ logits, unsigned long long* keys, uint32_t* counter, uint32_t* entries, uint32_t* drafts,
+    uint32_t draft_index, uint32_t kmax, uint32_t* __restrict__ host_drafts, uint32_t publish, uint32_t m, uint32_t n,
+    uint32_t k, uint8_t* __restrict__ flags, uint32_t flag_byte, uint32_t tiles) {
+    constexpr int ROWS = ROWS_FP8;
+    const uint32_t lane = threadIdx.x & 31;
+    const HeadBatchShape s = head_batch_shape(m, tiles);
+    const int mode = fp8_x_mode(wq, x, k, s.tmax);
+    const uint16_t* xt = x + (size_t)s.tile.e0 * k;
+    uint16_t* lt = logits + (size_t)s.tile.e0 * n;
+    const bool single = s.tmax == 1u;
+    // One row per tile: head_argmax_fp8's groups, its first weight batch loaded before the wait.
+    const uint32_t groups1 = (n + WARPS * ROWS - 1) / (WARPS * ROWS);
+    const uint32_t first_row0 = (s.gfirst * WARPS + (threadIdx.x >> 5)) * ROWS;
+    const bool pre_ok = s.active && single && mode == XS_SMEM && (k >> 4) >= 32u * U_FP8 && s.gfirst < groups1 &&
+                        first_row0 < n;
+    uint4 pre[ROWS][U_FP8];
+    if (pre_ok) {
+#pragma unroll
+        for (int u = 0; u < U_FP8; ++u)
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r)
+                pre[r][u] = ld_stream16(reinterpret_cast<const uint4*>(wq + (size_t)min(first_row0 + r, n - 1) * k) +
+                                        lane + 32u * u);
+    }
+    wait_then_release();
+    const uint32_t live = s.active ? tile_live(entries, s.tile) : 0u;  // block-uniform
+    unsigned long long cand = 0ull;
+    if (live) {
+        if (mode == XS_SMEM) stage_x(xt, s.tile.rows, k);  // every thread of the block
+        if (single) {
+            const bool vec = mode != XS_SCALAR, smem = mode == XS_SMEM;
+            uint32_t g = s.gfirst;
+            if (pre_ok) {
+                head_fp8_group<true>(wq, scale, xt, lt, g, n, k, vec, smem, pre, cand);
+                g += s.stride;
+            }
+            for (; g < groups1; g += s.stride)
+                if (!head_fp8_group<false>(wq, scale, xt, lt, g, n, k, vec, smem, pre, cand)) break;
+            cand = warp_max_key(cand);
+            cand = lane == 0 ? cand : 0ull;
+        } else {
+            switch (s.tile.rows) {
+                case 1: head_fp8_groups_batch<1>(wq, scale, xt, lt, s, n, k, mode, cand); break;
+                case 2: head_fp8_groups_batch<2>(wq, scale, xt, lt, s, n, k, mode, cand); break;
+                case 3: head_fp8_groups_batch<3>(wq, scale, xt, lt, s, n, k, mode, cand); break;
+                default: head_fp8_groups_batch<4>(wq, scale, xt, lt, s, n, k, mode, cand); break;
+            }
+        }
+    }
+    argmax_commit_batch(cand, m, tiles, keys, counter, entries, drafts, draft_index, kmax, host_drafts, publish, flags,
+                        flag_byte);
+}
+
+namespace {
+// stage_x for the BF16 head's 8-weight chunks: float4 ((i * 2 + h) * (k / 8) + c) holds elements
+// 8c + 4h .. 8c + 4h + 3 of row i as f32, so lane-consecutive chunks read consecutive float4s.
+// Needs k % 8 == 0, x 16-byte aligned and rows * k * 4 bytes of dynamic shared memory; ends with a
+// barrier (call from every thread of the block).
+__device__ __forceinline__ void stage_x8(const uint16_t* __restrict__ x, uint32_t rows, uint32_t k) {
+    const uint32_t kc = k / 8u;
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    for (uint32_t j = threadIdx.x; j < rows * kc; j += blockDim.x) {
+        const uint32_t i = j / kc, c = j % kc;
+        const uint4 v = __ldcg(xv + j);  // L2: x may come from a kernel that released early
+        x_smem[(i * 2u) * kc + c] = make_float4(bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y));
+        x_smem[(i * 2u + 1u) * kc + c] = make_float4(bf16_lo(v.z), bf16_hi(v.z), bf16_lo(v.w), bf16_hi(v.w));
+    }
+    __syncthreads();
+}
+
+// Elements 8c + 4h .. 8c + 4h + 3 of tile row i as f32 (staged, or from global memory through L2).
+template <int MODE>
+__device__ __forceinline__ float4 x_quarter8(const uint16_t* __restrict__ x, int i, int h, uint32_t c, uint32_t k) {
+    if (MODE == XS_SMEM) return x_smem[((uint32_t)i * 2u + (uint32_t)h) * (k >> 3) + c];
+    const uint2 v = __ldcg(reinterpret_cast<const uint2*>(x + (size_t)i * k + 8u * c + 4u * (uint32_t)h));
+    return make_float4(bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y));
+}
+
+// acc[r][i] += the lane's 8-weight chunks of BF16 row w[r] times tile row i, in warp_gemv_bf16's
+// order: chunks c = lane, lane + 32, ..., within a chunk dot8_bf16's element order; the scalar mode
+// is its element-wise path (k % 8 != 0 or an unaligned pointer).
+template <int R, int M, int U, int MODE>
+__device__ __forceinline__ void bf16_tile_dot(const uint16_t* const (&w)[R], const uint16_t* __restrict__ x, uint32_t k,
+                                              float (&acc)[R][M]) {
+    const uint32_t lane = threadIdx.x & 31;
+    if (MODE == XS_SCALAR) {
+        for (uint32_t j = lane; j < k; j += 32u) {
+            float wf[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) wf[r] = bf16_bits_to_f32(w[r][j]);
+#pragma unroll
+            for (int i = 0; i < M; ++i) {
+                const float xi = bf16_bits_to_f32(__ldcg(x + (size_t)i * k + j));
+#pragma unroll
+                for (int r = 0; r < R; ++r) acc[r][i] = fmaf(wf[r], xi, acc[r][i]);
+            }
+        }
+        return;
+    }
+    const uint32_t kc = k >> 3;
+    for (uint32_t c0 = lane; c0 < kc; c0 += 32u * U) {
+        uint4 wv[R][U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const uint32_t c = c0 + 32u * u;
+#pragma unroll
+            for (int r = 0; r < R; ++r)
+                wv[r][u] = c < kc ? ld_stream16(reinterpret_cast<const uint4*>(w[r]) + c) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const uint32_t c = c0 + 32u * u;
+            if (c < kc) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    float4 xf[M];
+#pragma unroll
+                    for (int i = 0; i < M; ++i) xf[i] = x_quarter8<MODE>(x, i, h, c, k);
+#pragma unroll
+                    for (int r = 0; r < R; ++r) {
+                        const uint32_t a = word_of(wv[r][u], 2 * h), b = word_of(wv[r][u], 2 * h + 1);
+                        const float f0 = bf16_lo(a), f1 = bf16_hi(a), f2 = bf16_lo(b), f3 = bf16_hi(b);
+#pragma unroll
+                        for (int i = 0; i < M; ++i) {
+                            acc[r][i] = fmaf(f0, xf[i].x, acc[r][i]);
+                            acc[r][i] = fmaf(f1, xf[i].y, acc[r][i]);
+                            acc[r][i] = fmaf(f2, xf[i].z, acc[r][i]);
+                            acc[r][i] = fmaf(f3, xf[i].w, acc[r][i]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+// One group of head_argmax_bf16 (one row of x): its 8 warps x 2 rows, x from L2; FIRST: the warp's
+// first weight batch is issued before the grid dependency wait and the release (warp_gemv_bf16).
+// Lanes 0 and 1 fold their rows' keys into cand. False once the warp is past n (then with FIRST it
+// has not waited: the caller waits after).
+template <bool FIRST>
+__device__ __forceinline__ bool head_bf16_group(const uint16_t* __restrict__ w, const uint16_t* __restrict__ x,
+                                                uint16_t* __restrict__ logits, uint32_t g, uint32_t n, uint32_t k,
+                                                bool vec, unsigned long long& cand) {
+    constexpr int ROWS = ROWS_BF16;
+    const uint32_t lane = threadIdx.x & 31;
+    const uint32_t row0 = (g * WARPS + (threadIdx.x >> 5)) * ROWS;
+    if (row0 >= n) return false;
+    const uint16_t* wr[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) wr[r] = w + (size_t)min(row0 + r, n - 1) * k;
+    float acc[ROWS] = {0.0f, 0.0f};
+    warp_gemv_bf16<ROWS, 4, FIRST, FIRST, true>(wr, x, k, vec, acc);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const float v = warp_sum(acc[r]);
+        if (lane == (uint32_t)r && row0 + r < n) {
+            const unsigned long long c = store_logit(v, row0 + r, logits);
+            cand = c > cand ? c : cand;
+        }
+    }
+    return true;
+}
+
+// One group of the BF16 head over a tile of M rows (head_fp8_group_batch without the scale).
+template <int M>
+__device__ __forceinline__ bool head_bf16_group_batch(const uint16_t* __restrict__ w, const uint16_t* __restrict__ x,
+                                                      uint16_t* __restrict__ logits, uint32_t g, uint32_t n,
+                                                      uint32_t k, int mode, unsigned long long& cand) {
+    constexpr int R = ROWS_BATCH;
+    const uint32_t lane = threadIdx.x & 31;
+    const uint32_t row0 = (g * WARPS + (threadIdx.x >> 5)) * R;
+    if (row0 >= n) return false;
+    const uint16_t* wr[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) wr[r] = w + (size_t)min(row0 + (uint32_t)r, n - 1u) * k;
+    float dot[R][M];
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int i = 0; i < M; ++i) dot[r][i] = 0.0f;
+    if (mode == XS_SMEM) bf16_tile_dot<R, M, U_BATCH, XS_SMEM>(wr, x, k, dot);
+    else if (mode == XS_GLOBAL) bf16_tile_dot<R, M, U_BATCH, XS_GLOBAL>(wr, x, k, dot);
+    else bf16_tile_dot<R, M, U_BATCH, XS_SCALAR>(wr, x, k, dot);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int i = 0; i < M; ++i) {
+            const float v = warp_sum(dot[r][i]);
+            if (lane == (uint32_t)i && row0 + r < n) {
+                const unsigned long long c = store_logit(v, row0 + r, logits + (size_t)i * n);
+                cand = c > cand ? c : cand;
+            }
+        }
+    return true;
+}
+
+template <int M>
+__device__ __forceinline__ void head_bf16_groups_batch(const uint16_t* __restrict__ w, const uint16_t* __restrict__ x,
+                                                       uint16_t* __restrict__ logits, uint32_t g0, uint32_t stride,
+                                                       uint32_t n, uint32_t k, int mode, unsigned long long& cand) {
+    const uint32_t groups = (n + WARPS * ROWS_BATCH - 1) / (WARPS * ROWS_BATCH);
+    for (uint32_t g = g0; g < groups; g += stride)
+        if (!head_bf16_group_batch<M>(w, x, logits, g, n, k, mode, cand)) break;
+}
+}  // namespace
+
+// head_argmax_fp8_batch with the BF16 head. One row per tile (m = 1): head_argmax_bf16's code and
+// grid (the launch helper gives one group per block, x read from L2, the first weight batch issued
+// before the wait); 2..4 rows: the tile staged in shared memory (tmax * k * 4 bytes) and the
+// blocks grid-stride as the FP8 head's.
+extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_bf16_batch(
+    const uint16_t* __restrict__ w, const uint16_t* __restrict__ x, uint16_t* __restrict__ logits,
+    unsigned long long* keys, uint32_t* counter, uint32_t* entries, uint32_t* drafts, uint32_t draft_index,
+    uint32_t kmax, uint32_t* __restrict__ host_drafts, uint32_t publish, uint32_t m, uint32_t n, uint32_t k,
+    uint8_t* __restrict__ flags, uint32_t flag_byte, uint32_t tiles) {
+    const uint32_t lane = threadIdx.x & 31;
+    const HeadBatchShape s = head_batch_shape(m, tiles);
+    const bool vec = (k % 8u == 0) && aligned16(w) && aligned16(x);
+    const int mode = !vec ? XS_SCALAR : (size_t)s.tmax * k * 4u <= dynamic_smem_bytes() ? XS_SMEM : XS_GLOBAL;
+    const uint16_t* xt = x + (size_t)s.tile.e0 * k;
+    uint16_t* lt = logits + (size_t)s.tile.e0 * n;
+    const bool single = s.tmax == 1u;
+    const uint32_t groups1 = (n + WARPS * ROWS_BF16 - 1) / (WARPS * ROWS_BF16);
+    unsigned long long cand = 0ull;
+    uint32_t g = s.gfirst;
+    // Its logits are scratch if the entry turns out to be padding (read after the wait).
+    if (single && s.active && g < groups1) {
+        head_bf16_group<true>(w, xt, lt, g, n, k, vec, cand);
+        g += s.stride;
+    }
+    wait_then_release();  // a warp without rows in its first group has not waited
+    const uint32_t live = s.active ? tile_live(entries, s.tile) : 0u;  // block-uniform
+    if (live) {
+        if (single) {
+            // Later groups of a grid smaller than the groups (the launch helper gives one group per
+            // block): the tile code for one row, x from global memory, the same bits. A second
+            // head_bf16_group loop spilled registers.
+            head_bf16_groups_batch<1>(w, xt, lt, g, s.stride, n, k, vec ? XS_GLOBAL : XS_SCALAR, cand);
+        } else {
+            if (mode == XS_SMEM) stage_x8(xt, s.tile.rows, k);  // every thread of the block
+            switch (s.tile.rows) {
+                case 1: head_bf16_groups_batch<1>(w, xt, lt, s.gfirst, s.stride, n, k, mode, cand); break;
+                case 2: head_bf16_groups_batch<2>(w, xt, lt, s.gfirst, s.stride, n, k, mode, cand); break;
+                case 3: head_bf16_groups_batch<3>(w, xt, lt, s.gfirst, s.stride, n, k, mode, cand); break;
+                default: head_bf16_groups_batch<4>(w, xt, lt, s.gfirst, s.stride, n, k, mode, cand); break;
+            }
+        }
+    }
+    if (single) {
+        cand = warp_max_key(cand);
+        cand = lane == 0 ? cand : 0ull;
+    }
+    argmax_commit_batch(cand, m, tiles, keys, counter, entries, drafts, draft_index, kmax, host_drafts, publish, flags,
+                        flag_byte);
+}
+
+// ---- the tensor-core variant -----------------------------------------------------------------------
+//
+// head_argmax_fp8_mma: head_argmax_fp8_batch's contract (the same arguments and commit), its logits
+// from mma.sync.m16n8k16 with BF16 inputs and f32 accumulation. A warp's 16 weight rows are the
+// MMA's M, a tile's up to 8 rows of x its N, and each 64-element superblock of k is four MMAs. The
+// FP8 weights are dequantised to BF16 in registers (exact: E4M3 -> f16 -> f32 -> BF16 changes no
+// value), the row scale multiplies the finished f32 sum and x is the BF16 it is, as in the
+// CUDA-core heads; but the sum of each k16 step is the tensor core's own, so the logits are not
+// the CUDA-core heads' bits (the GPU tests hold them to the twin within the GEMV bound). Batch
+// invariance: a logit depends only on its weight row, its x row and the fixed order of the MMAs
+// over k (an MMA's output column comes from its own column of B), never on m, the tile, the other
+// rows or the row's place; that is what would let one such kernel serve every m, m = 1 included.
+// A separate kernel for the lead to measure (tests/test_gpu_batch_head.py); the model does not use
+// it.
+//
+// Fragments. Lane (g = lane / 4, t = lane % 4) loads the 16 weight bytes at superblock offset 16t
+// of rows g and g + 8, and the 16 x values at the same offset of tile row g. MMA j (0..3) takes
+// elements 16t + 4j .. 16t + 4j + 3 of them: its logical k pairs (2t, 2t + 1) and (2t + 8, 2t + 9)
+// are the physical pairs (16t + 4j, +1) and (16t + 4j + 2, +3) for A and B alike, so each product
+// pairs a weight with its own x, and the four MMAs cover the superblock's 64 k once.
+// x is staged per tile in shared memory as BF16, rows 2k + 16 bytes apart: lanes g and g + 1 then
+// fall an odd number of 16-byte bank groups apart and the 16-byte loads are conflict-free. A tile of
+// fewer than 8 rows reads row min(g, rows - 1) for the missing columns (their results are dropped).
+// Needs k % 64 == 0, 16-byte aligned wq and x (else the kernel computes nothing, every live entry
+// commits the empty key: token 0, NONFINITE_NAN; the launch helper refuses such shapes) and
+// tmax * (2k + 16) bytes of dynamic shared memory.
+namespace {
+constexpr int MMA_ROWS = 16;  // weight rows per warp: the MMA's M
+constexpr int MMA_TILE = 8;   // rows of x per tile: the MMA's N
+constexpr int MMA_U = 4;      // superblocks per row per lane in flight: 128 bytes, as the FP8 head
+
+// Two E4M3 bytes (the low 16 bits, low byte first) -> a BF16 pair (low byte in the low half), exact.
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two) {
+    uint32_t h;
+    const uint16_t v = (uint16_t)(two & 0xFFFFu);
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(v));
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    uint32_t b;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(b) : "f"(f.y), "f"(f.x));  // first operand: the upper half
+    return b;
+}
+
+__device__ __forceinline__ void mma_16816_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The tile's rows of x into shared memory, rows k / 8 + 1 uint4 apart. Every thread of the block;
+// ends with a barrier. Through L2: x may come from a kernel that released its dependents early.
+__device__ __forceinline__ void stage_x_mma(const uint16_t* __restrict__ x, uint32_t rows, uint32_t k) {
+    const uint32_t kc = k / 8u;
+    const uint4* xv = reinterpret_cast<const uint4*>(x);
+    uint4* xs = reinterpret_cast<uint4*>(x_smem);
+    for (uint32_t j = threadIdx.x; j < rows * kc; j += blockDim.x) {
+        const uint32_t r = j / kc, c = j % kc;
+        xs[r * (kc + 1u) + c] = __ldcg(xv + j);
+    }
+    __syncthreads();
+}
+
+// The f32 dots of weight rows row0 + g and row0 + g + 8 (clamped to n - 1) with tile rows 2t and
+// 2t + 1: d = {(g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)} (the MMA's C layout).
+__device__ __forceinline__ void mma_group_dots(const uint8_t* __restrict__ wq, uint32_t row0, uint32_t n, uint32_t k,
+                                               uint32_t rows, float (&d)[4]) {
+    const uint32_t lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const uint8_t* w0 = wq + (size_t)min(row0 + g, n - 1u) * k + 16u * t;
+    const uint8_t* w1 = wq + (size_t)min(row0 + g + 8u, n - 1u) * k + 16u * t;
+    const uint4* xs = reinterpret_cast<const uint4*>(x_smem) + (size_t)min(g, rows - 1u) * (k / 8u + 1u) + 2u * t;
+    const uint32_t nsb = k / 64u;
+    d[0] = d[1] = d[2] = d[3] = 0.0f;
+    for (uint32_t sb0 = 0; sb0 < nsb; sb0 += MMA_U) {
+        uint4 wa[MMA_U], wb[MMA_U];
+#pragma unroll
+        for (int u = 0; u < MMA_U; ++u) {
+            const uint32_t sb = sb0 + u;
+            wa[u] = sb < nsb ? ld_stream16(w0 + 64u * sb) : make_uint4(0, 0, 0, 0);
+            wb[u] = sb < nsb ? ld_stream16(w1 + 64u * sb) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < MMA_U; ++u) {
+            const uint32_t sb = sb0 + u;
+            if (sb < nsb) {
+                const uint4 x0 = xs[8u * sb], x1 = xs[8u * sb + 1u];
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const uint32_t p = word_of(wa[u], j), q = word_of(wb[u], j);
+                    const uint4& xh = j < 2 ? x0 : x1;
+                    mma_16816_bf16(d, e4m3x2_to_bf16x2(p), e4m3x2_to_bf16x2(q), e4m3x2_to_bf16x2(p >> 16),
+                                   e4m3x2_to_bf16x2(q >> 16), word_of(xh, 2 * (j & 1)), word_of(xh, 2 * (j & 1) + 1));
+                }
+            }
+        }
+    }
+}
+
+// Logit (row, col) of the group into the tile's logits and the column's candidate.
+__device__ __forceinline__ void mma_store(float v, float sc, uint32_t row, uint32_t col, uint32_t n, uint32_t rows,
+                                          uint16_t* __restrict__ logits, unsigned long long& cand) {
+    if (row < n && col < rows) {
+        const unsigned long long c = store_logit(__fmul_rn(sc, v), row, logits + (size_t)col * n);
+        cand = c > cand ? c : cand;
+    }
+}
+}  // namespace
+
+// Grid: tiles x the blocks per tile (gridDim.x a multiple of tiles), block 256: 8 warps x 16 rows =
+// 128-row groups, grid-stride; tmax * (2k + 16) bytes of dynamic shared memory.
+// __launch_bounds__(256, 4): 64 registers (ptxas -v, nvcc 13.0: one value spilled, stored once per
+// block and reloaded once per group; 72 registers without the bound), 4 blocks per SM at m = 1.
+extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_fp8_mma(
+    const uint8_t* __restrict__ wq, const float* __restrict__ scale, const uint16_t* __restrict__ x,
+    uint16_t* __restrict__ logits, unsigned long long* keys, uint32_t* counter, uint32_t* entries, uint32_t* drafts,
+    uint32_t draft_index, uint32_t kmax, uint32_t* __restrict__ host_drafts, uint32_t publish, uint32_t m, uint32_t n,
+    uint32_t k, uint8_t* __restrict__ flags, uint32_t flag_byte, uint32_t tiles) {
+    const uint32_t lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const HeadBatchShape s = head_batch_shape<MMA_TILE>(m, tiles);
+    const bool shape_ok = k % 64u == 0 && k > 0 && aligned16(wq) && aligned16(x) &&
+                          (size_t)s.tmax * (2u * k + 16u) <= dynamic_smem_bytes();
+    wait_then_release();
+    const uint32_t live = s.active && shape_ok ? tile_live(entries, s.tile) : 0u;  // block-uniform
+    unsigned long long c0 = 0ull, c1 = 0ull;  // this lane's candidates for tile rows 2t and 2t + 1
+    if (live) {
+        const uint32_t rows = s.tile.rows;
+        uint16_t* lt = logits + (size_t)s.tile.e0 * n;
+        stage_x_mma(x + (size_t)s.tile.e0 * k, rows, k);
+        const uint32_t groups = (n + WARPS * MMA_ROWS - 1) / (WARPS * MMA_ROWS);
+        for (uint32_t gi = s.gfirst; gi < groups; gi += s.stride) {
+            const uint32_t row0 = (gi * WARPS + (threadIdx.x >> 5)) * MMA_ROWS;
+            if (row0 >= n) break;  // warp-uniform; later groups only have larger rows
+            float d[4];
+            mma_group_dots(wq, row0, n, k, rows, d);
+            const uint32_t ra = row0 + g, rb = row0 + g + 8u;
+            const float sa = ra < n ? scale[ra] : 0.0f, sbb = rb < n ? scale[rb] : 0.0f;
+            mma_store(d[0], sa, ra, 2u * t, n, rows, lt, c0);
+            mma_store(d[1], sa, ra, 2u * t + 1u, n, rows, lt, c1);
+            mma_store(d[2], sbb, rb, 2u * t, n, rows, lt, c0);
+            mma_store(d[3], sbb, rb, 2u * t + 1u, n, rows, lt, c1);
+        }
+    }
+    // The warp's best per tile row: over the 8 lanes of each t (lane bits 2..4), then lane c < 8
+    // takes row c from lane c / 2 (row 2t is c0 of lane t, row 2t + 1 its c1).
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+        const unsigned long long a = __shfl_xor_sync(0xFFFFFFFFu, c0, o), b = __shfl_xor_sync(0xFFFFFFFFu, c1, o);
+        c0 = a > c0 ? a : c0;
+        c1 = b > c1 ? b : c1;
+    }
+    const uint32_t src = (lane & 7u) >> 1;
+    const unsigned long long v0 = __shfl_sync(0xFFFFFFFFu, c0, src), v1 = __shfl_sync(0xFFFFFFFFu, c1, src);
+    const unsigned long long cand = lane < (uint32_t)MMA_TILE ? ((lane & 1u) ? v1 : v0) : 0ull;
+    argmax_commit_batch<MMA_TILE>(cand, m, tiles, keys, counter, entries, drafts, draft_index, kmax, host_drafts,
+                                  publish, flags, flag_byte);
+}
+
+// ---- the sharded path over a batch ---------------------------------------------------------------
+//
+// gemv_fp8w_batch / the BF16 GEMV -> argmax_bf16_batch -> argmax_pack_batch -> an all-reduce MAX of
+// the m keys -> draft_commit_batch: argmax_pack and draft_commit once per row. One block of 256
+// threads, thread e for row e (m <= 256; the launch helper checks).
+
+// keys[e] = the key of (idx[e] + v0, val[e]) for every row e < m, padding rows included (their
+// rows of logits are scratch; the commit skips them).
+extern "C" __global__ void __launch_bounds__(256) argmax_pack_batch(const uint32_t* __restrict__ idx,
+                                                                    const float* __restrict__ val,
+                                                                    unsigned long long* __restrict__ keys, uint32_t v0,
+                                                                    uint32_t m) {
+    const uint32_t e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= m) return;
+    const uint32_t i = idx[e];
+    keys[e] = i == 0xFFFFFFFFu ? 0ull : ((unsigned long long)ordered_key(val[e]) << 32) | (0xFFFFFFFFu - (i + v0));
+}
+
+// Every live entry e < m commits its all-reduced key as draft_commit does (the entries' token
+// word, drafts[e * kmax + draft_index], the flag byte flags[e * 4 + flag_byte], with publish the
+// copy of drafts[e * kmax + 0 .. draft_index] to host_drafts); a padding entry writes nothing.
+extern "C" __global__ void __launch_bounds__(256) draft_commit_batch(
+    const unsigned long long* __restrict__ keys, uint32_t* entries, uint32_t* drafts, uint32_t draft_index,
+    uint32_t kmax, uint32_t* __restrict__ host_drafts, uint32_t publish, uint32_t m, uint8_t* __restrict__ flags,
+    uint32_t flag_byte) {
+    const uint32_t e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= m) return;
+    if (__ldcg(entries + (size_t)e * ENTRY_WORDS) == BATCH_PAD) return;
+    const unsigned long long k = keys[e];
+    const uint32_t t = key_index(k);
+    const uint32_t bad = key_nonfinite(k);
+    if (bad) flags[(size_t)e * 4u + flag_byte] = (uint8_t)bad;
+    entries[(size_t)e * ENTRY_WORDS + 2u] = t;
+    uint32_t* d = drafts + (size_t)e * kmax;
+    d[draft_index] = t;
+    if (publish) publish_drafts(d, host_drafts + (size_t)e * kmax, draft_index, t);
+}

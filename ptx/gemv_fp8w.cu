@@ -264,3 +264,69 @@ extern "C" __global__ void GEMV_BOUNDS gemv_fp8w_m2(const uint8_t* __restrict__ 
                                                     uint32_t m, uint32_t n, uint32_t k) {
     gemv_fp8w_body<2>(Wq, scale, x, y, m, n, k);
 }
+
+// ---- m rows in 1..256 --------------------------------------------------------------------------
+//
+// gemv_fp8w_batch: y[m, n] = scale[n] * (x[m, k] @ Wq[n, k]^T) for any m in 1..256, the GEMV of a
+// vocabulary shard of the batched draft head (model/kernels/draft_head.py). A row's outputs are the
+// bits the batched single-rank head (head_argmax_fp8_batch) computes for the same weight rows, and
+// the bits gemv_fp8w computes: fp8_batch.cuh's order, whatever m, the tile or the row's place.
+// Grid: tiles x the blocks per tile (block b takes tile b % tiles of at most 4 rows, and grid-strides
+// over the 16-row weight groups with the other blocks of its tile), block 256, tmax * k * 4 bytes of
+// dynamic shared memory for the staged tile (without them x is read from global memory: same bits).
+// Own geometry, independent of the GEMV_* sweep overrides above: the launch helper's BATCH_* match it.
+#include "fp8_batch.cuh"
+
+namespace {
+constexpr int BATCH_WARPS = 8;
+constexpr int BATCH_ROWS = 2;  // weight rows per warp (as the draft head's batched groups)
+
+template <int M, int U>
+__device__ __forceinline__ void gemv_fp8w_batch_groups(const uint8_t* __restrict__ Wq, const float* __restrict__ scale,
+                                                       const uint16_t* __restrict__ x, uint16_t* __restrict__ y,
+                                                       uint32_t gfirst, uint32_t stride, uint32_t n, uint32_t k,
+                                                       int mode) {
+    constexpr int R = BATCH_ROWS;
+    const uint32_t lane = threadIdx.x & 31;
+    const uint32_t groups = (n + BATCH_WARPS * R - 1) / (BATCH_WARPS * R);
+    for (uint32_t g = gfirst; g < groups; g += stride) {
+        const uint32_t row0 = (g * BATCH_WARPS + (threadIdx.x >> 5)) * R;
+        if (row0 >= n) break;  // warp-uniform; later groups only have larger rows
+        const float sc = (lane < (uint32_t)R && row0 + lane < n) ? scale[row0 + lane] : 0.0f;
+        float dot[R][M];
+        fp8_tile_dots<R, M, U>(Wq, x, row0, n, k, mode, dot);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float s = __shfl_sync(0xFFFFFFFFu, sc, r);
+#pragma unroll
+            for (int i = 0; i < M; ++i)
+                if (lane == (uint32_t)(i * R + r) && row0 + r < n)
+                    y[(size_t)i * n + row0 + r] = f32_to_bf16_bits(__fmul_rn(s, dot[r][i]));
+        }
+    }
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(256, 4) gemv_fp8w_batch(const uint8_t* __restrict__ Wq,
+                                                                     const float* __restrict__ scale,
+                                                                     const uint16_t* __restrict__ x,
+                                                                     uint16_t* __restrict__ y, uint32_t m, uint32_t n,
+                                                                     uint32_t k, uint32_t tiles) {
+    const bool ok = m >= 1u && m <= BATCH_MAX_ROWS && tiles >= 1u && tiles <= m &&
+                    (m + tiles - 1u) / tiles <= (uint32_t)BATCH_TILE_ROWS && n >= 1u;
+    if (!ok) return;  // the launch helper refuses these before they get here
+    const uint32_t stride = gridDim.x / tiles, gfirst = blockIdx.x / tiles;
+    if (gfirst >= stride) return;  // a grid that is not a multiple of tiles: the spare blocks
+    const BatchTile tile = batch_tile(m, tiles, blockIdx.x % tiles);
+    const uint32_t tmax = (m + tiles - 1u) / tiles;
+    const int mode = fp8_x_mode(Wq, x, k, tmax);
+    const uint16_t* xt = x + (size_t)tile.e0 * k;
+    uint16_t* yt = y + (size_t)tile.e0 * n;
+    if (mode == XS_SMEM) stage_x(xt, tile.rows, k);  // every thread of the block
+    switch (tile.rows) {
+        case 1: gemv_fp8w_batch_groups<1, 4>(Wq, scale, xt, yt, gfirst, stride, n, k, mode); break;
+        case 2: gemv_fp8w_batch_groups<2, 2>(Wq, scale, xt, yt, gfirst, stride, n, k, mode); break;
+        case 3: gemv_fp8w_batch_groups<3, 2>(Wq, scale, xt, yt, gfirst, stride, n, k, mode); break;
+        default: gemv_fp8w_batch_groups<4, 1>(Wq, scale, xt, yt, gfirst, stride, n, k, mode); break;
+    }
+}

@@ -22,10 +22,13 @@ import numpy as np
 
 from runtime.dtypes import BF16, FP8
 from runtime.kernel import PTR, U32, declare
+from runtime.kernels import gemv_fp8w as gemv_fp8w_mod
 from runtime.kernels.argmax_bf16 import argmax_ref
 from runtime.kernels.gemv_bf16 import gemv_bf16_ref
 from runtime.kernels.gemv_fp8w import gemv_fp8w_ref
 from runtime.launch import grid_stride_blocks, launch
+
+from .batch import ENTRY_BYTES, is_pad, read_entries
 
 # What a commit stores in its flag byte (ptx/draft_head.cu key_nonfinite); 0 is never stored.
 NONFINITE_NAN = 1
@@ -281,5 +284,534 @@ def draft_commit(gpu, key, token, drafts, slot, host_drafts, publish, stream=Non
         host_drafts,
         int(bool(publish)),
         flag,
+        stream=stream,
+    )
+
+
+# ---- the head over a batch ------------------------------------------------------------------------
+#
+# ptx/draft_head.cu (head_argmax_{fp8,bf16}_batch, argmax_pack_batch, draft_commit_batch) and the
+# batch convention of model/kernels/batch.py. Per live entry e of a launch of m (1..256): row e of
+# x [m][k] gives row e of the logits [m][n] and its argmax; the draft is stored in word 2 of entry e
+# (the token the next draft embeds) and in drafts[e * kmax + draft_index]; with publish,
+# drafts[e * kmax + 0 .. draft_index] are copied to host_drafts at the same offsets (mapped host
+# memory: the step's one copy back); a non-finite winner raises byte flags[e * 4 + flag_byte]. A
+# padding entry (slot PAD_SLOT) writes none of these; its logits row is scratch.
+#
+# Batch invariance: every logit is computed with the single-row heads' arithmetic (see
+# ptx/fp8_batch.cuh), so a row's logits, draft and flag are bit-identical whatever the batch, and
+# identical to head_argmax's for that row alone. The twins use dot_rows (runtime.host_math), whose
+# element (i, j) depends on x[i] and w[j] alone, so they are batch-invariant exactly too.
+
+BATCH_MAX = gemv_fp8w_mod.BATCH_MAX_M
+
+
+def _batch_commit(
+    mem, keys: list[int], entries, drafts, draft_index, kmax, host_drafts, publish, m, flags, flag_byte
+):
+    """draft_commit for every live entry e < m, from its key keys[e]."""
+    ent = read_entries(mem, entries, m)
+    for e in range(m):
+        if is_pad(ent[e]):
+            continue
+        key = keys[e]
+        _raise_flag(mem, flags.offset(e * 4 + flag_byte), key)
+        t = np.array([unpack_index(key)], np.uint32)
+        mem.write(entries.offset(e * ENTRY_BYTES + 8), t)
+        row = drafts.offset(e * kmax * 4)
+        mem.write(row.offset(draft_index * 4), t)
+        if publish:
+            mem.write(host_drafts.offset(e * kmax * 4), mem.read(row, np.uint32, draft_index + 1))
+
+
+_HEAD_BATCH_TAIL = [
+    ("logits", PTR),
+    ("keys", PTR),
+    ("counter", PTR),
+    ("entries", PTR),
+    ("drafts", PTR),
+    ("draft_index", U32),
+    ("kmax", U32),
+    ("host_drafts", PTR),
+    ("publish", U32),
+    ("m", U32),
+    ("n", U32),
+    ("k", U32),
+    ("flags", PTR),
+    ("flag_byte", U32),
+    ("tiles", U32),
+]
+_HEAD_BATCH_WRITES = ("logits", "keys", "counter", "entries", "drafts", "host_drafts", "flags")
+
+
+def _head_batch(
+    mem,
+    logits_of,
+    logits,
+    keys,
+    counter,
+    entries,
+    drafts,
+    draft_index,
+    kmax,
+    host_drafts,
+    publish,
+    m,
+    n,
+    flags,
+    flag_byte,
+    tiles,
+    tile_rows=gemv_fp8w_mod.BATCH_TILE_ROWS,
+):
+    """The batched heads' twin: ``logits_of(rows)`` gives the BF16 logits [len(rows), n] of those
+    rows of x. Only live rows are computed and stored (a padding row's logits are scratch). A tile
+    count the kernel refuses (more than ``tile_rows`` rows in a tile) writes nothing."""
+    if not (1 <= m <= BATCH_MAX and 1 <= tiles <= m and -(-m // tiles) <= tile_rows):
+        mem.write(counter, np.zeros(1, np.uint32))  # the kernel only takes part in the handshake
+        return
+    ent = read_entries(mem, entries, m)
+    live = [e for e in range(m) if not is_pad(ent[e])]
+    best = [0] * m
+    if live:
+        with np.errstate(over="ignore", invalid="ignore"):
+            y = logits_of(live)
+        for j, e in enumerate(live):
+            mem.write(logits.offset(e * n * 2), y[j])
+            idx, val = argmax_ref(y[j])
+            best[e] = pack_key(val, idx) if idx != 0xFFFF_FFFF else 0
+    _batch_commit(mem, best, entries, drafts, draft_index, kmax, host_drafts, publish, m, flags, flag_byte)
+    mem.write(keys, np.zeros(m, np.uint64))
+    mem.write(counter, np.zeros(1, np.uint32))
+
+
+# Both release their dependents right after their wait, as the single-row heads do (the next
+# draft's batched embedding streams its weights in the head's tail).
+@declare(
+    "draft_head",
+    "head_argmax_bf16_batch",
+    [("w", PTR), ("x", PTR), *_HEAD_BATCH_TAIL],
+    writes=_HEAD_BATCH_WRITES,
+    pdl=True,
+    releases=True,
+)
+def HEAD_ARGMAX_BF16_BATCH(
+    mem,
+    w,
+    x,
+    logits,
+    keys,
+    counter,
+    entries,
+    drafts,
+    draft_index,
+    kmax,
+    host_drafts,
+    publish,
+    m,
+    n,
+    k,
+    flags,
+    flag_byte,
+    tiles,
+):
+    """head_argmax_bf16 for every live entry of a batch (see the section comment)."""
+
+    def logits_of(rows):
+        return gemv_bf16_ref(mem.view(w, BF16, (n, k)), mem.read(x, BF16, (m, k))[rows])
+
+    _head_batch(
+        mem,
+        logits_of,
+        logits,
+        keys,
+        counter,
+        entries,
+        drafts,
+        draft_index,
+        kmax,
+        host_drafts,
+        publish,
+        m,
+        n,
+        flags,
+        flag_byte,
+        tiles,
+    )
+
+
+@declare(
+    "draft_head",
+    "head_argmax_fp8_batch",
+    [("wq", PTR), ("scale", PTR), ("x", PTR), *_HEAD_BATCH_TAIL],
+    writes=_HEAD_BATCH_WRITES,
+    pdl=True,
+    releases=True,
+)
+def HEAD_ARGMAX_FP8_BATCH(
+    mem,
+    wq,
+    scale,
+    x,
+    logits,
+    keys,
+    counter,
+    entries,
+    drafts,
+    draft_index,
+    kmax,
+    host_drafts,
+    publish,
+    m,
+    n,
+    k,
+    flags,
+    flag_byte,
+    tiles,
+):
+    """head_argmax_fp8 for every live entry of a batch (see the section comment)."""
+
+    def logits_of(rows):
+        xs = mem.read(x, BF16, (m, k))[rows]
+        return gemv_fp8w_ref(mem.view(wq, FP8, (n, k)), mem.read(scale, np.float32, n), xs)
+
+    _head_batch(
+        mem,
+        logits_of,
+        logits,
+        keys,
+        counter,
+        entries,
+        drafts,
+        draft_index,
+        kmax,
+        host_drafts,
+        publish,
+        m,
+        n,
+        flags,
+        flag_byte,
+        tiles,
+    )
+
+
+def head_batch_launch(gpu, fp8: bool, m: int, n: int, k: int) -> tuple[int, int, int]:
+    """(grid, dynamic shared bytes, tiles) of head_argmax_{fp8,bf16}_batch. One row (m = 1) is the
+    single-row heads' launch: the FP8 head's grid-stride grid with x staged (head_fp8_launch), the
+    BF16 head's one 16-row group per block with x from L2. Otherwise balanced tiles of at most four
+    rows, x staged per tile, blocks grid-striding over the groups (runtime.kernels.gemv_fp8w)."""
+    decl = HEAD_ARGMAX_FP8_BATCH if fp8 else HEAD_ARGMAX_BF16_BATCH
+    tiles, smem = gemv_fp8w_mod.batch_tiling(m, k, 16 if fp8 else 8)
+    if tiles == 1 and m == 1 and not fp8:
+        return max(1, -(-n // HEAD_ROWS_PER_BLOCK_BF16)), 0, 1
+    return gemv_fp8w_mod.batch_grid(gpu, gpu.kernel(*decl.key), tiles, n, smem), smem, tiles
+
+
+def _check_batch(m: int, n: int, k: int, draft_index: int, kmax: int, flag_byte: int, what: str) -> None:
+    if not 1 <= m <= BATCH_MAX:
+        raise ValueError(f"{what}: m={m} entries; a batched launch covers 1..{BATCH_MAX}")
+    if n < 1 or k < 0:
+        raise ValueError(f"{what}: bad shape n={n}, k={k}")
+    if not 0 <= draft_index < kmax:
+        raise ValueError(f"{what}: draft_index={draft_index} outside 0..kmax-1 (kmax={kmax})")
+    if not 0 <= flag_byte < 4:
+        raise ValueError(f"{what}: flag_byte={flag_byte}; an entry's flags are 4 bytes")
+
+
+def head_argmax_batch(
+    gpu,
+    *,
+    w,
+    scale,
+    x,
+    logits,
+    keys,
+    counter,
+    entries,
+    drafts,
+    draft_index,
+    kmax,
+    host_drafts,
+    publish,
+    m,
+    n,
+    k,
+    flags,
+    flag_byte,
+    stream=None,
+):
+    """The single-rank head for the m entries at ``entries`` (u32 [m][4], model/kernels/batch.py):
+    the FP8 head when ``scale`` is given (w its FP8 copy, one f32 scale per row), else the BF16
+    head. x BF16 [m][k]; logits BF16 [m][n] (scratch; a padding row's may hold anything); keys u64
+    [m] and counter u32, zero before and after; drafts and host_drafts u32 [m][kmax]; flags u8
+    [m][4]. Per live entry e: the argmax of row e (lowest index on ties, NaN below every number, 0
+    if all are NaN) into entries[e].token and drafts[e * kmax + draft_index]; with ``publish``
+    drafts[e * kmax + 0 .. draft_index] copied to host_drafts; byte flag_byte of entry e's flags
+    raised (NONFINITE_NAN / NONFINITE_INF) when its winning logit is not finite. Padding entries
+    write nothing. A row's results are bit-identical whatever m and whatever the other rows, and to
+    head_argmax's for that row alone; the weights are read from HBM about once per launch."""
+    _check_batch(m, n, k, draft_index, kmax, flag_byte, "head_argmax_batch")
+    fp8 = scale is not None
+    grid, smem, tiles = head_batch_launch(gpu, fp8, m, n, k)
+    decl = HEAD_ARGMAX_FP8_BATCH if fp8 else HEAD_ARGMAX_BF16_BATCH
+    weights = (w, scale) if fp8 else (w,)
+    launch(
+        gpu,
+        gpu.kernel(*decl.key),
+        grid,
+        256,
+        *weights,
+        x,
+        logits,
+        keys,
+        counter,
+        entries,
+        drafts,
+        draft_index,
+        kmax,
+        host_drafts,
+        int(bool(publish)),
+        m,
+        n,
+        k,
+        flags,
+        flag_byte,
+        tiles,
+        smem=smem,
+        stream=stream,
+    )
+
+
+@declare(
+    "draft_head",
+    "argmax_pack_batch",
+    [("idx", PTR), ("val", PTR), ("keys", PTR), ("v0", U32), ("m", U32)],
+    writes=("keys",),
+)
+def ARGMAX_PACK_BATCH(mem, idx, val, keys, v0, m):
+    """argmax_pack of every row e < m (padding rows too: the commit skips them)."""
+    if m == 0:
+        return
+    ii = mem.read(idx, np.uint32, m)
+    vv = mem.read(val, np.float32, m)
+    out = [0 if int(i) == 0xFFFF_FFFF else pack_key(v, (int(i) + v0) & 0xFFFF_FFFF) for i, v in zip(ii, vv)]
+    mem.write(keys, np.array(out, np.uint64))
+
+
+@declare(
+    "draft_head",
+    "draft_commit_batch",
+    [
+        ("keys", PTR),
+        ("entries", PTR),
+        ("drafts", PTR),
+        ("draft_index", U32),
+        ("kmax", U32),
+        ("host_drafts", PTR),
+        ("publish", U32),
+        ("m", U32),
+        ("flags", PTR),
+        ("flag_byte", U32),
+    ],
+    writes=("entries", "drafts", "host_drafts", "flags"),
+)
+def DRAFT_COMMIT_BATCH(
+    mem, keys, entries, drafts, draft_index, kmax, host_drafts, publish, m, flags, flag_byte
+):
+    """draft_commit for every live entry e < m from keys[e] (the all-reduced keys)."""
+    if m == 0:
+        return
+    ks = [int(v) for v in mem.read(keys, np.uint64, m)]
+    _batch_commit(mem, ks, entries, drafts, draft_index, kmax, host_drafts, publish, m, flags, flag_byte)
+
+
+def argmax_pack_batch(gpu, idx, val, keys, v0, m, stream=None):
+    """keys[e] = the exchange key of (idx[e] + v0, val[e]) for the m rows of argmax_bf16_batch."""
+    if not 1 <= m <= BATCH_MAX:
+        raise ValueError(f"argmax_pack_batch: m={m}; a batched launch covers 1..{BATCH_MAX}")
+    launch(gpu, gpu.kernel(*ARGMAX_PACK_BATCH.key), 1, 256, idx, val, keys, v0, m, stream=stream)
+
+
+def draft_commit_batch(
+    gpu, *, keys, entries, drafts, draft_index, kmax, host_drafts, publish, m, flags, flag_byte, stream=None
+):
+    """Per live entry e < m, draft_commit of keys[e] (u64 [m], all-reduced over the vocabulary
+    shards): entries[e].token, drafts[e * kmax + draft_index], with ``publish`` drafts
+    [e * kmax + 0 .. draft_index] into host_drafts, and the flag byte flags[e * 4 + flag_byte] as
+    head_argmax_batch stores them. Padding entries write nothing."""
+    _check_batch(m, 1, 0, draft_index, kmax, flag_byte, "draft_commit_batch")
+    launch(
+        gpu,
+        gpu.kernel(*DRAFT_COMMIT_BATCH.key),
+        1,
+        256,
+        keys,
+        entries,
+        drafts,
+        draft_index,
+        kmax,
+        host_drafts,
+        int(bool(publish)),
+        m,
+        flags,
+        flag_byte,
+        stream=stream,
+    )
+
+
+# ---- the tensor-core variant (for the lead to measure; the model does not use it) ------------------
+#
+# ptx/draft_head.cu head_argmax_fp8_mma: head_argmax_fp8_batch's contract, its logits from
+# mma.sync.m16n8k16 (the FP8 weights dequantised to BF16 in registers, f32 accumulation, the row
+# scale after the sum). Tiles of up to MMA_TILE_ROWS rows (the MMA's N), x staged per tile as BF16
+# rows of 2k + 16 bytes. Not the CUDA-core heads' bits (the tensor core sums each k16 step its own
+# way): the twin is the same f32 math, which the GPU test holds it to within the GEMV bound; rows
+# are bit-identical across batches (each MMA output column depends on its own x row only).
+
+MMA_TILE_ROWS = 8
+MMA_GROUP_ROWS = 128  # 8 warps x 16 weight rows
+MMA_X_SMEM_MAX = 96 * 1024
+
+
+def mma_tiling(m: int, k: int) -> tuple[int, int]:
+    """(tiles, dynamic shared bytes) of head_argmax_fp8_mma: the fewest balanced tiles of at most
+    MMA_TILE_ROWS rows whose largest fits MMA_X_SMEM_MAX as BF16 rows of 2k + 16 bytes."""
+    per_row = 2 * k + 16
+    rows = max(1, min(MMA_TILE_ROWS, MMA_X_SMEM_MAX // per_row))
+    tiles = -(-m // rows)
+    return tiles, -(-m // tiles) * per_row
+
+
+def _mma_supported(wq, x, k: int) -> bool:
+    return k > 0 and k % 64 == 0 and wq.addr % 16 == 0 and x.addr % 16 == 0
+
+
+@declare(
+    "draft_head",
+    "head_argmax_fp8_mma",
+    [("wq", PTR), ("scale", PTR), ("x", PTR), *_HEAD_BATCH_TAIL],
+    writes=_HEAD_BATCH_WRITES,
+    pdl=True,
+    releases=True,
+)
+def HEAD_ARGMAX_FP8_MMA(
+    mem,
+    wq,
+    scale,
+    x,
+    logits,
+    keys,
+    counter,
+    entries,
+    drafts,
+    draft_index,
+    kmax,
+    host_drafts,
+    publish,
+    m,
+    n,
+    k,
+    flags,
+    flag_byte,
+    tiles,
+):
+    """head_argmax_fp8_batch's twin, up to MMA_TILE_ROWS rows per tile; a shape the kernel cannot
+    run (k % 64 != 0, an unaligned pointer) computes nothing: every live entry commits the empty key
+    (token 0, NONFINITE_NAN), as on the device."""
+    tiles_ok = 1 <= m <= BATCH_MAX and 1 <= tiles <= m and -(-m // tiles) <= MMA_TILE_ROWS
+    if tiles_ok and not _mma_supported(wq, x, k):
+        _batch_commit(
+            mem, [0] * m, entries, drafts, draft_index, kmax, host_drafts, publish, m, flags, flag_byte
+        )
+        mem.write(keys, np.zeros(m, np.uint64))
+        mem.write(counter, np.zeros(1, np.uint32))
+        return
+
+    def logits_of(rows):
+        xs = mem.read(x, BF16, (m, k))[rows]
+        return gemv_fp8w_ref(mem.view(wq, FP8, (n, k)), mem.read(scale, np.float32, n), xs)
+
+    _head_batch(
+        mem,
+        logits_of,
+        logits,
+        keys,
+        counter,
+        entries,
+        drafts,
+        draft_index,
+        kmax,
+        host_drafts,
+        publish,
+        m,
+        n,
+        flags,
+        flag_byte,
+        tiles,
+        MMA_TILE_ROWS,
+    )
+
+
+def head_mma_launch(gpu, m: int, n: int, k: int) -> tuple[int, int, int]:
+    """(grid, dynamic shared bytes, tiles) of head_argmax_fp8_mma."""
+    tiles, smem = mma_tiling(m, k)
+    groups = max(1, -(-n // MMA_GROUP_ROWS))
+    resident = gpu.resident_blocks(gpu.kernel(*HEAD_ARGMAX_FP8_MMA.key), 256, smem)
+    return tiles * grid_stride_blocks(groups, max(1, resident // tiles)), smem, tiles
+
+
+def head_argmax_batch_mma(
+    gpu,
+    *,
+    w,
+    scale,
+    x,
+    logits,
+    keys,
+    counter,
+    entries,
+    drafts,
+    draft_index,
+    kmax,
+    host_drafts,
+    publish,
+    m,
+    n,
+    k,
+    flags,
+    flag_byte,
+    stream=None,
+):
+    """head_argmax_batch (FP8 head) through the tensor-core kernel: the same buffers, commit and
+    padding rules; k % 64 == 0 and 16-byte aligned w and x."""
+    _check_batch(m, n, k, draft_index, kmax, flag_byte, "head_argmax_batch_mma")
+    if scale is None:
+        raise ValueError("head_argmax_batch_mma: the tensor-core head is the FP8 head (scale is required)")
+    if not _mma_supported(w, x, k):
+        raise ValueError(f"head_argmax_batch_mma: needs k % 64 == 0 (k={k}) and 16-byte aligned w and x")
+    grid, smem, tiles = head_mma_launch(gpu, m, n, k)
+    launch(
+        gpu,
+        gpu.kernel(*HEAD_ARGMAX_FP8_MMA.key),
+        grid,
+        256,
+        w,
+        scale,
+        x,
+        logits,
+        keys,
+        counter,
+        entries,
+        drafts,
+        draft_index,
+        kmax,
+        host_drafts,
+        int(bool(publish)),
+        m,
+        n,
+        k,
+        flags,
+        flag_byte,
+        tiles,
+        smem=smem,
         stream=stream,
     )
