@@ -285,6 +285,14 @@ __device__ __forceinline__ float warp_sum_scatter32(float (&v)[32]) {
     return v[0];
 }
 
+// The 8 BF16 values of a 16-byte chunk as floats, in element order (dot8_bf16's).
+__device__ __forceinline__ void unpack8_bf16(uint4 v, float (&f)[8]) {
+    f[0] = bf16_lo(v.x); f[1] = bf16_hi(v.x);
+    f[2] = bf16_lo(v.y); f[3] = bf16_hi(v.y);
+    f[4] = bf16_lo(v.z); f[5] = bf16_hi(v.z);
+    f[6] = bf16_lo(v.w); f[7] = bf16_hi(v.w);
+}
+
 __device__ __forceinline__ uint32_t dynamic_smem_bytes() {
     uint32_t r;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
@@ -317,19 +325,24 @@ __device__ __forceinline__ void warp_gemv_bf16_rows(const uint16_t* const (&w)[R
                 }
             }
 #pragma unroll
-            for (int i = 0; i < M; ++i) {
-                uint4 xs[U];
-                if (X_SMEM) {
+            for (int u = 0; u < U; ++u) {
+                const uint32_t c = c0 + lane + 32u * u;
+                if (c < kc) {
+                    // Each weight chunk widened once for the M rows (dot8_bf16 per row would widen it M
+                    // times: the compiler does not share it across the rows' blocks); the products are
+                    // added in dot8_bf16's element order.
+                    float wf[RS][8];
 #pragma unroll
-                    for (int u = 0; u < U; ++u) xs[u] = reinterpret_cast<const uint4*>(xr[i])[min(c0 + lane + 32u * u, kc - 1u)];
-                } else {
-                    load_x_chunks<U, X_L2>(reinterpret_cast<const uint4*>(xr[i]), c0 + lane, kc, xs);
-                }
+                    for (int r = 0; r < RS; ++r) unpack8_bf16(wv[r][u], wf[r]);
 #pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    if (c0 + lane + 32u * u < kc) {
+                    for (int i = 0; i < M; ++i) {
+                        const uint4* xc = reinterpret_cast<const uint4*>(xr[i]) + c;
+                        float xf[8];
+                        unpack8_bf16(X_SMEM ? *xc : ld_x16<X_L2>(xc), xf);
 #pragma unroll
-                        for (int r = 0; r < RS; ++r) acc[i][r] = dot8_bf16(wv[r][u], xs[u], acc[i][r]);
+                        for (int r = 0; r < RS; ++r)
+#pragma unroll
+                            for (int e = 0; e < 8; ++e) acc[i][r] = fmaf(wf[r][e], xf[e], acc[i][r]);
                     }
                 }
             }
