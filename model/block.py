@@ -54,11 +54,11 @@ class BatchScratch:
     wts: DevicePtr
     act: DevicePtr
     moe_parts: DevicePtr
-    groups: moe.GroupBuffers
+    group: DevicePtr  # the MoE's grouping of (row, slot) pairs by expert (moe.GroupLayout)
     iscores: DevicePtr
     selected: DevicePtr
     count: DevicePtr
-    router_counter: DevicePtr  # u32, zero between launches (router_fused_batch's last-block handshake)
+    router_counter: DevicePtr  # u32s, zero between launches (router_group_batch's last-block handshakes)
     attn_part: DevicePtr  # sparse_mla_split_batch's per-split outputs and (max, sum), per row
     attn_ml: DevicePtr
 
@@ -99,11 +99,11 @@ class BatchScratch:
             wts=b(rows * slots * 4),
             act=b(rows * slots * inter * 2),
             moe_parts=b(rows * slots * H * 4),
-            groups=moe.GroupBuffers.alloc(arena, rows, slots, max(m.n_routed_experts, 1)),
+            group=b(moe.group_workspace_bytes(rows, m.num_experts_per_tok, max(m.n_routed_experts, 1))),
             iscores=b(rows * max(slot_rows // d.index_kpool, 1) * 4),
             selected=b(rows * max(sel_rows, 1) * 4),
             count=b(rows * 4),
-            router_counter=b(4),
+            router_counter=b(4 * moe.router_counter_words(rows, grouped=True)),
             attn_part=b(rows * part_bytes),
             attn_ml=b(rows * ml_bytes),
         )
@@ -459,24 +459,69 @@ class DecoderLayer:
     ) -> None:
         """x_out = h1 + mlp(y2), with y2 = post_norm(h1) as ``attention`` left it; with
         ``next_norm = (w, out)`` also out = rmsnorm(x_out) * w."""
-        slots = moe.moe_batch(
-            self.gpu,
-            self.cfg,
-            self.mlp,
+        cfg, gpu, w = self.cfg, self.gpu, self.mlp
+        H, mc = cfg.hidden_size, cfg.moe
+        if not w.is_moe:
+            # A dense MLP is the shared slot alone: every live row, weight 1.
+            ntopk, shared, w_sh_gu, w_sh_down = 0, moe.SHARED_HERE, w.gate_up, w.down
+        else:
+            ntopk = mc.num_experts_per_tok
+            if mc.n_shared_experts == 0:
+                shared, w_sh_gu, w_sh_down = moe.SHARED_NONE, w.gate_up, w.down
+            elif w.shared_gate_up is not None:
+                shared, w_sh_gu, w_sh_down = moe.SHARED_HERE, w.shared_gate_up, w.shared_down
+            else:
+                shared, w_sh_gu, w_sh_down = moe.SHARED_ELSEWHERE, w.gate_up, w.down
+            # Scores, top-k and the grouping of the batch's pairs by expert in one launch.
+            moe.router_group_batch(
+                gpu,
+                w=w.router,
+                y=s.y2,
+                bias=w.bias,
+                scores=s.rscores,
+                ids=s.ids,
+                weights=s.wts,
+                counter=s.router_counter,
+                entries=entries,
+                group=s.group,
+                m=m,
+                n_experts=mc.n_routed_experts,
+                h=H,
+                topk=ntopk,
+                norm=mc.norm_topk_prob,
+                scale=mc.routed_scaling_factor,
+                shared=mc.n_shared_experts > 0,
+                expert_base=w.expert_base,
+                n_local=w.n_local,
+                stream=stream,
+            )
+        slots = ntopk + int(shared != moe.SHARED_NONE)
+        common = dict(entries=entries, m=m, ntopk=ntopk, n_local=w.n_local, shared=shared, stream=stream)
+        moe.moe_gate_up_batch(
+            gpu,
+            w=w.gate_up,
+            w_shared=w_sh_gu,
             y=s.y2,
-            entries=entries,
-            m=m,
-            scores=s.rscores,
-            ids=s.ids,
-            weights=s.wts,
-            counter=s.router_counter,
-            groups=s.groups,
+            group=s.group if ntopk else None,
             act=s.act,
+            inter=w.inter,
+            h=H,
+            limit=mc.swiglu_limit,
+            **common,
+        )
+        moe.moe_down_batch(
+            gpu,
+            w=w.down,
+            w_shared=w_sh_down,
+            act=s.act,
+            weights=s.wts if ntopk else None,
+            group=s.group if ntopk else None,
             parts=s.moe_parts,
-            stream=stream,
+            h=H,
+            inter=w.inter,
+            **common,
         )
         if self.sh.world_size > 1:
             # Every pair row is non-zero on exactly one rank, so this sum is exact (x + 0 = x).
-            H = self.cfg.hidden_size
             self.comm.all_reduce(s.moe_parts, m * slots * H, CommDtype.FLOAT32, ReduceOp.SUM, stream=stream)
         self._residual_out(s.moe_parts, s, x_out, m, slots, next_norm, stream)

@@ -49,7 +49,7 @@ from runtime.kernels.all_finite_bf16 import first_nonfinite_row
 from runtime.kernels.argmax_bf16 import argmax_bf16_batch
 from runtime.kernels.copy_words import copy_words
 from runtime.kernels.gemv_bf16 import gemv_bf16_batch
-from runtime.kernels.gemv_fp8w import gemv_fp8w
+from runtime.kernels.gemv_fp8w import gemv_fp8w_batch
 from runtime.kernels.quantize_fp8 import quantize_fp8
 
 from .block import BatchScratch, DecoderLayer
@@ -451,7 +451,7 @@ class MtpProposer:
         directory built without them drafts with the BF16 head instead of failing at the first
         propose): the quantisation, then the one-launch head on one rank, or the FP8 GEMV whose
         logits the sharded argmax exchanges."""
-        head = ("gemv_fp8w", "gemv_fp8w") if self.head_sharded else draft_head.HEAD_ARGMAX_FP8.key
+        head = ("gemv_fp8w", "gemv_fp8w_batch") if self.head_sharded else draft_head.HEAD_ARGMAX_FP8_BATCH.key
         missing = [k for k in (("quantize_fp8", "quantize_fp8"), head) if not self.gpu.try_kernel(*k)]
         if missing:
             log.warning(
@@ -901,7 +901,7 @@ class MtpProposer:
             )
             return
         if sc is not None:
-            gemv_fp8w(gpu, w, sc, st.xn, st.logits, m, n, H, s)
+            gemv_fp8w_batch(gpu, w, sc, st.xn, st.logits, m, n, H, s)
         else:
             gemv_bf16_batch(gpu, w, st.xn, st.logits, m, n, H, s)
         argmax_bf16_batch(gpu, st.logits, st.am_idx, st.am_val, m, n, s)

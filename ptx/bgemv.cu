@@ -19,12 +19,13 @@ constexpr int WARPS = 8;
 // whole GEMV runs without waiting and the wait comes last.
 enum PdlMode { WAIT_FIRST, BESIDE };
 
-// W[b] (rows `tile` * 8 * ROWS ...) against x row `xrow` of [*, k] into y row `xrow` of [*, n]: the
-// launch's own entry (xrow = b) or one row of the batch (xrow = e * heads + b).
+// W[b] (rows `tile` * 8 * ROWS ...) against the x row at element x_off into the y row at element
+// y_off: the launch's own entry (b * k, b * n) or head b of one row e of the batch (e * x_stride +
+// b * k, e * y_stride + b * n).
 template <bool OUT_F32, int ROWS, int UNROLL, PdlMode MODE>
 __device__ __forceinline__ void bgemv_body(const uint16_t* __restrict__ w, const uint16_t* __restrict__ x,
-                                           void* __restrict__ y, bool active, uint32_t b, uint32_t xrow,
-                                           uint32_t tile, uint32_t n, uint32_t k) {
+                                           void* __restrict__ y, bool active, uint32_t b, size_t x_off,
+                                           size_t y_off, uint32_t tile, uint32_t n, uint32_t k) {
     const uint32_t lane = threadIdx.x & 31;
     const uint32_t row0 = (tile * WARPS + (threadIdx.x >> 5)) * ROWS;
     if (!active || row0 >= n) {
@@ -32,8 +33,8 @@ __device__ __forceinline__ void bgemv_body(const uint16_t* __restrict__ w, const
         return;
     }
     const uint16_t* wb = w + (size_t)b * n * k;
-    const uint16_t* xb = x + (size_t)xrow * k;
-    const bool vec = (k % 8u == 0) && aligned16(w) && aligned16(x);
+    const uint16_t* xb = x + x_off;
+    const bool vec = (k % 8u == 0) && aligned16(w) && aligned16(xb);
     const uint16_t* wr[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) wr[r] = wb + (size_t)min(row0 + r, n - 1) * k;
@@ -45,8 +46,8 @@ __device__ __forceinline__ void bgemv_body(const uint16_t* __restrict__ w, const
     for (int r = 0; r < ROWS; ++r) {
         const float v = warp_sum(acc[r]);
         if (lane == (uint32_t)r && row0 + r < n) {
-            if (OUT_F32) reinterpret_cast<float*>(y)[(size_t)xrow * n + row0 + r] = v;
-            else reinterpret_cast<uint16_t*>(y)[(size_t)xrow * n + row0 + r] = f32_to_bf16_bits(v);
+            if (OUT_F32) reinterpret_cast<float*>(y)[y_off + row0 + r] = v;
+            else reinterpret_cast<uint16_t*>(y)[y_off + row0 + r] = f32_to_bf16_bits(v);
         }
     }
     if (MODE == BESIDE) grid_dependency_wait();  // not complete before the kernel it ran beside
@@ -58,9 +59,10 @@ __device__ __forceinline__ void bgemv_dispatch(const uint16_t* w, const uint16_t
                                                uint32_t n, uint32_t k) {
     const uint32_t b = blockIdx.y;
     const bool active = b < batch;
-    if (k <= 256u) bgemv_body<OUT_F32, 16, 1, MODE>(w, x, y, active, b, b, blockIdx.x, n, k);
-    else if (k <= 512u) bgemv_body<OUT_F32, 8, 2, MODE>(w, x, y, active, b, b, blockIdx.x, n, k);
-    else bgemv_body<OUT_F32, 4, 4, MODE>(w, x, y, active, b, b, blockIdx.x, n, k);
+    const size_t x_off = (size_t)b * k, y_off = (size_t)b * n;
+    if (k <= 256u) bgemv_body<OUT_F32, 16, 1, MODE>(w, x, y, active, b, x_off, y_off, blockIdx.x, n, k);
+    else if (k <= 512u) bgemv_body<OUT_F32, 8, 2, MODE>(w, x, y, active, b, x_off, y_off, blockIdx.x, n, k);
+    else bgemv_body<OUT_F32, 4, 4, MODE>(w, x, y, active, b, x_off, y_off, blockIdx.x, n, k);
 }
 }  // namespace
 
@@ -372,9 +374,9 @@ __device__ __forceinline__ void warp_gemv_bf16_rows(const uint16_t* const (&w)[R
 // shape. Each total lands in its own lane (warp_sum_scatter32), which stores it.
 template <bool OUT_F32, int M, PdlMode MODE>
 __device__ __forceinline__ void bgemv_rows_body(const uint16_t* __restrict__ w, const uint16_t* __restrict__ x,
-                                                void* __restrict__ y, uint32_t heads, uint32_t n, uint32_t k,
-                                                uint32_t e0, uint32_t rows, uint32_t b, uint32_t tile,
-                                                uint32_t rpw, uint16_t* xsm) {
+                                                void* __restrict__ y, uint32_t x_stride, uint32_t y_stride,
+                                                uint32_t n, uint32_t k, uint32_t e0, uint32_t rows, uint32_t b,
+                                                uint32_t tile, uint32_t rpw, uint16_t* xsm) {
     constexpr int RS = 4, U = 2;
     constexpr bool X_L2 = MODE == WAIT_FIRST;
     static_assert(M * RS <= 32, "bgemv_rows_body: 32 totals per warp at most");
@@ -382,9 +384,9 @@ __device__ __forceinline__ void bgemv_rows_body(const uint16_t* __restrict__ w, 
     const uint32_t row0 = (tile * WARPS + (threadIdx.x >> 5)) * rpw;
     const bool has_rows = row0 < n;  // the same in the whole warp
     const uint16_t* wb = w + (size_t)b * n * k;
-    const size_t x_row = (size_t)heads * k;
-    const uint16_t* xb = x + ((size_t)e0 * heads + b) * k;
-    const bool vec = (k % 8u == 0) && aligned16(w) && aligned16(x);
+    const size_t x_row = x_stride;
+    const uint16_t* xb = x + (size_t)e0 * x_stride + (size_t)b * k;
+    const bool vec = (k % 8u == 0) && (x_stride % 8u == 0) && aligned16(w) && aligned16(xb);
     const uint32_t kc = k >> 3;
     const bool staged = vec && (uint32_t)M * k * 2u <= dynamic_smem_bytes();  // the same in the whole block
     const uint16_t* wr[RS];
@@ -433,7 +435,7 @@ __device__ __forceinline__ void bgemv_rows_body(const uint16_t* __restrict__ w, 
             const float total = warp_sum_scatter32(v);
             const uint32_t i = lane / RS, r = lane % RS;
             if (i < rows && r0 + r < n) {
-                const size_t at = ((size_t)(e0 + i) * heads + b) * n + r0 + r;
+                const size_t at = (size_t)(e0 + i) * y_stride + (size_t)b * n + r0 + r;
                 if (OUT_F32) reinterpret_cast<float*>(y)[at] = total;
                 else reinterpret_cast<uint16_t*>(y)[at] = f32_to_bf16_bits(total);
             }
@@ -447,26 +449,30 @@ __device__ __forceinline__ void bgemv_rows_body(const uint16_t* __restrict__ w, 
 // of two over the same tile.
 template <bool OUT_F32, PdlMode MODE>
 __device__ __forceinline__ void bgemv_batch_dispatch(const uint16_t* w, const uint16_t* x, void* y, uint32_t m,
-                                                     uint32_t heads, uint32_t n, uint32_t k, uint16_t* xsm) {
+                                                     uint32_t x_stride, uint32_t y_stride, uint32_t n, uint32_t k,
+                                                     uint16_t* xsm) {
     const uint32_t e0 = blockIdx.x * BATCH_ROWS, b = blockIdx.z, tile = blockIdx.y;
     const uint32_t rows = e0 < m ? min(m - e0, BATCH_ROWS) : 0u;
     if (rows <= 1u) {
         const bool active = rows == 1u;  // a chunk past m (the launch helper makes none) only waits
-        const uint32_t xrow = active ? e0 * heads + b : 0u;
-        if (k <= 256u) bgemv_body<OUT_F32, 16, 1, MODE>(w, x, y, active, b, xrow, tile, n, k);
-        else if (k <= 512u) bgemv_body<OUT_F32, 8, 2, MODE>(w, x, y, active, b, xrow, tile, n, k);
-        else bgemv_body<OUT_F32, 4, 4, MODE>(w, x, y, active, b, xrow, tile, n, k);
+        const size_t x_off = active ? (size_t)e0 * x_stride + (size_t)b * k : 0u;
+        const size_t y_off = active ? (size_t)e0 * y_stride + (size_t)b * n : 0u;
+        if (k <= 256u) bgemv_body<OUT_F32, 16, 1, MODE>(w, x, y, active, b, x_off, y_off, tile, n, k);
+        else if (k <= 512u) bgemv_body<OUT_F32, 8, 2, MODE>(w, x, y, active, b, x_off, y_off, tile, n, k);
+        else bgemv_body<OUT_F32, 4, 4, MODE>(w, x, y, active, b, x_off, y_off, tile, n, k);
         return;
     }
     const uint32_t rpw = k <= 256u ? 16u : k <= 512u ? 8u : 4u;
-    if (rows == 2u) bgemv_rows_body<OUT_F32, 2, MODE>(w, x, y, heads, n, k, e0, rows, b, tile, rpw, xsm);
-    else if (rows <= 4u) bgemv_rows_body<OUT_F32, 4, MODE>(w, x, y, heads, n, k, e0, rows, b, tile, rpw, xsm);
-    else bgemv_rows_body<OUT_F32, 8, MODE>(w, x, y, heads, n, k, e0, rows, b, tile, rpw, xsm);
+    if (rows == 2u) bgemv_rows_body<OUT_F32, 2, MODE>(w, x, y, x_stride, y_stride, n, k, e0, rows, b, tile, rpw, xsm);
+    else if (rows <= 4u) bgemv_rows_body<OUT_F32, 4, MODE>(w, x, y, x_stride, y_stride, n, k, e0, rows, b, tile, rpw, xsm);
+    else bgemv_rows_body<OUT_F32, 8, MODE>(w, x, y, x_stride, y_stride, n, k, e0, rows, b, tile, rpw, xsm);
 }
 }  // namespace
 
-// y[e][h] = W[h] @ x[e][h] for every row e < m and head h < heads: W [heads][n][k] BF16, x [m][heads][k]
-// BF16, y [m][heads][n]. Grid (ceil(m / 8), ceil(n / (8 rows_per_warp(k))), heads), block 256,
+// y[e][h] = W[h] @ x[e][h] for every row e < m and head h < heads (the grid's z): W [heads][n][k] BF16,
+// row e's heads x[e] at x + e * x_stride ([heads][k] BF16, x_stride >= heads * k: the absorbed query
+// reads the q heads out of a wider fused row), y[e] at y + e * y_stride ([heads][n]: a rank's o_proj
+// groups land in its columns of the all-groups rows). Grid (ceil(m / 8), ceil(n / (8 rows_per_warp(k))), heads), block 256,
 // dynamic smem M * k * 2 bytes for M the next power of two of min(m, 8) when m > 1 (none at m = 1:
 // today's path and residency), or none, where the chunks read x from global memory; the PDL modes of
 // the single-row kernels (WAIT_FIRST, releasing after the wait, x through L2; BESIDE).
@@ -475,27 +481,32 @@ __device__ __forceinline__ void bgemv_batch_dispatch(const uint16_t* w, const ui
 extern "C" __global__ void __launch_bounds__(256, 2) bgemv_bf16_f32_batch(const uint16_t* __restrict__ w,
                                                                         const uint16_t* __restrict__ x,
                                                                         float* __restrict__ y, uint32_t m,
-                                                                        uint32_t heads, uint32_t n, uint32_t k) {
+                                                                        uint32_t heads, uint32_t x_stride,
+                                                                        uint32_t y_stride,
+                                                                        uint32_t n, uint32_t k) {
     extern __shared__ __align__(16) uint16_t xsm[];  // the chunk's x rows, [M][k] (bgemv_rows_body)
-    bgemv_batch_dispatch<true, WAIT_FIRST>(w, x, y, m, heads, n, k, xsm);
+    bgemv_batch_dispatch<true, WAIT_FIRST>(w, x, y, m, x_stride, y_stride, n, k, xsm);
 }
 
 // bgemv_bf16_f32_batch beside the kernel launched before it (Pdl.BESIDE), as bgemv_bf16_f32_beside.
 extern "C" __global__ void __launch_bounds__(256, 2) bgemv_bf16_f32_batch_beside(const uint16_t* __restrict__ w,
                                                                                const uint16_t* __restrict__ x,
                                                                                float* __restrict__ y, uint32_t m,
-                                                                               uint32_t heads, uint32_t n,
+                                                                               uint32_t heads, uint32_t x_stride,
+                                                                               uint32_t y_stride, uint32_t n,
                                                                                uint32_t k) {
     extern __shared__ __align__(16) uint16_t xsm[];  // the chunk's x rows, [M][k] (bgemv_rows_body)
-    bgemv_batch_dispatch<true, BESIDE>(w, x, y, m, heads, n, k, xsm);
+    bgemv_batch_dispatch<true, BESIDE>(w, x, y, m, x_stride, y_stride, n, k, xsm);
 }
 
 extern "C" __global__ void __launch_bounds__(256, 2) bgemv_bf16_bf16_batch(const uint16_t* __restrict__ w,
                                                                          const uint16_t* __restrict__ x,
                                                                          uint16_t* __restrict__ y, uint32_t m,
-                                                                         uint32_t heads, uint32_t n, uint32_t k) {
+                                                                         uint32_t heads, uint32_t x_stride,
+                                                                         uint32_t y_stride,
+                                                                         uint32_t n, uint32_t k) {
     extern __shared__ __align__(16) uint16_t xsm[];  // the chunk's x rows, [M][k] (bgemv_rows_body)
-    bgemv_batch_dispatch<false, WAIT_FIRST>(w, x, y, m, heads, n, k, xsm);
+    bgemv_batch_dispatch<false, WAIT_FIRST>(w, x, y, m, x_stride, y_stride, n, k, xsm);
 }
 
 // sum_rows_residual for each row e < m: parts [m][rows][n] f32, residual / out [m][n] BF16. Grid

@@ -206,49 +206,75 @@ _BATCH_ARGS = [
     ("y", PTR),
     ("m", U32),
     ("heads", U32),
+    ("x_stride", U32),
+    ("y_stride", U32),
     ("n", U32),
     ("k", U32),
 ]
 
 
-def _bgemv_batch(mem, w, x, m, heads, n, k):
-    """y [m, heads, n] f32: y[e, h] = w[h] @ x[e, h]; element (e, h, j) depends on x[e, h] and
-    w[h, j] alone (runtime.host_math.dot_rows), so no row depends on m or the other rows."""
+def _bgemv_batch(mem, w, x, y, m, heads, x_stride, y_stride, n, k, dtype):
+    """y[e, h] = w[h] @ x[e, h] with row e's heads at x + e * x_stride and y + e * y_stride
+    (elements); element (e, h, j) depends on x[e, h] and w[h, j] alone (runtime.host_math.dot_rows),
+    so no row depends on m or the other rows. What lies between rows' heads is left as it was."""
     wv = mem.read(w, BF16, (heads, n, k)).astype(np.float32)
-    xv = mem.read(x, BF16, (m, heads, k)).astype(np.float32)
-    out = np.empty((m, heads, n), np.float32)
-    for h in range(heads):
-        out[:, h] = dot_rows(xv[:, h], wv[h])
-    return out
+    isz = np.dtype(dtype).itemsize
+    for e in range(m):
+        xv = mem.read(x.offset(e * x_stride * 2), BF16, (heads, k)).astype(np.float32)
+        out = np.empty((heads, n), np.float32)
+        for h in range(heads):
+            out[h] = dot_rows(xv[h][None], wv[h])[0]
+        mem.write(y.offset(e * y_stride * isz), out.astype(dtype))
 
 
 @declare("bgemv", "bgemv_bf16_f32_batch", list(_BATCH_ARGS), writes=("y",), pdl=True, releases=True)
-def BGEMV_F32_BATCH(mem, w, x, y, m, heads, n, k):
-    """bgemv_bf16_f32 for m rows: w [heads, n, k], x [m, heads, k], y [m, heads, n] f32."""
-    mem.write(y, _bgemv_batch(mem, w, x, m, heads, n, k))
+def BGEMV_F32_BATCH(mem, w, x, y, m, heads, x_stride, y_stride, n, k):
+    """bgemv_bf16_f32 for m rows: w [heads, n, k], row e's x [heads, k] and y [heads, n] f32."""
+    _bgemv_batch(mem, w, x, y, m, heads, x_stride, y_stride, n, k, np.float32)
 
 
 @declare("bgemv", "bgemv_bf16_f32_batch_beside", list(_BATCH_ARGS), writes=("y",), pdl=Pdl.BESIDE)
-def BGEMV_F32_BATCH_BESIDE(mem, w, x, y, m, heads, n, k):
+def BGEMV_F32_BATCH_BESIDE(mem, w, x, y, m, heads, x_stride, y_stride, n, k):
     """bgemv_bf16_f32_batch that may run beside the kernel launched before it (x is older)."""
-    BGEMV_F32_BATCH.host(mem, w, x, y, m, heads, n, k)
+    _bgemv_batch(mem, w, x, y, m, heads, x_stride, y_stride, n, k, np.float32)
 
 
 @declare("bgemv", "bgemv_bf16_bf16_batch", list(_BATCH_ARGS), writes=("y",), pdl=True, releases=True)
-def BGEMV_BF16_BATCH(mem, w, x, y, m, heads, n, k):
-    """bgemv_bf16_bf16 for m rows: y [m, heads, n] BF16."""
-    mem.write(y, _bgemv_batch(mem, w, x, m, heads, n, k).astype(BF16))
+def BGEMV_BF16_BATCH(mem, w, x, y, m, heads, x_stride, y_stride, n, k):
+    """bgemv_bf16_bf16 for m rows: y [heads, n] BF16 per row."""
+    _bgemv_batch(mem, w, x, y, m, heads, x_stride, y_stride, n, k, BF16)
 
 
-def bgemv_batch(gpu, *, w, x, y, m, heads, n, k, out_f32: bool, beside: bool = False, stream=None):
-    """Per head h: ``y[e, h, :] = w[h] (n x k) @ x[e, h, :]`` for e < m; x [m][heads][k] BF16, y
-    [m][heads][n] f32 (``out_f32``) or BF16, w[h] read once for all m rows. ``beside``: x was
-    produced before the previous launch on the stream (f32 output only; Pdl.BESIDE)."""
+def bgemv_batch(
+    gpu,
+    *,
+    w,
+    x,
+    y,
+    m,
+    heads,
+    n,
+    k,
+    out_f32: bool,
+    x_stride: int | None = None,
+    y_stride: int | None = None,
+    beside: bool = False,
+    stream=None,
+):
+    """Per head h: ``y[e, h, :] = w[h] (n x k) @ x[e, h, :]`` for e < m, w[h] read once for all m
+    rows. Row e's heads ``[heads][k]`` BF16 start at ``x + e * x_stride`` elements and its outputs
+    ``[heads][n]`` (f32 with ``out_f32``, else BF16) at ``y + e * y_stride``; the strides default to
+    dense rows (heads * k, heads * n). ``beside``: x was produced before the previous launch on the
+    stream (f32 output only; Pdl.BESIDE)."""
     _check_batch("bgemv_batch", m)
     if beside and not out_f32:
         raise ValueError("the beside variant of bgemv_batch writes f32 only")
     if heads < 1 or n < 1:
         raise ValueError(f"bgemv_batch: bad shape heads={heads}, n={n}")
+    x_stride = heads * k if x_stride is None else x_stride
+    y_stride = heads * n if y_stride is None else y_stride
+    if x_stride < heads * k or y_stride < heads * n:
+        raise ValueError(f"bgemv_batch: strides {x_stride} / {y_stride} below a row's {heads} heads")
     decl = BGEMV_F32_BATCH_BESIDE if beside else BGEMV_F32_BATCH if out_f32 else BGEMV_BF16_BATCH
     per_block = 8 * rows_per_warp(k)  # 8 warps
     grid = (-(-m // BATCH_ROWS), -(-n // per_block), heads)
@@ -262,6 +288,8 @@ def bgemv_batch(gpu, *, w, x, y, m, heads, n, k, out_f32: bool, beside: bool = F
         y,
         m,
         heads,
+        x_stride,
+        y_stride,
         n,
         k,
         smem=bgemv_batch_smem(m, k),
