@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st_
 
 from model.config import tiny
@@ -108,9 +108,13 @@ OPS = st_.one_of(
 )
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st_.lists(OPS, min_size=4, max_size=22), st_.integers(0, 10**6))
-def test_batches_draft_as_each_sequence_alone(ops, seed):
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st_.lists(st_.integers(0, 60), min_size=2, max_size=SLOTS),
+    st_.lists(OPS, min_size=4, max_size=30),
+    st_.integers(0, 10**6),
+)
+def test_batches_draft_as_each_sequence_alone(first, ops, seed):
     """Random subsets and orders of live slots, random positions (rewinds included) and context
     lengths, any acceptance, catch-up, rewind, free and slot reuse, batches that need padding:
     after every step every sequence's drafts and cache bytes equal its twin's, drafted alone."""
@@ -119,6 +123,8 @@ def test_batches_draft_as_each_sequence_alone(ops, seed):
     serial = 0
     proposed: list[Seq] = []
     try:
+        for n in first:  # a few sequences to begin with, so that batches are batches
+            ops.insert(0, ("alloc", n))
         for op in ops:
             live = pair.live
             if op[0] == "alloc":
@@ -141,6 +147,7 @@ def test_batches_draft_as_each_sequence_alone(ops, seed):
                     continue
                 backs = [int(rng.integers(0, 3)) for _ in subset]
                 _propose(pair, subset, backs, k)
+                event(f"propose of {len(subset)} (bucket {pair.batched._bucket(len(subset))})")
                 proposed = subset
             elif op[0] == "verify":
                 if not proposed or any(q not in live for q in proposed):
@@ -156,6 +163,7 @@ def test_batches_draft_as_each_sequence_alone(ops, seed):
                     for q in subset
                 ]
                 _catchup(pair, subset, counts)
+                event(f"catch-up of {len(subset)}")
             elif op[0] == "rewind":
                 q = subset[0]
                 n = int(rng.integers(0, pair.alone.drafter_rows(q.b) + 1))

@@ -61,12 +61,27 @@ def test_the_drafter_step_kernels_take_part():
         "sum_rows_residual_rmsnorm",
         "head_argmax_fp8",
         "head_argmax_bf16",
+        "rmsnorm_gemv_batch",
+        "dsa_cache_write_batch",
+        "select_topk_pools_batch",
+        "bgemv_bf16_f32_batch",
+        "sparse_mla_partial_batch",
+        "sparse_mla_combine_batch",
+        "router_group_batch",
+        "moe_gate_up_batch",
+        "moe_down_batch",
+        "sum_rows_residual_rmsnorm_batch",
+        "head_argmax_fp8_batch",
+        "head_argmax_bf16_batch",
     } <= {f for f, m in modes.items() if m is Pdl.WAIT}
     assert {f for f, m in modes.items() if m is Pdl.BESIDE} == {
         "bgemv_bf16_f32_beside",
         "moe_gate_up",
         "rmsnorm_gemv_beside",
         "mtp_input_gemv",
+        "mtp_input_gemv_batch",
+        "rmsnorm_gemv_batch_beside",
+        "bgemv_bf16_f32_batch_beside",
     }
     assert {d.function for d in RELEASING} == {
         "copy_words",
@@ -82,6 +97,18 @@ def test_the_drafter_step_kernels_take_part():
         "sum_rows_residual_rmsnorm",
         "bgemv_bf16_f32",
         "bgemv_bf16_bf16",
+        "dsa_cache_write_batch",
+        "indexer_scores_batch",
+        "select_topk_pools_batch",
+        "extend_selection_batch",
+        "sparse_mla_partial_batch",
+        "sparse_mla_combine_batch",
+        "head_argmax_fp8_batch",
+        "head_argmax_bf16_batch",
+        "head_argmax_fp8_mma",
+        "bgemv_bf16_f32_batch",
+        "bgemv_bf16_bf16_batch",
+        "sum_rows_residual_rmsnorm_batch",
     }
 
 
