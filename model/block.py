@@ -385,6 +385,10 @@ class DecoderLayer:
         # sum all-reduce fills in the others' (each element is non-zero on one rank only, so the
         # sum is exact and the rows are added in group order as on one rank).
         g0 = sh.rank * sh.local_groups if sh.world_size > 1 else 0
+        if sh.world_size > 1:
+            # The all-reduce below leaves every rank's groups in place; they must be zero again
+            # before this rank's contribution (else the next draft adds the last one's back in).
+            gpu.memset(s.attn_parts, 0, m * sh.groups * H * 4, stream)
         bg.bgemv_batch(
             gpu,
             w=w.o_proj,

@@ -545,7 +545,7 @@ class MtpProposer:
             try:
                 self._live(st)
             except ProposerError as e:
-                raise ProposerError(f"{call}: sequence {b} of the batch: {e}") from None
+                raise ProposerError(f"{call} entry {b} of {len(states)}: {e}") from None
             if id(st) in seen:
                 raise ProposerError(
                     f"{call}: the sequence in slot {st.slot} is listed twice (batch entries "
@@ -599,7 +599,7 @@ class MtpProposer:
         H = self.cfg.hidden_size
         plan: list[tuple[ProposerState, np.ndarray, object, int]] = []
         for b, st in enumerate(states):
-            where = f"catchup_batch: sequence {b} (slot {st.slot})"
+            where = f"catchup_batch entry {b} of {len(states)}: slot {st.slot}"
             try:
                 base = as_int(row_bases[b], "row_base")
                 toks = self._check_tokens(tokens[b])
@@ -618,8 +618,9 @@ class MtpProposer:
                 bad = first_nonfinite_row(self.gpu, p, rows, H, self.ctx.finite_row, s)
                 if bad is not None:
                     raise ProposerError(
-                        f"catchup_batch: sequence {b} (slot {st.slot}): hidden row {bad} (drafter row "
-                        f"{st.rows + bad}) is not finite (NaN or Inf); no sequence was changed"
+                        f"catchup_batch entry {b} of {len(states)}: slot {st.slot}: hidden row {bad} "
+                        f"(drafter row {st.rows + bad}) is not finite (NaN or Inf); no sequence was "
+                        "changed"
                     )
             # Every sequence's rows, in order, a sequence's rows consecutive and ascending (the
             # cache write finds a pool's rows of the same launch by that order).
@@ -724,7 +725,7 @@ class MtpProposer:
         V = self.cfg.vocab_size
         toks, pos = [], []
         for b, st in enumerate(states):
-            where = f"propose_batch: sequence {b} (slot {st.slot})"
+            where = f"propose_batch entry {b} of {B}: slot {st.slot}"
             t = as_int(last_tokens[b], f"{where}: last_token")
             p = as_int(positions[b], f"{where}: position")
             if not 0 <= t < V:
@@ -933,10 +934,12 @@ class MtpProposer:
         states = self._batch(states, "after_verify_batch", ("accepted counts", accepted))
         counts = []
         for b, st in enumerate(states):
-            a = as_int(accepted[b], f"after_verify_batch: sequence {b} (slot {st.slot}): accepted")
+            a = as_int(
+                accepted[b], f"after_verify_batch entry {b} of {len(states)}: slot {st.slot}: accepted"
+            )
             if a < 0 or a > st.last_drafted:
                 raise ProposerError(
-                    f"after_verify_batch: sequence {b} (slot {st.slot}): accepted={a} outside "
+                    f"after_verify_batch entry {b} of {len(states)}: slot {st.slot}: accepted={a} outside "
                     f"0..{st.last_drafted} (drafts proposed)"
                 )
             counts.append(a)

@@ -129,7 +129,6 @@ class CudaFunction:
         self.pdl_config = _pdl_launch_config() if decl.pdl and pdl_supported else None
         self.resident: dict[tuple[int, int], int] = {}  # (block, smem) -> blocks resident per SM
         self.ptr_args = tuple(i for i, (_, t) in enumerate(decl.args) if t is Arg.PTR)
-        self.dyn_smem = _STATIC_SMEM_LIMIT
         self.static_smem = int(
             check(
                 driver.cuFuncGetAttribute(
@@ -138,6 +137,9 @@ class CudaFunction:
                 "cuFuncGetAttribute(SHARED_SIZE_BYTES)",
             )
         )
+        # Without the opt-in a block gets 48 KB in all, static included: a kernel with static
+        # shared memory and a 48 KB dynamic request fit nowhere (the batched head's x tile did).
+        self.dyn_smem = max(_STATIC_SMEM_LIMIT - self.static_smem, 0)
 
     def opt_in_smem(self, smem: int, max_optin: int) -> None:
         """Raise the kernel's dynamic shared-memory limit to ``smem`` bytes (needed above 48 KB)."""

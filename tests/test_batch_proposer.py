@@ -256,9 +256,9 @@ def test_bad_catchup_and_verify_batches_change_nothing(filled):
     nan = upload_rows(gpu, np.where(np.arange(H) == 2, np.nan, 1.0)[None].repeat(3, 0))
     before = _snapshots(prop, seqs)
     toks = [seqs[0].tokens[ra : ra + 4], seqs[1].tokens[rb : rb + 4]]
-    with pytest.raises(ProposerError, match="sequence 1 .*not finite"):
+    with pytest.raises(ProposerError, match="entry 1 of 2: slot .*not finite"):
         prop.catchup_batch([a, b], toks, [good, nan], [ra, rb])
-    with pytest.raises(ProposerError, match="sequence 1 .*feed starts at row"):
+    with pytest.raises(ProposerError, match="entry 1 of 2: slot .*feed starts at row"):
         prop.catchup_batch([a, b], toks, [good, good], [ra, rb + 1])
     with pytest.raises(ProposerError, match="listed twice"):
         prop.catchup_batch([a, a], toks, [good, good], [ra, ra])

@@ -185,7 +185,7 @@ def test_time_graphs_replays_a_proposer_graph_on_the_host_backend():
         )
         with bb.caught_graphs(gpu) as caught:
             drafts = prop.propose(st, 5, hid, 13, 2)
-        assert caught == [(st.graphs[2], prop.stream)]
+        assert caught == [(prop.captured_graphs[(1, 2)], prop.stream)]
         assert bb.time_graphs(gpu, caught, 3) > 0
         assert prop.propose(st, 5, hid, 13, 2) == drafts  # replays redo the same step
     finally:

@@ -88,7 +88,7 @@ def test_device_bytes_are_what_the_proposer_uploads(tmp_path):
     prop = MtpProposer(gpu, c.config, mtp_tensors(c), ProposerOptions(served_max_seq_len=64))
     weights, head = drafter_device_bytes(c.config)
     assert prop.head_fp8 is not None
-    assert prop.arena.nbytes == weights + head
+    assert prop.weights_nbytes == weights + head
     prop.close()
 
 

@@ -648,16 +648,20 @@ class MappedRunsOut(HostBackend):
 
 
 @pytest.mark.parametrize("left", [0, 1])
-def test_alloc_state_that_runs_out_of_mapped_memory_leaks_nothing(left):
+def test_a_proposer_that_runs_out_of_mapped_memory_leaks_nothing(left):
+    """The step's mapped buffers (entries in, drafts and flags out) are taken when the proposer is
+    built: running out at either one frees everything already taken; a sequence then allocates
+    nothing on the device."""
     gpu = MappedRunsOut()
-    prop = make_proposer(CFG, WEIGHTS, gpu=gpu, served=64)
     before = gpu.stats()
-    gpu.left = left  # the step's scalars, then the drafts and their flags: fail either one
+    gpu.left = left
     with pytest.raises(OutOfMemoryError):
-        prop.alloc_state()
+        make_proposer(CFG, WEIGHTS, gpu=gpu, served=64)
     assert gpu.stats().live_bytes == before.live_bytes
     assert gpu.stats().live_allocations == before.live_allocations
     gpu.left = 1 << 30
+    prop = make_proposer(CFG, WEIGHTS, gpu=gpu, served=64)
+    built = gpu.stats()
     st = prop.alloc_state()
-    assert st.slot == 0  # the slot was not taken either
+    assert st.slot == 0 and gpu.stats() == built
     prop.close()

@@ -75,7 +75,7 @@ class Without(HostBackend):
 
 
 def test_fp8_head_falls_back_to_bf16_with_a_warning(caplog):
-    gpu = Without(("draft_head", "head_argmax_fp8"))
+    gpu = Without(("draft_head", "head_argmax_fp8_batch"))
     with caplog.at_level(logging.WARNING):
         prop = make_proposer(CFG, W, gpu=gpu, fp8_head=True)
     assert prop.head_fp8 is None and "BF16 head" in caplog.text
