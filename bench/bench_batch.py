@@ -25,12 +25,16 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
+if not __package__:  # run as a script (python bench/bench_batch.py): find bench/, model/, runtime/
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402 - after the sys.path insert
 
 from bench.bench_propose import copy_bandwidth, draft_bytes, fill_context
 from model.config import ModelConfig
@@ -594,3 +598,116 @@ def batch_table(rows: Sequence[dict[str, Any]]) -> str:
             cells += [_f(tg, ".3f"), _f(ratio, ".2f")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+# ---- the run ---------------------------------------------------------------------------------------
+
+
+def run(args: Any, gpu: Any) -> dict[str, Any]:
+    """The batch benchmark on ``gpu`` at GLM-5.3-Flash shapes: every B of ``args.batches`` for every
+    context kind of ``args.kinds``, the floor's experts counted from the router's own ids, and the
+    same batches through the plain PyTorch step (bench/torch_step.py run_batch) unless
+    ``args.torch`` is off."""
+    import datetime
+
+    from bench.bench_propose import Arm, ArmProposer
+    from model.checkpoint.random_init import tiled_mtp_weights
+    from model.config import glm5_flash
+    from model.proposer import ProposerOptions
+
+    cfg = glm5_flash()
+    bw = copy_bandwidth(gpu)
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s (read + write)", flush=True)
+    weights = tiled_mtp_weights(cfg)
+    opt = ProposerOptions(
+        served_max_seq_len=cfg.dsa.max_context,
+        max_draft_tokens=args.k,
+        max_sequences=max(args.batches),
+        use_graphs=True,
+        context_chunk=256,
+    )
+    prop = ArmProposer(gpu, cfg, weights, opt)
+    del weights
+    prop.arm = Arm(fp8=True, graphs=True)  # before any graph is captured
+
+    def router_ids(p, states, k):
+        B, H = len(states), cfg.hidden_size
+        hid = _random_rows(gpu, np.random.default_rng(3), B, H)
+        try:
+            pos = [st.rows for st in states]
+            return p.routed_ids(states, [1] * B, hid, pos, k)
+        finally:
+            for st, n in zip(states, pos):
+                p.rewind_to(st, n)
+            gpu.free(hid)
+
+    res: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "device": getattr(gpu, "device_name", gpu.name),
+        "copy_bw_GBps": bw / 1e9,
+        "rows": [],
+    }
+    rng = np.random.default_rng(1)
+    try:
+        for kind in args.kinds:
+            res["rows"] += measure_batch(
+                prop,
+                gpu,
+                args.batches,
+                kind,
+                args.k,
+                args.iters,
+                rng,
+                bandwidth=bw,
+                expert_ids=router_ids,
+                fill="direct",
+                step=kind == "uniform",
+            )
+        res["memory"] = prop.memory_report()
+    finally:
+        prop.close()
+    if args.torch:
+        try:
+            from bench import torch_step
+        except Exception as e:  # noqa: BLE001 - the PyTorch rows are optional
+            print(f"note: bench/torch_step.py unavailable ({e!r}); the PyTorch rows are skipped")
+            return res
+        for row in res["rows"]:
+            ctx = contexts_for(row["kind"], row["B"], np.random.default_rng(0))
+            row["torch_graph_ms"] = torch_step.run_batch(
+                ctx, args.k, graph=True, iters=args.iters, fp8_head=True
+            )
+            row["torch_over_ours"] = row["torch_graph_ms"] / row["graph_device_ms"]
+            print(f"{row['kind']} B {row['B']}: torch graph {row['torch_graph_ms']:.3f} ms", flush=True)
+            torch_step.torch.cuda.empty_cache()
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(description="propose_batch against its byte floor and a plain PyTorch step")
+    ap.add_argument("--batches", type=lambda s: tuple(int(v) for v in s.split(",")), default=BATCHES)
+    ap.add_argument("--kinds", type=lambda s: tuple(s.split(",")), default=("uniform", "ragged"))
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--no-torch", dest="torch", action="store_false")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    from runtime.cuda_backend import CudaBackend
+
+    gpu = CudaBackend()
+    try:
+        res = run(args, gpu)
+    finally:
+        gpu.close()
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1, default=float))
+    print(batch_table(res["rows"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

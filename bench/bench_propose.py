@@ -88,6 +88,24 @@ class ArmProposer(MtpProposer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.arm = Arm()
+        self._ids_log: list[np.ndarray] | None = None
+
+    def routed_ids(self, states: list[ProposerState], last: list[int], hidden: Any, pos: list[int], k: int):
+        """The routed expert ids of each draft of one eager ``propose_batch`` ([B, top_k] per
+        draft, read after each draft's block; the captured graphs are left as they are): what a
+        batch's byte floor counts its distinct experts from."""
+        self._ids_log = []
+        try:
+            self.propose_batch(states, last, hidden, pos, k)
+            return list(self._ids_log)
+        finally:
+            self._ids_log = None
+
+    def _launch_step(self, m: int, k: int, s: int) -> None:
+        if self.arm.graphs and self._ids_log is None:
+            self._replay_graph(m, k, s)
+        else:
+            self._enqueue_drafts(m, k, s)
 
     def alloc_state(self, arm: Arm = Arm()) -> ProposerState:
         if arm.fp8 and self.head_fp8 is None:
@@ -104,15 +122,15 @@ class ArmProposer(MtpProposer):
         """The captured graph of bucket ``m`` and ``k`` drafts (after a graph-replayed propose)."""
         return self._graphs[(m, k)]
 
-    def _launch_step(self, m: int, k: int, s: int) -> None:
-        if self.arm.graphs:
-            self._replay_graph(m, k, s)
-        else:
-            self._enqueue_drafts(m, k, s)
-
     def _block(self, m: int, i: int, s: int) -> None:
         if not self.arm.skip_block:
             super()._block(m, i, s)
+            if self._ids_log is not None:
+                top = self.cfg.moe.num_experts_per_tok
+                ids = np.empty((m, top + int(self.cfg.moe.n_shared_experts > 0)), np.uint32)
+                self.gpu.synchronize(s)
+                self.gpu.copy_d2h(ids, self.scratch.ids)
+                self._ids_log.append(ids[:, :top].copy())
             return
         cfg = self.cfg
         rmsnorm(self.gpu, self.step.x, self.head_norm, self.step.xn, m, cfg.hidden_size, cfg.rms_norm_eps, s)
