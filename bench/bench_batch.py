@@ -619,12 +619,20 @@ def run(args: Any, gpu: Any) -> dict[str, Any]:
     bw = copy_bandwidth(gpu)
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s (read + write)", flush=True)
     weights = tiled_mtp_weights(cfg)
+    # The router drawn at random, not tiled: tiled rows repeat, so the batch's rows route alike (110
+    # of 288 experts per draft at B = 64 instead of about 241) and the floor and the MoE read fewer
+    # experts than the PyTorch step's random router makes it read.
+    gate = f"model.layers.{cfg.mtp_layer_index}.mlp.gate.weight"
+    weights[gate] = (np.random.default_rng(5).standard_normal(weights[gate].shape, np.float32) * 0.02).astype(
+        BF16
+    )
     opt = ProposerOptions(
         served_max_seq_len=cfg.dsa.max_context,
         max_draft_tokens=args.k,
         max_sequences=max(args.batches),
         use_graphs=True,
         context_chunk=256,
+        tensor_core_head=args.tensor_core_head,
     )
     prop = ArmProposer(gpu, cfg, weights, opt)
     del weights
@@ -645,6 +653,7 @@ def run(args: Any, gpu: Any) -> dict[str, Any]:
         "date": datetime.date.today().isoformat(),
         "device": getattr(gpu, "device_name", gpu.name),
         "copy_bw_GBps": bw / 1e9,
+        "tensor_core_head": args.tensor_core_head,
         "rows": [],
     }
     rng = np.random.default_rng(1)
@@ -664,6 +673,9 @@ def run(args: Any, gpu: Any) -> dict[str, Any]:
                 step=kind == "uniform",
             )
         res["memory"] = prop.memory_report()
+        if args.profile:
+            res["profile"] = profile_batch(prop, gpu, args.profile, args.k, rng)
+            print(profile_table(res["profile"]), flush=True)
     finally:
         prop.close()
     if args.torch:
@@ -683,6 +695,62 @@ def run(args: Any, gpu: Any) -> dict[str, Any]:
     return res
 
 
+def profile_batch(prop: Any, gpu: Any, B: int, k: int, rng: np.random.Generator) -> dict[str, Any]:
+    """Device time per kernel of one eager ``propose_batch`` of B sequences at context 4096: each
+    launch bracketed by events, queued behind a long copy so the kernels run back to back."""
+    from bench.bench_propose import LaunchRecorder
+
+    rec = LaunchRecorder(gpu)
+    old_gpu, prop.gpu, prop.layer.gpu = prop.gpu, rec, rec
+    states = [prop.alloc_state() for _ in range(B)]
+    a, b = gpu.alloc(1 << 30), gpu.alloc(1 << 30)
+    hid = _random_rows(gpu, rng, B, prop.cfg.hidden_size)
+    arm, prop.arm = prop.arm, dataclasses_replace(prop.arm, graphs=False)
+    marks: list = []
+    try:
+        for st in states:
+            fill_context(prop, st, UNIFORM_CONTEXT, rng)
+        last, pos = [1] * B, [UNIFORM_CONTEXT] * B
+        prop.propose_batch(states, last, hid, pos, k)
+        gpu.copy_d2d(b, a, 1 << 30, prop.stream)
+        with rec.recording() as marks:
+            prop.propose_batch(states, last, hid, pos, k)
+        per: dict[str, float] = {}
+        for name, _, e0, e1 in marks:
+            per[name] = per.get(name, 0.0) + gpu.event_elapsed_ms(e0, e1)
+        span = gpu.event_elapsed_ms(marks[0][2], marks[-1][3])
+        return {"B": B, "k": k, "span_ms": span, "kernels_ms": per}
+    finally:
+        for _, _, e0, e1 in marks:
+            gpu.event_destroy(e0)
+            gpu.event_destroy(e1)
+        prop.arm = arm
+        for st in states:
+            prop.free_state(st)
+        prop.gpu = prop.layer.gpu = old_gpu
+        for p in (a, b, hid):
+            gpu.free(p)
+
+
+def dataclasses_replace(obj: Any, **kw: Any) -> Any:
+    import dataclasses
+
+    return dataclasses.replace(obj, **kw)
+
+
+def profile_table(p: dict[str, Any]) -> str:
+    lines = [
+        f"Per-kernel device time of one eager propose_batch, B = {p['B']}, k = {p['k']}, context 4096 "
+        f"(span {p['span_ms']:.2f} ms):",
+        "",
+        "| kernel | ms per propose |",
+        "|---|---:|",
+    ]
+    for name, ms in sorted(p["kernels_ms"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {name} | {ms:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
@@ -694,6 +762,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-torch", dest="torch", action="store_false")
+    ap.add_argument("--tensor-core-head", action="store_true", help="ProposerOptions.tensor_core_head")
+    ap.add_argument(
+        "--profile", type=int, default=0, help="per-kernel device time of one eager propose at this B"
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     from runtime.cuda_backend import CudaBackend

@@ -107,7 +107,9 @@ class ArmProposer(MtpProposer):
         else:
             self._enqueue_drafts(m, k, s)
 
-    def alloc_state(self, arm: Arm = Arm()) -> ProposerState:
+    def alloc_state(self, arm: Arm | None = None) -> ProposerState:
+        """A state running ``arm`` (the current arm when None)."""
+        arm = self.arm if arm is None else arm
         if arm.fp8 and self.head_fp8 is None:
             raise ValueError("an FP8-head arm on a proposer without the FP8 head")
         if arm != self.arm:

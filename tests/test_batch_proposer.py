@@ -301,3 +301,21 @@ def test_cuda_array_interface_rows_are_read_and_checked(filled):
     via_cai = prop.propose_batch([a, b], toks, FakeTensor(hid, (2, H)), [rows, rows], 2, stream=prop.stream)
     np.testing.assert_array_equal(via_ptr, via_cai)
     gpu.free(hid)
+
+
+def test_the_tensor_core_head_keeps_batches_invariant():
+    """tensor_core_head swaps the head kernel for every batch of the proposer: a sequence drafts
+    the same in a padded batch of three as alone, and the option is refused where it cannot run."""
+    gpu = HostBackend()
+    mk = dict(gpu=gpu, max_sequences=4, max_draft_tokens=KMAX, tensor_core_head=True)
+    batched = make_proposer(CFG, WEIGHTS, use_graphs=True, batch_buckets=(1, 4), **mk)
+    alone = make_proposer(CFG, WEIGHTS, **mk)
+    seqs = [Seq(70 + i, batched.alloc_state(), alone.alloc_state()) for i in range(3)]
+    pair = Pair.__new__(Pair)
+    pair.gpu, pair.batched, pair.alone, pair.live = gpu, batched, alone, seqs
+    _catchup(pair, seqs, [9, 20, 13])
+    _propose(pair, seqs, [0, 1, 2], KMAX)
+    pair.check(seqs)
+    pair.close()
+    with pytest.raises(ProposerError, match="tensor_core_head needs the FP8 head"):
+        make_proposer(CFG, WEIGHTS, gpu=gpu, fp8_head=False, tensor_core_head=True)
