@@ -433,7 +433,7 @@ def measure_batch(
                 "kind": str(contexts_kind),
                 "B": B,
                 "k": k,
-                "head": "fp8" if fp8 else "bf16",
+                "head": ("fp8 tc" if getattr(prop, "tensor_core_head", False) else "fp8") if fp8 else "bf16",
                 "contexts": [min(ctx), int(round(statistics.mean(ctx))), max(ctx)],
                 "fill_s": fill_s,
                 "distinct_experts": chosen,
@@ -632,7 +632,7 @@ def run(args: Any, gpu: Any) -> dict[str, Any]:
         max_sequences=max(args.batches),
         use_graphs=True,
         context_chunk=256,
-        tensor_core_head=args.tensor_core_head,
+        tensor_core_head={"auto": None, "tensor-core": True, "cuda-core": False}[args.head],
     )
     prop = ArmProposer(gpu, cfg, weights, opt)
     del weights
@@ -653,7 +653,7 @@ def run(args: Any, gpu: Any) -> dict[str, Any]:
         "date": datetime.date.today().isoformat(),
         "device": getattr(gpu, "device_name", gpu.name),
         "copy_bw_GBps": bw / 1e9,
-        "tensor_core_head": args.tensor_core_head,
+        "tensor_core_head": prop.tensor_core_head,
         "rows": [],
     }
     rng = np.random.default_rng(1)
@@ -762,7 +762,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-torch", dest="torch", action="store_false")
-    ap.add_argument("--tensor-core-head", action="store_true", help="ProposerOptions.tensor_core_head")
+    ap.add_argument(
+        "--head",
+        choices=("auto", "tensor-core", "cuda-core"),
+        default="auto",
+        help="ProposerOptions.tensor_core_head (auto: tensor cores for 4 or more sequences)",
+    )
     ap.add_argument(
         "--profile", type=int, default=0, help="per-kernel device time of one eager propose at this B"
     )

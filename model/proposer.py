@@ -87,8 +87,10 @@ class ProposerOptions:
     # The FP8 head on tensor cores (mma.sync, BF16 from the FP8 rows in registers) instead of the
     # CUDA-core GEMV: 0.20 vs 0.15 ms per draft at one sequence, 0.43 vs 0.91 at 16, 1.35 vs 3.71
     # at 64 (H200, BENCHMARKS.md). Both are batch-invariant; they are not bit-identical to each
-    # other, so a proposer uses one for every batch. One rank only; hidden % 64 == 0.
-    tensor_core_head: bool = False
+    # other, so a proposer uses one for every batch. One rank only; hidden % 64 == 0. None: on for
+    # a proposer of 4 or more sequences where it can run (the two cross near 3 sequences), off
+    # for one that drafts alone.
+    tensor_core_head: bool | None = None
     # Context rows one launch feeds (all sequences of a catch-up together): weights are read once
     # per chunk.
     context_chunk: int = 32
@@ -341,7 +343,10 @@ class MtpProposer:
             self.head_fp8 = self.head_fp8_scales = None
             if options.fp8_head:
                 self._quantize_head()
-            if options.tensor_core_head and (self.head_fp8 is None or self.head_sharded or H % 64):
+            can_tc = self.head_fp8 is not None and not self.head_sharded and H % 64 == 0
+            want_tc = options.tensor_core_head
+            self.tensor_core_head = can_tc and options.max_sequences >= 4 if want_tc is None else want_tc
+            if self.tensor_core_head and not can_tc:
                 raise ProposerError(
                     "tensor_core_head needs the FP8 head on one rank (not sharded by vocabulary) and a "
                     f"hidden size divisible by 64 (got fp8 head {self.head_fp8 is not None}, "
@@ -901,7 +906,7 @@ class MtpProposer:
             # One launch: head GEMV, argmax, commit of the draft tokens (keys stay zero).
             head = (
                 draft_head.head_argmax_batch_mma
-                if self.opt.tensor_core_head and sc is not None
+                if self.tensor_core_head and sc is not None
                 else draft_head.head_argmax_batch
             )
             head(
