@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402 - after the sys.path insert
 from bench.bench_propose import copy_bandwidth, draft_bytes, fill_context
 from model.config import ModelConfig
 from model.kernels.dsa_select import complete_pools
-from model.weights import Sharding
+from model.weights import Sharding, fused_in_rows
 from runtime.dtypes import BF16
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -102,12 +102,12 @@ def _floor_view(cfg_or_prop: Any) -> Any:
     if not isinstance(cfg_or_prop, ModelConfig):
         return cfg_or_prop
     cfg = cfg_or_prop
-    a, d, V = cfg.attention, cfg.dsa, cfg.vocab_size
+    a, V = cfg.attention, cfg.vocab_size
     W = cfg.parallel.world_size
     heads = a.num_attention_heads
     # o_proj's bytes do not depend on its group count; one group per head always divides.
     sh = Sharding.for_config(cfg, heads)
-    fused_rows = a.kv_lora_rank + 2 * d.index_head_dim + a.q_lora_rank + d.index_n_heads
+    fused_rows = fused_in_rows(cfg)
     return SimpleNamespace(
         cfg=cfg,
         sharding=sh,

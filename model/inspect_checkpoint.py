@@ -19,6 +19,7 @@ from model.checkpoint import Checkpoint, CheckpointError
 from model.checkpoint.fp8 import scale_name
 from model.checkpoint.safetensors_io import DTYPES
 from model.config import ConfigError, ModelConfig
+from model.weights import fused_in_rows
 from model.weights_layout import (
     TensorSpec,
     mtp_layout,
@@ -75,6 +76,11 @@ def drafter_device_bytes(cfg: ModelConfig) -> tuple[int, int]:
     block = sum(math.prod(s.shape) * DTYPES[s.dtype].itemsize for s in mtp_layout(cfg).values())
     # kv_a_proj_with_mqa's RoPE rows are not uploaded (NoPE: there are none to drop today).
     block -= cfg.attention.qk_rope_head_dim * cfg.hidden_size * 2
+    # fused_in's zero rows that align each batch row (model.weights.fused_in_rows).
+    a, d = cfg.attention, cfg.dsa
+    block += (
+        fused_in_rows(cfg) - (a.kv_lora_rank + 2 * d.index_head_dim + a.q_lora_rank + d.index_n_heads)
+    ) * (cfg.hidden_size * 2)
     tables = 2 * cfg.vocab_size * cfg.hidden_size * 2
     return block + tables, cfg.vocab_size * cfg.hidden_size + cfg.vocab_size * 4
 

@@ -2,15 +2,16 @@
 
 Layouts chosen at load (each saves a pass over memory or a launch per draft):
 - ``fused_in`` stacks every projection that reads the normalised block input ``y``:
-  ``[kv_a (kv_lora) ; wk (idim) ; compress_gate (idim) ; q_a (q_lora) ; weights_proj (ih)]``, so
-  one GEMV reads ``y`` once; a context row runs only the first ``kv_lora + 2 idim`` rows.
+  ``[kv_a (kv_lora) ; wk (idim) ; compress_gate (idim) ; q_a (q_lora) ; weights_proj (ih)]`` and
+  zero rows up to a multiple of 8 (each batch row 16-byte aligned), so one GEMV reads ``y`` once;
+  a context row runs only the first ``kv_lora + 2 idim`` rows.
 - ``q_fused`` stacks this rank's heads of ``q_b`` and the indexer's ``wq_b`` (both read ``q_lat``).
 - ``kv_b``'s key half is stored transposed per head, ``[heads, kv_lora, nope]``, for the absorbed
   query; the value half as ``[heads, v, kv_lora]``.
 - ``o_proj`` is split into fixed head groups ``[groups, H, group_heads * v]``. Each group's partial
-  sum is an f32 row, and the rows are added in group order, on one rank or after an all-gather on
-  several: the sharded result is bit-identical to one rank's for any world size dividing
-  ``groups``.
+  sum is an f32 row, and the rows are added in group order, on one rank or after a sum all-reduce
+  of the rows each rank fills with its own groups (zero elsewhere, so exact) on several: the
+  sharded result is bit-identical to one rank's for any world size dividing ``groups``.
 - experts as ``[n_local, 2I, H]`` (gate rows then up rows) and ``[n_local, H, I]``; the router as
   ``[E, H]`` (the shared expert has no gate).
 """
@@ -159,6 +160,13 @@ class MlpWeights:
     dense_weight: DevicePtr | None = None
 
 
+def fused_in_rows(cfg: ModelConfig) -> int:
+    """Rows of the stacked ``fused_in`` weight (see the module docstring), padding included."""
+    a, d = cfg.attention, cfg.dsa
+    rows = a.kv_lora_rank + 2 * d.index_head_dim + a.q_lora_rank + d.index_n_heads
+    return rows + -rows % 8
+
+
 def load_attention(
     arena: DeviceArena, src: TensorLookup, prefix: str, cfg: ModelConfig, sh: Sharding
 ) -> AttentionWeights:
@@ -176,6 +184,13 @@ def load_attention(
             src.checked(ix + "weights_proj.weight", (ih, H)),
         ]
     )
+    # Zero rows up to a multiple of 8: each batch row of the fused output then starts on 16 bytes,
+    # which the vector paths of the cache write and the q projection need for every row alike (an
+    # unaligned row takes the scalar path, whose sums differ in the last bits: a row's bits would
+    # depend on its place in the batch).
+    pad = fused_in_rows(cfg) - fused.shape[0]
+    if pad:
+        fused = np.concatenate([fused, np.zeros((pad, H), fused.dtype)])
     heads = slice(sh.rank * sh.local_heads, (sh.rank + 1) * sh.local_heads)
     q_b = src.checked(at + "q_b_proj.weight", (a.num_attention_heads * a.qk_head_dim, ql))
     q_b = q_b.reshape(a.num_attention_heads, a.qk_head_dim, ql)[heads].reshape(-1, ql)

@@ -23,10 +23,11 @@ from tests.proposer_fixtures import bf16_weights, make_proposer, upload_rows
 CFG = tiny(index_topk=8, index_kpool=2, max_context=64)
 SHARE = dataclasses.replace(CFG, dsa=dataclasses.replace(CFG.dsa, share_for_mtp_iteration=True))
 
-# Weights by hand (bytes): eh_proj 64*128*2; fused_in (32 + 16 + 16 + 48 + 2) rows x 64 x 2;
+# Weights by hand (bytes): eh_proj 64*128*2; fused_in (32 + 16 + 16 + 48 + 2 = 114, zero rows up to
+# 120) rows x 64 x 2;
 # q_fused (4*16 + 2*16) x 48 x 2; wk_t 4*32*16*2; wv 4*16*32*2; o_proj 64*64*2; router 8*64*2;
 # shared expert 3*24*64*2. One expert 3*24*64*2. Head 97*64*2, or FP8 97*64 + 97 f32 scales.
-BLOCK = 16384 + 14592 + 9216 + 4096 + 4096 + 8192 + 1024 + 9216
+BLOCK = 16384 + 15360 + 9216 + 4096 + 4096 + 8192 + 1024 + 9216
 EXPERT = 9216
 HEAD_BF16, HEAD_FP8 = 12416, 6596
 LAT, POOL, ROW_IN = 32 + 4, 16 + 4, 64 * 2  # FP8 latent + scale, FP8 pool key + scale, a BF16 row
