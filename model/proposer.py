@@ -190,7 +190,7 @@ class StepBuffers:
     keys: DevicePtr  # u64 [rows], zero between launches (the head's packed argmax)
     am_idx: DevicePtr  # sharded head: per-row argmax of this rank's logits
     am_val: DevicePtr
-    head_counter: DevicePtr  # u32, zero between launches (head_argmax's last-block handshake)
+    head_counter: DevicePtr  # u32, zero between launches (the fused head's last-block handshake)
     drafts: DevicePtr  # u32 [rows][kmax]
     # Mapped pinned u32 [rows][4]: the host writes a step's entries here and the step's first
     # kernel (copy_words) brings them into ``entries`` (no host-to-device copy node in the graph).

@@ -78,9 +78,9 @@ def as_tokens(tokens: Sequence[int] | np.ndarray, vocab: int, what: str = "token
 # Bytes of a sequence's flag word (the last word of its drafts_out, mapped pinned memory the host
 # zeroes before each step): each is stored only by one kind of kernel, only with a nonzero value, so
 # no kernel clears another's report and no atomic to host memory is needed.
-FLAG_TARGET_HIDDEN = 0  # mtp_input_gemv of draft 1: the target's hidden (and the committed token)
-FLAG_OWN_HIDDEN = 1  # mtp_input_gemv of drafts 2..k: the drafter's own output
-FLAG_LOGITS = 2  # the head's commit (head_argmax_* / draft_commit): the winning logit
+FLAG_TARGET_HIDDEN = 0  # mtp_input_gemv_batch of draft 1: the target's hidden (and the committed token)
+FLAG_OWN_HIDDEN = 1  # mtp_input_gemv_batch of drafts 2..k: the drafter's own output
+FLAG_LOGITS = 2  # the head's commit (head_argmax_*_batch / draft_commit_batch): the winning logit
 FLAG_BYTES = 4
 
 

@@ -1,8 +1,9 @@
-// Batched GEMV y[b] = W[b] @ x[b] (W[b] [n, k] BF16, x[b] [k] BF16, f32 accumulation) and the
-// ordered row sums that follow the o_proj head groups and the MoE slots.
+// The drafter's BF16 projections over m rows of activations (model/kernels/bgemv.py): per-head GEMVs
+// y[e][h] = W[h] @ x[e][h] (W[h] [n, k] BF16, x [k] BF16, f32 accumulation), the ordered row sums
+// that follow the o_proj head groups and the MoE slots, and the GEMV of RMSNorm'd rows.
 //
-// bgemv geometry (model/kernels/bgemv.py rows_per_warp): grid (ceil(n / (8 R)), batch), block 256
-// = 8 warps, each warp owns R consecutive rows with R * U = 16 sixteen-byte loads per lane in
+// Per-head GEMV geometry of one row (model/kernels/bgemv.py rows_per_warp): ceil(n / (8 R)) blocks
+// per head, block 256 = 8 warps, each warp owns R consecutive rows with R * U = 16 sixteen-byte loads per lane in
 // flight. The drafter's batched GEMVs have short rows, so rows per warp is what keeps bytes in
 // flight: wk_t (k = 256: one chunk per lane per row) takes R = 16, wv (k = 512) R = 8, o_proj
 // (k = 2048) R = 4 with 4 chunks per row; with R = 4 everywhere the short rows ran far below the
@@ -53,59 +54,10 @@ __device__ __forceinline__ void bgemv_body(const uint16_t* __restrict__ w, const
     if (MODE == BESIDE) grid_dependency_wait();  // not complete before the kernel it ran beside
 }
 
-// Rows per warp by row length; must match model/kernels/bgemv.py rows_per_warp.
-template <bool OUT_F32, PdlMode MODE>
-__device__ __forceinline__ void bgemv_dispatch(const uint16_t* w, const uint16_t* x, void* y, uint32_t batch,
-                                               uint32_t n, uint32_t k) {
-    const uint32_t b = blockIdx.y;
-    const bool active = b < batch;
-    const size_t x_off = (size_t)b * k, y_off = (size_t)b * n;
-    if (k <= 256u) bgemv_body<OUT_F32, 16, 1, MODE>(w, x, y, active, b, x_off, y_off, blockIdx.x, n, k);
-    else if (k <= 512u) bgemv_body<OUT_F32, 8, 2, MODE>(w, x, y, active, b, x_off, y_off, blockIdx.x, n, k);
-    else bgemv_body<OUT_F32, 4, 4, MODE>(w, x, y, active, b, x_off, y_off, blockIdx.x, n, k);
-}
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(256) bgemv_bf16_f32(const uint16_t* __restrict__ w,
-                                                                 const uint16_t* __restrict__ x,
-                                                                 float* __restrict__ y, uint32_t batch,
-                                                                 uint32_t n, uint32_t k) {
-    bgemv_dispatch<true, WAIT_FIRST>(w, x, y, batch, n, k);
-}
-
-// bgemv_bf16_f32 that runs beside the kernel launched before it (Pdl.BESIDE): wk_t's q_abs beside
-// select_topk_pools (the selection reads the indexer's scores; q_abs only the q projection, which
-// completed before both).
-extern "C" __global__ void __launch_bounds__(256) bgemv_bf16_f32_beside(const uint16_t* __restrict__ w,
-                                                                        const uint16_t* __restrict__ x,
-                                                                        float* __restrict__ y, uint32_t batch,
-                                                                        uint32_t n, uint32_t k) {
-    bgemv_dispatch<true, BESIDE>(w, x, y, batch, n, k);
-}
-
-extern "C" __global__ void __launch_bounds__(256) bgemv_bf16_bf16(const uint16_t* __restrict__ w,
-                                                                  const uint16_t* __restrict__ x,
-                                                                  uint16_t* __restrict__ y, uint32_t batch,
-                                                                  uint32_t n, uint32_t k) {
-    bgemv_dispatch<false, WAIT_FIRST>(w, x, y, batch, n, k);
-}
-
-// out = bf16(residual + (((p0 + p1) + p2) + ...)): the host twin's order exactly (f32 adds in row
-// order, then the residual), so this kernel is bit-identical to its twin. Grid ceil(n / 256),
-// block 256, one element per thread.
-extern "C" __global__ void __launch_bounds__(256) sum_rows_residual(const float* __restrict__ parts,
-                                                                    const uint16_t* residual,
-                                                                    uint16_t* out, uint32_t rows,
-                                                                    uint32_t n) {
-    const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n || rows == 0) return;
-    float acc = parts[i];
-    for (uint32_t r = 1; r < rows; ++r) acc = __fadd_rn(acc, parts[(size_t)r * n + i]);
-    out[i] = f32_to_bf16_bits(__fadd_rn(bf16_bits_to_f32(residual[i]), acc));
-}
-
 namespace {
-// Elements 4c .. 4c + 3 of sum_rows_residual_rmsnorm's row: the part rows added in row order with
+// Elements 4c .. 4c + 3 of sum_rows_residual_rmsnorm_batch's row: the part rows added in row order with
 // RL float4 loads in flight, the residual added, the BF16 result stored (and returned packed in
 // o01 / o23), and its squares added to ss.
 template <int RL>
@@ -139,12 +91,12 @@ __device__ __forceinline__ void sum_chunk_rows(const float* __restrict__ parts, 
 }
 }  // namespace
 
-// sum_rows_residual, then the next layer's RMSNorm of its BF16 result in the same launch:
+// A row's ordered sum (as sum_rows_residual_batch), then the next layer's RMSNorm of its BF16 result:
 // normed = bf16((out / r) * w), r = sqrt(mean(out^2) + eps). One block of 1024 threads owns the
 // whole row (the norm needs all of it). Each thread takes 4 consecutive elements and keeps 8 part
 // rows' float4 loads in flight, so the launch waits a few L2 round trips instead of one per part
 // row (BENCHMARKS.md, "Drafter kernel notes"). The adds stay in row order, so `out` is
-// bit-identical to sum_rows_residual's.
+// bit-identical to sum_rows_residual_batch's.
 namespace {
 // The kernel's body for one row (the batch runs it once per block, with that row's pointers).
 __device__ __forceinline__ void sum_rows_residual_rmsnorm_row(
@@ -211,51 +163,17 @@ __device__ __forceinline__ void sum_rows_residual_rmsnorm_row(
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(1024) sum_rows_residual_rmsnorm(
-    const float* __restrict__ parts, const uint16_t* residual, const uint16_t* __restrict__ norm_w,
-    uint16_t* out, uint16_t* __restrict__ normed, uint32_t rows, uint32_t n, float eps) {
-    __shared__ float scratch[32];
-    sum_rows_residual_rmsnorm_row(parts, residual, norm_w, out, normed, rows, n, eps, scratch);
-}
-
-// y = W @ (rmsnorm(x) * norm_w): the RMSNorm of the GEMV's input computed by every block into
-// shared memory (smem_x_gemv), replacing a single-block rmsnorm launch and its round trip.
-// Grid min(ceil(n / 8), the blocks resident at once), block 256, dynamic smem k * 2 bytes.
-// __launch_bounds__(256, 4): 62 registers, 4 blocks per SM, which the prologue staged in shared
-// memory allows (stage_row_sumsq, ptx/model_common.cuh; BENCHMARKS.md, "Drafter kernel notes").
-extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_gemv(const uint16_t* __restrict__ x,
-                                                               const uint16_t* __restrict__ norm_w,
-                                                               const uint16_t* __restrict__ w,
-                                                               uint16_t* __restrict__ y, uint32_t n, uint32_t k,
-                                                               float eps) {
-    extern __shared__ __align__(16) uint16_t xs[];
-    __shared__ float scratch[64];
-    smem_x_gemv(w, y, n, k, xs, RmsNormToSmem{x, norm_w, k, eps, scratch});
-}
-
-// rmsnorm_gemv beside the kernel launched before it (Pdl.BESIDE): the q projection beside
-// dsa_cache_write, both reading the fused_in projection that completed before them.
-extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_gemv_beside(const uint16_t* __restrict__ x,
-                                                                      const uint16_t* __restrict__ norm_w,
-                                                                      const uint16_t* __restrict__ w,
-                                                                      uint16_t* __restrict__ y, uint32_t n,
-                                                                      uint32_t k, float eps) {
-    extern __shared__ __align__(16) uint16_t xs[];
-    __shared__ float scratch[64];
-    smem_x_gemv<true>(w, y, n, k, xs, RmsNormToSmem{x, norm_w, k, eps, scratch});
-}
-
 // ---- the batch: m rows of activations (1 <= m <= 256) against each weight matrix read once --------
 //
 // Every batched kernel below takes the rows of x in chunks of BATCH_ROWS: blockIdx.x is the chunk, so
 // the blocks that stream one tile of weights are consecutive in launch order and all but the first
-// find it in L2 (the weights come from HBM once per launch). A chunk of one row runs today's
-// single-row path; a chunk of M rows applies each weight load to its M rows, with one accumulator
-// per (row, weight row) summed in the same order as the single-row path sums it: lane l takes the
+// find it in L2 (the weights come from HBM once per launch). A chunk of one row runs the
+// one-row path (bgemv_body); a chunk of M rows applies each weight load to its M rows, with one
+// accumulator per (row, weight row) summed in the same order as the one-row path sums it: lane l takes the
 // 16-byte chunks l, l + 32, ... in that order (eight fmaf each, in element order), then the lanes are
 // added in warp_sum's butterfly. How many weight loads are in flight and how many rows share them is
 // chosen per M; that order never is. So row e of any batch is bit-identical to a launch of that row
-// alone (m = 1), which is today's kernel's arithmetic, and no row depends on another.
+// alone (m = 1), and no row depends on another.
 namespace {
 constexpr uint32_t BATCH_ROWS = 8;  // model/kernels/bgemv.py BATCH_ROWS
 
@@ -444,8 +362,8 @@ __device__ __forceinline__ void bgemv_rows_body(const uint16_t* __restrict__ w, 
     if (MODE == BESIDE) grid_dependency_wait();  // not complete before the kernel it ran beside
 }
 
-// One chunk of the batch: a single row runs bgemv_body (today's kernel, rows per warp by row length as
-// bgemv_dispatch, model/kernels/bgemv.py rows_per_warp), 2..8 rows the M-row path of the next power
+// One chunk of the batch: a single row runs bgemv_body (rows per warp by row length,
+// model/kernels/bgemv.py rows_per_warp), 2..8 rows the M-row path of the next power
 // of two over the same tile.
 template <bool OUT_F32, PdlMode MODE>
 __device__ __forceinline__ void bgemv_batch_dispatch(const uint16_t* w, const uint16_t* x, void* y, uint32_t m,
@@ -474,8 +392,8 @@ __device__ __forceinline__ void bgemv_batch_dispatch(const uint16_t* w, const ui
 // reads the q heads out of a wider fused row), y[e] at y + e * y_stride ([heads][n]: a rank's o_proj
 // groups land in its columns of the all-groups rows). Grid (ceil(m / 8), ceil(n / (8 rows_per_warp(k))), heads), block 256,
 // dynamic smem M * k * 2 bytes for M the next power of two of min(m, 8) when m > 1 (none at m = 1:
-// today's path and residency), or none, where the chunks read x from global memory; the PDL modes of
-// the single-row kernels (WAIT_FIRST, releasing after the wait, x through L2; BESIDE).
+// the one-row path and its residency), or none, where the chunks read x from global memory; PDL
+// WAIT_FIRST (releasing after the wait, x through L2).
 // __launch_bounds__(256, 2): the m = 1 path of bgemv_body needs 122 registers, and the M-row paths
 // must not raise the count past two blocks per SM (the m = 1 path's residency).
 extern "C" __global__ void __launch_bounds__(256, 2) bgemv_bf16_f32_batch(const uint16_t* __restrict__ w,
@@ -488,7 +406,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) bgemv_bf16_f32_batch(const 
     bgemv_batch_dispatch<true, WAIT_FIRST>(w, x, y, m, x_stride, y_stride, n, k, xsm);
 }
 
-// bgemv_bf16_f32_batch beside the kernel launched before it (Pdl.BESIDE), as bgemv_bf16_f32_beside.
+// bgemv_bf16_f32_batch beside the kernel launched before it (Pdl.BESIDE): wk_t's q_abs beside
+// select_topk_pools_batch (the selection reads the indexer's scores; q_abs only the q projection,
+// which completed before both).
 extern "C" __global__ void __launch_bounds__(256, 2) bgemv_bf16_f32_batch_beside(const uint16_t* __restrict__ w,
                                                                                const uint16_t* __restrict__ x,
                                                                                float* __restrict__ y, uint32_t m,
@@ -509,8 +429,9 @@ extern "C" __global__ void __launch_bounds__(256, 2) bgemv_bf16_bf16_batch(const
     bgemv_batch_dispatch<false, WAIT_FIRST>(w, x, y, m, x_stride, y_stride, n, k, xsm);
 }
 
-// sum_rows_residual for each row e < m: parts [m][rows][n] f32, residual / out [m][n] BF16. Grid
-// (ceil(n / 256), m), block 256; row e's arithmetic is sum_rows_residual's, element by element.
+// out[e] = bf16(residual[e] + (((p0 + p1) + p2) + ...)) for each row e < m: parts [m][rows][n] f32,
+// residual / out [m][n] BF16; f32 adds in part-row order, then the residual (the host twin's order
+// exactly, so bit-identical to it). Grid (ceil(n / 256), m), block 256, one element per thread.
 extern "C" __global__ void __launch_bounds__(256) sum_rows_residual_batch(const float* __restrict__ parts,
                                                                           const uint16_t* residual, uint16_t* out,
                                                                           uint32_t m, uint32_t rows, uint32_t n) {
@@ -523,7 +444,7 @@ extern "C" __global__ void __launch_bounds__(256) sum_rows_residual_batch(const 
     out[(size_t)e * n + i] = f32_to_bf16_bits(__fadd_rn(bf16_bits_to_f32(residual[(size_t)e * n + i]), acc));
 }
 
-// sum_rows_residual_rmsnorm for each row e < m, one block of 1024 threads per row (grid m): parts
+// sum_rows_residual_rmsnorm_batch_row for each row e < m, one block of 1024 threads per row (grid m): parts
 // [m][rows][n] f32, residual / out / normed [m][n] BF16. The vector path's test sees row e's own
 // pointers, which are aligned as row 0's whenever n % 4 == 0 (the only case it takes).
 extern "C" __global__ void __launch_bounds__(1024) sum_rows_residual_rmsnorm_batch(
@@ -603,15 +524,15 @@ __device__ __forceinline__ void rms_rows_to_smem(const uint16_t* __restrict__ x,
     __syncthreads();
 }
 
-// Weight loads in flight per lane by rows per block: 8 at M = 1 (smem_x_gemv's), fewer as more rows
+// Weight loads in flight per lane by rows per block: 8 at M = 1, fewer as more rows
 // share each load, within the 64 registers of __launch_bounds__(256, 4).
 template <int M>
 __host__ __device__ constexpr int norm_gemv_unroll() { return M == 1 ? 8 : (M == 2 ? 4 : 2); }
 
-// smem_x_gemv for the `rows` (<= M) rows of the chunk at e0: the prologue normalises them into xs
+// The GEMV of normalised rows for the `rows` (<= M) rows of the chunk at e0: the prologue normalises them into xs
 // [M][k], then each warp streams its rows of W (grid-stride over blockIdx.y, one row at a time, its
 // first U loads issued before the wait and the prologue) and applies every chunk to the M rows,
-// storing the first `rows`. At M = 1 this is rmsnorm_gemv (RmsNormToSmem, U = 8, the same loop).
+// storing the first `rows`. At M = 1: RmsNormToSmem, U = 8, the same loop.
 template <int M, bool BESIDE>
 __device__ __forceinline__ void norm_gemv_rows(const uint16_t* __restrict__ x, uint32_t x_stride,
                                                const uint16_t* __restrict__ norm_w, const uint16_t* __restrict__ W,
@@ -680,7 +601,7 @@ __device__ __forceinline__ void norm_gemv_batch(const uint16_t* x, uint32_t x_st
                                                 float eps, uint16_t* xs, float* scratch) {
     const uint32_t e0 = blockIdx.x * BATCH_ROWS;
     const uint32_t rows = e0 < m ? min(m - e0, BATCH_ROWS) : 0u;
-    // One row runs rmsnorm_gemv's path; 2..8 rows the M-row path of the next power of two.
+    // One row runs the M = 1 path; 2..8 rows the M-row path of the next power of two.
     if (rows == 1u) norm_gemv_rows<1, BESIDE>(x, x_stride, norm_w, W, y, n, k, eps, e0, rows, xs, scratch);
     else if (rows == 2u) norm_gemv_rows<2, BESIDE>(x, x_stride, norm_w, W, y, n, k, eps, e0, rows, xs, scratch);
     else if (rows > 2u && rows <= 4u) norm_gemv_rows<4, BESIDE>(x, x_stride, norm_w, W, y, n, k, eps, e0, rows, xs, scratch);
@@ -689,10 +610,11 @@ __device__ __forceinline__ void norm_gemv_batch(const uint16_t* x, uint32_t x_st
 }
 }  // namespace
 
-// rmsnorm_gemv for each row e < m: y[e] = W @ (rmsnorm(x_e) * norm_w), x_e at x + e * x_stride
+// y[e] = W @ (rmsnorm(x_e) * norm_w) for each row e < m, x_e at x + e * x_stride
 // (elements: the q projection's input sits inside the wider fused row), y dense [m][n] BF16.
 // Grid (ceil(m / 8), the blocks resident at once), block 256, dynamic smem min(m, 8) * k * 2 bytes;
-// Pdl.WAIT as rmsnorm_gemv (it releases at exit).
+// Pdl.WAIT (it releases at exit). The norm is computed by every block into shared memory, which
+// replaces a single-block rmsnorm launch and its round trip.
 extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_gemv_batch(const uint16_t* __restrict__ x,
                                                                      uint32_t x_stride,
                                                                      const uint16_t* __restrict__ norm_w,
@@ -704,7 +626,8 @@ extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_gemv_batch(const ui
     norm_gemv_batch<false>(x, x_stride, norm_w, w, y, m, n, k, eps, xs, scratch);
 }
 
-// rmsnorm_gemv_batch beside the kernel launched before it (Pdl.BESIDE), as rmsnorm_gemv_beside.
+// rmsnorm_gemv_batch beside the kernel launched before it (Pdl.BESIDE): the q projection beside
+// dsa_cache_write_batch, both reading the fused_in projection that completed before them.
 extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_gemv_batch_beside(const uint16_t* __restrict__ x,
                                                                             uint32_t x_stride,
                                                                             const uint16_t* __restrict__ norm_w,

@@ -64,20 +64,21 @@ __device__ __forceinline__ void grid_dependency_wait() {
 // the GEMV core's x (X_L2), stage_x, the selection's scores, the MLA partials, the row sums' parts.
 // Unconditional release, for a kernel whose successor is built to run beside it: the successor's
 // input comes from the kernel before this one, so it works without waiting and waits only before
-// it exits or before it reads this kernel's output (router_fused -> moe_gate_up's shared slot,
-// select_topk_pools -> bgemv_bf16_f32_beside, dsa_cache_write -> rmsnorm_gemv_beside, the heads
-// head_argmax_{bf16,fp8} -> the next draft's mtp_input_gemv, whose token is the head's output).
+// it exits or before it reads this kernel's output (select_topk_pools_batch ->
+// bgemv_bf16_f32_batch_beside, dsa_cache_write_batch -> rmsnorm_gemv_batch_beside, the heads
+// head_argmax_{bf16,fp8}_batch -> the next draft's mtp_input_gemv_batch, whose tokens are the
+// head's output).
 // Called once everything before this kernel has completed: right after its own wait (these are
 // Pdl.WAIT kernels; launched plainly the wait is a no-op and that holds at the start).
 __device__ __forceinline__ void release_dependents() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 // Release right after the wait also where no successor runs beside: the latency-bound kernels of
-// the attention chain and the residual norms (indexer_scores, sparse_mla_partial and _combine,
-// sum_rows_residual_rmsnorm) and the batched GEMVs wv and o_proj. Their successors' blocks then
+// the attention chain and the residual norms (indexer_scores_batch, sparse_mla_partial_batch and
+// _combine_batch, sum_rows_residual_rmsnorm_batch) and the per-head GEMVs wv and o_proj. Their successors' blocks then
 // launch during their tails and have their first weight batch in flight when the wait returns
-// (wv's whole 8 rows x 1 KB per warp). Releasing moe_down, rmsnorm_gemv (fused_in) and
-// mtp_input_gemv early too gave nothing more, so those release at exit (see BENCHMARKS.md,
+// (wv's whole 8 rows x 1 KB per warp). Releasing the MoE's down projection, the fused_in projection
+// (rmsnorm_gemv) and the MTP input GEMV early too gave nothing more, so those release at exit (see BENCHMARKS.md,
 // "MTP drafter: propose", the early releases).
 __device__ __forceinline__ void wait_then_release() {
     asm volatile("griddepcontrol.wait;" ::: "memory");

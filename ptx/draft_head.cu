@@ -6,7 +6,7 @@
 // to every number and NaNs tie-break by index like numbers: a draft is always a valid index (all
 // NaN gives the lowest), and the winning key says whether its logit was a number (key_nonfinite).
 //
-// Non-finite flag: every commit takes `flag`, one byte the proposer reads back with the drafts
+// Non-finite flag: every commit takes a flag byte per entry, which the proposer reads back with the drafts
 // (mapped pinned memory); the committing thread stores key_nonfinite's code there when the winning
 // logit is not a number (every logit NaN: 1) or infinite (2), and stores nothing otherwise. The
 // check is on the one winning key, so the logits get no extra pass.
@@ -95,39 +95,6 @@ __device__ __forceinline__ void publish_drafts(const uint32_t* drafts, uint32_t*
     host_drafts[slot] = t;
 }
 
-// Per block: candidate key of this block's rows (0 if it has none) -> atomicMax into *key; the
-// last block commits the winner's index to token and drafts[slot], raises *flag when the winner is
-// not finite, publishes the drafts when asked (publish_drafts) and re-zeroes key.
-__device__ __forceinline__ void argmax_commit(unsigned long long cand, unsigned long long* key, uint32_t* counter,
-                                              uint32_t* token, uint32_t* drafts, uint32_t slot,
-                                              uint32_t* host_drafts, uint32_t publish, uint8_t* flag) {
-    __shared__ unsigned long long best_s[WARPS];
-    const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        const unsigned long long other = __shfl_xor_sync(0xFFFFFFFFu, cand, o);
-        cand = other > cand ? other : cand;
-    }
-    if (lane == 0) best_s[warp] = cand;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        unsigned long long b = 0ull;
-        for (int w = 0; w < WARPS; ++w) b = best_s[w] > b ? best_s[w] : b;
-        if (b) atomicMax(key, b);
-    }
-    if (!last_block_done(counter)) return;
-    if (threadIdx.x == 0) {
-        const unsigned long long k = atomicOr(key, 0ull);
-        const uint32_t t = key_index(k);
-        const uint32_t bad = key_nonfinite(k);
-        if (bad) *flag = (uint8_t)bad;
-        *token = t;
-        drafts[slot] = t;
-        if (publish) publish_drafts(drafts, host_drafts, slot, t);
-        *key = 0ull;
-    }
-}
-
 // The logit of `row` (warp-reduced v), rounded to BF16 and stored; its candidate key (never 0: a
 // NaN logit has high word 0 and still its index). -0 is folded onto +0 so that equal logits always
 // tie-break by index, as argmax_bf16 does.
@@ -138,63 +105,8 @@ __device__ __forceinline__ unsigned long long store_logit(float v, uint32_t row,
 }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(32) argmax_pack(const uint32_t* __restrict__ idx,
-                                                             const float* __restrict__ val,
-                                                             unsigned long long* __restrict__ key, uint32_t v0) {
-    if (threadIdx.x != 0) return;
-    const uint32_t i = *idx;
-    // A shard whose logits are all NaN (argmax_bf16: index 0, value NaN) packs high word 0: it
-    // loses to any number on another rank, and among all-NaN shards the lowest index wins. An
-    // empty shard (index 0xFFFFFFFF) packs 0 and never wins.
-    *key = i == 0xFFFFFFFFu ? 0ull : ((unsigned long long)ordered_key(*val) << 32) | (0xFFFFFFFFu - (i + v0));
-}
-
-extern "C" __global__ void __launch_bounds__(32) draft_commit(const unsigned long long* __restrict__ key,
-                                                              uint32_t* __restrict__ token, uint32_t* drafts,
-                                                              uint32_t slot, uint32_t* __restrict__ host_drafts,
-                                                              uint32_t publish, uint8_t* __restrict__ flag) {
-    if (threadIdx.x != 0) return;
-    const unsigned long long k = *key;
-    const uint32_t t = key_index(k);
-    const uint32_t bad = key_nonfinite(k);
-    if (bad) *flag = (uint8_t)bad;
-    *token = t;
-    drafts[slot] = t;
-    if (publish) publish_drafts(drafts, host_drafts, slot, t);
-}
-
-// logits = W @ x (BF16 head), draft = argmax(logits) (lowest index on ties, NaN below every
-// number), *token = drafts[slot] = draft, *flag raised when the winning logit is not finite. Grid ceil(n / 16), block 256: 8 warps x 2 rows, 4 x 2 loads of
-// 16 bytes per lane in flight. `key` (u64) and `counter` (u32) are zeroed scratch the kernel
-// leaves zeroed; every replay of a graph reuses them.
-extern "C" __global__ void __launch_bounds__(256) head_argmax_bf16(
-    const uint16_t* __restrict__ w, const uint16_t* __restrict__ x, uint16_t* __restrict__ logits,
-    unsigned long long* key, uint32_t* counter, uint32_t* __restrict__ token, uint32_t* drafts,
-    uint32_t slot, uint32_t* __restrict__ host_drafts, uint32_t publish, uint32_t n, uint32_t k,
-    uint8_t* __restrict__ flag) {
-    constexpr int ROWS = ROWS_BF16;
-    const uint32_t lane = threadIdx.x & 31;
-    const uint32_t row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
-    unsigned long long cand = 0ull;
-    if (row0 < n) {
-        const bool vec = (k % 8u == 0) && aligned16(w) && aligned16(x);
-        const uint16_t* wr[ROWS];
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) wr[r] = w + (size_t)min(row0 + r, n - 1) * k;
-        float acc[ROWS] = {0.0f, 0.0f};
-        warp_gemv_bf16<ROWS, 4, true, true, true>(wr, x, k, vec, acc);
-#pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-            const float v = warp_sum(acc[r]);
-            if (lane == (uint32_t)r && row0 + r < n) cand = store_logit(v, row0 + r, logits);
-        }
-    }
-    wait_then_release();  // a warp without rows never reached the wait in warp_gemv_bf16
-    argmax_commit(cand, key, counter, token, drafts, slot, host_drafts, publish, flag);
-}
-
-// As head_argmax_bf16 with the FP8 copy of the head: logit = scale[row] * (Wq[row] . x), the f32
-// product rounded to BF16 (gemv_fp8w's arithmetic). gemv_fp8w_m2's streaming: 8 warps x 2 rows per
+// The FP8 head at one row of x (head_argmax_fp8_batch's m = 1 path): logit = scale[row] *
+// (Wq[row] . x), the f32 product rounded to BF16 (gemv_fp8w's arithmetic). gemv_fp8w_m2's streaming: 8 warps x 2 rows per
 // 16-row group, 4 x 2 sixteen-byte loads per lane in flight, x staged once per block in shared
 // memory as f32 when the launch gives k * 4 bytes (else read through L1). Unlike gemv_fp8w the
 // blocks grid-stride over the 16-row groups (the launch helper sizes the grid to the blocks that
@@ -236,60 +148,23 @@ __device__ __forceinline__ bool head_fp8_group(const uint8_t* __restrict__ wq, c
 }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_fp8(
-    const uint8_t* __restrict__ wq, const float* __restrict__ scale, const uint16_t* __restrict__ x,
-    uint16_t* __restrict__ logits, unsigned long long* key, uint32_t* counter, uint32_t* __restrict__ token,
-    uint32_t* drafts, uint32_t slot, uint32_t* __restrict__ host_drafts, uint32_t publish, uint32_t n, uint32_t k,
-    uint8_t* __restrict__ flag) {
-    constexpr int ROWS = ROWS_FP8;
-    const uint32_t lane = threadIdx.x & 31;
-    const bool vec = (k % 16u == 0) && aligned16(wq) && aligned16(x);
-    const bool smem = vec && (size_t)k * 4u <= dynamic_smem_bytes();
-    const uint32_t groups = (n + WARPS * ROWS - 1) / (WARPS * ROWS);
-    // The first group's first weight batch is loaded before the wait for the previous kernel (x is
-    // its output): with PDL the head's stream starts under the tail of the kernel before it.
-    const uint32_t first_row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * ROWS;
-    const bool pre_ok = smem && (k >> 4) >= 32u * U_FP8 && blockIdx.x < groups && first_row0 < n;
-    uint4 pre[ROWS][U_FP8];
-    if (pre_ok) {
-#pragma unroll
-        for (int u = 0; u < U_FP8; ++u)
-#pragma unroll
-            for (int r = 0; r < ROWS; ++r)
-                pre[r][u] = ld_stream16(reinterpret_cast<const uint4*>(wq + (size_t)min(first_row0 + r, n - 1) * k) +
-                                        lane + 32u * u);
-    }
-    wait_then_release();
-    if (smem) stage_x(x, 1, k);  // every thread of the block
-    unsigned long long cand = 0ull;
-    uint32_t g = blockIdx.x;
-    if (pre_ok) {
-        head_fp8_group<true>(wq, scale, x, logits, g, n, k, vec, smem, pre, cand);
-        g += gridDim.x;
-    }
-    for (; g < groups; g += gridDim.x) {
-        if (!head_fp8_group<false>(wq, scale, x, logits, g, n, k, vec, smem, pre, cand)) break;
-    }
-    argmax_commit(cand, key, counter, token, drafts, slot, host_drafts, publish, flag);
-}
-
 // ---- the head over a batch ------------------------------------------------------------------------
 //
 // head_argmax_{fp8,bf16}_batch: the single-rank head for the m entries of a batched launch
 // (ptx/batch.cuh). Row e of x [m][k] gets the logits row e of [m][n] and its argmax, committed as
-// the single-row heads commit theirs: entries[e].token (the next draft's embedding reads it),
+// the file comment says: entries[e].token (the next draft's embedding reads it),
 // drafts[e * kmax + draft_index], with publish drafts[e * kmax + 0 .. draft_index] into
 // host_drafts[e * kmax + ...], and the non-finite code into byte flags[e * 4 + flag_byte]. A padding
 // entry (slot BATCH_PAD) gets none of these; its logits row is scratch (a tile of padding rows only
 // is skipped). keys[0..m) (u64) and counter are zeroed scratch the last block leaves zeroed.
 //
-// Batch invariance: a row's logits are computed with the single-row heads' arithmetic
+// Batch invariance: a row's logits are computed in one order whatever the tile
 // (fp8_batch.cuh for the order), so they have the same bits whatever the batch, and the argmax of
 // equal logits is the same index. The m rows are split into `tiles` balanced tiles of at most 4
 // rows (the launch helper's choice); a block stages its tile's x once and streams its share of the
 // weight groups with each weight chunk applied to every row of the tile. With one row per tile
-// (m = 1) the block runs the single-row kernel's code, first weight batch before the wait
-// included, so B = 1 keeps its speed.
+// (m = 1) the block runs the one-row groups (head_fp8_group / head_bf16_group), first weight
+// batch before the wait included, so B = 1 keeps its speed.
 #include "batch.cuh"
 #include "fp8_batch.cuh"
 
@@ -297,7 +172,7 @@ namespace {
 // Weight rows per warp and 16-byte loads per row per lane in flight when the tiles hold 2..4 rows
 // of x. Both are what fits the 64 registers without spilling (ptxas -v, nvcc 13.0): four rows per
 // warp, or four loads per row at four rows of x, spilled. The weight groups are then the 16 rows of
-// the single-row path, so every tile walks the same groups.
+// the one-row path, so every tile walks the same groups.
 constexpr int ROWS_BATCH = 2;
 constexpr int U_BATCH = 2;
 
@@ -310,7 +185,7 @@ __device__ __forceinline__ uint32_t tile_live(const uint32_t* entries, const Bat
     return live;
 }
 
-// The warp's 32-lane max of a key: the single-row groups leave candidates in lanes 0 and 1.
+// The warp's 32-lane max of a key: the one-row groups leave candidates in lanes 0 and 1.
 __device__ __forceinline__ unsigned long long warp_max_key(unsigned long long c) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
@@ -346,9 +221,9 @@ __device__ __forceinline__ HeadBatchShape head_batch_shape(uint32_t m, uint32_t 
     return s;
 }
 
-// argmax_commit for a batch. Lane i of each warp holds the warp's best key for row i of the
+// The argmax and the commit of a batch. Lane i of each warp holds the warp's best key for row i of the
 // block's tile; the block's best per live row goes into keys[e0 + i] by atomicMax; the last block
-// commits every live entry of the launch from its key (argmax_commit's rules) and re-zeroes
+// commits every live entry of the launch from its key (the file comment's rules) and re-zeroes
 // keys[0..m). The shape and the tile's live rows are derived again here rather than kept in
 // registers through the weight stream (that spilled the BF16 head).
 template <int TR = BATCH_TILE_ROWS>
@@ -423,8 +298,8 @@ __device__ __forceinline__ void head_fp8_groups_batch(const uint8_t* __restrict_
 
 // Grid: tiles x the blocks per tile (the launch helper: gridDim.x a multiple of tiles, at most the
 // blocks resident at once), block 256, dynamic shared memory tmax * k * 4 bytes for the staged x
-// tile (without it x is read from global memory; same bits). __launch_bounds__(256, 4) as the
-// single-row head: 64 registers, which its m = 1 path needs for 4 blocks per SM.
+// tile (without it x is read from global memory; same bits). __launch_bounds__(256, 4): 64
+// registers, which its m = 1 path needs for 4 blocks per SM.
 extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_fp8_batch(
     const uint8_t* __restrict__ wq, const float* __restrict__ scale, const uint16_t* __restrict__ x,
     uint16_t* __restrict__ logits, unsigned long long* keys, uint32_t* counter, uint32_t* entries, uint32_t* drafts,
@@ -437,7 +312,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_fp8_batch(
     const uint16_t* xt = x + (size_t)s.tile.e0 * k;
     uint16_t* lt = logits + (size_t)s.tile.e0 * n;
     const bool single = s.tmax == 1u;
-    // One row per tile: head_argmax_fp8's groups, its first weight batch loaded before the wait.
+    // One row per tile: the one-row groups (head_fp8_group), the first weight batch loaded before the wait.
     const uint32_t groups1 = (n + WARPS * ROWS - 1) / (WARPS * ROWS);
     const uint32_t first_row0 = (s.gfirst * WARPS + (threadIdx.x >> 5)) * ROWS;
     const bool pre_ok = s.active && single && mode == XS_SMEM && (k >> 4) >= 32u * U_FP8 && s.gfirst < groups1 &&
@@ -563,7 +438,7 @@ __device__ __forceinline__ void bf16_tile_dot(const uint16_t* const (&w)[R], con
     }
 }
 
-// One group of head_argmax_bf16 (one row of x): its 8 warps x 2 rows, x from L2; FIRST: the warp's
+// One group of the BF16 head at one row of x: 8 warps x 2 rows, x from L2; FIRST: the warp's
 // first weight batch is issued before the grid dependency wait and the release (warp_gemv_bf16).
 // Lanes 0 and 1 fold their rows' keys into cand. False once the warp is past n (then with FIRST it
 // has not waited: the caller waits after).
@@ -634,8 +509,8 @@ __device__ __forceinline__ void head_bf16_groups_batch(const uint16_t* __restric
 }
 }  // namespace
 
-// head_argmax_fp8_batch with the BF16 head. One row per tile (m = 1): head_argmax_bf16's code and
-// grid (the launch helper gives one group per block, x read from L2, the first weight batch issued
+// head_argmax_fp8_batch with the BF16 head. One row per tile (m = 1): head_bf16_group, one group per
+// block (the launch helper's grid, x read from L2, the first weight batch issued
 // before the wait); 2..4 rows: the tile staged in shared memory (tmax * k * 4 bytes) and the
 // blocks grid-stride as the FP8 head's.
 extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_bf16_batch(
@@ -844,7 +719,7 @@ extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_fp8_mma(
 // ---- the sharded path over a batch ---------------------------------------------------------------
 //
 // gemv_fp8w_batch / the BF16 GEMV -> argmax_bf16_batch -> argmax_pack_batch -> an all-reduce MAX of
-// the m keys -> draft_commit_batch: argmax_pack and draft_commit once per row. One block of 256
+// the m keys -> draft_commit_batch: the key packing and the commit once per row. One block of 256
 // threads, thread e for row e (m <= 256; the launch helper checks).
 
 // keys[e] = the key of (idx[e] + v0, val[e]) for every row e < m, padding rows included (their
@@ -859,7 +734,7 @@ extern "C" __global__ void __launch_bounds__(256) argmax_pack_batch(const uint32
     keys[e] = i == 0xFFFFFFFFu ? 0ull : ((unsigned long long)ordered_key(val[e]) << 32) | (0xFFFFFFFFu - (i + v0));
 }
 
-// Every live entry e < m commits its all-reduced key as draft_commit does (the entries' token
+// Every live entry e < m commits its all-reduced key as the fused head does (the entries' token
 // word, drafts[e * kmax + draft_index], the flag byte flags[e * 4 + flag_byte], with publish the
 // copy of drafts[e * kmax + 0 .. draft_index] to host_drafts); a padding entry writes nothing.
 extern "C" __global__ void __launch_bounds__(256) draft_commit_batch(

@@ -1,5 +1,5 @@
-// Writes of the DSA caches for rows row = *row_ptr + row_add + r, r < rows (grid = rows, block 128,
-// model/kernels/dsa_cache.py). Each row's inputs are a row of the fused projection output with
+// Writes of the DSA caches for the m entries of a batch, entry e's row entries[e].row + row_add of
+// its slot (grid = m, block 128, model/kernels/dsa_cache.py). Each row's inputs are a row of the fused projection output with
 // stride `stride` elements: [kv_a (C) ; wk y (idim) ; compress_gate y (idim) ; ...].
 //
 // Arithmetic follows the host twins: the latent is rmsnorm'd and rounded to BF16, then quantised
@@ -111,93 +111,13 @@ __device__ __forceinline__ uint32_t slot_of(const uint32_t* __restrict__ block_t
 }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(128) latent_write_fp8(
-    const uint16_t* __restrict__ kv, uint32_t stride, const uint16_t* __restrict__ norm_w, uint8_t* __restrict__ cache,
-    float* __restrict__ scales, const uint32_t* __restrict__ block_table, const uint32_t* __restrict__ row_ptr,
-    uint32_t row_add, uint32_t rows, uint32_t dim, uint32_t block_size, float eps) {
-    __shared__ float scratch[32];
-    const uint32_t r = blockIdx.x;
-    if (r >= rows) return;
-    const uint32_t row = *row_ptr + row_add + r;
-    write_latent(kv + (size_t)r * stride, norm_w, cache, scales, slot_of(block_table, row, block_size), dim, eps,
-                 scratch);
-}
-
-extern "C" __global__ void __launch_bounds__(128) indexer_write_keys(
-    const uint16_t* __restrict__ kg, uint32_t stride, const uint16_t* __restrict__ knorm_w,
-    const uint16_t* __restrict__ knorm_b, uint16_t* __restrict__ keys, uint16_t* __restrict__ gates,
-    const uint32_t* __restrict__ row_ptr, uint32_t row_add, uint32_t rows, uint32_t dim, float eps) {
-    __shared__ float scratch[32];
-    const uint32_t r = blockIdx.x;
-    if (r >= rows) return;
-    const uint32_t row = *row_ptr + row_add + r;
-    write_key_gate(kg + (size_t)r * stride, knorm_w, knorm_b, keys, gates, row, dim, eps, scratch);
-}
-
-extern "C" __global__ void __launch_bounds__(128) indexer_compress_pools(
-    const uint16_t* __restrict__ keys, const uint16_t* __restrict__ gates, const uint16_t* __restrict__ ape,
-    uint8_t* __restrict__ pool_keys, float* __restrict__ pool_scales, const uint32_t* __restrict__ row_ptr,
-    uint32_t row_add, uint32_t rows, uint32_t dim, uint32_t kpool) {
-    __shared__ float scratch[32];
-    __shared__ float key_buf[DSA_MAX_DIM];
-    const uint32_t r = blockIdx.x;
-    if (r >= rows || kpool == 0 || kpool > DSA_MAX_KPOOL || dim > DSA_MAX_DIM) return;
-    const uint32_t row = *row_ptr + row_add + r;
-    if ((row + 1u) % kpool) return;
-    compress_pool(keys, gates, ape, pool_keys, pool_scales, row / kpool, dim, kpool, nullptr, nullptr, nullptr,
-                  nullptr, nullptr, key_buf, scratch);
-}
-
-// The three writes above for one row in one launch (grid = rows, block 128): latent, key and gate,
-// and the pool key when the row completes a pool. A pool's slots that belong to this launch are
-// recomputed from their fused rows instead of read back, since another block of this launch is
-// writing them (there is no grid-wide barrier); slots of earlier rows are read from the caches.
-extern "C" __global__ void __launch_bounds__(128) dsa_cache_write(
-    const uint16_t* __restrict__ fused, uint32_t stride, const uint16_t* __restrict__ kv_norm_w,
-    uint8_t* __restrict__ cache, float* __restrict__ scales, const uint32_t* __restrict__ block_table,
-    const uint16_t* __restrict__ knorm_w, const uint16_t* __restrict__ knorm_b, uint16_t* __restrict__ keys,
-    uint16_t* __restrict__ gates, const uint16_t* __restrict__ ape, uint8_t* __restrict__ pool_keys,
-    float* __restrict__ pool_scales, const uint32_t* __restrict__ row_ptr, uint32_t row_add, uint32_t rows,
-    uint32_t C, uint32_t idim, uint32_t block_size, uint32_t kpool, float eps, float ln_eps) {
-    __shared__ float scratch[32];
-    __shared__ float key_buf[DSA_MAX_DIM];
-    __shared__ float mu_s[DSA_MAX_KPOOL], den_s[DSA_MAX_KPOOL];
-    __shared__ const uint16_t* kg_rows[DSA_MAX_KPOOL];
-    // The drafter's q projection, which reads the same fused rows, runs beside it
-    // (rmsnorm_gemv_beside), released once those rows have completed.
-    wait_then_release();
-    const uint32_t r = blockIdx.x;
-    if (r >= rows) return;
-    const uint32_t base = *row_ptr + row_add;
-    const uint32_t row = base + r;
-    const uint16_t* src = fused + (size_t)r * stride;
-    write_latent(src, kv_norm_w, cache, scales, slot_of(block_table, row, block_size), C, eps, scratch);
-    write_key_gate(src + C, knorm_w, knorm_b, keys, gates, row, idim, ln_eps, scratch);
-    if (kpool == 0 || kpool > DSA_MAX_KPOOL || idim > DSA_MAX_DIM || (row + 1u) % kpool) return;
-    const uint32_t p = row / kpool;
-    for (uint32_t i = 0; i < kpool; ++i) {
-        const uint32_t pr = p * kpool + i;
-        if (pr >= base) {  // a row of this launch (pr <= row < base + rows)
-            const uint16_t* kg = fused + (size_t)(pr - base) * stride + C;
-            float mu, den;
-            ln_stats(kg, idim, ln_eps, scratch, mu, den);
-            if (threadIdx.x == 0) { mu_s[i] = mu; den_s[i] = den; kg_rows[i] = kg; }
-        } else if (threadIdx.x == 0) {
-            kg_rows[i] = nullptr;
-        }
-    }
-    __syncthreads();
-    compress_pool(keys, gates, ape, pool_keys, pool_scales, p, idim, kpool, kg_rows, mu_s, den_s, knorm_w,
-                  knorm_b, key_buf, scratch);
-}
-
-// ---- dsa_cache_write_batch: the same writes for m entries of the slot pools (ptx/batch.cuh) -----
+// ---- dsa_cache_write_batch: the writes above for m entries of the slot pools (ptx/batch.cuh) ----
 // Grid = m, block 128: block e writes entry e's row (entries[e].row + row_add) of its slot from
-// fused row e (fused + e * stride). Per entry the arithmetic is dsa_cache_write's, through the
-// same device functions, on the slot's keys / gates / pool keys / pool scales / block table.
+// fused row e (fused + e * stride), through the device functions above, on the slot's keys /
+// gates / pool keys / pool scales / block table.
 //
-// A pool's rows that belong to this launch are recomputed from their fused rows, as in
-// dsa_cache_write. Entries of one sequence are consecutive and ascending in row (a catch-up
+// A pool's rows that belong to this launch are recomputed from their fused rows (with the bits of
+// the cached path). Entries of one sequence are consecutive and ascending in row (a catch-up
 // chunk), so row r' < row of the same slot is in this launch exactly when entry j = e - (row - r')
 // exists and holds (slot, r'); rows of other sequences may share the launch. A padding entry, or
 // one whose row is past slot_rows (a sizing error that would reach the next slot's rows), reads
@@ -214,7 +134,7 @@ extern "C" __global__ void __launch_bounds__(128) dsa_cache_write_batch(
     __shared__ float key_buf[DSA_MAX_DIM];
     __shared__ float mu_s[DSA_MAX_KPOOL], den_s[DSA_MAX_KPOOL];
     __shared__ const uint16_t* kg_rows[DSA_MAX_KPOOL];
-    // As dsa_cache_write: the q projection over the same fused rows runs beside it.
+    // The q projection over the same fused rows runs beside it.
     wait_then_release();
     const uint32_t e = blockIdx.x;
     if (e >= m) return;

@@ -1,14 +1,15 @@
-// KPool lightning-indexer scores and the top-k pool selection (model/kernels/dsa_select.py).
-// The row is read from device memory (*row_ptr + row_add), so a captured graph follows the row the
-// host or an earlier node set.
+// KPool lightning-indexer scores, the top-k pool selection and the shared selection's extension,
+// for the m entries of a batch (model/kernels/dsa_select.py). Each entry's row is read from device
+// memory (entries[e].row + row_add), so a captured graph follows the rows the host or an earlier
+// node set.
 #include "batch.cuh"
 #include "model_common.cuh"
 
 // The selection kernel's capacity in pools; model/kernels/dsa_select.py TOPK_MAX_POOLS must equal it
-// (tests/test_gpu_model_kernels.py reads both).
+// (tests/test_batch_dsa.py reads both).
 #define TOPK_MAX_POOLS_CUDA 16384u
 
-// ---- indexer_scores ---------------------------------------------------------------------------
+// ---- indexer_scores_batch -----------------------------------------------------------------------
 // scores[p] = sum_h (w_h * w_scale) * relu(q_h . key_p) / sqrt(dim) over the complete pools
 // p < (row + 1) / kpool, key_p = fp8(pool_keys[p]) * pool_scales[p] (the f32 product, as the twin).
 //
@@ -93,22 +94,10 @@ __device__ __forceinline__ void score_pools(const uint16_t* __restrict__ q, cons
 }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(256) indexer_scores(
-    const uint16_t* __restrict__ q, const uint16_t* __restrict__ w, const uint8_t* __restrict__ pool_keys,
-    const float* __restrict__ pool_scales, float* __restrict__ scores, const uint32_t* __restrict__ row_ptr,
-    uint32_t row_add, uint32_t heads, uint32_t dim, uint32_t kpool, float w_scale) {
-    extern __shared__ __align__(16) float sm[];
-    wait_then_release();
-    const uint32_t row = *row_ptr + row_add;
-    const uint32_t npools = (row + 1u) / kpool;
-    if (blockIdx.x * 8u >= npools) return;
-    score_pools(q, w, pool_keys, pool_scales, scores, npools, heads, dim, w_scale, sm);
-}
-
 // The same scores for m batch entries (ptx/batch.cuh): blockIdx.y = entry e, whose query is
 // q + e * q_stride, head weights w + e * w_stride, pools its slot's and scores
-// scores + e * pools_per_slot; blockIdx.x strides over its pools as indexer_scores' grid does. A
-// pool's score is one warp's whatever the grid, so the entry's scores are indexer_scores' bits.
+// scores + e * pools_per_slot; blockIdx.x strides over its pools. A pool's score is one warp's
+// whatever the grid, so an entry's scores have the same bits in every batch.
 // Padding entries and rows past slot_rows read and write nothing.
 extern "C" __global__ void __launch_bounds__(256) indexer_scores_batch(
     const uint16_t* __restrict__ q, uint32_t q_stride, const uint16_t* __restrict__ w, uint32_t w_stride,
@@ -129,7 +118,7 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores_batch(
                 pool_scales + b.slot * pps, scores + e * pps, npools, heads, dim, w_scale, sm);
 }
 
-// ---- select_topk_pools ------------------------------------------------------------------------
+// ---- select_topk_pools_batch --------------------------------------------------------------------
 // One block of 1024 threads; dynamic smem holds one u32 key per pool (TOPK_MAX_POOLS * 4 bytes,
 // 64 KiB for 16384 pools, above the 48 KB default: the backend raises the limit at launch).
 //
@@ -142,9 +131,8 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores_batch(
 // are appended in both cases (index_kpool_always_select_tail). The result is exactly
 // select_rows_ref's.
 namespace {
-// One sequence's selection for its row (the whole block), whichever kernel calls it. A selection
-// longer than sel_cap rows (a sizing error; the single-sequence kernel passes no bound) is a
-// visible failure like a row past the capacity: count 0, nothing listed.
+// One sequence's selection for its row (the whole block). A selection longer than sel_cap rows (a
+// sizing error) is a visible failure like a row past the capacity: count 0, nothing listed.
 struct SelectSmem {
     uint32_t hist[256];
     uint32_t scan_scratch[32];
@@ -263,18 +251,6 @@ __device__ __forceinline__ void select_rows(const float* __restrict__ scores, ui
 }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(1024) select_topk_pools(
-    const float* __restrict__ scores, uint32_t* __restrict__ selected, uint32_t* __restrict__ count,
-    const uint32_t* __restrict__ row_ptr, uint32_t row_add, uint32_t topk_pools, uint32_t kpool,
-    uint32_t tail) {
-    extern __shared__ uint32_t keys_s[];
-    __shared__ SelectSmem sm;
-    // One block on one SM: the q_abs GEMV, which needs only the q projection, runs beside it
-    // (bgemv_bf16_f32_beside), released once the indexer's scores have completed.
-    wait_then_release();
-    select_rows(scores, selected, count, *row_ptr + row_add, topk_pools, kpool, tail, 0xFFFFFFFFu, keys_s, sm);
-}
-
 // The same selection for m batch entries, one block each (grid = m): entry e's row of its slot
 // (entries[e].row + row_add) from scores + e * pools_per_slot, its rows into
 // selected + e * sel_cap and their count into count[e]. Dynamic smem: one u32 key per pool a slot
@@ -286,7 +262,7 @@ extern "C" __global__ void __launch_bounds__(1024) select_topk_pools_batch(
     uint32_t topk_pools, uint32_t kpool, uint32_t tail) {
     extern __shared__ uint32_t keys_s[];
     __shared__ SelectSmem sm;
-    // As select_topk_pools: the q_abs GEMV runs beside it.
+    // The q_abs GEMV runs beside it.
     wait_then_release();
     const uint32_t e = blockIdx.x;
     if (e >= m) return;
@@ -299,21 +275,6 @@ extern "C" __global__ void __launch_bounds__(1024) select_topk_pools_batch(
     }
     select_rows(scores + (size_t)e * pools_per_slot(slot_rows, kpool), selected + (size_t)e * sel_cap, count + e,
                 row, topk_pools, kpool, tail, sel_cap, keys_s, sm);
-}
-
-// ---- extend_selection -------------------------------------------------------------------------
-// A draft after the first of a propose that shares draft 1's pool selection
-// (index_share_for_mtp_iteration): append its own row to the list draft 1 selected and the drafts
-// since extended. One thread's work; launched as <<<1, 32>>> in select_topk_pools' place, so it
-// waits and releases as that kernel does.
-extern "C" __global__ void __launch_bounds__(32) extend_selection(
-    uint32_t* __restrict__ selected, uint32_t* __restrict__ count, const uint32_t* __restrict__ row_ptr,
-    uint32_t row_add) {
-    wait_then_release();
-    if (threadIdx.x != 0) return;
-    const uint32_t n = *count;
-    selected[n] = *row_ptr + row_add;
-    *count = n + 1u;
 }
 
 // Drafts 2..k of a shared selection for m batch entries: entry e appends its row

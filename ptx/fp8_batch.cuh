@@ -10,7 +10,7 @@
 // weights in order, one fmaf each; the caller then reduces the 32 lane sums with warp_sum and
 // multiplies by the row scale. Nothing in that order depends on R, M, the tile, the batch or the
 // row's place in it, so a row's logit has the same bits in every launch, alone or in a batch of
-// 256, and the same bits as the single-row head's (the x values are exact in f32 whether they come
+// 256, and the same bits as the head's one-row path (the x values are exact in f32 whether they come
 // from shared memory or global memory).
 //
 // Tiles. The launch splits the m rows into `tiles` balanced tiles of at most BATCH_TILE_ROWS rows

@@ -232,65 +232,6 @@ __device__ __forceinline__ bool last_block_done(uint32_t* counter) {
     return is_last;
 }
 
-// ---- GEMV with a block-computed input in shared memory ------------------------------------------
-//
-// y[row] = bf16(W[row] . xs) over the rows of W, where xs (k BF16 values in shared memory) is
-// produced by `prologue(xs)`, a block-wide step that ends with a barrier (every block recomputes it:
-// a normalisation of a few KB from L2, instead of a separate single-block launch). One row per
-// warp with U = 8 sixteen-byte loads per lane in flight, grid-stride over the rows: the launch
-// helper caps the grid at the blocks that fit on the chip at once, so that a block computes its
-// prologue once for several rows per warp instead of once per 16 rows (BENCHMARKS.md, "Drafter
-// kernel notes"). The first row's first U loads are issued before the prologue (and, launched with
-// PDL, before the wait for the previous kernel), so their latency overlaps the start of the weight
-// stream.
-// BESIDE (Pdl.BESIDE): the input is older than the kernel launched before this one, so the
-// prologue reads it at once and the wait comes last, before the exit.
-template <bool BESIDE = false, typename Prologue>
-__device__ __forceinline__ void smem_x_gemv(const uint16_t* __restrict__ W, uint16_t* __restrict__ y, uint32_t n,
-                                            uint32_t k, uint16_t* xs, Prologue prologue) {
-    constexpr int U = 8;
-    const uint32_t lane = threadIdx.x & 31;
-    const uint32_t warps = gridDim.x * (blockDim.x >> 5);
-    uint32_t row = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    const bool vec = (k % 8u == 0) && aligned16(W);
-    const uint32_t kc = k >> 3;
-    uint4 wv[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-        const uint32_t c = lane + 32u * u;
-        wv[u] = (row < n && vec && c < kc) ? ld_stream16(reinterpret_cast<const uint4*>(W + (size_t)row * k) + c)
-                                           : make_uint4(0, 0, 0, 0);
-    }
-    if (!BESIDE) grid_dependency_wait();  // the prologue reads activations (a no-op unless launched with PDL)
-    prologue(xs);
-    const uint4* xv = reinterpret_cast<const uint4*>(xs);
-    for (bool first = true; row < n; row += warps, first = false) {
-        const uint16_t* wr = W + (size_t)row * k;
-        float acc = 0.0f;
-        if (vec) {
-            for (uint32_t c0 = 0; c0 < kc; c0 += 32u * U) {
-                if (!first || c0 > 0) {
-#pragma unroll
-                    for (int u = 0; u < U; ++u) {
-                        const uint32_t c = c0 + lane + 32u * u;
-                        wv[u] = c < kc ? ld_stream16(reinterpret_cast<const uint4*>(wr) + c) : make_uint4(0, 0, 0, 0);
-                    }
-                }
-#pragma unroll
-                for (int u = 0; u < U; ++u) {
-                    const uint32_t c = c0 + lane + 32u * u;
-                    if (c < kc) acc = dot8_bf16(wv[u], xv[c], acc);
-                }
-            }
-        } else {
-            for (uint32_t i = lane; i < k; i += 32u) acc = fmaf(bf16_bits_to_f32(wr[i]), bf16_bits_to_f32(xs[i]), acc);
-        }
-        acc = warp_sum(acc);
-        if (lane == 0) y[row] = f32_to_bf16_bits(acc);
-    }
-    if (BESIDE) grid_dependency_wait();  // not complete before the kernel it ran beside
-}
-
 // Sum of two floats over the block at once (one barrier pair instead of two). blockDim.x a
 // multiple of 32; `scratch` holds 64 floats.
 __device__ __forceinline__ void block_sum2(float& a, float& b, float* scratch) {

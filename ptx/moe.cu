@@ -1,6 +1,6 @@
-// MoE (model/kernels/moe.py): the sigmoid router, the top-k with correction bias, and the expert
-// GEMVs, which read the chosen expert ids from device memory (a graph replays whatever the router
-// chose). Expert weights: gate_up [n_local, 2 * inter, h] (gate rows, then up rows) and
+// MoE of a batch (model/kernels/moe.py): the sigmoid router, the top-k with correction bias, the
+// grouping of the batch's pairs by expert, and the expert GEMVs, which read the grouping from
+// device memory (a graph replays whatever the router chose). Expert weights: gate_up [n_local, 2 * inter, h] (gate rows, then up rows) and
 // down [n_local, h, inter].
 #include "model_common.cuh"
 #include "batch.cuh"
@@ -39,31 +39,11 @@ __device__ __forceinline__ float numpy_sum_f32(const float* a, uint32_t n) {
     return res;
 }
 
-// scores[row] = sigmoid(w[row] . y) for the rows of this warp (one row per warp, 16 loads of 16
-// bytes per lane in flight: a 4096-wide row is 16 chunks per lane, so one round trip).
-// PDL: the weights' first batch is issued before the wait, and the kernel releases its dependents
-// right after it (router_fused).
-template <bool PDL>
-__device__ __forceinline__ void router_rows(const uint16_t* __restrict__ w, const uint16_t* __restrict__ y,
-                                            float* __restrict__ scores, uint32_t n, uint32_t h) {
-    const uint32_t row = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (row >= n) {
-        if (PDL) wait_then_release();
-        return;
-    }
-    const bool vec = (h % 8u == 0) && aligned16(w) && aligned16(y);
-    const uint16_t* wr[1] = {w + (size_t)row * h};
-    float acc[1] = {0.0f};
-    warp_gemv_bf16<1, 16, PDL, PDL, PDL>(wr, y, h, vec, acc);
-    const float v = warp_sum(acc[0]);
-    if ((threadIdx.x & 31) == 0) scores[row] = sigmoidf_(v);
-}
-
 // Top-k by (score + bias) descending, lower expert index on ties, by one warp: each lane holds the
 // keys (order-preserving bits << 32 | ~index) of experts lane, lane + 32, ... in registers, loaded
 // once, so the topk rounds are a register max and a warp reduction each, with no memory latency
 // between them; NaN sorts last, as in NumPy's argsort. Scores are read through L2 (__ldcg): in
-// router_fused they were written by other blocks of the same launch (which also passes `bias` as
+// the router they were written by other blocks of the same launch (which also passes `bias` as
 // a copy in shared memory, loaded beside its weight rows). n_experts <= 1024.
 // NPL keys per lane (a template parameter: each round's register scan is NPL long, so 288 experts
 // cost 10 compare-selects per round, not 32).
@@ -129,189 +109,25 @@ __device__ __forceinline__ void route_warp(const float* scores, const float* __r
     else route_warp_n<32>(scores, bias, ids, weights, n_experts, topk, norm, scale, shared, ids_s, wsel);
 }
 
-// act[j][i] for slot j and intermediate index i (one warp): rows i and inter + i of expert e.
-__device__ __forceinline__ void gate_up_one(const uint16_t* __restrict__ we, const uint16_t* __restrict__ y,
-                                            uint16_t* __restrict__ act_j, uint32_t i, uint32_t inter, uint32_t h,
-                                            float limit) {
-    const bool vec = (h % 8u == 0) && aligned16(we) && aligned16(y);
-    const uint16_t* wr[2] = {we + (size_t)i * h, we + (size_t)(inter + i) * h};
-    float acc[2] = {0.0f, 0.0f};
-    warp_gemv_bf16<2, 8>(wr, y, h, vec, acc);
-    const float g = warp_sum(acc[0]), u = warp_sum(acc[1]);
-    if ((threadIdx.x & 31) == 0) act_j[i] = f32_to_bf16_bits(clamped_swiglu(g, u, limit));
-}
-
-// parts[j][row0 .. row0 + 3] = *wgt * (w_e[row] . act_j) (one warp, 4 rows x 4 loads of 16 bytes
-// per lane in flight); zeros when we == null. Four rows, not two rows of twice the loads: the shape
-// that measured faster (BENCHMARKS.md, "Drafter kernel notes"). The routing weight is read after
-// the GEMV: with WAIT (pdl kernels) the weights stream before the grid dependency wait, and *wgt is
-// the router's output.
+// Down rows per warp of moe_down_batch (4 rows x 4 loads of 16 bytes per lane in flight). Four rows,
+// not two rows of twice the loads: the shape that measured faster (BENCHMARKS.md, "Drafter kernel
+// notes").
 constexpr int DOWN_ROWS = 4;
-template <bool WAIT>
-__device__ __forceinline__ void down_rows(const uint16_t* __restrict__ we, const uint16_t* __restrict__ act_j,
-                                          const float* wgt, float* __restrict__ parts_j, uint32_t row0, uint32_t h,
-                                          uint32_t inter) {
-    constexpr int R = DOWN_ROWS;
-    const uint32_t lane = threadIdx.x & 31;
-    if (WAIT && (row0 >= h || we == nullptr)) grid_dependency_wait();
-    if (row0 >= h) return;
-    if (we == nullptr) {
-        if (lane < (uint32_t)R && row0 + lane < h) parts_j[row0 + lane] = 0.0f;
-        return;
-    }
-    const bool vec = (inter % 8u == 0) && aligned16(we) && aligned16(act_j);
-    const uint16_t* wr[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) wr[r] = we + (size_t)min(row0 + r, h - 1) * inter;
-    float acc[R] = {0.0f, 0.0f, 0.0f, 0.0f};
-    warp_gemv_bf16<R, 4, WAIT>(wr, act_j, inter, vec, acc);
-    const float g = *wgt;
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const float v = warp_sum(acc[r]);
-        if (lane == (uint32_t)r && row0 + r < h) parts_j[row0 + r] = __fmul_rn(g, v);
-    }
-}
 
-__device__ __forceinline__ const uint16_t* local_expert(const uint16_t* w, const uint32_t* ids, uint32_t j,
-                                                        uint32_t expert_base, uint32_t n_local, size_t stride) {
-    // Through L2: moe_gate_up starts while router_fused, which writes the ids, may still run
-    // (ptx/common.cuh, "read-only path").
-    const uint32_t e = __ldcg(ids + j) - expert_base;  // wraps for ids below the base: not local
-    return e < n_local ? w + (size_t)e * stride : nullptr;
-}
 }  // namespace
 
-// Grid ceil(n / 8), block 256.
-extern "C" __global__ void __launch_bounds__(256) router_scores(const uint16_t* __restrict__ w,
-                                                                const uint16_t* __restrict__ y,
-                                                                float* __restrict__ scores, uint32_t n, uint32_t h) {
-    router_rows<false>(w, y, scores, n, h);
-}
-
-// One block of 32 threads.
-extern "C" __global__ void __launch_bounds__(32) router_topk(const float* __restrict__ scores,
-                                                             const float* __restrict__ bias, uint32_t* __restrict__ ids,
-                                                             float* __restrict__ weights, uint32_t n_experts,
-                                                             uint32_t topk, uint32_t norm, float scale,
-                                                             uint32_t shared) {
-    __shared__ uint32_t ids_s[128];
-    __shared__ float wsel[128];
-    if (n_experts > 1024u || topk > 128u || topk > n_experts) return;
-    route_warp(scores, bias, ids, weights, n_experts, topk, norm, scale, shared, ids_s, wsel);
-}
-
-// router_scores + router_topk in one launch: the last block to finish its rows runs the top-k
-// (last_block_done; `counter` is a zeroed u32 the kernel leaves zeroed). Grid ceil(n_experts / 8),
-// block 256.
+// The router's bias copy in shared memory, loaded by every thread of a block.
 constexpr int ROUTER_BIAS_PER_THREAD = 4;  // 1024 experts at most, over 256 threads
-extern "C" __global__ void __launch_bounds__(256) router_fused(
-    const uint16_t* __restrict__ w, const uint16_t* __restrict__ y, const float* __restrict__ bias,
-    float* scores, uint32_t* __restrict__ ids, float* __restrict__ weights, uint32_t* __restrict__ counter,
-    uint32_t n_experts, uint32_t h, uint32_t topk, uint32_t norm, float scale, uint32_t shared) {
-    __shared__ uint32_t ids_s[128];
-    __shared__ float wsel[128];
-    __shared__ float bias_s[1024];
-    // moe_gate_up's shared slot, which reads the same y, runs beside it: released right after the
-    // wait for y (inside router_rows, after the first weight batch is in flight).
-    // Every block copies the bias while its rows load (which block routes is known only at the
-    // end); last_block_done's barrier orders the copy before the top-k reads it. The loads go out
-    // first and the shared stores come after the rows: a store right after its load held the
-    // warp for one round trip before it issued its first weight load.
-    const uint32_t nb = min(n_experts, 1024u);
-    float bias_r[ROUTER_BIAS_PER_THREAD];
-#pragma unroll
-    for (int q = 0; q < ROUTER_BIAS_PER_THREAD; ++q) {
-        const uint32_t i = threadIdx.x + (uint32_t)q * blockDim.x;
-        bias_r[q] = i < nb ? __ldg(bias + i) : 0.0f;
-    }
-    router_rows<true>(w, y, scores, n_experts, h);
-#pragma unroll
-    for (int q = 0; q < ROUTER_BIAS_PER_THREAD; ++q) {
-        const uint32_t i = threadIdx.x + (uint32_t)q * blockDim.x;
-        if (i < nb) bias_s[i] = bias_r[q];
-    }
-    if (!last_block_done(counter)) return;
-    if (threadIdx.x < 32 && n_experts <= 1024u && topk <= 128u && topk <= n_experts)
-        route_warp(scores, bias_s, ids, weights, n_experts, topk, norm, scale, shared, ids_s, wsel);
-}
-
-// Grid (ceil(inter / 8), nslots), block 256: warp w of block x computes act[j][8x + w].
-extern "C" __global__ void __launch_bounds__(256) expert_gate_up(
-    const uint16_t* __restrict__ w, const uint16_t* __restrict__ y, const uint32_t* __restrict__ ids,
-    uint16_t* __restrict__ act, uint32_t slot0, uint32_t nslots, uint32_t expert_base, uint32_t n_local,
-    uint32_t inter, uint32_t h, float limit) {
-    const uint32_t j = slot0 + blockIdx.y;
-    const uint32_t i = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (blockIdx.y >= nslots || i >= inter) return;
-    const uint16_t* we = local_expert(w, ids, j, expert_base, n_local, (size_t)2 * inter * h);
-    if (we == nullptr) return;  // not this rank's expert: act is not written, as in the twin
-    gate_up_one(we, y, act + (size_t)j * inter, i, inter, h, limit);
-}
-
-// Grid (ceil(h / 32), nslots), block 256: warp w of block x computes parts[j][32x + 4w .. + 3].
-extern "C" __global__ void __launch_bounds__(256) expert_down(
-    const uint16_t* __restrict__ w, const uint16_t* __restrict__ act, const uint32_t* __restrict__ ids,
-    const float* __restrict__ weights, float* __restrict__ parts, uint32_t slot0, uint32_t nslots,
-    uint32_t expert_base, uint32_t n_local, uint32_t h, uint32_t inter) {
-    const uint32_t j = slot0 + blockIdx.y;
-    if (blockIdx.y >= nslots) return;
-    const uint16_t* we = local_expert(w, ids, j, expert_base, n_local, (size_t)h * inter);
-    const uint32_t row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * DOWN_ROWS;
-    down_rows<false>(we, act + (size_t)j * inter, weights + j, parts + (size_t)j * h, row0, h, inter);
-}
-
-// The routed experts of slots 0..ntopk-1 and the shared expert as slot ntopk in one launch
-// (expert_gate_up twice -> once). shared: 0 no shared slot, 1 compute it from w_shared (one expert,
-// same intermediate size), 2 the slot exists but this rank does not hold it (act not written).
-// Grid (ceil(inter / 8), ntopk + (shared == 1)), block 256. blockIdx.y 0 is the shared slot when
-// there is one, so its blocks are dispatched first: they need only y, which was complete before the
-// router started, and stream the shared expert beside router_fused (Pdl.BESIDE); the routed
-// slots wait for the router's ids.
-extern "C" __global__ void __launch_bounds__(256) moe_gate_up(
-    const uint16_t* __restrict__ w, const uint16_t* __restrict__ w_shared, const uint16_t* __restrict__ y,
-    const uint32_t* __restrict__ ids, uint16_t* __restrict__ act, uint32_t ntopk, uint32_t expert_base,
-    uint32_t n_local, uint32_t inter, uint32_t h, float limit, uint32_t shared) {
-    const uint32_t j = (blockIdx.y + ntopk) % gridDim.y;  // blockIdx.y 0 -> the shared slot, if any
-    const uint32_t i = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    const bool shared_here = j == ntopk && shared == 1u;
-    if (!shared_here) grid_dependency_wait();  // a routed slot's expert is the router's output
-    if (i < inter) {
-        const uint16_t* we;
-        if (j < ntopk) we = local_expert(w, ids, j, expert_base, n_local, (size_t)2 * inter * h);
-        else we = shared_here ? w_shared : nullptr;
-        if (we != nullptr) gate_up_one(we, y, act + (size_t)j * inter, i, inter, h, limit);
-    }
-    if (shared_here) grid_dependency_wait();  // not complete before the router it ran beside
-}
-
-// expert_down for the routed slots and the shared slot in one launch; a shared slot this rank does
-// not hold (shared == 2) is written as zeros (the memset it replaces).
-// Grid (ceil(h / 32), ntopk + (shared != 0)), block 256.
-extern "C" __global__ void __launch_bounds__(256) moe_down(
-    const uint16_t* __restrict__ w, const uint16_t* __restrict__ w_shared, const uint16_t* __restrict__ act,
-    const uint32_t* __restrict__ ids, const float* __restrict__ weights, float* __restrict__ parts, uint32_t ntopk,
-    uint32_t expert_base, uint32_t n_local, uint32_t h, uint32_t inter, uint32_t shared) {
-    const uint32_t j = blockIdx.y;
-    // As moe_gate_up: routed slots wait before reading ids, the shared slot after its first batch.
-    if (j != ntopk || shared != 1u) grid_dependency_wait();
-    if (j > ntopk || (j == ntopk && shared == 0u)) return;
-    const uint16_t* we;
-    if (j < ntopk) we = local_expert(w, ids, j, expert_base, n_local, (size_t)h * inter);
-    else we = shared == 1u ? w_shared : nullptr;
-    const uint32_t row0 = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * DOWN_ROWS;
-    down_rows<true>(we, act + (size_t)j * inter, weights + j, parts + (size_t)j * h, row0, h, inter);
-}
 
 // ==== Batched drafting (issue 15) ===============================================================
 //
-// One launch per step covers the m entries of a batch (ptx/batch.cuh). The router scores every
-// live row and routes it as router_fused does; moe_group_batch groups the batch's (row, slot)
-// pairs by local expert on the device (the host of a captured graph never learns the counts);
+// One launch per step covers the m entries of a batch (ptx/batch.cuh). router_group_batch scores
+// every live row, routes it, and its last block groups the batch's (row, slot) pairs by local
+// expert on the device (the host of a captured graph never learns the counts);
 // moe_gate_up_batch / moe_down_batch then read each used expert's rows once for all its pairs.
-// Every pair keeps its own f32 accumulator in the K order of the single-row kernels above (the
-// lane's 16-byte chunks in increasing order, then warp_sum), so a pair's act and parts rows are the
-// bits expert_gate_up / expert_down give it, whatever m, the pair's position or the other pairs.
+// Every pair keeps its own f32 accumulator in one K order (the lane's 16-byte chunks in increasing
+// order, then warp_sum), so a pair's act and parts rows have the same bits whatever m, the pair's
+// position or the other pairs.
 //
 // Pair (e, j) is entry e's slot j; its index e * nslots + j is its row in act [m * nslots][inter]
 // and in parts [m * nslots][h], and its y row is e. Work items carry up to MOE_PAIRS pairs of one
@@ -323,14 +139,14 @@ constexpr uint32_t MOE_PAIRS = 8;             // pairs per work item (moe.py PAI
 constexpr uint32_t ROUTER_ROWS = WARPS;       // batch rows per router block: one per warp in the top-k
 constexpr uint32_t GROUP_ZERO = 0xFFFFFFFFu;  // item expert: live pairs this rank does not hold
 constexpr uint32_t GROUP_HEADER = 4;          // n_items, n_used, local pairs, zero pairs
-constexpr uint32_t CODE_PAD = 0xFFFFFFFEu;    // moe_group_batch's per-pair code: padding entry
+constexpr uint32_t CODE_PAD = 0xFFFFFFFEu;    // the grouping's per-pair code: padding entry
 constexpr uint32_t CODE_ELSEWHERE = 0xFFFFFFFFu;  // ... an expert outside this rank's range
 
 // Work items over `pairs` routed pairs among n_local experts: an expert with c pairs has
 // ceil(c / MOE_PAIRS) items, and the zero pairs (other ranks' experts) ceil(z / MOE_PAIRS) more.
 // At most `pairs` when every pair can have an expert of its own; beyond, every expert past the
 // first MOE_PAIRS pairs costs an item per MOE_PAIRS more, plus one for a partial zero item.
-// Sizes the launches' grids from the host (m = 1, top-8: 8 items, today's 8 routed slots).
+// Sizes the launches' grids from the host (m = 1, top-8: 8 items, one per routed slot).
 __device__ __forceinline__ uint32_t items_bound(uint32_t pairs, uint32_t n_local) {
     return pairs <= n_local ? pairs : n_local + (pairs - n_local) / MOE_PAIRS + 1u;
 }
@@ -612,9 +428,8 @@ __device__ __forceinline__ bool group_fits(uint32_t m, uint32_t ntopk, uint32_t 
 }  // namespace
 
 namespace {
-// router_fused_batch, and with GROUP the grouping of all rows by the last row chunk to finish
-// (router_group_batch): counter[ceil(m / 8)] is the chunks' handshake.
-template <bool GROUP>
+// The router of the batch's rows, then the grouping of all rows by the last row chunk to finish:
+// counter[ceil(m / 8)] is the chunks' handshake.
 __device__ __forceinline__ void router_batch(const uint16_t* __restrict__ w, const uint16_t* __restrict__ y,
                                              const float* __restrict__ bias, float* scores, uint32_t* ids,
                                              float* __restrict__ weights, uint32_t* __restrict__ counter,
@@ -730,7 +545,7 @@ __device__ __forceinline__ void router_batch(const uint16_t* __restrict__ w, con
         route_warp(scores + (size_t)e * n_experts, bias_s, ids + (size_t)e * slots, weights + (size_t)e * slots,
                    n_experts, topk, norm, scale, shared, ids_s[warp], wsel[warp]);
     }
-    if (GROUP) {
+    {
         // The chunks' routing blocks hand over once more (last_of's barrier and fence publish this
         // block's ids); the last one groups every row, in the staging memory the rows are done with.
         __shared__ uint32_t scan_s[32];
@@ -742,25 +557,10 @@ __device__ __forceinline__ void router_batch(const uint16_t* __restrict__ w, con
 }
 }  // namespace
 
-// router_fused for the live entries of a batch: scores [m][n_experts], ids / weights [m][topk +
-// shared]; a padding entry's output rows are not written (its y row, batch scratch, is read).
-// Grid (ceil(m / 8), ceil(n_experts / 8)), block 256, dynamic shared memory min(m, 8) * h * 2
-// bytes. Block (x, y): warp w scores expert 8y + w for the rows 8x .. 8x + 7 (the row chunk varies
-// fastest, so the chunks after the first read the expert rows from L2); the last block of a row
-// chunk to finish routes its rows, one row per warp. `counter` is u32[ceil(m / 8)], zero, left zero.
-// Per row the arithmetic of router_rows (one round of 16 chunks per lane for h = 4096) and
-// route_warp.
-extern "C" __global__ void __launch_bounds__(256) router_fused_batch(
-    const uint16_t* __restrict__ w, const uint16_t* __restrict__ y, const float* __restrict__ bias,
-    float* scores, uint32_t* __restrict__ ids, float* __restrict__ weights, uint32_t* __restrict__ counter,
-    const uint32_t* __restrict__ entries, uint32_t m, uint32_t n_experts, uint32_t h, uint32_t topk, uint32_t norm,
-    float scale, uint32_t shared) {
-    router_batch<false>(w, y, bias, scores, ids, weights, counter, entries, m, n_experts, h, topk, norm, scale, shared,
-                        nullptr, 0u, 0u);
-}
-
-// router_fused_batch, then moe_group_batch's grouping of the batch's pairs into `group`, in one
-// launch: the last row chunk to be routed groups them (ids through L2), saving the group launch.
+// The router for the m entries (scores, ids and weights of every live row; the shared expert as slot
+// topk with id 0 and weight 1), then the grouping of the batch's pairs into `group`, in one launch:
+// the last row chunk to be routed groups them (ids through L2), saving a group launch. Grid
+// (ceil(m / 8), ceil(n_experts / 8)), block 256: the 8 rows of a chunk share a block's expert rows.
 // `counter` is u32[ceil(m / 8) + 1], zero, left zero; dynamic shared memory the larger of the
 // router's and group_smem_bytes(m, topk, n_local).
 extern "C" __global__ void __launch_bounds__(256) router_group_batch(
@@ -768,30 +568,16 @@ extern "C" __global__ void __launch_bounds__(256) router_group_batch(
     float* scores, uint32_t* ids, float* __restrict__ weights, uint32_t* __restrict__ counter,
     const uint32_t* __restrict__ entries, uint32_t m, uint32_t n_experts, uint32_t h, uint32_t topk, uint32_t norm,
     float scale, uint32_t shared, uint32_t* __restrict__ group, uint32_t expert_base, uint32_t n_local) {
-    router_batch<true>(w, y, bias, scores, ids, weights, counter, entries, m, n_experts, h, topk, norm, scale, shared,
+    router_batch(w, y, bias, scores, ids, weights, counter, entries, m, n_experts, h, topk, norm, scale, shared,
                        group, expert_base, n_local);
 }
 
-// group_pairs as a launch of its own. Grid 1, block 1024, dynamic shared memory
-// group_smem_bytes(m, ntopk, n_local) bytes (model/kernels/moe.py).
-extern "C" __global__ void __launch_bounds__(1024) moe_group_batch(const uint32_t* __restrict__ ids,
-                                                                   const uint32_t* __restrict__ entries,
-                                                                   uint32_t* __restrict__ group, uint32_t m,
-                                                                   uint32_t ntopk, uint32_t nslots,
-                                                                   uint32_t expert_base, uint32_t n_local) {
-    extern __shared__ uint32_t gsm[];
-    __shared__ uint32_t scan_s[32];
-    grid_dependency_wait();  // the ids are the router's output
-    if (!group_fits(m, ntopk, n_local)) return;
-    group_pairs(ids, entries, group, m, ntopk, nslots, expert_base, n_local, gsm, scan_s);
-}
-
 // The routed experts' and the shared expert's gate/up rows for every pair of the batch: act[pair][i]
-// = silu(min(g, L)) * clamp(u, -L, L), [g; u] = w_x @ y[e], as expert_gate_up computes it. Grid
+// = silu(min(g, L)) * clamp(u, -L, L), [g; u] = w_x @ y[e]. Grid
 // (ceil(inter / 8), st + items_bound(m * ntopk, n_local)), block 256; st = ceil(m / 8) shared tiles
 // when shared == 1 (the shared expert of every live entry is slot ntopk), else 0. Warp w of a block
 // computes act element 8 * row block + w for the block's pairs (up to 8). Blocks past the group's
-// item count, and zero items, exit; shared == 2 writes nothing (as moe_gate_up). With ntopk == 0
+// item count, and zero items, exit; shared == 2 writes nothing. With ntopk == 0
 // (a dense MLP as a lone shared expert) the group is not read.
 // PDL: the shared tiles issue their first weight round before the wait; the routed items wait for
 // the group first.
@@ -841,8 +627,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up_batch(
     }
 }
 
-// The down rows for every pair: parts[pair][row] = weights[pair] * (w_x[row] . act[pair]) in f32, as
-// expert_down computes it; the shared expert's rows (shared == 1) are its dot products (its weight
+// The down rows for every pair: parts[pair][row] = weights[pair] * (w_x[row] . act[pair]) in f32
+// (the routing weight read after the GEMV); the shared expert's rows (shared == 1) are its dot products (its weight
 // is 1, as the router and the dense MLP give it); zeros for the zero items' pairs and, with shared
 // == 2, for every live entry's shared slot. Grid (ceil(h / 32), st + items_bound(m * ntopk,
 // n_local)), block 256, st = ceil(m / 8) when shared != 0; warp w computes rows 32 * row block +
@@ -900,7 +686,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_down_batch(
     }
     float acc[R][MOE_PAIRS];
     gemv_pairs<R, U>(wr, wv, act, pair, pm, inter, vec, acc);
-    // The routing weight is read after the GEMV, as down_rows reads it.
+    // The routing weight is read after the GEMV: the weights stream before the grid dependency
+    // wait, and the routing weight is the router's output.
     const float wt = (routed && ((pm >> lane) & 1u)) ? __ldcg(weights + pair) : 1.0f;
 #pragma unroll
     for (int p = 0; p < (int)MOE_PAIRS; ++p) {

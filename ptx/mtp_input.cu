@@ -1,36 +1,10 @@
-// The MTP block's input half-rows: out[r] = [rmsnorm(table[tokens[r]]) * enorm ; rmsnorm(hidden[r]) * hnorm].
-// Grid (rows, 2), block 256 (model/kernels/mtp_input.py): blockIdx.y picks the half, so both
-// 8 KB reductions of a 4096-wide row run on two SMs at once. The token is read from device memory
-// (a graph replay feeds draft i's argmax to draft i + 1 without the host); a token >= vocab writes
-// BF16 NaN over its half instead of reading past the table, as the host twin does.
+// The MTP block's input half-rows of a batch's entries: [rmsnorm(table[token]) * enorm ;
+// rmsnorm(hidden) * hnorm] (mtp_embed_norm_batch), and eh_proj applied to them (mtp_input_gemv_batch)
+// (model/kernels/mtp_input.py). The tokens are read from device memory (a graph replay feeds draft
+// i's argmax to draft i + 1 without the host); a token >= vocab gives BF16 NaN over its half instead
+// of a read past the table, as the host twin does.
 #include "model_common.cuh"
 #include "batch.cuh"
-
-extern "C" __global__ void __launch_bounds__(256) mtp_embed_norm(
-    const uint16_t* __restrict__ table, const uint32_t* __restrict__ tokens, const uint16_t* __restrict__ enorm,
-    const uint16_t* __restrict__ hidden, const uint16_t* __restrict__ hnorm, uint16_t* __restrict__ out,
-    uint32_t rows, uint32_t vocab, uint32_t h, float eps) {
-    __shared__ float scratch[32];
-    const uint32_t r = blockIdx.x;
-    if (r >= rows) return;
-    uint16_t* o = out + (size_t)r * 2u * h + (blockIdx.y ? h : 0u);
-    const uint16_t* x;
-    const uint16_t* w;
-    if (blockIdx.y == 0) {
-        const uint32_t t = tokens[r];
-        if (t >= vocab) {
-            for (uint32_t i = threadIdx.x; i < h; i += blockDim.x) o[i] = (uint16_t)BF16_QNAN_BITS;
-            return;
-        }
-        x = table + (size_t)t * h;
-        w = enorm;
-    } else {
-        x = hidden + (size_t)r * h;
-        w = hnorm;
-    }
-    const float d = rms_divisor(x, h, eps, scratch);
-    rms_apply(x, w, o, h, d);
-}
 
 namespace {
 constexpr int EH_WARPS = 8;  // block 256 (model/kernels/mtp_input.py)
@@ -39,118 +13,14 @@ constexpr int EH_U = 8;      // 16-byte weight loads per lane in flight
 // half. The launch helper keeps the grid at or above ceil(n / (8 * EH_ROWS_PER_WARP)).
 constexpr int EH_ROWS_PER_WARP = 4;
 
-__device__ __forceinline__ void eh_load_batch(const uint4* __restrict__ wr, uint32_t c0, uint32_t kc,
-                                              uint4 (&wv)[EH_U]) {
-    const uint32_t lane = threadIdx.x & 31;
-#pragma unroll
-    for (int u = 0; u < EH_U; ++u) {
-        const uint32_t c = c0 + lane + 32u * u;
-        wv[u] = c < kc ? ld_stream16(wr + c) : make_uint4(0, 0, 0, 0);
-    }
-}
-
-// This lane's share of W_half[row] . xs_half over kc 16-byte chunks; `wv` holds the first batch.
-__device__ __forceinline__ float eh_half_dot(const uint4* __restrict__ wr, const uint4* xv, uint32_t kc,
-                                             uint4 (&wv)[EH_U]) {
-    const uint32_t lane = threadIdx.x & 31;
-    float acc = 0.0f;
-    for (uint32_t c0 = 0; c0 < kc; c0 += 32u * EH_U) {
-        if (c0 > 0) eh_load_batch(wr, c0, kc, wv);
-#pragma unroll
-        for (int u = 0; u < EH_U; ++u) {
-            const uint32_t c = c0 + lane + 32u * u;
-            if (c < kc) acc = dot8_bf16(wv[u], xv[c], acc);
-        }
-    }
-    return acc;
-}
-
-// The scalar path for a half-row that is not 16-byte aligned or not a multiple of 8 wide.
-__device__ __forceinline__ float eh_half_dot_scalar(const uint16_t* __restrict__ wr, const uint16_t* xs, uint32_t h) {
-    float acc = 0.0f;
-    for (uint32_t i = threadIdx.x & 31; i < h; i += 32u) acc = fmaf(bf16_bits_to_f32(wr[i]), bf16_bits_to_f32(xs[i]), acc);
-    return acc;
-}
 }  // namespace
-
-// x = eh_proj @ [rmsnorm(embed[*token]) * enorm ; rmsnorm(hidden) * hnorm] for one row, as two
-// half-row dot products: y[row] = bf16(W[row, :h] . e + W[row, h:] . hh), each half summed in f32.
-// Both norms are block prologues (a few KB from L2 per block), so the concatenated input never goes
-// through device memory.
-//
-// Pdl.BESIDE: the hidden row is the drafter's previous output, complete before the head that runs
-// before this kernel started (the head releases its dependents right after its own wait), while the
-// token is that head's output. So the hidden half is normalised and its whole 2h*n/2 bytes of
-// weights are streamed before griddepcontrol.wait, in the head's tail (its last blocks and its
-// argmax handshake); only the token, the embedding row's norm and the embedding half come after.
-// Launched plainly (draft 0, or after a kernel that does not release) the wait returns at once.
-//
-// One row per warp, grid-stride over the rows with at most EH_ROWS_PER_WARP rows per warp, grid
-// and block fixed by the launch helper; dynamic smem 2 * h * 2 bytes; __launch_bounds__(256, 4).
-//
-// Non-finite flag: `flag` is one byte the proposer reads back with the drafts (mapped pinned
-// memory). Block 0's first thread stores 1 there when the hidden row is not finite (its RMS
-// divisor, which the prologue computes anyway, is NaN or Inf), 2 when the token is not in the
-// vocabulary, 3 for both, and stores nothing otherwise; after the wait, as a BESIDE kernel must.
-extern "C" __global__ void __launch_bounds__(256, 4) mtp_input_gemv(
-    const uint16_t* __restrict__ table, const uint32_t* __restrict__ token, const uint16_t* __restrict__ enorm,
-    const uint16_t* __restrict__ hidden, const uint16_t* __restrict__ hnorm, const uint16_t* __restrict__ w,
-    uint16_t* __restrict__ y, uint32_t vocab, uint32_t h, uint32_t n, float eps, uint8_t* __restrict__ flag) {
-    extern __shared__ __align__(16) uint16_t xs[];  // [normed embedding row ; normed hidden row]
-    __shared__ float scratch[64];
-    __shared__ float part[EH_ROWS_PER_WARP * EH_WARPS];  // hidden-half sums, lane 0 of each warp
-    const uint32_t lane = threadIdx.x & 31, wib = threadIdx.x >> 5;
-    const uint32_t warps = gridDim.x * EH_WARPS;
-    const uint32_t row0 = blockIdx.x * EH_WARPS + wib;
-    const size_t k = 2u * (size_t)h;
-    const bool vec = (h % 8u == 0) && aligned16(w);
-    const uint32_t hc = h >> 3;
-    uint4 wv[EH_U];
-
-    if (vec && row0 < n) eh_load_batch(reinterpret_cast<const uint4*>(w + row0 * k + h), 0, hc, wv);
-    const float hidden_rms = RmsNormToSmem{hidden, hnorm, h, eps, scratch}(xs + h);
-    uint32_t i = 0;
-    for (uint32_t row = row0; row < n; row += warps, ++i) {
-        const uint16_t* wr = w + row * k + h;
-        if (vec && row != row0) eh_load_batch(reinterpret_cast<const uint4*>(wr), 0, hc, wv);
-        float acc = vec ? eh_half_dot(reinterpret_cast<const uint4*>(wr), reinterpret_cast<const uint4*>(xs + h), hc, wv)
-                        : eh_half_dot_scalar(wr, xs + h, h);
-        acc = warp_sum(acc);
-        if (lane == 0 && i < (uint32_t)EH_ROWS_PER_WARP) part[i * EH_WARPS + wib] = acc;
-    }
-
-    if (vec && row0 < n) eh_load_batch(reinterpret_cast<const uint4*>(w + row0 * k), 0, hc, wv);
-    grid_dependency_wait();  // the token is the previous kernel's output
-    // Through L2, not the read-only path: the head was still running when this grid started, so
-    // the token is not read-only over this kernel's lifetime (see ptx/common.cuh).
-    const uint32_t t = __ldcg(token);
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-        const uint32_t bad = (isfinite(hidden_rms) ? 0u : 1u) | (t < vocab ? 0u : 2u);
-        if (bad) *flag = (uint8_t)bad;
-    }
-    if (t < vocab) {
-        RmsNormToSmem{table + (size_t)t * h, enorm, h, eps, scratch}(xs);
-    } else {
-        // NaN over the embedding half, as mtp_embed_norm writes it; never a read past the table.
-        for (uint32_t j = threadIdx.x; j < h; j += blockDim.x) xs[j] = (uint16_t)BF16_QNAN_BITS;
-        __syncthreads();
-    }
-    i = 0;
-    for (uint32_t row = row0; row < n; row += warps, ++i) {
-        const uint16_t* wr = w + row * k;
-        if (vec && row != row0) eh_load_batch(reinterpret_cast<const uint4*>(wr), 0, hc, wv);
-        float acc = vec ? eh_half_dot(reinterpret_cast<const uint4*>(wr), reinterpret_cast<const uint4*>(xs), hc, wv)
-                        : eh_half_dot_scalar(wr, xs, h);
-        acc = warp_sum(acc);
-        if (lane == 0 && i < (uint32_t)EH_ROWS_PER_WARP) y[row] = f32_to_bf16_bits(acc + part[i * EH_WARPS + wib]);
-    }
-}
 
 // ---- the batch: m entries (1 <= m <= 256, ptx/batch.cuh), eh_proj read once for all of them ---------
 
-// mtp_embed_norm for the m entries: row e of out is [rmsnorm(table[entry e's token]) * enorm ;
-// rmsnorm(hidden[e]) * hnorm], row for row what mtp_embed_norm computes. Grid (m, 2), block 256. A
-// padding entry's row is not written and nothing is read for it. No PDL (as mtp_embed_norm).
+// Row e of out is [rmsnorm(table[entry e's token]) * enorm ; rmsnorm(hidden[e]) * hnorm] for the m
+// entries. Grid (m, 2), block 256: blockIdx.y picks the half, so both 8 KB reductions of a
+// 4096-wide row run on two SMs at once. A padding entry's row is not written and nothing is read
+// for it. No PDL.
 extern "C" __global__ void __launch_bounds__(256) mtp_embed_norm_batch(
     const uint16_t* __restrict__ table, const uint32_t* __restrict__ entries, const uint16_t* __restrict__ enorm,
     const uint16_t* __restrict__ hidden, const uint16_t* __restrict__ hnorm, uint16_t* __restrict__ out,
@@ -181,7 +51,7 @@ extern "C" __global__ void __launch_bounds__(256) mtp_embed_norm_batch(
 namespace {
 constexpr uint32_t EH_BATCH_ROWS = 8;  // entries per block; model/kernels/mtp_input.py MTP_INPUT_BATCH_ROWS
 
-// Weight loads in flight per lane by rows per block: EH_U at M = 1 (mtp_input_gemv's), fewer as more
+// Weight loads in flight per lane by rows per block: EH_U at M = 1, fewer as more
 // rows share each load, within the 64 registers of __launch_bounds__(256, 4).
 template <int M>
 __host__ __device__ constexpr int eh_unroll() { return M == 1 ? EH_U : (M == 2 ? 4 : 2); }
@@ -196,8 +66,8 @@ __device__ __forceinline__ void eh_load(const uint4* __restrict__ wr, uint32_t c
     }
 }
 
-// eh_half_dot for M input rows (row r at xs + r * h): acc[r] is this lane's share of W_half[row] .
-// xs_r, summed as eh_half_dot sums it for one row; `wv` holds the first batch.
+// One half-row dot for M input rows (row r at xs + r * h): acc[r] is this lane's share of
+// W_half[row] . xs_r, summed in the lane's chunk order whatever M; `wv` holds the first batch.
 template <int U, int M>
 __device__ __forceinline__ void eh_rows_dot(const uint4* __restrict__ wr, const uint16_t* xs, uint32_t h,
                                             uint32_t kc, uint4 (&wv)[U], float (&acc)[M]) {
@@ -308,7 +178,7 @@ __device__ __forceinline__ void rms_rows_to_smem(const uint16_t* __restrict__ ba
     __syncthreads();
 }
 
-// mtp_input_gemv for the `rows` (<= M) entries of the chunk at e0. As mtp_input_gemv: every block
+// mtp_input_gemv_batch for the `rows` (<= M) entries of the chunk at e0: every block
 // normalises its rows' hidden halves, streams the hidden half of its rows of W (grid-stride over
 // blockIdx.y, one row per warp at a time) and keeps the sums in shared memory, all before the wait;
 // after it the entries (through L2: the head that writes their tokens may still run), the flags, the
@@ -403,7 +273,7 @@ __device__ __forceinline__ void mtp_input_rows(const uint16_t* __restrict__ tabl
         float unused[M];
 #pragma unroll
         for (int r = 0; r < M; ++r) {
-            // NaN over a bad token's embedding half, as mtp_embed_norm writes it; never a read past the table.
+            // NaN over a bad token's embedding half, as mtp_embed_norm_batch writes it; never a read past the table.
             const bool is_live = (live >> r) & 1u;
             use[r] = is_live && tok[r] < vocab;
             fill[r] = is_live ? (uint16_t)BF16_QNAN_BITS : (uint16_t)0;
@@ -427,15 +297,15 @@ __device__ __forceinline__ void mtp_input_rows(const uint16_t* __restrict__ tabl
 }
 }  // namespace
 
-// mtp_input_gemv for m entries (ptx/batch.cuh): y[e] = eh_proj @ [rmsnorm(table[entry e's token]) *
-// enorm ; rmsnorm(hidden[e]) * hnorm], row for row mtp_input_gemv's arithmetic (so each row is
-// bit-identical to a launch of that entry alone, m = 1, which is mtp_input_gemv's path), y dense
+// For m entries (ptx/batch.cuh): y[e] = eh_proj @ [rmsnorm(table[entry e's token]) * enorm ;
+// rmsnorm(hidden[e]) * hnorm], one arithmetic per row whatever the chunk (so each row is
+// bit-identical to a launch of that entry alone, m = 1), y dense
 // [m][n]. hidden holds m rows of h (a padding entry's row is read before the wait, where the entries
-// cannot be, but never used). Entry e's flag byte is flags[4 e + flag_byte], set as mtp_input_gemv
-// sets its flag; a padding entry's flag and y row are never written. Grid (ceil(m / 8), the blocks
+// cannot be, but never used). Entry e's flag byte is flags[4 e + flag_byte], set as
+// model/kernels/mtp_input.py says; a padding entry's flag and y row are never written. Grid (ceil(m / 8), the blocks
 // resident at once but at least ceil(n / (8 EH_ROWS_PER_WARP))), block 256, dynamic smem
-// M * h * 2 bytes for M the next power of two of min(m, 8); Pdl.BESIDE as mtp_input_gemv (the
-// hidden half before the wait, the tokens after).
+// M * h * 2 bytes for M the next power of two of min(m, 8); Pdl.BESIDE (the hidden half
+// before the wait, the tokens after).
 extern "C" __global__ void __launch_bounds__(256, 4) mtp_input_gemv_batch(
     const uint16_t* __restrict__ table, const uint32_t* __restrict__ entries, const uint16_t* __restrict__ enorm,
     const uint16_t* __restrict__ hidden, const uint16_t* __restrict__ hnorm, const uint16_t* __restrict__ w,

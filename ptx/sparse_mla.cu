@@ -2,16 +2,18 @@
 // (model/kernels/sparse_mla.py). Per head h: s_j = (q_h . c_j) * scale over the selected rows j,
 // p = softmax(s), o_h = sum_j p_j c_j, with c_j = fp8(cache[slot_j]) * scales[slot_j] and
 // slot_j = block_table[r / block_size] * block_size + r % block_size for r = selected[j].
-// The row count is read from device memory (the selection kernel wrote it).
+// Every kernel covers the m entries of a batch (ptx/batch.cuh), each with its own query, selection
+// and slot's block table. The row count is read from device memory (the selection kernel wrote it).
 #include "batch.cuh"
 #include "model_common.cuh"
 
-// ---- sparse_mla_attend: the declared one-launch kernel (CUDA cores) ----------------------------
-// Grid = heads, block 256. Each warp runs an online softmax over rows j = warp, warp + 8, ...
+// ---- sparse_mla_attend_batch: the one-launch kernel (CUDA cores) -------------------------------
+// A block per (head, entry), block 256. Each warp runs an online softmax over rows j = warp, warp + 8, ...
 // with the lane owning dims lane + 32 i, then the 8 warps' (max, sum, acc) are merged in shared
 // memory. Exact softmax (running max with rescaling); the order of additions differs from NumPy's.
 // It has no workspace, so one block serves one head over every row; the proposer uses the split
-// pair below (sparse_mla_partial + sparse_mla_combine), which spreads the rows over the chip.
+// pair below (sparse_mla_partial_batch + sparse_mla_combine_batch), which spreads the rows over
+// the chip.
 #define MLA_MAX_DIM 1024
 #define MLA_PER_LANE (MLA_MAX_DIM / 32)
 
@@ -90,17 +92,7 @@ __device__ __forceinline__ void attend_head(const float* __restrict__ q, const u
 }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(256) sparse_mla_attend(
-    const float* __restrict__ q, const uint8_t* __restrict__ cache, const float* __restrict__ scales,
-    const uint32_t* __restrict__ block_table, const uint32_t* __restrict__ selected,
-    const uint32_t* __restrict__ count, uint16_t* __restrict__ out, uint32_t heads, uint32_t dim,
-    uint32_t block_size, float scale) {
-    __shared__ AttendSmem sm;
-    if (blockIdx.x >= heads || dim > MLA_MAX_DIM) return;
-    attend_head(q, cache, scales, block_table, selected, *count, out, dim, block_size, scale, sm);
-}
-
-// sparse_mla_attend for m batch entries (ptx/batch.cuh): grid (heads, m); entry e's absorbed query
+// Grid (heads, m); entry e's absorbed query
 // q + e * heads * dim, its selection selected + e * sel_cap with count[e] rows (at most sel_cap),
 // gathered through its slot's block table (tables + slot * blocks_per_slot), its output
 // out + e * heads * dim. Padding entries read and write nothing (their output rows keep whatever
@@ -123,10 +115,10 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_attend_batch(
                 selected + (size_t)e * sel_cap, n, out + e * hd, dim, block_size, scale, sm);
 }
 
-// ---- the split pair: sparse_mla_partial + sparse_mla_combine ------------------------------------
+// ---- the split pair: sparse_mla_partial_batch + sparse_mla_combine_batch ------------------------
 // Flash-decoding over the selection: block (x, y) takes rows [64 x, 64 x + 64) of the selection and
 // heads [16 y, 16 y + 16), computes its local softmax statistics and its unnormalised partial
-// output, and sparse_mla_combine merges the ceil(count / 64) partials per head exactly
+// output, and sparse_mla_combine_batch merges the ceil(count / 64) partials per head exactly
 // (rescaling by exp(m_s - M)). Both products run on the tensor cores (mma.sync m16n8k16, BF16
 // operands, f32 accumulation) without giving up f32 accuracy:
 //   - the FP8 latent values are exact in BF16; the row scale is applied outside the product
@@ -359,20 +351,6 @@ __device__ __forceinline__ void mla_partial_tile(
 }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(256) sparse_mla_partial(
-    const float* __restrict__ q, const uint8_t* __restrict__ cache, const float* __restrict__ scales,
-    const uint32_t* __restrict__ block_table, const uint32_t* __restrict__ selected,
-    const uint32_t* __restrict__ count, float* __restrict__ part, float* __restrict__ ml, uint32_t heads,
-    uint32_t dim, uint32_t block_size, float scale) {
-    extern __shared__ __align__(16) uint8_t smem[];
-    wait_then_release();
-    const uint32_t n = *count;
-    if (dim == 512u)
-        mla_partial_tile<512>(q, cache, scales, block_table, selected, n, part, ml, heads, dim, block_size, scale, smem);
-    else
-        mla_partial_tile<0>(q, cache, scales, block_table, selected, n, part, ml, heads, dim, block_size, scale, smem);
-}
-
 // The split pair for m batch entries: the per-entry workspace of a selection of at most sel_cap
 // rows is splits = max(ceil(sel_cap / 64), 1) partials, part + e * splits * heads * dim and
 // ml + e * splits * heads * 2 (model/kernels/sparse_mla.py split_workspace_batch).
@@ -382,8 +360,8 @@ __device__ __forceinline__ uint32_t batch_splits(uint32_t sel_cap) {
 }
 }  // namespace
 
-// sparse_mla_partial for m entries: grid (splits, ceil(heads / 16), m), blockIdx.z = entry e; the
-// tile of (split, head tile) of entry e is sparse_mla_partial's on e's query, selection (count[e]
+// Grid (splits, ceil(heads / 16), m), blockIdx.z = entry e; the tile of (split, head tile) of entry
+// e is mla_partial_tile on e's query, selection (count[e]
 // rows, at most sel_cap) and slot's block table, into e's workspace. Splits past the count and
 // padding entries exit (padding reads and writes nothing).
 extern "C" __global__ void __launch_bounds__(256) sparse_mla_partial_batch(
@@ -411,11 +389,11 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_partial_batch(
 }
 
 // out[h] = sum_s exp(m_s - M) part_s[h] / sum_s exp(m_s - M) l_s, M = max_s m_s, over the
-// ceil(count / 64) splits sparse_mla_partial wrote. Grid (heads, ceil(dim / 128)), block 256: lane
+// ceil(count / 64) splits sparse_mla_partial_batch wrote. Grid (heads, ceil(dim / 128)), block 256: lane
 // l owns dims 128 y + 4 l .. + 3, warp w sums splits w, w + 8, ... with four splits' loads in flight
 // (33 splits: two rounds instead of five), and the eight warp sums are added in warp order through
 // shared memory. Every warp computes M and L itself over the same splits in the same order, from
-// the head's (m, l) pairs staged once in shared memory. dim % 4 == 0 (sparse_mla_split takes
+// the head's (m, l) pairs staged once in shared memory. dim % 4 == 0 (the split pair takes
 // dim % 16 == 0). The merge is latency-bound: eight warps per head, not one block of 128 threads
 // with eight splits in flight per thread (BENCHMARKS.md, "Drafter kernel notes").
 #define MLA_MAX_SPLITS 1024
@@ -492,16 +470,7 @@ __device__ __forceinline__ void combine_head(const float* __restrict__ part, con
 }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(256) sparse_mla_combine(
-    const float* __restrict__ part, const float* __restrict__ ml, const uint32_t* __restrict__ count,
-    uint16_t* __restrict__ out, uint32_t heads, uint32_t dim) {
-    __shared__ CombineSmem sm;
-    wait_then_release();
-    if (blockIdx.x >= heads || dim % 4u != 0) return;
-    combine_head(part, ml, *count, out, heads, dim, sm);
-}
-
-// sparse_mla_combine for m entries: grid (heads, ceil(dim / 128), m), blockIdx.z = entry e, over
+// The merge for m entries: grid (heads, ceil(dim / 128), m), blockIdx.z = entry e, over
 // e's workspace (batch_splits above) and count[e] (at most sel_cap), into out + e * heads * dim.
 // Padding entries read and write nothing.
 extern "C" __global__ void __launch_bounds__(256) sparse_mla_combine_batch(

@@ -1,8 +1,8 @@
 """Slot-pool worlds for the batched DSA kernels' tests (tests/test_batch_dsa.py on the host backend,
 tests/test_gpu_batch_dsa.py on the GPU): per-sequence state laid into slot pools as
 model/kernels/batch.py describes (``SlotGeometry``), batch entries, and the launches both files
-make: the batched kernel over m entries, the batched kernel at m = 1 for one entry (pointers offset
-to that entry's rows), and today's single-sequence kernel on that entry's slot views.
+make: the batched kernel over m entries, and the batched kernel at m = 1 for one entry (pointers
+offset to that entry's rows).
 """
 
 from __future__ import annotations
@@ -141,37 +141,6 @@ def cache_write_batch(gpu, p: dict, sh: CacheShape, fused, entries, m: int, row_
     )
 
 
-def cache_write_single(gpu, p: dict, sh: CacheShape, fused, slot: int, row_ptr, rows: int) -> None:
-    """Today's dsa_cache_write on one slot's views: ``rows`` rows from *row_ptr, fused rows from
-    ``fused``."""
-    g = sh.geo
-    dsa_cache.dsa_cache_write(
-        gpu,
-        fused,
-        sh.stride,
-        p["kv_w"],
-        p["cache"],
-        p["scales"],
-        p["tables"].offset(g.table_base(slot) * 4),
-        p["kw"],
-        p["kb"],
-        p["keys"].offset(g.key_row(slot, 0) * 2),
-        p["gates"].offset(g.key_row(slot, 0) * 2),
-        p["ape"],
-        p["pool_keys"].offset(g.pool_row(slot, 0) * sh.idim),
-        p["pool_scales"].offset(g.pool_row(slot, 0) * 4),
-        row_ptr,
-        0,
-        rows,
-        sh.C,
-        sh.idim,
-        sh.bs,
-        sh.kpool,
-        EPS,
-        LN_EPS,
-    )
-
-
 def state_bytes(gpu, p: dict, world: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return bytes_of(gpu, p, {k: world[k].nbytes for k in STATE})
 
@@ -249,26 +218,6 @@ def scores_entry(gpu, p: dict, sh: ScoreShape, scores, entries, e: int, row_add:
         dim=sh.dim,
         kpool=sh.kpool,
         w_scale=1.0 / sh.heads**0.5,
-    )
-
-
-def scores_single(gpu, p: dict, sh: ScoreShape, scores, e: int, slot: int, row_ptr, row_add: int) -> None:
-    """Today's indexer_scores for entry e on its slot's pools."""
-    g = sh.geo
-    dsa_select.indexer_scores(
-        gpu,
-        p["q"].offset(e * (sh.heads * sh.dim + 8) * 2),
-        p["w"].offset(e * (sh.heads + 3) * 2),
-        p["pool_keys"].offset(g.pool_row(slot, 0) * sh.dim),
-        p["pool_scales"].offset(g.pool_row(slot, 0) * 4),
-        scores.offset(e * sh.pps * 4),
-        row_ptr,
-        row_add,
-        sh.heads,
-        sh.dim,
-        sh.kpool,
-        1.0 / sh.heads**0.5,
-        sh.pps,
     )
 
 
@@ -403,37 +352,6 @@ def attn_entry(gpu, p: dict, sh: AttnShape, entries, e: int, split: bool) -> Non
     attn_batch(gpu, p, sh, entries.offset(e * ENTRY_BYTES), 1, split, **at)
 
 
-def attn_single(gpu, p: dict, sh: AttnShape, e: int, slot: int, split: bool) -> None:
-    """Today's sparse_mla_split / sparse_mla_attend for entry e on its slot's block table."""
-    pb, mb = sparse_mla.split_workspace(sh.heads, sh.dim, sh.sel_cap)
-    hd = sh.heads * sh.dim
-    args = (
-        p["q"].offset(e * hd * 4),
-        p["cache"],
-        p["scales"],
-        p["tables"].offset(slot * sh.bps * 4),
-        p["sel"].offset(e * sh.sel_cap * 4),
-        p["cnt"].offset(e * 4),
-    )
-    if split:
-        sparse_mla.sparse_mla_split(
-            gpu,
-            *args,
-            p["part"].offset(e * pb),
-            p["ml"].offset(e * mb),
-            p["out"].offset(e * hd * 2),
-            sh.heads,
-            sh.dim,
-            sh.bs,
-            1.0 / 16.0,
-            sh.sel_cap,
-        )
-    else:
-        sparse_mla.sparse_mla_attend(
-            gpu, *args, p["out"].offset(e * hd * 2), sh.heads, sh.dim, sh.bs, 1.0 / 16.0
-        )
-
-
 def attn_f64(world: dict, sh: AttnShape, e: int, slot: int, rows: np.ndarray) -> np.ndarray:
     """float64 attention of entry e over its selected rows (zeros for an empty selection)."""
     if rows.size == 0:
@@ -538,8 +456,7 @@ def cache_layout(rng, sh: CacheShape, m: int, row_add: int, lo: int, hi: int, ma
 
 def check_cache_write(gpu, world: dict, sh: CacheShape, run: CacheRun, row_add: int, invariance: bool = True):
     """dsa_cache_write_batch over ``run`` on ``world``; with ``invariance`` also (a) each live entry
-    alone at m = 1 in entry order and (b) today's dsa_cache_write per run on the slot's views must
-    give the same bytes of every pool, and (c) a launch of padding entries and rows past
+    alone at m = 1 in entry order must give the same bytes of every pool, and (b) a launch of padding entries and rows past
     slot_rows must change no byte. Returns the state bytes after the batched launch."""
     m = len(run.entries)
     p = upload_all(gpu, world)
@@ -549,7 +466,7 @@ def check_cache_write(gpu, world: dict, sh: CacheShape, run: CacheRun, row_add: 
         got = state_bytes(gpu, p, world)
         if not invariance:
             return got
-        # (c) padding, and rows at or past slot_rows, on the state just written.
+        # (b) padding, and rows at or past slot_rows, on the state just written.
         junk = np.zeros((max(m, 3), 4), np.uint32)
         junk[:, 0] = PAD_SLOT
         junk[0, 0], junk[0, 1] = 0, sh.slot_rows - row_add
@@ -580,22 +497,9 @@ def check_cache_write(gpu, world: dict, sh: CacheShape, run: CacheRun, row_add: 
             alone = state_bytes(gpu, p1, world)
         finally:
             free_all(gpu, p1)
-        # (b) today's kernel, one launch per run on the slot's views.
-        ps = upload_all(gpu, world)
-        try:
-            for e0, slot, r0, n in run.runs:
-                rp = upload_all(gpu, {"row": np.array([r0], np.uint32)})
-                cache_write_single(gpu, ps, sh, io["fused"].offset(e0 * sh.stride * 2), slot, rp["row"], n)
-                free_all(gpu, rp)
-            single = state_bytes(gpu, ps, world)
-        finally:
-            free_all(gpu, ps)
         for k in STATE:
             assert np.array_equal(got[k], alone[k]), (
                 f"{k}: the batch differs from each entry launched alone (m=1)"
-            )
-            assert np.array_equal(got[k], single[k]), (
-                f"{k}: the batch differs from dsa_cache_write per sequence"
             )
         return got
     finally:
@@ -652,15 +556,14 @@ def read_layout(
 def check_scores(
     gpu, world: dict, sh: ScoreShape, lay: ReadLayout, row_add: int, invariance: bool = True
 ) -> np.ndarray:
-    """indexer_scores_batch into poisoned scores; with ``invariance`` each entry at m = 1 and
-    today's indexer_scores per live entry must give the same bytes, and the pools must be
-    unchanged. Checks that exactly each live entry's complete pools are written. Returns the
+    """indexer_scores_batch into poisoned scores; with ``invariance`` each entry at m = 1 must give
+    the same bytes, and the pools must be unchanged. Checks that exactly each live entry's complete pools are written. Returns the
     scores [m, pps] of the batched launch."""
     m = len(lay.entries)
     n = m * sh.pps * 4
     p = upload_all(gpu, world)
     io = upload_all(gpu, {"entries": lay.entries})
-    outs = poison_all(gpu, {"batch": n, "alone": n, "single": n})
+    outs = poison_all(gpu, {"batch": n, "alone": n})
     try:
         scores_batch(gpu, p, sh, outs["batch"], io["entries"], m, row_add)
         got = bytes_of(gpu, outs, {"batch": n})["batch"].view(np.float32).reshape(m, sh.pps)
@@ -672,17 +575,10 @@ def check_scores(
         if invariance:
             for e in range(m):
                 scores_entry(gpu, p, sh, outs["alone"], io["entries"], e, row_add)
-            for e, slot, row in lay.live:
-                rp = upload_all(gpu, {"row": np.array([row - row_add], np.uint32)})
-                scores_single(gpu, p, sh, outs["single"], e, slot, rp["row"], row_add)
-                free_all(gpu, rp)
-            b = bytes_of(gpu, outs, {"alone": n, "single": n})
+            b = bytes_of(gpu, outs, {"alone": n})
             assert np.array_equal(
                 b["alone"].view(np.float32).reshape(m, sh.pps).view(np.uint32), got.view(np.uint32)
             ), "indexer_scores_batch: an entry's scores differ from its m = 1 launch"
-            assert np.array_equal(b["single"], got.reshape(-1).view(np.uint8)), (
-                "indexer_scores_batch differs from indexer_scores per sequence"
-            )
             pools = bytes_of(
                 gpu, p, {"pool_keys": world["pool_keys"].nbytes, "pool_scales": world["pool_scales"].nbytes}
             )
@@ -712,15 +608,14 @@ def check_select(
     invariance: bool = True,
 ):
     """select_topk_pools_batch then extend_selection_batch (row_add + 1, + 2) into poisoned lists;
-    exact against select_rows_ref; with ``invariance`` each entry at m = 1 and today's kernels per
-    live entry give the same bytes. Returns (selected, count) after the selection and after the
+    exact against select_rows_ref; with ``invariance`` each entry at m = 1 gives the same bytes. Returns (selected, count) after the selection and after the
     extensions."""
     from model.kernels.dsa_select import select_rows_ref
 
     m = len(lay.entries)
     ns, nc = m * sel_cap * 4, m * 4
     io = upload_all(gpu, {"entries": lay.entries, "scores": scores})
-    names = ("batch", "alone", "single") if invariance else ("batch",)
+    names = ("batch", "alone") if invariance else ("batch",)
     outs = poison_all(gpu, {f"{k}_{w}": (ns if w == "sel" else nc) for k in names for w in ("sel", "cnt")})
 
     def grab(k):
@@ -791,30 +686,10 @@ def check_select(
                     topk,
                     tail,
                 )
-            for e, _, row in lay.live:
-                rp = upload_all(gpu, {"row": np.array([row - row_add], np.uint32)})
-                dsa_select.select_topk_pools(
-                    gpu,
-                    io["scores"].offset(e * sh.pps * 4),
-                    outs["single_sel"].offset(e * sel_cap * 4),
-                    outs["single_cnt"].offset(e * 4),
-                    rp["row"],
-                    row_add,
-                    topk,
-                    sh.kpool,
-                    tail,
-                )
-                free_all(gpu, rp)
             a_sel, a_cnt = grab("alone")
-            s_sel, s_cnt = grab("single")
             assert np.array_equal(a_sel, first[0]) and np.array_equal(a_cnt, first[1]), (
                 "select: m = 1 differs"
             )
-            for e, _, _ in lay.live:  # sel_cap holds every selection here (today's kernel has no bound)
-                assert s_cnt[e] == first[1][e], f"entry {e}: count differs from select_topk_pools"
-                np.testing.assert_array_equal(
-                    s_sel[e], first[0][e], err_msg=f"entry {e} vs select_topk_pools"
-                )
             for e in range(m):
                 for add in (1, 2):
                     dsa_select.extend_selection_batch(
@@ -866,8 +741,8 @@ def check_attn(
     gpu, world: dict, sh: AttnShape, case: AttnCase, split: bool, invariance: bool = True
 ) -> np.ndarray:
     """The batched attention into a poisoned output (and workspace); every live entry's output
-    written, padding rows untouched; with ``invariance`` each entry at m = 1 and today's kernel
-    per live entry give the same bytes (the workspace too), and the cache is unchanged. Returns
+    written, padding rows untouched; with ``invariance`` each entry at m = 1 gives the same bytes
+    (the workspace too), and the cache is unchanged. Returns
     the output [m, heads, dim] as float32."""
     from runtime.dtypes import BF16
 
@@ -878,7 +753,7 @@ def check_attn(
     if split:
         sizes.update(part=m * pb, ml=m * mb)
     p = upload_all(gpu, {**world, "sel": case.sel, "cnt": case.cnt, "entries": case.entries})
-    variants = ("batch", "alone", "single") if invariance else ("batch",)
+    variants = ("batch", "alone") if invariance else ("batch",)
     outs = {v: poison_all(gpu, sizes) for v in variants}
     try:
 
@@ -898,15 +773,9 @@ def check_attn(
         if invariance:
             for e in range(m):
                 attn_entry(gpu, bufs("alone"), sh, p["entries"], e, split)
-            for e, slot, _ in case.live:
-                attn_single(gpu, bufs("single"), sh, e, slot, split)
             alone = bytes_of(gpu, outs["alone"], sizes)
-            single = bytes_of(gpu, outs["single"], sizes)
             for k in sizes:
                 assert np.array_equal(alone[k], got[k]), f"{k}: an entry differs from its m = 1 launch"
-                assert np.array_equal(single[k], got[k]), (
-                    f"{k}: the batch differs from today's kernel per sequence"
-                )
             kept = bytes_of(gpu, p, {"cache": world["cache"].nbytes, "scales": world["scales"].nbytes})
             assert np.array_equal(kept["cache"], world["cache"].reshape(-1).view(np.uint8))
             assert np.array_equal(kept["scales"], world["scales"].view(np.uint8))

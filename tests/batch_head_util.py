@@ -299,60 +299,23 @@ def check_rows_equal(
         assert h.tobytes() == r["host"].tobytes(), f"{what}: host drafts differ"
 
 
-def single_row_head(
+def row_alone(
     gpu, case: HeadCase, resident: dict[str, DevicePtr] | None = None
-) -> dict[str, np.ndarray]:
-    """Today's single-row head (head_argmax) for the one row of ``case``: its logits, token, drafts
-    row, host row and one flag byte."""
+) -> tuple[HeadCase, dict[str, np.ndarray]]:
+    """The one row of ``case`` (m = 1) launched alone, as the case launches it: (case, outputs)."""
     assert case.m == 1
-    bufs: dict[str, np.ndarray | int | DevicePtr] = {
-        "w": case.w,
-        "x": case.x,
-        "logits": 2 * case.n,
-        "key": np.zeros(1, np.uint64),
-        "ctr": np.zeros(1, np.uint32),
-        "tok": 4,
-        "drafts": case.drafts[0],
-        "host": 4 * case.kmax,
-        "flag": np.zeros(1, np.uint8),
-    }
-    if case.s is not None:
-        bufs["sc"] = case.s
-    bufs.update(resident or {})
-
-    def run(gpu, w, x, logits, key, ctr, tok, drafts, host, flag, sc=None):
-        draft_head.head_argmax(
-            gpu,
-            w,
-            sc,
-            x,
-            logits,
-            key,
-            ctr,
-            tok,
-            drafts,
-            case.draft_index,
-            host,
-            case.publish,
-            case.n,
-            case.k,
-            flag=flag,
-        )
-
-    return run_bufs(gpu, run, bufs)
+    return case, case.run(gpu, resident)
 
 
-def check_row_is_single_row_head(case: HeadCase, out, j: int, old: dict[str, np.ndarray], what: str) -> None:
-    """Row j of a batched launch has the bits today's head_argmax gave that row alone."""
-    assert logits_of(case, out)[j].tobytes() == old["logits"].tobytes(), (
-        f"{what}: logits differ from head_argmax"
-    )
-    assert token_of(case, out, j) == int(old["tok"].view(np.uint32)[0]), (
-        f"{what}: token differs from head_argmax"
-    )
-    assert flag_of(case, out, j) == int(old["flag"][0]), f"{what}: flag differs from head_argmax"
+def check_row_is_row_alone(
+    case: HeadCase, out, j: int, alone: tuple[HeadCase, dict[str, np.ndarray]], what: str
+) -> None:
+    """Row j of a batched launch has the bits the head gave that row launched alone (m = 1):
+    logits, token, drafts row, host row and flag."""
+    rc, r = alone
+    assert logits_of(case, out)[j].tobytes() == logits_of(rc, r)[0].tobytes(), f"{what}: logits differ"
+    assert token_of(case, out, j) == token_of(rc, r, 0), f"{what}: token differs"
+    assert flag_of(case, out, j) == flag_of(rc, r, 0), f"{what}: flag differs"
     d = as_u32(out["drafts"], (case.m, case.kmax))[j]
-    assert d.tobytes() == old["drafts"].tobytes(), f"{what}: drafts differ from head_argmax"
-    assert out["host"].reshape(case.m, -1)[j].tobytes() == old["host"].tobytes(), (
-        f"{what}: host drafts differ"
-    )
+    assert d.tobytes() == as_u32(r["drafts"], (1, case.kmax))[0].tobytes(), f"{what}: drafts differ"
+    assert out["host"].reshape(case.m, -1)[j].tobytes() == r["host"].tobytes(), f"{what}: host drafts differ"

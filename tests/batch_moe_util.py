@@ -1,7 +1,8 @@
 """Helpers for the batched MoE tests (tests/test_batch_moe.py on the host backend,
 tests/test_gpu_batch_moe.py on the device): the batch's buffers poisoned (0xFF: NaN in BF16 and f32)
-with guard bytes after them, the batched launch sequence (group, gate/up, down), and the
-single-row launches of today's kernels that each row of a batch must reproduce."""
+with guard bytes after them, the batched launch sequence (the grouping of given ids on the host,
+gate/up, down; or router_group_batch), and the launches of one row alone that each row of a batch
+must reproduce."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 from model.kernels import moe
 from model.kernels.batch import pack_entries
 from runtime.dtypes import BF16
+from runtime.host_backend import HostBackend
 
 GUARD = 16
 
@@ -102,8 +104,9 @@ class Outputs:
 
 
 def run_batch(gpu, wp, case: MoeCase, y, ids, wts, entries, stream=None) -> Outputs:
-    """moe_group_batch + moe_gate_up_batch + moe_down_batch over the batch; ``wp`` the device
-    pointers (gu, dn, sgu, sdn). Every output starts as poison."""
+    """moe_gate_up_batch + moe_down_batch over the batch, the group workspace of ``ids`` built by the
+    host twin of the grouping (group_words); ``wp`` the device pointers (gu, dn, sgu, sdn). Every
+    output starts as poison."""
     m = len(entries)
     ns, inter, h = case.nslots, case.inter, case.h
     ent_p, y_p, ids_p, wts_p = put(gpu, entries), put(gpu, y), put(gpu, ids), put(gpu, wts)
@@ -114,18 +117,7 @@ def run_batch(gpu, wp, case: MoeCase, y, ids, wts, entries, stream=None) -> Outp
     gu, dn, sgu, sdn = wp
     try:
         if case.ntopk:
-            moe.moe_group_batch(
-                gpu,
-                ids=ids_p,
-                entries=ent_p,
-                group=grp,
-                m=m,
-                ntopk=case.ntopk,
-                nslots=ns,
-                expert_base=case.expert_base,
-                n_local=case.n_local,
-                stream=stream,
-            )
+            gpu.copy_h2d(grp, group_words(ids, entries, case.ntopk, ns, case.expert_base, case.n_local))
         moe.moe_gate_up_batch(
             gpu,
             w=gu,
@@ -172,29 +164,26 @@ def run_batch(gpu, wp, case: MoeCase, y, ids, wts, entries, stream=None) -> Outp
     return out
 
 
-def run_single_today(gpu, wp, case: MoeCase, y_row, ids_row, wts_row) -> tuple[np.ndarray, np.ndarray]:
-    """Today's single-row moe_gate_up / moe_down (a dense case: expert_gate_up / expert_down) on one
-    row: act [nslots, inter] BF16 and parts [nslots, h] f32, from poison."""
-    ns, inter, h = case.nslots, case.inter, case.h
-    y_p, ids_p, wts_p = put(gpu, y_row), put(gpu, ids_row), put(gpu, wts_row)
-    act, parts = poisoned(gpu, ns * inter * 2), poisoned(gpu, ns * h * 4)
-    gu, dn, sgu, sdn = wp
+def group_words(ids: np.ndarray, entries: np.ndarray, ntopk, nslots, expert_base, n_local) -> np.ndarray:
+    """The group workspace bytes the grouping of router_group_batch makes of ``ids`` (u32 [m, nslots];
+    its host twin moe.group_batch_ref on the host backend), poison (0xFF) where it writes nothing."""
+    host = HostBackend()
+    m = len(entries)
+    nb = moe.group_workspace_bytes(m, ntopk, n_local)
+    ip, ep, gp = put(host, ids), put(host, entries), poisoned(host, nb)
     try:
-        if case.ntopk == 0:  # the dense MLP: one expert, constant id 0 and weight 1
-            moe.expert_gate_up(gpu, sgu, y_p, ids_p, act, 0, 1, 0, 1, inter, h, case.limit)
-            moe.expert_down(gpu, sdn, act, ids_p, wts_p, parts, 0, 1, 0, 1, h, inter)
-        else:
-            k, base, nl = case.ntopk, case.expert_base, case.n_local
-            moe.moe_gate_up(gpu, gu, sgu, y_p, ids_p, act, k, base, nl, inter, h, case.limit, case.shared)
-            moe.moe_down(gpu, dn, sdn, act, ids_p, wts_p, parts, k, base, nl, h, inter, case.shared)
-        gpu.synchronize()
-        return (
-            get(gpu, act, ns * inter * 2).view(BF16).reshape(ns, inter).copy(),
-            get(gpu, parts, ns * h * 4).view(np.float32).reshape(ns, h).copy(),
-        )
+        moe.group_batch_ref(host.mem, ip, ep, gp, m, ntopk, nslots, expert_base, n_local)
+        return get(host, gp, nb).copy()
     finally:
-        for p in (y_p, ids_p, wts_p, act, parts):
-            gpu.free(p)
+        for p in (ip, ep, gp):
+            host.free(p)
+
+
+def run_row_alone(gpu, wp, case: MoeCase, y_row, ids_row, wts_row) -> tuple[np.ndarray, np.ndarray]:
+    """One row launched alone (m = 1) through run_batch: act [nslots, inter] BF16 and parts
+    [nslots, h] f32, from poison."""
+    out = run_batch(gpu, wp, case, y_row[None], ids_row[None], wts_row[None], pack_entries([0], [0], [0]))
+    return out.act, out.parts
 
 
 def upload_weights(gpu, weights):
@@ -207,68 +196,19 @@ def free_all(gpu, ptrs) -> None:
 
 
 def router_batch(gpu, w, y, bias, entries, n_experts, h, topk, norm, scale, shared):
-    """router_fused_batch from poison: (scores [m, E] f32, ids [m, slots] u32, weights [m, slots],
-    counter words)."""
-    m = len(entries)
-    slots = topk + int(bool(shared))
-    ptrs = [put(gpu, w), put(gpu, y), put(gpu, bias), put(gpu, entries)]
-    sc, ids, wts = (
-        poisoned(gpu, m * n_experts * 4),
-        poisoned(gpu, m * slots * 4),
-        poisoned(gpu, m * slots * 4),
+    """The routing of router_group_batch (every expert local) from poison: (scores [m, E] f32,
+    ids [m, slots] u32, weights [m, slots], counter words)."""
+    return router_group(
+        gpu, w, y, bias, entries, n_experts, h, topk, norm, scale, shared, 0, min(n_experts, 1024)
+    )[:4]
+
+
+def router_row_alone(gpu, w, y_row, bias, n_experts, h, topk, norm, scale, shared):
+    """router_batch of one row launched alone (m = 1): (scores [E], ids [slots], weights [slots])."""
+    s, i, wt, _ = router_batch(
+        gpu, w, y_row[None], bias, pack_entries([0], [0], [0]), n_experts, h, topk, norm, scale, shared
     )
-    cw = moe.router_counter_words(m)
-    ctr = put(gpu, np.zeros(cw + GUARD // 4, np.uint32))
-    try:
-        moe.router_fused_batch(
-            gpu,
-            w=ptrs[0],
-            y=ptrs[1],
-            bias=ptrs[2],
-            scores=sc,
-            ids=ids,
-            weights=wts,
-            counter=ctr,
-            entries=ptrs[3],
-            m=m,
-            n_experts=n_experts,
-            h=h,
-            topk=topk,
-            norm=norm,
-            scale=scale,
-            shared=shared,
-        )
-        gpu.synchronize()
-        return (
-            get(gpu, sc, m * n_experts * 4).view(np.float32).reshape(m, n_experts).copy(),
-            get(gpu, ids, m * slots * 4).view(np.uint32).reshape(m, slots).copy(),
-            get(gpu, wts, m * slots * 4).view(np.float32).reshape(m, slots).copy(),
-            get(gpu, ctr, 4 * cw + GUARD, check_guard=False).view(np.uint32).copy(),
-        )
-    finally:
-        for p in ptrs + [sc, ids, wts, ctr]:
-            gpu.free(p)
-
-
-def router_single_today(gpu, w, y_row, bias, n_experts, h, topk, norm, scale, shared):
-    """Today's router_fused on one row: (scores [E], ids [slots], weights [slots])."""
-    slots = topk + int(bool(shared))
-    ptrs = [put(gpu, w), put(gpu, y_row), put(gpu, bias)]
-    sc, ids, wts = poisoned(gpu, n_experts * 4), poisoned(gpu, slots * 4), poisoned(gpu, slots * 4)
-    ctr = put(gpu, np.zeros(1, np.uint32))
-    try:
-        moe.router_fused(
-            gpu, ptrs[0], ptrs[1], ptrs[2], sc, ids, wts, ctr, n_experts, h, topk, norm, scale, shared
-        )
-        gpu.synchronize()
-        return (
-            get(gpu, sc, n_experts * 4).view(np.float32).copy(),
-            get(gpu, ids, slots * 4).view(np.uint32).copy(),
-            get(gpu, wts, slots * 4).view(np.float32).copy(),
-        )
-    finally:
-        for p in ptrs + [sc, ids, wts, ctr]:
-            gpu.free(p)
+    return s[0], i[0], wt[0]
 
 
 def router_group(gpu, w, y, bias, entries, n_experts, h, topk, norm, scale, shared, expert_base, n_local):

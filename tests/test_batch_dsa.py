@@ -2,9 +2,8 @@
 ``select_topk_pools_batch``, ``extend_selection_batch``, ``sparse_mla_split_batch``,
 ``sparse_mla_attend_batch``) on per-sequence state laid into slot pools (model/kernels/batch.py):
 
-- against today's single-sequence twins on the same data, sequence by sequence on each slot's
-  views, and each entry against its own m = 1 launch (bit for bit);
-- against direct NumPy formulas in float64, with the tolerances of tests/test_gpu_model_kernels.py;
+- each entry against its own m = 1 launch (bit for bit);
+- against direct NumPy formulas in float64, with the tolerances of tests/kernel_util.py;
 - padding entries, and rows past slot_rows, leave every pool byte untouched (the host backend also
   refuses any store into an argument the declaration does not list as written);
 - catch-up: several sequences' consecutive rows in chunks of one launch, in any chunking and slot
@@ -15,6 +14,9 @@ the GLM-5.3-Flash shapes; running them here on small shapes checks them too.
 """
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -54,6 +56,7 @@ from model.kernels.dsa_cache import compress_pool_ref
 from model.kernels.dsa_select import selection_capacity
 from runtime.dtypes import BF16, FP8
 from runtime.host_backend import HostBackend
+from runtime.kernel import Pdl
 
 CACHE_SHAPES = [
     CacheShape(slots=4, slot_rows=45, C=32, idim=16, kpool=4),  # slot_rows not a multiple of kpool
@@ -67,10 +70,9 @@ CACHE_SHAPES = [
 @pytest.mark.parametrize("sh", CACHE_SHAPES, ids=["kpool4", "kpool3"])
 @pytest.mark.parametrize("m", [1, 3, 9, 17])
 @pytest.mark.parametrize("row_add", [0, 2])
-def test_cache_write_batch_equals_alone_and_single(sh, m, row_add):
+def test_cache_write_batch_equals_alone(sh, m, row_add):
     """Runs of consecutive rows of distinct slots with padding between them: the same bytes as each
-    entry alone (m = 1, in entry order) and as today's dsa_cache_write per run; padding and rows
-    past slot_rows write nothing."""
+    entry alone (m = 1, in entry order); padding and rows past slot_rows write nothing."""
     rng = np.random.default_rng(100 * m + row_add)
     world = cache_world(rng, sh)
     run = cache_layout(rng, sh, m, row_add, 0, sh.slot_rows - 1)
@@ -236,7 +238,7 @@ SCORE_SHAPES = [
 @pytest.mark.parametrize("sh", SCORE_SHAPES, ids=["h5d12", "h3d18"])
 @pytest.mark.parametrize("m", [1, 3, 17])
 def test_indexer_scores_batch(sh, m):
-    """Bit for bit today's indexer_scores per entry and each entry's m = 1 launch; float64 within
+    """Bit for bit each entry's m = 1 launch; float64 within
     the f32 accumulation bound; padding and rows past slot_rows write nothing."""
     rng = np.random.default_rng(m)
     world = score_world(rng, sh, m)
@@ -257,7 +259,7 @@ def test_indexer_scores_batch(sh, m):
 @pytest.mark.parametrize("kind", ["random", "ties"])
 @pytest.mark.parametrize("tail", [True, False], ids=["tail", "no-tail"])
 def test_select_and_extend_batch(m, kind, tail):
-    """Exact against select_rows_ref, bit for bit today's kernels and m = 1; rows spread over the
+    """Exact against select_rows_ref, bit for bit m = 1; rows spread over the
     dense (pools <= topk) and the ranked regime."""
     sh = ScoreShape(slots=3, slot_rows=64, heads=1, dim=4, kpool=4)
     rng = np.random.default_rng(10 * m + tail)
@@ -326,7 +328,7 @@ ATTN_SHAPES = [
 @pytest.mark.parametrize("m", [1, 3, 17])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "attend"])
 def test_sparse_mla_batch(sh, m, split):
-    """Bit for bit today's kernel per entry and each entry's m = 1 launch (the workspace too);
+    """Bit for bit each entry's m = 1 launch (the workspace too);
     float64 attention within 2**-7 relative plus 2**-9 of the head's largest output; empty
     selections give zeros; padding writes nothing."""
     rng = np.random.default_rng(m + 50 * split)
@@ -412,7 +414,7 @@ def test_batched_wrappers_refuse_m_outside_the_grid():
 
 
 def test_scores_grid_keeps_m_1_and_bounds_the_launch():
-    """At m = 1 it is indexer_scores' grid; larger batches give each entry fewer blocks, the
+    """At m = 1 an entry gets up to SCORES_MAX_GRID blocks (one per 8 pools); larger batches give each entry fewer blocks, the
     launch about SCORES_BATCH_BLOCKS whatever m."""
     assert dsa_select.scores_batch_grid(1, 4096) == (dsa_select.SCORES_MAX_GRID, 1)
     assert dsa_select.scores_batch_grid(1, 64) == (8, 1)
@@ -426,26 +428,27 @@ def test_scores_grid_keeps_m_1_and_bounds_the_launch():
 
 # ---- the committed PTX of the batched kernels (as tests/test_pdl_ptx.py checks every kernel) -----
 
+# (module, function, PDL contract, releases right after its wait): what the step's overlaps rely on.
 BATCH_KERNELS = [
-    ("dsa_cache", "dsa_cache_write_batch"),
-    ("dsa_select", "indexer_scores_batch"),
-    ("dsa_select", "select_topk_pools_batch"),
-    ("dsa_select", "extend_selection_batch"),
-    ("sparse_mla", "sparse_mla_partial_batch"),
-    ("sparse_mla", "sparse_mla_combine_batch"),
-    ("sparse_mla", "sparse_mla_attend_batch"),
+    ("dsa_cache", "dsa_cache_write_batch", Pdl.WAIT, True),
+    ("dsa_select", "indexer_scores_batch", Pdl.WAIT, True),
+    ("dsa_select", "select_topk_pools_batch", Pdl.WAIT, True),
+    ("dsa_select", "extend_selection_batch", Pdl.WAIT, True),
+    ("sparse_mla", "sparse_mla_partial_batch", Pdl.WAIT, True),
+    ("sparse_mla", "sparse_mla_combine_batch", Pdl.WAIT, True),
+    ("sparse_mla", "sparse_mla_attend_batch", Pdl.NONE, False),
 ]
 
 
-@pytest.mark.parametrize("module,function", BATCH_KERNELS, ids=lambda v: str(v))
-def test_batched_kernels_keep_their_single_twins_pdl_flags(module, function):
-    """Each batched kernel takes part in PDL as the kernel it stands in for (WAIT, releasing right
-    after its wait), so the step keeps its overlaps when the model switches over."""
+@pytest.mark.parametrize("module,function,pdl,releases", BATCH_KERNELS, ids=lambda v: str(v))
+def test_batched_kernels_pdl_flags(module, function, pdl, releases):
+    """Each batched kernel takes part in PDL as the step's order needs (WAIT, releasing right after
+    its wait; the one-pass attention fallback not at all)."""
     from runtime.kernel import lookup
 
-    single, batch = lookup(module, function.removesuffix("_batch")), lookup(module, function)
-    assert batch is not None and single is not None
-    assert (batch.pdl, batch.releases) == (single.pdl, single.releases)
+    decl = lookup(module, function)
+    assert decl is not None
+    assert (decl.pdl, decl.releases) == (pdl, releases)
 
 
 @pytest.mark.parametrize(
@@ -463,3 +466,10 @@ def test_a_batched_successor_of_an_early_release_reads_it_through_l2(module, fun
         f"{function} reads its predecessor through ld.global.nc"
     )
     assert "ld.global.cg" in body
+
+
+def test_selection_capacity_constant_matches_the_kernel():
+    """model/kernels/dsa_select.py TOPK_MAX_POOLS is the kernel's capacity (ptx/dsa_select.cu)."""
+    src = (Path(__file__).resolve().parent.parent / "ptx" / "dsa_select.cu").read_text()
+    m = re.search(r"#define TOPK_MAX_POOLS_CUDA (\d+)u", src)
+    assert m and int(m.group(1)) == dsa_select.TOPK_MAX_POOLS

@@ -1,8 +1,8 @@
-"""The batched MoE's host twins (model/kernels/moe.py, issue 15): router_fused_batch,
-moe_group_batch, moe_gate_up_batch, moe_down_batch.
+"""The batched MoE's host twins (model/kernels/moe.py, issue 15): router_group_batch (its routing
+and its grouping), moe_gate_up_batch, moe_down_batch.
 
-- at m = 1 each equals today's single-row twin (router_fused, moe_gate_up / moe_down, and the dense
-  MLP's expert_gate_up / expert_down) bit for bit;
+- at m = 1 against direct formulas: the router's sigmoid scores and top-k routing, and the
+  experts' clamped SwiGLU and down projection in float64;
 - the grouping against a direct formula (per local expert the pairs in increasing index, experts in
   increasing order, then the zero pairs), deterministic, within the items bound the grids are sized
   by, with padding giving no pairs;
@@ -20,14 +20,15 @@ from batch_moe_util import (
     MoeCase,
     entries_with_pads,
     free_all,
+    group_words,
     random_ids,
     random_weights,
     random_weights_rows,
     router_batch,
     router_group,
-    router_single_today,
+    router_row_alone,
     run_batch,
-    run_single_today,
+    run_row_alone,
     upload_weights,
 )
 from kernel_util import random_bf16
@@ -59,7 +60,10 @@ def poison_rows(a: np.ndarray) -> np.ndarray:
     "E,H,k,norm,shared",
     [(37, 48, 5, True, False), (288, 64, 8, True, True), (9, 45, 9, False, True), (64, 40, 1, True, False)],
 )
-def test_router_batch_at_m1_is_router_fused(E, H, k, norm, shared):
+def test_router_batch_at_m1_is_the_formula(E, H, k, norm, shared):
+    """One entry: scores = sigmoid(W @ y) within f32 rounding of float64, ids the top-k of score +
+    bias (the lower index first on a tie), weights the scores of those normalised to ``scale``
+    (with norm) or scaled, and the shared slot id 0 with weight 1."""
     gpu = HostBackend()
     rng = np.random.default_rng(E * 7 + H)
     w = (rng.standard_normal((E, H)) / 4).astype(BF16)
@@ -67,16 +71,24 @@ def test_router_batch_at_m1_is_router_fused(E, H, k, norm, shared):
     bias = (0.05 * rng.standard_normal(E)).astype(np.float32)
     ent = pack_entries([3], [17], [0])
     s, i, wt, ctr = router_batch(gpu, w, y, bias, ent, E, H, k, norm, 2.5, shared)
-    s1, i1, wt1 = router_single_today(gpu, w, y[0], bias, E, H, k, norm, 2.5, shared)
-    same_bits(s, s1[None], "scores")
-    same_bits(i, i1[None], "ids")
-    same_bits(wt, wt1[None], "weights")
-    assert (ctr[: moe.router_counter_words(1)] == 0).all()
+    w64, y64 = w.astype(np.float64), y[0].astype(np.float64)
+    ref = 1.0 / (1.0 + np.exp(-(w64 @ y64)))
+    bound = 0.25 * H * 2.0**-24 * (np.abs(w64) @ np.abs(y64)) + 2.0**-21
+    assert (np.abs(s[0] - ref) <= bound).all()
+    order = np.argsort(-(s[0].astype(np.float64) + bias), kind="stable")[:k]
+    assert (i[0, :k] == order).all()
+    picked = s[0, order].astype(np.float64)
+    want = picked / picked.sum() * 2.5 if norm else picked * 2.5
+    np.testing.assert_allclose(wt[0, :k], want, rtol=1e-6)
+    if shared:
+        assert i[0, k] == 0 and wt[0, k] == 1.0
+    assert i.shape[1] == k + int(shared)
+    assert (ctr[: moe.router_counter_words(1, grouped=True)] == 0).all()
 
 
 @pytest.mark.parametrize("live,pads", [(13, 3), (9, 0), (1, 7), (17, 6)])
 def test_router_batch_rows_are_their_own_launches(live, pads):
-    """Each live row equals router_fused on that row alone; padding rows keep their poison; the
+    """Each live row equals a launch of that row alone; padding rows keep their poison; the
     scores are the float64 sigmoid within f32 rounding and the ids are the top-k of score + bias."""
     gpu = HostBackend()
     rng = np.random.default_rng(live * 31 + pads)
@@ -87,11 +99,11 @@ def test_router_batch_rows_are_their_own_launches(live, pads):
     m = len(ent)
     y = rng.standard_normal((m, H)).astype(BF16)
     s, i, wt, ctr = router_batch(gpu, w, y, bias, ent, E, H, k, True, 1.5, True)
-    assert (ctr[: moe.router_counter_words(m)] == 0).all()
+    assert (ctr[: moe.router_counter_words(m, grouped=True)] == 0).all()
     pad = [e for e in range(m) if e not in rows]
     assert poison_rows(s)[pad].all() and poison_rows(i)[pad].all() and poison_rows(wt)[pad].all()
     for e in rows:
-        s1, i1, wt1 = router_single_today(gpu, w, y[e], bias, E, H, k, True, 1.5, True)
+        s1, i1, wt1 = router_row_alone(gpu, w, y[e], bias, E, H, k, True, 1.5, True)
         same_bits(s[e : e + 1], s1[None], f"scores row {e}")
         same_bits(i[e : e + 1], i1[None], f"ids row {e}")
         same_bits(wt[e : e + 1], wt1[None], f"weights row {e}")
@@ -109,26 +121,8 @@ def test_router_batch_rows_are_their_own_launches(live, pads):
 
 
 def group_run(gpu, ids, ent, ntopk, nslots, base, n_local):
-    from batch_moe_util import get, poisoned, put
-
-    m = len(ent)
-    nb = moe.group_workspace_bytes(m, ntopk, n_local)
-    ip, ep, gp = put(gpu, ids), put(gpu, ent), poisoned(gpu, nb)
-    try:
-        moe.moe_group_batch(
-            gpu,
-            ids=ip,
-            entries=ep,
-            group=gp,
-            m=m,
-            ntopk=ntopk,
-            nslots=nslots,
-            expert_base=base,
-            n_local=n_local,
-        )
-        return get(gpu, gp, nb).view(np.uint32).copy()
-    finally:
-        free_all(gpu, (ip, ep, gp))
+    """The grouping's twin (what router_group_batch's last block writes) of these ids, as u32 words."""
+    return group_words(ids, ent, ntopk, nslots, base, n_local).view(np.uint32).copy()
 
 
 def check_group(words, ids, live, m, ntopk, nslots, base, n_local) -> moe.Group:
@@ -230,8 +224,8 @@ def test_group_layout_of_the_largest_batch_holds_every_smaller_one():
 
 @pytest.mark.parametrize("m,pads,base,n_local", [(1, 0, 0, 40), (21, 5, 0, 40), (30, 3, 30, 10)])
 def test_router_group_batch_is_the_router_then_the_grouping(m, pads, base, n_local):
-    """The fused launch's scores, ids and weights are router_fused_batch's, its group workspace is
-    moe_group_batch's of those ids, and it leaves its chunk counters and the hand-over word zero."""
+    """The fused launch's scores, ids and weights are those of its routing alone, its group workspace
+    the grouping of those ids, and it leaves its chunk counters and the hand-over word zero."""
     gpu = HostBackend()
     rng = np.random.default_rng(m + base)
     E, H, k = 40, 56, 6
@@ -276,21 +270,44 @@ def _wts_for(rng, m, name):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_experts_batch_at_m1_is_todays_kernels(name):
-    """One entry: act and parts are today's moe_gate_up / moe_down (dense: expert_gate_up /
-    expert_down), written and unwritten rows alike."""
+def test_experts_batch_at_m1_is_the_formula(name):
+    """One entry, slot by slot: act = BF16 of the clamped SwiGLU of w_x @ y within a BF16 rounding
+    of float64 (x the local expert, the shared one in slot ntopk, the dense MLP's in slot 0),
+    parts = weight * (w_down_x @ act) within f32 rounding of float64 on that act (weight 1 for the
+    shared and the dense slot); a routed expert outside the rank's range and the slot of a shared
+    expert held elsewhere get a zero parts row and an unwritten act row."""
     gpu = HostBackend()
     case = CASES[name]
     rng = np.random.default_rng(len(name))
-    wp = upload_weights(gpu, random_weights(rng, case))
+    gu, dn, sgu, sdn = random_weights(rng, case)
+    wp = upload_weights(gpu, (gu, dn, sgu, sdn))
+    f = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    inter, lim = case.inter, case.limit
     try:
         for _ in range(3):
             y = random_bf16(rng, (1, case.h), exp_lo=-1)
             ids, wts = _ids_for(rng, 1, name), _wts_for(rng, 1, name)
             out = run_batch(gpu, wp, case, y, ids, wts, pack_entries([5], [9], [0]))
-            a1, p1 = run_single_today(gpu, wp, case, y[0], ids[0], wts[0])
-            same_bits(out.act, a1, "act")
-            same_bits(out.parts, p1, "parts")
+            for j in range(case.nslots):
+                if j < case.ntopk:
+                    x = int(ids[0, j]) - case.expert_base
+                    mats = (gu[x], dn[x], float(wts[0, j])) if 0 <= x < case.n_local else None
+                else:  # the shared slot, or the dense MLP's one slot
+                    mats = (sgu, sdn, 1.0) if case.shared == moe.SHARED_HERE else None
+                if mats is None:
+                    assert (out.parts[j] == 0).all() and poison_rows(out.act[j : j + 1]).all(), f"slot {j}"
+                    continue
+                g, d, wt = mats
+                h64 = f(g) @ f(y[0])
+                a = np.minimum(h64[:inter], lim)
+                with np.errstate(over="ignore"):  # exp(-a) of a large negative a: act 0
+                    act_ref = a / (1 + np.exp(-a)) * np.clip(h64[inter:], -lim, lim)
+                absd = np.abs(f(g)) @ np.abs(f(y[0]))
+                tol = 2.0**-7 * np.abs(act_ref) + case.h * 2.0**-22 * (absd[:inter] + absd[inter:]) + 1e-30
+                assert (np.abs(f(out.act[j]) - act_ref) <= tol).all(), f"act of slot {j}"
+                p_ref = wt * (f(d) @ f(out.act[j]))
+                ptol = inter * 2.0**-22 * (np.abs(f(d)) @ np.abs(f(out.act[j]))) * max(abs(wt), 1) + 1e-30
+                assert (np.abs(f(out.parts[j]) - p_ref) <= ptol).all(), f"parts of slot {j}"
     finally:
         free_all(gpu, wp)
 
@@ -299,7 +316,7 @@ def test_experts_batch_at_m1_is_todays_kernels(name):
 @pytest.mark.parametrize("live,pads", [(9, 3), (17, 0)])
 def test_experts_batch_rows_are_their_own_launches(name, live, pads):
     """Every live row of a batch (random routing with collisions, padding at random positions)
-    equals today's single-row kernels on that row; the padding rows' act and parts rows keep their
+    equals a launch of that row alone; the padding rows' act and parts rows keep their
     poison; pairs outside the rank's range have zero parts rows and unwritten act rows."""
     gpu = HostBackend()
     case = CASES[name]
@@ -316,7 +333,7 @@ def test_experts_batch_rows_are_their_own_launches(name, live, pads):
             if e not in rows:
                 assert poison_rows(out.act[sl]).all() and poison_rows(out.parts[sl]).all(), f"pad {e}"
                 continue
-            a1, p1 = run_single_today(gpu, wp, case, y[e], ids[e], wts[e])
+            a1, p1 = run_row_alone(gpu, wp, case, y[e], ids[e], wts[e])
             same_bits(out.act[sl], a1, f"act of row {e}")
             same_bits(out.parts[sl], p1, f"parts of row {e}")
             for j in range(case.ntopk):
@@ -339,7 +356,7 @@ def test_experts_batch_rows_are_their_own_launches(name, live, pads):
 
 
 def test_moe_chain_against_float64():
-    """router_fused_batch, moe_group_batch, gate/up and down: the slot sum of parts against a
+    """router_group_batch's routing, the grouping, gate/up and down: the slot sum of parts against a
     float64 MoE (sigmoid router, top-k by score + bias, normalised weights, clamped SwiGLU experts
     and an ungated shared expert), within the BF16 rounding of act."""
     gpu = HostBackend()
@@ -392,35 +409,32 @@ class GridRecorder(HostBackend):
 
 
 @pytest.mark.parametrize("shared", [moe.SHARED_HERE, moe.SHARED_ELSEWHERE, moe.SHARED_NONE])
-def test_single_row_launch_shape_is_todays(shared):
-    """m = 1, top-8, 288 local experts: the batched launches have today's blocks (router 36, gate/up
-    256 x 9, down 128 x 9 with the shared slot), so B = 1 pays no wave of empty blocks."""
+def test_single_row_launch_shape(shared):
+    """m = 1, top-8, 288 local experts: the router one chunk of 36 expert blocks, gate/up 256 x 9
+    (x 8 without the shared expert here), down 128 x 9 (x 8 without a shared slot): one block row
+    per routed slot, so B = 1 pays no wave of empty blocks."""
     gpu = GridRecorder()
     E, H, inter, k = 288, 4096, 2048, 8
     z = gpu.alloc(64)
-    moe.router_fused_batch(
-        gpu, w=z, y=z, bias=z, scores=z, ids=z, weights=z, counter=z, entries=z, m=1, n_experts=E, h=H,
-        topk=k, norm=True, scale=1.0, shared=shared != moe.SHARED_NONE,
+    moe.router_group_batch(
+        gpu, w=z, y=z, bias=z, scores=z, ids=z, weights=z, counter=z, entries=z, group=z, m=1,
+        n_experts=E, h=H, topk=k, norm=True, scale=1.0, shared=shared != moe.SHARED_NONE,
+        expert_base=0, n_local=E,
     )  # fmt: skip
-    moe.router_fused(gpu, z, z, z, z, z, z, z, E, H, k, True, 1.0, shared != moe.SHARED_NONE)
     moe.moe_gate_up_batch(
         gpu, w=z, w_shared=z, y=z, group=z, act=z, entries=z, m=1, ntopk=k, n_local=E, inter=inter, h=H,
         limit=1.0, shared=shared,
     )  # fmt: skip
-    moe.moe_gate_up(gpu, z, z, z, z, z, k, 0, E, inter, H, 1.0, shared)
     moe.moe_down_batch(
         gpu, w=z, w_shared=z, act=z, weights=z, group=z, parts=z, entries=z, m=1, ntopk=k, n_local=E, h=H,
         inter=inter, shared=shared,
     )  # fmt: skip
-    moe.moe_down(gpu, z, z, z, z, z, z, k, 0, E, H, inter, shared)
-    for new, old in [
-        ("router_fused_batch", "router_fused"),
-        ("moe_gate_up_batch", "moe_gate_up"),
-        ("moe_down_batch", "moe_down"),
-    ]:
-        (g_new, b_new), (g_old, b_old) = gpu.grids[new], gpu.grids[old]
-        assert np.prod(g_new) == np.prod(g_old) and b_new == b_old, (new, g_new, g_old)
-    assert gpu.grids["moe_gate_up_batch"][0][:2] == (256, 9 if shared == moe.SHARED_HERE else 8)
+    assert gpu.grids["router_group_batch"] == ((1, E // 8, 1), (256, 1, 1))
+    assert gpu.grids["moe_gate_up_batch"] == (
+        (inter // 8, 9 if shared == moe.SHARED_HERE else 8, 1),
+        (256, 1, 1),
+    )
+    assert gpu.grids["moe_down_batch"] == ((H // 32, 8 if shared == moe.SHARED_NONE else 9, 1), (256, 1, 1))
 
 
 def test_grids_at_batch_sizes_are_bounded_by_the_pairs():
@@ -430,13 +444,19 @@ def test_grids_at_batch_sizes_are_bounded_by_the_pairs():
     assert moe.items_bound(3 * 8, 288) == 24
 
 
+def _router_args(z, **over):
+    args = dict(
+        w=z, y=z, bias=z, scores=z, ids=z, weights=z, counter=z, entries=z, group=z, m=1, n_experts=288,
+        h=8, topk=8, norm=True, scale=1.0, shared=True, expert_base=0, n_local=288,
+    )  # fmt: skip
+    return {**args, **over}
+
+
 def test_wrappers_refuse_batches_outside_the_convention():
     gpu = HostBackend()
     z = gpu.alloc(64)
     with pytest.raises(ValueError, match="outside 1..256"):
-        moe.moe_group_batch(
-            gpu, ids=z, entries=z, group=z, m=257, ntopk=8, nslots=9, expert_base=0, n_local=288
-        )
+        moe.router_group_batch(gpu, **_router_args(z, m=257))
     with pytest.raises(ValueError, match="outside 1..256"):
         moe.moe_gate_up_batch(
             gpu, w=z, w_shared=z, y=z, group=z, act=z, entries=z, m=0, ntopk=8, n_local=8, inter=8, h=8,
@@ -448,15 +468,23 @@ def test_wrappers_refuse_batches_outside_the_convention():
             limit=1.0, shared=0,
         )  # fmt: skip
     with pytest.raises(ValueError, match="1024 / 128"):
-        moe.router_fused_batch(
-            gpu, w=z, y=z, bias=z, scores=z, ids=z, weights=z, counter=z, entries=z, m=1, n_experts=2000,
-            h=8, topk=8, norm=True, scale=1.0, shared=True,
-        )  # fmt: skip
+        moe.router_group_batch(gpu, **_router_args(z, n_experts=2000))
     with pytest.raises(ValueError, match="16-byte aligned"):
-        moe.moe_group_batch(
-            gpu, ids=z, entries=z, group=z.offset(4), m=1, ntopk=8, nslots=9, expert_base=0, n_local=288
-        )
+        moe.router_group_batch(gpu, **_router_args(z, group=z.offset(4)))
     with pytest.raises(ValueError, match="local experts"):
-        moe.moe_group_batch(
-            gpu, ids=z, entries=z, group=z, m=1, ntopk=8, nslots=9, expert_base=0, n_local=2000
-        )
+        moe.router_group_batch(gpu, **_router_args(z, n_local=2000))
+
+
+def test_router_reads_exactly_the_routed_rows_and_weights_the_shared_expert_one():
+    """A router [E, H] and a scores row of E floats: the host heap refuses any read past them (a
+    gated design read an (E + 1)-th row and score); the shared slot is id 0 with weight 1."""
+    gpu = HostBackend()
+    rng = np.random.default_rng(0)
+    E, H, k = 9, 32, 3
+    w = (rng.standard_normal((E, H)) / 6).astype(BF16)
+    y = rng.standard_normal((1, H)).astype(BF16)
+    _, ids, wts, _ = router_batch(
+        gpu, w, y, np.zeros(E, np.float32), pack_entries([0], [0], [0]), E, H, k, True, 2.5, True
+    )
+    assert wts[0, k] == 1.0 and ids[0, k] == 0
+    np.testing.assert_allclose(wts[0, :k].sum(), 2.5, rtol=1e-6)

@@ -322,13 +322,13 @@ def test_resident_blocks_follow_the_kernels_occupancy(cuda):
     is bounded to 4 blocks of 256 per SM; a 1024-thread block fits twice in an SM's 2048 threads."""
     import model.kernels  # noqa: F401 - declares the model's kernels
 
-    head = cuda.kernel("draft_head", "head_argmax_fp8")
+    head = cuda.kernel("draft_head", "head_argmax_fp8_batch")
     assert cuda.resident_blocks(head, 256, 16384) == 4 * cuda.sm_count
-    norm = cuda.kernel("bgemv", "sum_rows_residual_rmsnorm")
+    norm = cuda.kernel("bgemv", "sum_rows_residual_rmsnorm_batch")
     assert cuda.resident_blocks(norm, 1024) == 2 * cuda.sm_count
     # More dynamic shared memory than half an SM holds: one block per SM (opted in first).
     big = cuda.max_smem_optin - 1024
-    assert cuda.resident_blocks(cuda.kernel("mtp_input", "mtp_input_gemv"), 256, big) == cuda.sm_count
+    assert cuda.resident_blocks(cuda.kernel("mtp_input", "mtp_input_gemv_batch"), 256, big) == cuda.sm_count
     with pytest.raises(LaunchError):
         cuda.resident_blocks(NULL_KERNEL, 256)
 

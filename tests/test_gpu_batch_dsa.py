@@ -9,12 +9,11 @@ Every check (tests/batch_dsa_util.py, which tests/test_batch_dsa.py also runs on
   NaN, what must not (padding entries, scores past the complete pools, lists past their count)
   is still poison;
 - bit equality of each entry of an m-entry launch with the m = 1 launch of that entry (pointers
-  offset to its rows), at m = 1, 3, 17, 64 (and 200 where the shape allows), and with today's
-  single-sequence kernel on the entry's slot views;
+  offset to its rows), at m = 1, 3, 17, 64 (and 200 where the shape allows);
 - padding entries, and rows past slot_rows, leave every pool byte untouched: the whole pools are
   compared with what was uploaded (read-only kernels) or with the state before a launch of
   padding only (the cache write);
-- against the host twins, with the tolerances of tests/test_gpu_model_kernels.py: FP8 rows within
+- against the host twins, with these tolerances: FP8 rows within
   one E4M3 step plus the subnormal step, at least 98% of their bytes equal; LayerNorm keys within
   one BF16 ulp (2**-7 relative) plus 2**-12 of the row's largest; gates, selections, counts exact;
   scores within 8 (dim + heads) 2**-24 of the sum of |terms| (f32 accumulation on both sides);
@@ -141,8 +140,8 @@ def test_dsa_cache_write_batch_glm(cuda, m):
 def test_dsa_cache_write_batch_pools_inside_and_across_chunks(cuda):
     """Slot 3 rows 4095..4103: pool 1023 completes with three cached rows, pool 1024 entirely
     inside the launch, pool 1025 with its last row; slot 5 rows 126..131 beside it, slot 0's
-    last reachable pool row 16383, and padding between (each checked against m = 1 launches,
-    today's kernel per run and the twin)."""
+    last reachable pool row 16383, and padding between (each checked against m = 1 launches
+    and the twin)."""
     sh = GLM_CACHE
     layout = [
         None,

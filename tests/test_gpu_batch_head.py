@@ -1,7 +1,6 @@
 """The batched draft head's PTX (ptx/draft_head.cu head_argmax_{fp8,bf16}_batch, argmax_pack_batch,
 draft_commit_batch; ptx/gemv_fp8w.cu gemv_fp8w_batch; ptx/argmax_bf16.cu argmax_bf16_batch)
-against the host twins, against today's single-row kernels, and against itself at other batch
-sizes. Every buffer is poisoned (0xFF) with guard bytes after it (tests/batch_head_util.py): an
+against the host twins, against float64, and against itself at other batch sizes. Every buffer is poisoned (0xFF) with guard bytes after it (tests/batch_head_util.py): an
 element the kernel should write and did not shows as NaN, padding entries must leave their entry
 words, drafts, host drafts and flag bytes as they were, and keys and the counter must be zero again.
 
@@ -12,8 +11,8 @@ Tolerances (tests/kernel_util.py):
   argmax_bf16_batch / argmax_pack_batch / draft_commit_batch against their twins, the sharded chain
   against the single-rank head;
 - bit for bit: every row of a batched launch against the same row launched alone (m = 1) at
-  m = 1, 3, 17, 64, 200 in shuffled orders with padding anywhere, against today's head_argmax
-  (the single-row kernel) for that row, staged x against x read from global memory, and
+  m = 1, 3, 17, 64, 200 in shuffled orders with padding anywhere, staged x against x read from
+  global memory, and
   gemv_fp8w_batch rows against gemv_fp8w and against the head's logits.
 """
 
@@ -25,15 +24,15 @@ from batch_head_util import (
     POISON,
     HeadCase,
     check_commit,
-    check_row_is_single_row_head,
+    check_row_is_row_alone,
     check_rows_equal,
     expected_token,
     flag_of,
     head_case,
     logits_of,
     make_entries,
+    row_alone,
     run_bufs,
-    single_row_head,
     token_of,
 )
 from kernel_util import abs_dot, assert_dot_close, dot_bound, random_bf16
@@ -206,8 +205,8 @@ def _launch_with_smem(case: HeadCase, smem: int | None):
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("n,k", [(1000, 4096), (517, 256), (77, 29), (300, 4104)])
-def test_rows_are_todays_head_and_staging_changes_no_bit(cuda, fp8, n, k):
-    """At m = 1, 3 and 9 every live row has the bits of today's head_argmax on that row alone
+def test_rows_are_the_row_alone_and_staging_changes_no_bit(cuda, fp8, n, k):
+    """At m = 1, 3 and 9 every live row has the bits of an m = 1 launch of that row alone
     (logits, token, drafts, host drafts, flag), and a launch without room to stage x (read from
     global memory) gives the same bits as the staged launch."""
     rng = np.random.default_rng()
@@ -223,9 +222,7 @@ def test_rows_are_todays_head_and_staging_changes_no_bit(cuda, fp8, n, k):
             assert logits_of(case, staged)[e].tobytes() == logits_of(case, plain)[e].tobytes(), (
                 f"m={m} row {e}"
             )
-            check_row_is_single_row_head(
-                case, staged, e, single_row_head(cuda, case.row(e)), f"m={m} row {e}"
-            )
+            check_row_is_row_alone(case, staged, e, row_alone(cuda, case.row(e)), f"m={m} row {e}")
 
 
 @pytest.fixture(scope="module")
@@ -337,8 +334,8 @@ def full_head(cuda):
 @pytest.mark.parametrize("m,pads", [(1, 0), (17, 2)])
 def test_full_fp8_head(cuda, full_head, m, pads):
     """154880 x 4096 FP8 at m = 1 and 17: logits within the bound of the f32 reference, tokens the
-    argmax of the device logits, every row bit-identical to the row alone (m = 1) and to today's
-    head_argmax_fp8 on it, keys and counter zero again."""
+    argmax of the device logits, every row bit-identical to the row alone (m = 1), keys and counter
+    zero again."""
     rng = np.random.default_rng()
     f = full_head
     resident = {"w": f["pq"], "sc": f["ps"]}
@@ -356,10 +353,9 @@ def test_full_fp8_head(cuda, full_head, m, pads):
         check_rows_equal(
             case, g, [e if j == e else -1 for j in range(m)], {e: alone.run(cuda, resident)}, {e: alone}
         )
-        check_row_is_single_row_head(case, g, e, single_row_head(cuda, alone, resident), f"row {e}")
 
 
-def test_full_bf16_head_rows_are_todays_head(cuda, full_head):
+def test_full_bf16_head_rows_are_the_row_alone(cuda, full_head):
     rng = np.random.default_rng()
     f = full_head
     resident = {"w": f["pw"]}
@@ -368,7 +364,7 @@ def test_full_bf16_head_rows_are_todays_head(cuda, full_head):
     check_commit(case, g)
     for e in case.live:
         assert (token_of(case, g, e), flag_of(case, g, e)) == expected_token(logits_of(case, g)[e])
-        check_row_is_single_row_head(case, g, e, single_row_head(cuda, case.row(e), resident), f"row {e}")
+        check_row_is_row_alone(case, g, e, row_alone(cuda, case.row(e), resident), f"row {e}")
 
 
 # ---- the sharded path -------------------------------------------------------------------------------
@@ -641,8 +637,8 @@ def test_mma_full_fp8_head(cuda, full_head, m, pads):
 
 
 def test_report_head_times(cuda, full_head):
-    """Device time per launch of the full FP8 head (154880 x 4096, 634 MB) for today's single-row
-    kernel, the CUDA-core batched kernel and the tensor-core one, at m = 1, 2, 4, 8, 16, 64, 256:
+    """Device time per launch of the full FP8 head (154880 x 4096, 634 MB) for the CUDA-core
+    batched kernel and the tensor-core one, at m = 1, 2, 4, 8, 16, 64, 256:
     printed for the lead (pytest -s -k report_head_times); asserts only that each ran. Launches
     back to back on one stream between two events (PDL on, as in the graphs), so a launch's time
     includes its overlap with the one before."""
@@ -653,31 +649,12 @@ def test_report_head_times(cuda, full_head):
     for m in (1, 2, 4, 8, 16, 64, 256):
         case = head_case(rng, True, m, VOCAB, HIDDEN, 0, wq=(f["q"], f["s"]))
         times = {}
-        for kind in ["batch", "mma"] + (["today"] if m == 1 else []):
+        for kind in ["batch", "mma"]:
             case.mma = kind == "mma"
 
             def timed(gpu, w, x, logits, keys, ctr, entries, drafts, host, flags, sc=None, kind=kind):
                 def once():
-                    if kind == "today":
-                        draft_head.head_argmax(
-                            gpu,
-                            w,
-                            sc,
-                            x,
-                            logits,
-                            keys,
-                            ctr,
-                            entries.offset(8),
-                            drafts,
-                            0,
-                            host,
-                            True,
-                            VOCAB,
-                            HIDDEN,
-                            flag=flags,
-                        )
-                    else:
-                        case.launch(gpu, w, x, logits, keys, ctr, entries, drafts, host, flags, sc)
+                    case.launch(gpu, w, x, logits, keys, ctr, entries, drafts, host, flags, sc)
 
                 once()
                 once()
@@ -696,9 +673,8 @@ def test_report_head_times(cuda, full_head):
         rows.append((m, times))
     floor = VOCAB * HIDDEN / 4.8e12 * 1e3
     print(f"\nFP8 head 154880 x 4096, ms per launch (mean of {reps}); 634 MB at 4.8 TB/s = {floor:.3f} ms")
-    print(f"{'m':>4} {'today':>8} {'batch':>8} {'mma':>8}  batch/floor  mma/floor")
+    print(f"{'m':>4} {'batch':>8} {'mma':>8}  batch/floor  mma/floor")
     for m, t in rows:
-        today = f"{t['today']:8.3f}" if "today" in t else " " * 8
         print(
-            f"{m:4d} {today} {t['batch']:8.3f} {t['mma']:8.3f}  {t['batch'] / floor:11.2f}  {t['mma'] / floor:9.2f}"
+            f"{m:4d} {t['batch']:8.3f} {t['mma']:8.3f}  {t['batch'] / floor:11.2f}  {t['mma'] / floor:9.2f}"
         )

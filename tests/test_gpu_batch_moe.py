@@ -1,6 +1,5 @@
-"""The batched MoE kernels on the device (ptx/moe.cu: router_fused_batch, moe_group_batch,
-moe_gate_up_batch, moe_down_batch; issue 15) against their host twins and against today's
-single-row kernels.
+"""The batched MoE kernels on the device (ptx/moe.cu: router_group_batch, moe_gate_up_batch,
+moe_down_batch; issue 15) against their host twins and against themselves at m = 1.
 
 Every output starts as poison (0xFF: NaN in BF16 and f32) with guard bytes after it: an element the
 kernel should write and did not shows as NaN, one it must not write (a padding entry's rows, the act
@@ -9,9 +8,8 @@ row of a pair another rank holds) must still be poison, and the guards must be i
 Exact (bit for bit):
 - each row of an m-row launch against the m = 1 launch of that row, at m = 1, 3, 17, 64, 200 in
   shuffled orders with padding at random positions (batch invariance);
-- each row against today's single-row kernels on the device (router_fused; moe_gate_up /
-  moe_down; the dense MLP's expert_gate_up / expert_down): the same arithmetic per pair;
-- the grouping (every word of the workspace, the unwritten ones still poison) against its twin;
+- the grouping of router_group_batch (every word of the workspace, the unwritten ones still
+  poison) against its twin's grouping of the device's own ids;
 - ids and weights against the twin's routing of the device's own scores.
 Within stated bounds against the twins (kernel_util.py): router scores 2**-20 relative plus a quarter
 of the f32 dot bound (sigmoid' <= 1/4); act by the f32 dot bound through the clamped SwiGLU plus one
@@ -27,16 +25,16 @@ from batch_moe_util import (
     entries_with_pads,
     free_all,
     get,
-    poisoned,
+    group_words,
     put,
     random_ids,
     random_weights,
     random_weights_rows,
     router_batch,
     router_group,
-    router_single_today,
+    router_row_alone,
     run_batch,
-    run_single_today,
+    run_row_alone,
     upload_weights,
 )
 from kernel_util import abs_dot, random_bf16
@@ -100,7 +98,7 @@ def _router_case(rng):
     return w, bias
 
 
-def test_router_batch_against_twin_and_router_fused(cuda):
+def test_router_batch_against_twin_and_the_row_alone(cuda):
     rng = np.random.default_rng()
     w, bias = _router_case(rng)
     E, H, k = GLM_E, GLM_H, GLM_K
@@ -109,8 +107,8 @@ def test_router_batch_against_twin_and_router_fused(cuda):
     y = random_bf16(rng, (m, H), exp_lo=-3)
     for _ in range(2):  # the counters the last blocks reset serve the next launch
         gs, gi, gw, gc = router_batch(cuda, w, y, bias, ent, E, H, k, True, 2.5, True)
-        assert (gc[: moe.router_counter_words(m)] == 0).all(), (
-            "router_fused_batch must leave its counters at zero"
+        assert (gc[: moe.router_counter_words(m, grouped=True)] == 0).all(), (
+            "router_group_batch must leave its counters at zero"
         )
     hs, _, _, _ = router_batch(HostBackend(), w, y, bias, ent, E, H, k, True, 2.5, True)
     pad = [e for e in range(m) if e not in rows]
@@ -123,8 +121,8 @@ def test_router_batch_against_twin_and_router_fused(cuda):
         ri, rw = moe.route_ref(gs[e], bias, k, True, 2.5)
         assert (gi[e, :k] == ri).all() and gi[e, k] == 0
         assert gw[e, :k].tobytes() == rw.tobytes() and gw[e, k] == 1.0
-        # and today's router_fused on the row alone gives the same bits
-        s1, i1, w1 = router_single_today(cuda, w, y[e], bias, E, H, k, True, 2.5, True)
+        # and the row launched alone gives the same bits
+        s1, i1, w1 = router_row_alone(cuda, w, y[e], bias, E, H, k, True, 2.5, True)
         assert (
             gs[e].tobytes() == s1.tobytes()
             and gi[e].tobytes() == i1.tobytes()
@@ -165,62 +163,43 @@ def test_router_batch_rows_are_bit_identical_at_every_m(cuda, h):
 # ---- grouping -------------------------------------------------------------------------------------
 
 
-def _group(gpu, ids, ent, ntopk, nslots, base, n_local):
-    m = len(ent)
-    nb = moe.group_workspace_bytes(m, ntopk, n_local)
-    ip, ep, gp = put(gpu, ids), put(gpu, ent), poisoned(gpu, nb)
-    try:
-        moe.moe_group_batch(
-            gpu,
-            ids=ip,
-            entries=ep,
-            group=gp,
-            m=m,
-            ntopk=ntopk,
-            nslots=nslots,
-            expert_base=base,
-            n_local=n_local,
-        )
-        gpu.synchronize()
-        return get(gpu, gp, nb).view(np.uint32).copy()
-    finally:
-        free_all(gpu, (ip, ep, gp))
-
-
 @pytest.mark.parametrize(
-    "m,pads,E,ntopk,nslots,base,n_local",
+    "m,pads,E,k,shared,base,n_local",
     [
-        (1, 0, 288, 8, 9, 0, 288),
-        (3, 1, 288, 8, 9, 0, 288),
-        (17, 4, 12, 4, 5, 0, 12),  # collisions: experts with several items
-        (64, 9, 288, 8, 9, 0, 288),
-        (200, 30, 24, 8, 9, 0, 24),  # ~60 pairs per expert
-        (256, 0, 288, 8, 9, 36, 36),  # a rank of 8: most pairs are zero pairs
-        (256, 17, 288, 8, 8, 252, 36),  # the last rank, no shared slot
-        (77, 5, 1024, 128, 129, 0, 1024),  # the kernel's limits
+        (1, 0, 288, 8, True, 0, 288),
+        (3, 1, 288, 8, True, 0, 288),
+        (17, 4, 12, 4, True, 0, 12),  # collisions: experts with several items
+        (64, 9, 288, 8, True, 0, 288),
+        (200, 30, 24, 8, True, 0, 24),  # ~60 pairs per expert
+        (256, 0, 288, 8, True, 36, 36),  # a rank of 8: most pairs are zero pairs
+        (256, 17, 288, 8, False, 252, 36),  # the last rank, no shared slot
+        (77, 5, 1024, 128, True, 0, 1024),  # the kernel's limits
     ],
 )
-def test_group_is_its_twin_word_for_word(cuda, m, pads, E, ntopk, nslots, base, n_local):
+def test_group_is_its_twin_word_for_word(cuda, m, pads, E, k, shared, base, n_local):
+    """router_group_batch's grouping of its own ids against the twin's grouping of those ids, every
+    word of the workspace (the unwritten ones still poison), within the items bound, and the same
+    on a second launch."""
     rng = np.random.default_rng()
-    ent, rows = entries_with_pads(rng, m - pads, pads)
-    case = MoeCase(n_local, base, 1, 1, ntopk, moe.SHARED_HERE if nslots > ntopk else moe.SHARED_NONE)
-    ids = random_ids(rng, m, case, E)
-    pad = [e for e in range(m) if e not in rows]
-    ids[pad, :ntopk] = 0xFFFFFFFF  # padding rows' ids: garbage
-    g = _group(cuda, ids, ent, ntopk, nslots, base, n_local)
-    h = _group(HostBackend(), ids, ent, ntopk, nslots, base, n_local)
-    assert g.tobytes() == h.tobytes(), "moe_group_batch differs from its twin"
-    dec = moe.decode_group(g, m, ntopk, n_local)
-    assert dec.n_items <= moe.items_bound(m * ntopk, n_local)
-    for _ in range(2):  # deterministic across launches
-        assert _group(cuda, ids, ent, ntopk, nslots, base, n_local).tobytes() == g.tobytes()
+    H = 64
+    w = random_bf16(rng, (E, H), exp_lo=-6)
+    bias = (0.05 * rng.standard_normal(E)).astype(np.float32)
+    ent, _ = entries_with_pads(rng, m - pads, pads)
+    y = random_bf16(rng, (m, H), exp_lo=-3)
+    _, ids, _, _, g = router_group(cuda, w, y, bias, ent, E, H, k, True, 2.5, shared, base, n_local)
+    want = group_words(ids, ent, k, k + int(shared), base, n_local).view(np.uint32)
+    assert g.tobytes() == want.tobytes(), "router_group_batch's grouping differs from its twin"
+    dec = moe.decode_group(g, m, k, n_local)
+    assert dec.n_items <= moe.items_bound(m * k, n_local)
+    again = router_group(cuda, w, y, bias, ent, E, H, k, True, 2.5, shared, base, n_local)
+    assert again[4].tobytes() == g.tobytes(), "the grouping is deterministic across launches"
 
 
 @pytest.mark.parametrize("base,n_local", [(0, GLM_E), (252, 36), (36, 36)])
 def test_router_group_batch_is_the_router_then_the_grouping(cuda, base, n_local):
-    """The fused launch against router_fused_batch + moe_group_batch on the device, bit for bit and
-    word for word, at every batch size up to 256 (the grouping then in 256 threads, not 1024), and
-    its group against the twin's grouping of the device's own ids."""
+    """The routing of a rank's launch (its expert range) against the all-local launch's, bit for bit,
+    at every batch size up to 256, and its group against the twin's grouping of the device's own
+    ids, word for word."""
     rng = np.random.default_rng()
     w, bias = _router_case(rng)
     E, H, k = GLM_E, GLM_H, GLM_K
@@ -235,9 +214,7 @@ def test_router_group_batch_is_the_router_then_the_grouping(cuda, base, n_local)
         same_bits(s, s0, f"m={m} scores")
         same_bits(i, i0, f"m={m} ids")
         same_bits(wt, w0, f"m={m} weights")
-        g0 = _group(cuda, i0, ent, k, k + 1, base, n_local)
-        assert grp.tobytes() == g0.tobytes(), f"m={m}: the fused grouping differs from moe_group_batch"
-        gh = _group(HostBackend(), i0, ent, k, k + 1, base, n_local)
+        gh = group_words(i0, ent, k, k + 1, base, n_local).view(np.uint32)
         assert grp.tobytes() == gh.tobytes(), f"m={m}: the fused grouping differs from the twin"
 
 
@@ -303,7 +280,7 @@ def _routing(rng, m, name):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_experts_batch_against_twin_and_todays_kernels(cuda, name):
+def test_experts_batch_against_twin_and_the_row_alone(cuda, name):
     rng = np.random.default_rng()
     case, _ = CASES[name]
     weights = random_weights(rng, case)
@@ -325,9 +302,9 @@ def test_experts_batch_against_twin_and_todays_kernels(cuda, name):
                     f"padding entry {e} written"
                 )
                 continue
-            a1, p1 = run_single_today(cuda, wp, case, y[e], ids[e], wts[e])
-            same_bits(g.act[sl], a1, f"act of entry {e} against today's kernels")
-            same_bits(g.parts[sl], p1, f"parts of entry {e} against today's kernels")
+            a1, p1 = run_row_alone(cuda, wp, case, y[e], ids[e], wts[e])
+            same_bits(g.act[sl], a1, f"act of entry {e} launched alone")
+            same_bits(g.parts[sl], p1, f"parts of entry {e} launched alone")
     finally:
         free_all(cuda, wp)
 
@@ -368,8 +345,8 @@ def test_experts_batch_rows_are_bit_identical_at_every_m(cuda, name):
 
 
 def test_experts_batch_replays_in_a_graph_with_new_routing(cuda):
-    """Captured once, replayed with other ids and weights each time: the counts stay on the
-    device, and each replay gives the eager launch's bits."""
+    """Captured once, replayed with other ids, weights and grouping each time: the counts stay on
+    the device, and each replay gives the eager launch's bits."""
     rng = np.random.default_rng()
     case, E = CASES["here"]
     wp = upload_weights(cuda, random_weights(rng, case))
@@ -390,10 +367,6 @@ def test_experts_batch_replays_in_a_graph_with_new_routing(cuda):
     try:
         b = bufs
         cuda.begin_capture(s)
-        moe.moe_group_batch(
-            cuda, ids=b["ids"], entries=b["ent"], group=b["grp"], m=m, ntopk=case.ntopk, nslots=ns,
-            expert_base=0, n_local=case.n_local, stream=s,
-        )  # fmt: skip
         moe.moe_gate_up_batch(
             cuda, w=gu, w_shared=sgu, y=b["y"], group=b["grp"], act=b["act"], entries=b["ent"], m=m,
             ntopk=case.ntopk, n_local=case.n_local, inter=inter, h=h, limit=case.limit, shared=case.shared,
@@ -411,6 +384,7 @@ def test_experts_batch_replays_in_a_graph_with_new_routing(cuda):
                 wts = random_weights_rows(rng, m, case)
                 cuda.copy_h2d(b["ids"], ids)
                 cuda.copy_h2d(b["wts"], wts)
+                cuda.copy_h2d(b["grp"], group_words(ids, ent, case.ntopk, ns, 0, case.n_local))
                 cuda.memset(b["act"], 0xFF, m * ns * inter * 2)
                 cuda.memset(b["parts"], 0xFF, m * ns * h * 4)
                 cuda.synchronize()
@@ -443,7 +417,7 @@ def test_glm_shape_experts_of_288(cuda):
     """Full-size stacks (288 x [4096, 4096] gate/up, 288 x [4096, 2048] down, 14.5 GB) with 24 of
     the experts holding data and the other 264 NaN (0xFF), so reading a wrong expert shows; the
     batch routes into those 24 (about 21 pairs per expert at m = 64, 67 at m = 200: experts of
-    several items). Every row equals today's moe_gate_up / moe_down on the same stacks bit for bit;
+    several items). Every row equals that row launched alone on the same stacks bit for bit;
     at m = 64 the device agrees with the twin run on a compact copy of the 24 experts."""
     rng = np.random.default_rng()
     E, h, inter, k = GLM_E, GLM_H, GLM_I, GLM_K
@@ -478,7 +452,7 @@ def test_glm_shape_experts_of_288(cuda):
                 if e not in rows:
                     assert poison_rows(g.act[sl]).all() and poison_rows(g.parts[sl]).all()
                     continue
-                a1, p1 = run_single_today(cuda, wp, case_full, y[e], ids[e], wts[e])
+                a1, p1 = run_row_alone(cuda, wp, case_full, y[e], ids[e], wts[e])
                 same_bits(g.act[sl], a1, f"m={m} act of entry {e}")
                 same_bits(g.parts[sl], p1, f"m={m} parts of entry {e}")
             if m == 64:
@@ -494,9 +468,9 @@ def test_glm_shape_experts_of_288(cuda):
 
 
 def test_glm_shape_router_group_and_experts_chain(cuda):
-    """router_fused_batch -> moe_group_batch -> gate/up -> down at m = 17 on the real router shape,
+    """router_group_batch -> gate/up -> down at m = 17 on the real router shape,
     with every routed expert filled (the router picks any of the 288): each row's ids, weights,
-    act and parts equal today's single-row kernels on that row."""
+    act and parts equal that row launched alone."""
     rng = np.random.default_rng()
     E, h, inter, k = GLM_E, GLM_H, GLM_I, GLM_K
     w, bias = _router_case(rng)
@@ -521,9 +495,9 @@ def test_glm_shape_router_group_and_experts_chain(cuda):
         g = run_batch(cuda, wp, case, y, ids, wts, ent)
         for e in rows:
             sl = slice(e * (k + 1), (e + 1) * (k + 1))
-            _, i1, w1 = router_single_today(cuda, w, y[e], bias, E, h, k, True, 2.5, True)
+            _, i1, w1 = router_row_alone(cuda, w, y[e], bias, E, h, k, True, 2.5, True)
             assert ids[e].tobytes() == i1.tobytes() and wts[e].tobytes() == w1.tobytes()
-            a1, p1 = run_single_today(cuda, wp, case, y[e], ids[e], wts[e])
+            a1, p1 = run_row_alone(cuda, wp, case, y[e], ids[e], wts[e])
             same_bits(g.act[sl], a1, f"act of entry {e}")
             same_bits(g.parts[sl], p1, f"parts of entry {e}")
     finally:

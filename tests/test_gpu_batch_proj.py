@@ -17,7 +17,6 @@ touch, shows too. Each test checks:
 - batch invariance: every row of an m-row launch is bit-identical to a launch of that row alone
   (m = 1, pointers at the row), at m in 1, 3, 17, 64, 200 (where the shape allows) and in a
   shuffled order;
-- at m = 1 (so every row of any batch) the bits of today's single-row kernel on the same row;
 - padding entries: their output rows and their flag words untouched.
 """
 
@@ -41,10 +40,6 @@ from batch_proj_util import (
 )
 from kernel_util import abs_dot, assert_dot_close, dot_bound, random_bf16
 
-from model.kernels import bgemv as bg
-from model.kernels import mtp_input as mi
-from model.kernels.batch import ENTRY_BYTES
-from runtime.dtypes import BF16
 from runtime.host_backend import HostBackend
 from runtime.kernels.gemv_bf16 import gemv_bf16
 from runtime.kernels.rmsnorm import rmsnorm_ref
@@ -219,34 +214,16 @@ def test_mtp_input_batch_rows_are_bit_identical_alone(cuda, n, h, ms):
 
 
 @pytest.mark.parametrize("n,h", [(HIDDEN, HIDDEN), (37, 40), (19, 37)])
-def test_mtp_input_batch_is_todays_mtp_input_gemv(cuda, n, h):
+def test_mtp_input_batch_nine_rows_are_the_rows_alone(cuda, n, h):
+    """A chunk of 8 and one more, no padding: every row and flag byte as its entry launched alone."""
     rng = np.random.default_rng()
     m = 9
     c = _mtp_case(rng, m, n, h, flag_byte=3)
-    c.entries[:, 0] = np.arange(m)  # no padding: today's kernel has none
+    c.entries[:, 0] = np.arange(m)
     y, f = mtp_input(cuda, c)
-    with Bufs(cuda) as b:
-        table, ents = b.put(c.table), b.put(c.entries)
-        enorm, hnorm, w = b.put(c.enorm), b.put(c.hnorm), b.put(c.w)
-        hidden, py, flags = b.put(c.hidden), b.poison(m * n * 2), b.put(c.flags)
-        for e in range(m):
-            mi.mtp_input_gemv(
-                cuda,
-                table,
-                ents.offset(e * ENTRY_BYTES + 8),
-                enorm,
-                hidden.offset(e * h * 2),
-                hnorm,
-                w,
-                py.offset(e * n * 2),
-                c.vocab,
-                h,
-                n,
-                EPS,
-                flag=flags.offset(e * 4 + 3),
-            )
-        same_bits(y, bf16_rows(b.get(py), m), "mtp_input_gemv_batch vs mtp_input_gemv")
-        same_bits(f, b.get(flags), "mtp_input_gemv_batch flags vs mtp_input_gemv")
+    y1, f1 = mtp_input(cuda, c, single=True)
+    same_bits(y, y1, "mtp_input_gemv_batch vs its rows alone")
+    same_bits(f, f1, "mtp_input_gemv_batch flags vs its rows alone")
 
 
 @pytest.mark.parametrize("h,mis", [(HIDDEN, 0), (37, 0), (4104, 0), (HIDDEN, 2)])
@@ -314,7 +291,7 @@ def test_rmsnorm_gemv_batch_rows_are_bit_identical_alone(cuda, n, k, x_stride, x
 
 
 @pytest.mark.parametrize("n,k,x_stride,x_off", _NORM_SHAPES)
-def test_rmsnorm_gemv_batch_is_todays_rmsnorm_gemv(cuda, n, k, x_stride, x_off):
+def test_rmsnorm_gemv_batch_nine_rows_are_the_rows_alone(cuda, n, k, x_stride, x_off):
     rng = np.random.default_rng()
     m = 9
     x, nw, w = (
@@ -323,13 +300,8 @@ def test_rmsnorm_gemv_batch_is_todays_rmsnorm_gemv(cuda, n, k, x_stride, x_off):
         random_bf16(rng, (n, k), exp_lo=-8),
     )
     got = rmsnorm_gemv(cuda, x, k, nw, w, x_off=x_off)
-    with Bufs(cuda) as b:
-        px, pn, pw, py = b.put(x), b.put(nw), b.put(w), b.poison(m * n * 2)
-        for e in range(m):
-            bg.rmsnorm_gemv(
-                cuda, px.offset((e * x_stride + x_off) * 2), pn, pw, py.offset(e * n * 2), n, k, EPS
-            )
-        same_bits(got, bf16_rows(b.get(py), m), "rmsnorm_gemv_batch vs rmsnorm_gemv")
+    alone = rmsnorm_gemv(cuda, x, k, nw, w, x_off=x_off, single=True)
+    same_bits(got, alone, "rmsnorm_gemv_batch vs its rows alone")
 
 
 # ---- bgemv_batch ---------------------------------------------------------------------------------------
@@ -394,29 +366,14 @@ def test_bgemv_batch_rows_are_bit_identical_alone(cuda, heads, n, k, mis, ms, ou
 
 @pytest.mark.parametrize("out_f32,beside", _MODES, ids=_MODE_IDS)
 @pytest.mark.parametrize("heads,n,k,mis", _BGEMV_SHAPES)
-def test_bgemv_batch_is_todays_bgemv(cuda, heads, n, k, mis, out_f32, beside):
-    """Row e of a 9-row batch (a chunk of 8, then one) against today's bgemv of that row."""
+def test_bgemv_batch_nine_rows_are_the_rows_alone(cuda, heads, n, k, mis, out_f32, beside):
+    """Row e of a 9-row batch (a chunk of 8, then one) against that row launched alone."""
     rng = np.random.default_rng()
     m = 9
     w, x = random_bf16(rng, (heads, n, k)), random_bf16(rng, (m, heads, k), exp_lo=-2)
     got = bgemv(cuda, w, x, out_f32=out_f32, beside=beside, mis=mis)
-    isz = 4 if out_f32 else 2
-    with Bufs(cuda) as b:
-        pw, px, py = b.put(w), b.put(x, mis), b.poison(m * heads * n * isz)
-        for e in range(m):
-            bg.bgemv(
-                cuda,
-                pw,
-                px.offset(e * heads * k * 2),
-                py.offset(e * heads * n * isz),
-                heads,
-                n,
-                k,
-                out_f32=out_f32,
-                beside=beside,
-            )
-        old = b.get(py).view(np.float32 if out_f32 else BF16).reshape(m, heads, n)
-        same_bits(got, old, "bgemv_batch vs bgemv")
+    alone = bgemv(cuda, w, x, out_f32=out_f32, beside=beside, mis=mis, single=True)
+    same_bits(got, alone, "bgemv_batch vs its rows alone")
 
 
 # ---- sum_rows_residual(_rmsnorm)_batch -----------------------------------------------------------------
@@ -425,7 +382,7 @@ def test_bgemv_batch_is_todays_bgemv(cuda, heads, n, k, mis, out_f32, beside):
 @pytest.mark.parametrize("rows,n", [(8, HIDDEN), (9, HIDDEN), (1, 37), (3, 1000), (2, 4104)])
 def test_sum_rows_batch(cuda, rows, n):
     """out bit-exact against the twin (f32 adds in row order), normed within one BF16 ulp; every
-    row bit-identical alone and to today's kernels."""
+    row bit-identical alone."""
     rng = np.random.default_rng()
     for m in M_AWKWARD:
         parts = rng.standard_normal((m, rows, n)).astype(np.float32)
@@ -441,19 +398,3 @@ def test_sum_rows_batch(cuda, rows, n):
         so, sn = sum_rows(cuda, parts, res, nw, single=True)
         same_bits(go, so, f"sum_rows_residual_rmsnorm_batch out m={m} alone")
         same_bits(gn, sn, f"sum_rows_residual_rmsnorm_batch normed m={m} alone")
-    with Bufs(cuda) as b:  # today's kernels, row by row, on the last m's rows
-        pp, pr, pn = b.put(parts), b.put(res), b.put(nw)
-        po, pz = b.poison(m * n * 2), b.poison(m * n * 2)
-        for e in range(m):
-            at = (pp.offset(e * rows * n * 4), pr.offset(e * n * 2))
-            bg.sum_rows_residual_rmsnorm(
-                cuda, *at, pn, po.offset(e * n * 2), pz.offset(e * n * 2), rows, n, EPS
-            )
-        same_bits(go, bf16_rows(b.get(po), m), "vs sum_rows_residual_rmsnorm out")
-        same_bits(gn, bf16_rows(b.get(pz), m), "vs sum_rows_residual_rmsnorm normed")
-        b.reset(po)
-        for e in range(m):
-            bg.sum_rows_residual(
-                cuda, pp.offset(e * rows * n * 4), pr.offset(e * n * 2), po.offset(e * n * 2), rows, n
-            )
-        same_bits(g, bf16_rows(b.get(po), m), "vs sum_rows_residual")

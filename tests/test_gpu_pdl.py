@@ -135,8 +135,8 @@ def test_pdl_switch_is_per_launch(cuda):
     import model.kernels  # noqa: F401 - declares the model's kernels
     from runtime.kernel import lookup
 
-    h = cuda.kernel("bgemv", "bgemv_bf16_f32")
-    assert lookup("bgemv", "bgemv_bf16_f32").pdl and h.native.pdl_config is not None
+    h = cuda.kernel("bgemv", "bgemv_bf16_f32_batch")
+    assert lookup("bgemv", "bgemv_bf16_f32_batch").pdl and h.native.pdl_config is not None
     plain = cuda.kernel("gemv_bf16", "gemv_bf16")
     assert not plain.decl.pdl and plain.native.pdl_config is None
     # Both launch paths run the same kernel to the same bits.
@@ -146,13 +146,13 @@ def test_pdl_switch_is_per_launch(cuda):
     w, x = upload_rows(cuda, wv.reshape(-1, 24)), upload_rows(cuda, xv)
     y = cuda.alloc(3 * 40 * 4)
     try:
-        from model.kernels.bgemv import bgemv
+        from model.kernels.bgemv import bgemv_batch
 
         outs = []
         for pdl in (True, False):
             cuda.pdl = pdl
             cuda.memset(y, 0xFF, 3 * 40 * 4)
-            bgemv(cuda, w, x, y, 3, 40, 24, out_f32=True)
+            bgemv_batch(cuda, w=w, x=x, y=y, m=1, heads=3, n=40, k=24, out_f32=True)
             o = np.empty((3, 40), np.float32)
             cuda.copy_d2h(o, y)
             outs.append(o)

@@ -122,15 +122,16 @@ def test_grid_stride_blocks_of_the_fp8_head_and_bad_input():
             grid_stride_blocks(units, resident)
 
 
-@given(n=st.integers(1, 200_000), h=st.sampled_from([8, 40, 37, 4096]))
-def test_mtp_input_grid_keeps_the_rows_per_warp_it_has_room_for(n, h):
-    """mtp_input_gemv keeps MTP_INPUT_ROWS_PER_WARP hidden-half sums per warp: a grid that gave a
-    warp more rows would leave rows unwritten."""
-    from model.kernels.mtp_input import MTP_INPUT_ROWS_PER_WARP, mtp_input_grid
+@given(n=st.integers(1, 200_000), h=st.sampled_from([8, 40, 37, 4096]), m=st.sampled_from([1, 3, 9, 256]))
+def test_mtp_input_grid_keeps_the_rows_per_warp_it_has_room_for(n, h, m):
+    """mtp_input_gemv_batch keeps MTP_INPUT_ROWS_PER_WARP hidden-half sums per warp: a grid that
+    gave a warp more rows would leave rows unwritten."""
+    from model.kernels.mtp_input import MTP_INPUT_BATCH_ROWS, MTP_INPUT_ROWS_PER_WARP, mtp_input_batch_grid
     from runtime.host_backend import HostBackend
 
     gpu = HostBackend()
-    grid = mtp_input_grid(gpu, n, h)
+    chunks, grid = mtp_input_batch_grid(gpu, m, n, h)
+    assert chunks == -(-m // MTP_INPUT_BATCH_ROWS)
     assert -(-n // (grid * 8)) <= MTP_INPUT_ROWS_PER_WARP
     assert grid <= max(gpu.NOTIONAL_RESIDENT_BLOCKS, -(-n // (8 * MTP_INPUT_ROWS_PER_WARP)))
 

@@ -51,16 +51,6 @@ def test_the_drafter_step_kernels_take_part():
     costs the overlap, not correctness)."""
     modes = {d.function: d.pdl for d in PDL_DECLS}
     assert {
-        "rmsnorm_gemv",
-        "dsa_cache_write",
-        "select_topk_pools",
-        "bgemv_bf16_f32",
-        "sparse_mla_partial",
-        "sparse_mla_combine",
-        "moe_down",
-        "sum_rows_residual_rmsnorm",
-        "head_argmax_fp8",
-        "head_argmax_bf16",
         "rmsnorm_gemv_batch",
         "dsa_cache_write_batch",
         "select_topk_pools_batch",
@@ -75,28 +65,12 @@ def test_the_drafter_step_kernels_take_part():
         "head_argmax_bf16_batch",
     } <= {f for f, m in modes.items() if m is Pdl.WAIT}
     assert {f for f, m in modes.items() if m is Pdl.BESIDE} == {
-        "bgemv_bf16_f32_beside",
-        "moe_gate_up",
-        "rmsnorm_gemv_beside",
-        "mtp_input_gemv",
         "mtp_input_gemv_batch",
         "rmsnorm_gemv_batch_beside",
         "bgemv_bf16_f32_batch_beside",
     }
     assert {d.function for d in RELEASING} == {
         "copy_words",
-        "select_topk_pools",
-        "extend_selection",
-        "router_fused",
-        "dsa_cache_write",
-        "head_argmax_bf16",
-        "head_argmax_fp8",
-        "indexer_scores",
-        "sparse_mla_partial",
-        "sparse_mla_combine",
-        "sum_rows_residual_rmsnorm",
-        "bgemv_bf16_f32",
-        "bgemv_bf16_bf16",
         "dsa_cache_write_batch",
         "indexer_scores_batch",
         "select_topk_pools_batch",
@@ -180,15 +154,16 @@ _READ_ONLY_FORMS = {
     "u32": re.compile(r"ld\.global\.nc\.u32\s"),
 }
 _EARLY_RELEASE_SUCCESSORS = [
-    ("bgemv", "bgemv_bf16_bf16", "x"),  # wv after sparse_mla_combine
-    ("bgemv", "bgemv_bf16_f32", "x"),  # o_proj after wv
-    ("moe", "router_fused", "x"),  # after sum_rows_residual_rmsnorm
-    ("draft_head", "head_argmax_bf16", "x"),  # after sum_rows_residual_rmsnorm
-    ("draft_head", "head_argmax_fp8", "x"),
-    ("bgemv", "sum_rows_residual_rmsnorm", "f32"),  # o_proj's partial rows
-    ("dsa_select", "select_topk_pools", "f32"),  # the indexer's scores
-    ("sparse_mla", "sparse_mla_combine", "f32"),  # the partials and their (m, l)
-    ("moe", "moe_gate_up", "u32"),  # the router's expert ids
+    ("bgemv", "bgemv_bf16_bf16_batch", "x"),  # wv after sparse_mla_combine_batch
+    ("bgemv", "bgemv_bf16_f32_batch", "x"),  # o_proj after wv
+    ("moe", "router_group_batch", "x"),  # after sum_rows_residual_rmsnorm_batch
+    ("draft_head", "head_argmax_bf16_batch", "x"),  # after sum_rows_residual_rmsnorm_batch
+    ("draft_head", "head_argmax_fp8_batch", "x"),
+    ("draft_head", "head_argmax_fp8_mma", "x"),
+    ("bgemv", "sum_rows_residual_rmsnorm_batch", "f32"),  # o_proj's partial rows
+    ("dsa_select", "select_topk_pools_batch", "f32"),  # the indexer's scores
+    ("sparse_mla", "sparse_mla_combine_batch", "f32"),  # the partials and their (m, l)
+    ("moe", "moe_gate_up_batch", "u32"),  # the router's grouping of the expert ids
 ]
 
 
@@ -202,16 +177,9 @@ def test_a_successor_of_an_early_release_reads_it_through_l2(module, function, f
     assert "ld.global.cg" in body, f"{function} has no L2 load at all"
 
 
-def test_the_token_after_the_heads_wait_is_an_l2_load():
-    body = entry_body("mtp_input", "mtp_input_gemv")
-    after = body[body.find("griddepcontrol.wait") :]
-    first = re.search(r"ld\.global[.\w:]*", after)
-    assert first is not None and first.group(0) == "ld.global.cg.u32", first
-
-
 def test_the_read_only_forms_match_what_ldg_compiles_to():
     """The checks above would pass vacuously if the patterns never matched: the BESIDE wk_t GEMV
     reads its (older) x through __ldg, the router its bias, the MLA merge its count."""
-    assert _READ_ONLY_FORMS["x"].search(entry_body("bgemv", "bgemv_bf16_f32_beside"))
-    assert _READ_ONLY_FORMS["f32"].search(entry_body("moe", "router_fused"))
-    assert _READ_ONLY_FORMS["u32"].search(entry_body("sparse_mla", "sparse_mla_combine"))
+    assert _READ_ONLY_FORMS["x"].search(entry_body("bgemv", "bgemv_bf16_f32_batch_beside"))
+    assert _READ_ONLY_FORMS["f32"].search(entry_body("moe", "router_group_batch"))
+    assert _READ_ONLY_FORMS["u32"].search(entry_body("sparse_mla", "sparse_mla_combine_batch"))

@@ -20,6 +20,7 @@ from kernel_util import random_bf16
 
 from model.kernels import bgemv as bg
 from model.kernels import draft_head, sparse_mla
+from model.kernels.batch import pack_entries
 from runtime import host_math
 from runtime.dtypes import BF16, quantize_rows_fp8
 from runtime.host_backend import HostBackend
@@ -130,23 +131,33 @@ def attention_case(seed: int, heads: int, dim: int, count: int, context: int, bs
 
 
 def attention_out(gpu, case: dict, heads: int, dim: int, split: bool, cap: int) -> bytes:
+    """The output of one batch entry (slot 0, its block table the case's) through the split or the
+    one-pass batched attention, the selection padded to ``cap`` rows."""
     scale = 1.0 / np.sqrt(dim)
+    sel = np.zeros(cap, np.uint32)
+    sel[: len(case["sel"])] = case["sel"]
+    inputs = {**case, "sel": sel, "ent": pack_entries([0], [0], [0])}
+    geo = dict(m=1, slot_rows=len(case["table"]) * 16, sel_cap=cap, heads=heads, dim=dim, block_size=16)
     if split:
-        part, ml = sparse_mla.split_workspace(heads, dim, cap)
+        part, ml = sparse_mla.split_workspace_batch(heads, dim, cap, 1)
 
-        def fn(gpu, q, cache, scales, table, sel, cnt, part, ml, out):
-            sparse_mla.sparse_mla_split(
-                gpu, q, cache, scales, table, sel, cnt, part, ml, out, heads, dim, 16, scale, cap
-            )
+        def fn(gpu, q, cache, scales, table, sel, cnt, ent, part, ml, out):
+            sparse_mla.sparse_mla_split_batch(
+                gpu, q=q, cache=cache, scales=scales, tables=table, selected=sel, count=cnt, part=part,
+                ml=ml, out=out, entries=ent, scale=scale, **geo,
+            )  # fmt: skip
 
         outs = {"part": part, "ml": ml, "out": heads * dim * 2}
     else:
 
-        def fn(gpu, q, cache, scales, table, sel, cnt, out):
-            sparse_mla.sparse_mla_attend(gpu, q, cache, scales, table, sel, cnt, out, heads, dim, 16, scale)
+        def fn(gpu, q, cache, scales, table, sel, cnt, ent, out):
+            sparse_mla.sparse_mla_attend_batch(
+                gpu, q=q, cache=cache, scales=scales, tables=table, selected=sel, count=cnt, out=out,
+                entries=ent, scale=scale, **geo,
+            )  # fmt: skip
 
         outs = {"out": heads * dim * 2}
-    return run(gpu, fn, case, outs)["out"]
+    return run(gpu, fn, inputs, outs)["out"]
 
 
 def check_attention_slices(gpu, seed, heads, world, dim, count, context, split):
@@ -196,9 +207,9 @@ def check_bgemv_slices(gpu, seed, batch, world, n, k, out_f32, beside):
     w, x = random_bf16(rng, (batch, n, k)), random_bf16(rng, (batch, k), exp_lo=-2)
     size = 4 if out_f32 else 2
 
-    def call(b):
+    def call(b):  # one row of b heads (a rank's heads or head groups)
         def fn(gpu, w, x, y):
-            bg.bgemv(gpu, w, x, y, b, n, k, out_f32=out_f32, beside=beside)
+            bg.bgemv_batch(gpu, w=w, x=x, y=y, m=1, heads=b, n=n, k=k, out_f32=out_f32, beside=beside)
 
         return fn
 
@@ -241,14 +252,15 @@ def test_gpu_bgemv_of_a_ranks_entries_is_those_entries_of_the_whole(cuda, batch,
 
 
 def gemv_rows(gpu, kind: str, w, scale, x, norm_w, n: int, k: int) -> bytes:
-    """The n outputs of one row x through ``kind``: gemv_bf16, gemv_fp8w, rmsnorm_gemv (the q
-    projection) or the single-rank fused head (head_bf16, head_fp8)."""
+    """The n outputs of one row x through ``kind``: gemv_bf16, gemv_fp8w, rmsnorm_gemv_batch (the q
+    projection) or the single-rank fused head (head_bf16, head_fp8: head_argmax_batch at m = 1)."""
     inputs = {"w": w, "scale": scale, "x": x, "norm_w": norm_w}
     outs = {"y": n * 2}
     if kind.startswith("head"):
-        # key and counter are zeroed scratch the kernel leaves zeroed
-        inputs.update(key=np.zeros(1, np.uint64), counter=np.zeros(1, np.uint32))
-        outs.update(token=4, drafts=4, host_drafts=4, flag=4)
+        # keys and counter are zeroed scratch the kernel leaves zeroed
+        inputs.update(keys=np.zeros(1, np.uint64), counter=np.zeros(1, np.uint32))
+        inputs.update(entries=pack_entries([0], [0], [0]))
+        outs.update(drafts=4, host_drafts=4, flags=4)
 
     def fn(gpu, w, scale, x, norm_w, y, **head):
         if kind == "bf16":
@@ -256,24 +268,27 @@ def gemv_rows(gpu, kind: str, w, scale, x, norm_w, n: int, k: int) -> bytes:
         elif kind == "fp8":
             gemv_fp8w(gpu, w, scale, x, y, 1, n, k)
         elif kind == "rmsnorm":
-            bg.rmsnorm_gemv(gpu, x, norm_w, w, y, n, k, 1e-5)
+            bg.rmsnorm_gemv_batch(gpu, x=x, x_stride=k, norm_w=norm_w, w=w, y=y, m=1, n=n, k=k, eps=1e-5)
         else:
-            draft_head.head_argmax(
+            draft_head.head_argmax_batch(
                 gpu,
-                w,
-                scale if kind == "head_fp8" else None,
-                x,
-                y,
-                head["key"],
-                head["counter"],
-                head["token"],
-                head["drafts"],
-                0,
-                head["host_drafts"],
-                True,
-                n,
-                k,
-                flag=head["flag"],
+                w=w,
+                scale=scale if kind == "head_fp8" else None,
+                x=x,
+                logits=y,
+                keys=head["keys"],
+                counter=head["counter"],
+                entries=head["entries"],
+                drafts=head["drafts"],
+                draft_index=0,
+                kmax=1,
+                host_drafts=head["host_drafts"],
+                publish=True,
+                m=1,
+                n=n,
+                k=k,
+                flags=head["flags"],
+                flag_byte=0,
             )
 
     return run(gpu, fn, inputs, outs)["y"]

@@ -1,12 +1,11 @@
-"""Batched GEMV with one weight matrix per batch entry: ``y[b] = W[b] @ x[b]``.
+"""The drafter's BF16 projections and row sums over m rows of activations at once (1 <= m <= 256).
 
-Used for the per-head absorbed query (``kv_b``'s key half, stored transposed per head), the per-head
-value projection, and ``o_proj`` split into fixed head groups (see ``model.weights``).
-CUDA: ptx/bgemv.cu (grid (ceil(n / (8 rows_per_warp(k))), batch), block 256).
-
-The ``*_batch`` kernels (end of this module) are the drafter's projections and row sums over m rows
-of activations at once (1 <= m <= 256), each weight matrix read once for all of them; a row's bits do
-not depend on m or on the other rows.
+``bgemv_*_batch``: one weight matrix per head, ``y[e][h] = W[h] @ x[e][h]`` -- the per-head absorbed
+query (``kv_b``'s key half, stored transposed per head), the per-head value projection, and
+``o_proj`` split into fixed head groups (see ``model.weights``). ``sum_rows_residual*_batch``: the
+ordered row sums that follow the o_proj head groups and the MoE slots (with the next layer's
+RMSNorm). ``rmsnorm_gemv_batch``: a projection of RMSNorm'd rows. Each weight matrix is read once
+for all m rows; a row's bits do not depend on m or on the other rows. CUDA: ptx/bgemv.cu.
 """
 
 from __future__ import annotations
@@ -20,173 +19,20 @@ from runtime.kernels.gemv_bf16 import MAX_BATCH, gemv_bf16_ref
 from runtime.kernels.rmsnorm import rmsnorm_ref
 from runtime.launch import grid_stride_blocks, launch
 
-_ARGS = [("w", PTR), ("x", PTR), ("y", PTR), ("batch", U32), ("n", U32), ("k", U32)]
-
-
-def _bgemv(mem, w, x, batch, n, k):
-    wv = mem.read(w, BF16, (batch, n, k)).astype(np.float32)
-    xv = mem.read(x, BF16, (batch, k)).astype(np.float32)
-    # Entry by entry: a rank's heads or head groups get the bits one rank's whole batch gives them.
-    out = np.empty((batch, n), np.float32)
-    for b in range(batch):
-        out[b] = dot_rows(xv[b : b + 1], wv[b])[0]
-    return out
-
-
-# The WAIT bgemvs release right after their wait (ptx/common.cuh): wv's successor o_proj, and
-# o_proj's sum_rows_residual_rmsnorm, launch during their tails.
-@declare("bgemv", "bgemv_bf16_f32", list(_ARGS), writes=("y",), pdl=True, releases=True)
-def BGEMV_F32(mem, w, x, y, batch, n, k):
-    mem.write(y, _bgemv(mem, w, x, batch, n, k).astype(np.float32))
-
-
-@declare("bgemv", "bgemv_bf16_f32_beside", list(_ARGS), writes=("y",), pdl=Pdl.BESIDE)
-def BGEMV_F32_BESIDE(mem, w, x, y, batch, n, k):
-    """bgemv_bf16_f32 that may run beside the kernel launched before it (x is older than that)."""
-    BGEMV_F32.host(mem, w, x, y, batch, n, k)
-
-
-@declare("bgemv", "bgemv_bf16_bf16", list(_ARGS), writes=("y",), pdl=True, releases=True)
-def BGEMV_BF16(mem, w, x, y, batch, n, k):
-    mem.write(y, _bgemv(mem, w, x, batch, n, k).astype(BF16))
-
-
-@declare(
-    "bgemv",
-    "sum_rows_residual",
-    [("parts", PTR), ("residual", PTR), ("out", PTR), ("rows", U32), ("n", U32)],
-    writes=("out",),
-)
-def SUM_ROWS_RESIDUAL(mem, parts, residual, out, rows, n):
-    """out = bf16(residual + (((p0 + p1) + p2) + ...)): a fixed order, so that a sharded run whose
-    rows arrive through a zero-padded all-reduce is bit-identical to one rank."""
-    p = mem.read(parts, np.float32, (rows, n))
-    acc = p[0].copy()
-    for r in range(1, rows):
-        acc += p[r]
-    mem.write(out, (mem.read(residual, BF16, n).astype(np.float32) + acc).astype(BF16))
-
-
-@declare(
-    "bgemv",
-    "sum_rows_residual_rmsnorm",
-    [
-        ("parts", PTR),
-        ("residual", PTR),
-        ("norm_w", PTR),
-        ("out", PTR),
-        ("normed", PTR),
-        ("rows", U32),
-        ("n", U32),
-        ("eps", F32),
-    ],
-    writes=("out", "normed"),
-    pdl=True,
-    releases=True,  # right after its wait: its successor's blocks launch during its tail (ptx/common.cuh)
-)
-def SUM_ROWS_RESIDUAL_RMSNORM(mem, parts, residual, norm_w, out, normed, rows, n, eps):
-    """sum_rows_residual into ``out``, then ``normed = rmsnorm(out) * norm_w`` of the BF16 result:
-    the residual add of one sub-layer and the input norm of the next in one launch."""
-    SUM_ROWS_RESIDUAL.host(mem, parts, residual, out, rows, n)
-    mem.write(normed, rmsnorm_ref(mem.read(out, BF16, n), mem.read(norm_w, BF16, n), eps))
-
-
-@declare(
-    "bgemv",
-    "rmsnorm_gemv",
-    [("x", PTR), ("norm_w", PTR), ("w", PTR), ("y", PTR), ("n", U32), ("k", U32), ("eps", F32)],
-    writes=("y",),
-    pdl=True,
-)
-def RMSNORM_GEMV(mem, x, norm_w, w, y, n, k, eps):
-    """y = W @ (rmsnorm(x) * norm_w) for one row x [k]; W [n, k], y [n] BF16: the rmsnorm and
-    gemv_bf16 (m = 1) twins in sequence, in one launch on the device."""
-    xn = rmsnorm_ref(mem.read(x, BF16, k), mem.read(norm_w, BF16, k), eps)
-    mem.write(y, gemv_bf16_ref(mem.view(w, BF16, (n, k)), xn[None])[0])
-
-
-@declare(
-    "bgemv",
-    "rmsnorm_gemv_beside",
-    [("x", PTR), ("norm_w", PTR), ("w", PTR), ("y", PTR), ("n", U32), ("k", U32), ("eps", F32)],
-    writes=("y",),
-    pdl=Pdl.BESIDE,
-)
-def RMSNORM_GEMV_BESIDE(mem, x, norm_w, w, y, n, k, eps):
-    """rmsnorm_gemv that may run beside the kernel launched before it (x is older than that)."""
-    RMSNORM_GEMV.host(mem, x, norm_w, w, y, n, k, eps)
-
 
 def rows_per_warp(k: int) -> int:
-    """ptx/bgemv.cu bgemv_dispatch: short rows get more rows per warp (16 loads per lane in flight)."""
+    """ptx/bgemv.cu bgemv_batch_dispatch: short rows get more rows per warp (16 loads per lane in
+    flight)."""
     return 16 if k <= 256 else 8 if k <= 512 else 4
-
-
-def bgemv(gpu, w, x, y, batch, n, k, *, out_f32: bool, beside: bool = False, stream=None):
-    """``beside``: x was produced before the previous launch on the stream, so the GEMV may run
-    beside that launch (f32 output only; runtime.kernel.Pdl.BESIDE)."""
-    if beside and not out_f32:
-        raise ValueError("the beside variant of bgemv writes f32 only")
-    decl = BGEMV_F32_BESIDE if beside else BGEMV_F32 if out_f32 else BGEMV_BF16
-    per_block = 8 * rows_per_warp(k)  # 8 warps
-    launch(gpu, gpu.kernel(*decl.key), (-(-n // per_block), batch), 256, w, x, y, batch, n, k, stream=stream)
-
-
-def sum_rows_residual(gpu, parts, residual, out, rows, n, stream=None):
-    launch(
-        gpu,
-        gpu.kernel(*SUM_ROWS_RESIDUAL.key),
-        -(-n // 256),
-        256,
-        parts,
-        residual,
-        out,
-        rows,
-        n,
-        stream=stream,
-    )
-
-
-def sum_rows_residual_rmsnorm(gpu, parts, residual, norm_w, out, normed, rows, n, eps, stream=None):
-    """One block of 1024 threads owns the whole row (the norm needs all of it)."""
-    launch(
-        gpu,
-        gpu.kernel(*SUM_ROWS_RESIDUAL_RMSNORM.key),
-        1,
-        1024,
-        parts,
-        residual,
-        norm_w,
-        out,
-        normed,
-        rows,
-        n,
-        eps,
-        stream=stream,
-    )
-
-
-# ptx/bgemv.cu rmsnorm_gemv: one row per warp, 8 warps per block, grid-stride with the blocks the
-# device holds at once (gpu.resident_blocks, evened out by grid_stride_blocks: the 20480-row q
-# projection runs 5 rounds in 512 blocks rather than 4 or 5 in 528), so every block pays its norm
-# prologue once. The normalised x lives in dynamic smem.
-
-
-def rmsnorm_gemv(gpu, x, norm_w, w, y, n, k, eps, stream=None, *, beside: bool = False):
-    """``beside``: x was produced before the previous launch on the stream, so the GEMV may run
-    beside that launch (runtime.kernel.Pdl.BESIDE)."""
-    kernel = gpu.kernel(*(RMSNORM_GEMV_BESIDE if beside else RMSNORM_GEMV).key)
-    grid = grid_stride_blocks(max(1, -(-n // 8)), gpu.resident_blocks(kernel, 256, 2 * k))
-    launch(gpu, kernel, grid, 256, x, norm_w, w, y, n, k, eps, smem=2 * k, stream=stream)
 
 
 # ---- the batch: m rows of activations (1 <= m <= MAX_BATCH), each weight matrix read once ------------
 #
 # ptx/bgemv.cu: rows of x per block (blockIdx.x is the chunk, so the blocks that stream one tile of
 # weights launch one after another and all but the first read it from L2). A chunk of one row runs
-# the single-row kernel's path, a chunk of 2..8 rows the path of the next power of two; a row's
+# the one-row path (bgemv_body), a chunk of 2..8 rows the path of the next power of two; a row's
 # arithmetic is the same in every one of them, so row e of any batch is bit-identical to a launch of
-# that row alone (m = 1), which computes what the single-row kernel computes.
+# that row alone (m = 1).
 BATCH_ROWS = 8
 
 
@@ -229,7 +75,7 @@ def _bgemv_batch(mem, w, x, y, m, heads, x_stride, y_stride, n, k, dtype):
 
 @declare("bgemv", "bgemv_bf16_f32_batch", list(_BATCH_ARGS), writes=("y",), pdl=True, releases=True)
 def BGEMV_F32_BATCH(mem, w, x, y, m, heads, x_stride, y_stride, n, k):
-    """bgemv_bf16_f32 for m rows: w [heads, n, k], row e's x [heads, k] and y [heads, n] f32."""
+    """y[e, h] = w[h] @ x[e, h] for m rows: w [heads, n, k], row e's x [heads, k] and y [heads, n] f32."""
     _bgemv_batch(mem, w, x, y, m, heads, x_stride, y_stride, n, k, np.float32)
 
 
@@ -241,7 +87,7 @@ def BGEMV_F32_BATCH_BESIDE(mem, w, x, y, m, heads, x_stride, y_stride, n, k):
 
 @declare("bgemv", "bgemv_bf16_bf16_batch", list(_BATCH_ARGS), writes=("y",), pdl=True, releases=True)
 def BGEMV_BF16_BATCH(mem, w, x, y, m, heads, x_stride, y_stride, n, k):
-    """bgemv_bf16_bf16 for m rows: y [heads, n] BF16 per row."""
+    """bgemv_bf16_f32_batch with y [heads, n] BF16 per row."""
     _bgemv_batch(mem, w, x, y, m, heads, x_stride, y_stride, n, k, BF16)
 
 
@@ -304,7 +150,7 @@ BGEMV_STAGE_MAX = 96 << 10
 
 def bgemv_batch_smem(m: int, k: int) -> int:
     """Dynamic shared memory of bgemv_batch: the chunk's x rows [M][k] BF16 when m > 1 (none at m = 1,
-    today's path and residency), or none where that exceeds BGEMV_STAGE_MAX."""
+    the one-row path and its residency), or none where that exceeds BGEMV_STAGE_MAX."""
     if m < 2:
         return 0
     nbytes = _pow2_rows(m) * k * 2
@@ -315,7 +161,8 @@ _SUM_BATCH_ARGS = [("parts", PTR), ("residual", PTR), ("out", PTR), ("m", U32), 
 
 
 def _sum_rows_batch(mem, parts, residual, m, rows, n) -> np.ndarray:
-    """sum_rows_residual's f32 order for every row e at once (elementwise, so row by row the same)."""
+    """bf16(residual + (((p0 + p1) + p2) + ...)) for every row e at once: f32 adds in part-row order,
+    then the residual (elementwise, so row by row the same)."""
     p = mem.read(parts, np.float32, (m, rows, n))
     acc = p[:, 0].copy()
     for r in range(1, rows):
@@ -325,7 +172,8 @@ def _sum_rows_batch(mem, parts, residual, m, rows, n) -> np.ndarray:
 
 @declare("bgemv", "sum_rows_residual_batch", _SUM_BATCH_ARGS, writes=("out",))
 def SUM_ROWS_RESIDUAL_BATCH(mem, parts, residual, out, m, rows, n):
-    """sum_rows_residual for each row e < m: parts [m, rows, n] f32, residual / out [m, n] BF16."""
+    """out[e] = bf16(residual[e] + the ordered sum of parts[e]) for each row e < m: parts [m, rows, n]
+    f32, residual / out [m, n] BF16."""
     if rows == 0 or n == 0:
         return  # the kernel writes nothing either
     mem.write(out, _sum_rows_batch(mem, parts, residual, m, rows, n))
@@ -347,10 +195,11 @@ def SUM_ROWS_RESIDUAL_BATCH(mem, parts, residual, out, m, rows, n):
     ],
     writes=("out", "normed"),
     pdl=True,
-    releases=True,  # right after its wait, as sum_rows_residual_rmsnorm
+    releases=True,  # right after its wait: its successor launches during its tail (ptx/common.cuh)
 )
 def SUM_ROWS_RESIDUAL_RMSNORM_BATCH(mem, parts, residual, norm_w, out, normed, m, rows, n, eps):
-    """sum_rows_residual_rmsnorm for each row e < m: out [m, n], normed [m, n] = rmsnorm(out) * w."""
+    """sum_rows_residual_batch into ``out`` [m, n], then normed [m, n] = rmsnorm(out) * norm_w of the BF16
+    result: the residual add of one sub-layer and the input norm of the next in one launch."""
     if rows == 0 or n == 0:
         return  # the kernel writes nothing either
     o = _sum_rows_batch(mem, parts, residual, m, rows, n)
@@ -415,7 +264,7 @@ _NORM_GEMV_BATCH_ARGS = [
 
 @declare("bgemv", "rmsnorm_gemv_batch", list(_NORM_GEMV_BATCH_ARGS), writes=("y",), pdl=True)
 def RMSNORM_GEMV_BATCH(mem, x, x_stride, norm_w, w, y, m, n, k, eps):
-    """rmsnorm_gemv for each row e < m: x_e at ``x + e * x_stride * 2`` bytes (x_stride in
+    """y_e = W @ (rmsnorm(x_e) * norm_w) for each row e < m: x_e at ``x + e * x_stride * 2`` bytes (x_stride in
     elements), y dense [m, n] BF16. Row by row the rmsnorm and gemv_bf16 twins (both depend on the
     row alone)."""
     xs = np.stack([mem.read(x.offset(e * x_stride * 2), BF16, k) for e in range(m)])
@@ -436,8 +285,9 @@ def rmsnorm_gemv_batch_smem(m: int, k: int) -> int:
 
 def rmsnorm_gemv_batch(gpu, *, x, x_stride, norm_w, w, y, m, n, k, eps, beside: bool = False, stream=None):
     """y [m, n] BF16, row e = W @ (rmsnorm(x_e) * norm_w) with x_e at x + e * x_stride elements (the
-    q projection's q_a sits inside the wider fused row). One grid over W's rows as rmsnorm_gemv's
-    (the blocks resident at once), times the chunks of m. ``beside`` as rmsnorm_gemv's."""
+    q projection's q_a sits inside the wider fused row). One grid over W's rows (the blocks resident at
+    once), times the chunks of m. ``beside``: x was produced before the previous launch on the stream,
+    so the projection may run beside that launch (runtime.kernel.Pdl.BESIDE)."""
     _check_batch("rmsnorm_gemv_batch", m)
     if x_stride < k:
         raise ValueError(f"rmsnorm_gemv_batch: x_stride={x_stride} is shorter than a row (k={k})")

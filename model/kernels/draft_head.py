@@ -5,13 +5,15 @@ the high word, ``0xFFFFFFFF - index`` in the low word. A u64 MAX all-reduce over
 the larger logit, and on a tie the lower index, which is the lower rank since vocabulary shards are
 contiguous by rank: exactly the unsharded argmax, identical on every rank. CUDA: ptx/draft_head.cu.
 
-On one rank (or a head every rank sweeps whole) ``head_argmax_bf16`` / ``head_argmax_fp8`` do the
-head GEMV, the argmax and the commit in one launch: each block folds its rows' best key into a u64
-with atomicMax and the last block commits, which also saves the single-block argmax's second read
-of the logits.
+On one rank (or a head every rank sweeps whole) ``head_argmax_{bf16,fp8}_batch`` (or
+``head_argmax_fp8_mma``, the FP8 head on tensor cores) do the head GEMV, the argmax and the commit
+in one launch: each block folds its rows' best key into a u64 per row with atomicMax and the last
+block commits, which also saves a separate argmax's second read of the logits. The sharded head
+runs runtime.kernels' gemv and argmax per vocabulary shard, then ``argmax_pack_batch``, the MAX
+all-reduce and ``draft_commit_batch``.
 
 Non-finite logits: NaN compares below every number (its key's high word is 0), so a draft is always
-a valid index (every logit NaN gives the lowest). Every commit takes ``flag``, one byte it sets when
+a valid index (every logit NaN gives the lowest). Every commit takes a flag, one byte per entry it sets when
 the winning logit is not finite (``NONFINITE_NAN``: no logit is a number; ``NONFINITE_INF``: the
 largest is infinite) and leaves alone otherwise; the proposer reads it back with the drafts.
 """
@@ -72,220 +74,8 @@ def _raise_flag(mem, flag, key: int) -> None:
         mem.write(flag, np.array([code], np.uint8))
 
 
-@declare(
-    "draft_head",
-    "argmax_pack",
-    [("idx", PTR), ("val", PTR), ("key", PTR), ("v0", U32)],
-    writes=("key",),
-)
-def ARGMAX_PACK(mem, idx, val, key, v0):
-    """An all-NaN shard (argmax index 0, value NaN) packs high word 0: it loses to any number
-    elsewhere. An empty shard (index 0xFFFFFFFF) packs key 0 and never wins."""
-    i = int(mem.scalar(idx, np.uint32))
-    v = mem.read(val, np.float32, 1)[0]
-    k = 0 if i == 0xFFFF_FFFF else pack_key(v, i + v0)
-    mem.write(key, np.array([k], np.uint64))
-
-
-def _commit(mem, t: np.ndarray, token, drafts, slot, host_drafts, publish) -> None:
-    """*token = drafts[slot] = t; with ``publish``, drafts[0..slot] are also copied to
-    ``host_drafts`` (mapped pinned memory: the step's one copy of its drafts to the host, made by
-    the launch that commits the last draft)."""
-    mem.write(token, t)
-    mem.write(drafts.offset(slot * 4), t)
-    if publish:
-        mem.write(host_drafts, mem.read(drafts, np.uint32, slot + 1))
-
-
-_PUBLISH = [("host_drafts", PTR), ("publish", U32)]
-
-
-@declare(
-    "draft_head",
-    "draft_commit",
-    [("key", PTR), ("token", PTR), ("drafts", PTR), ("slot", U32), *_PUBLISH, ("flag", PTR)],
-    writes=("token", "drafts", "host_drafts", "flag"),
-)
-def DRAFT_COMMIT(mem, key, token, drafts, slot, host_drafts, publish, flag):
-    k = int(mem.scalar(key, np.uint64))
-    _raise_flag(mem, flag, k)
-    _commit(mem, np.array([unpack_index(k)], np.uint32), token, drafts, slot, host_drafts, publish)
-
-
-_HEAD_TAIL = [
-    ("logits", PTR),
-    ("key", PTR),
-    ("counter", PTR),
-    ("token", PTR),
-    ("drafts", PTR),
-    ("slot", U32),
-    *_PUBLISH,
-    ("n", U32),
-    ("k", U32),
-    ("flag", PTR),
-]
-_HEAD_WRITES = ("logits", "key", "counter", "token", "drafts", "host_drafts", "flag")
-
-
-def _commit_argmax(mem, logits_bf16, logits, key, counter, token, drafts, slot, host_drafts, publish, flag):
-    """Store the logits, commit their argmax (gemv -> argmax_bf16 -> argmax_pack(v0=0) ->
-    draft_commit on one rank) and raise the flag as that commit does, and leave the scratch key and
-    counter zeroed as the kernel does."""
-    mem.write(logits, logits_bf16)
-    idx, val = argmax_ref(logits_bf16)
-    best = pack_key(val, idx) if idx != 0xFFFF_FFFF else 0  # the key the last block commits
-    _raise_flag(mem, flag, best)
-    _commit(mem, np.array([unpack_index(best)], np.uint32), token, drafts, slot, host_drafts, publish)
-    mem.write(key, np.zeros(1, np.uint64))
-    mem.write(counter, np.zeros(1, np.uint32))
-
-
-# Both heads release their dependents right after their wait: the next draft's eh_proj
-# (mtp_input_gemv, Pdl.BESIDE) streams its hidden half in the head's tail.
-@declare(
-    "draft_head",
-    "head_argmax_bf16",
-    [("w", PTR), ("x", PTR), *_HEAD_TAIL],
-    writes=_HEAD_WRITES,
-    pdl=True,
-    releases=True,
-)
-def HEAD_ARGMAX_BF16(mem, w, x, logits, key, counter, token, drafts, slot, host_drafts, publish, n, k, flag):
-    """Single-rank head in one launch: logits = W x (BF16), draft = argmax (lowest index on ties,
-    NaN below every number: 0 if every logit is NaN), *token = drafts[slot] = draft, *flag raised
-    when the winning logit is not finite."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        y = gemv_bf16_ref(mem.view(w, BF16, (n, k)), mem.read(x, BF16, (1, k)))[0]
-    _commit_argmax(mem, y, logits, key, counter, token, drafts, slot, host_drafts, publish, flag)
-
-
-@declare(
-    "draft_head",
-    "head_argmax_fp8",
-    [("wq", PTR), ("scale", PTR), ("x", PTR), *_HEAD_TAIL],
-    writes=_HEAD_WRITES,
-    pdl=True,
-    releases=True,
-)
-def HEAD_ARGMAX_FP8(
-    mem, wq, scale, x, logits, key, counter, token, drafts, slot, host_drafts, publish, n, k, flag
-):
-    """head_argmax_bf16 with the FP8 copy of the head (gemv_fp8w's arithmetic)."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        y = gemv_fp8w_ref(
-            mem.view(wq, FP8, (n, k)), mem.read(scale, np.float32, n), mem.read(x, BF16, (1, k))
-        )[0]
-    _commit_argmax(mem, y, logits, key, counter, token, drafts, slot, host_drafts, publish, flag)
-
-
-# ptx/draft_head.cu: 8 warps x 2 rows per block (per 16-row group for the FP8 head) for both heads.
+# ptx/draft_head.cu: the BF16 head at m = 1, 8 warps x 2 rows per block.
 HEAD_ROWS_PER_BLOCK_BF16 = 16
-HEAD_ROWS_PER_BLOCK_FP8 = 16
-# The FP8 head grid-strides over its 16-row groups with the blocks the device holds at once
-# (gpu.resident_blocks; __launch_bounds__(256, 4) makes that 4 per SM; grid_stride_blocks gives
-# every block the same number of rounds), and stages x in shared
-# memory as f32 when it gets k * 4 bytes (kept under the 48 KB that needs no opt-in, as gemv_fp8w
-# does).
-HEAD_FP8_X_SMEM_MAX = 48 * 1024
-
-
-def head_fp8_launch(gpu, n: int, k: int) -> tuple[int, int]:
-    """(grid, dynamic shared bytes) of head_argmax_fp8."""
-    smem = 4 * k if k % 16 == 0 and 4 * k <= HEAD_FP8_X_SMEM_MAX else 0
-    resident = gpu.resident_blocks(gpu.kernel(*HEAD_ARGMAX_FP8.key), 256, smem)
-    return grid_stride_blocks(max(1, -(-n // HEAD_ROWS_PER_BLOCK_FP8)), resident), smem
-
-
-def head_argmax(
-    gpu,
-    w,
-    scale,
-    x,
-    logits,
-    key,
-    counter,
-    token,
-    drafts,
-    slot,
-    host_drafts,
-    publish,
-    n,
-    k,
-    stream=None,
-    *,
-    flag,
-):
-    """The FP8 head when ``scale`` is given (w is then the FP8 copy), else the BF16 head.
-    ``publish``: also copy drafts[0..slot] to ``host_drafts`` (the last draft of a step). ``flag``:
-    the byte raised when the winning logit is not finite (NONFINITE_NAN / NONFINITE_INF)."""
-    publish = int(bool(publish))
-    if scale is None:
-        launch(
-            gpu,
-            gpu.kernel(*HEAD_ARGMAX_BF16.key),
-            -(-n // HEAD_ROWS_PER_BLOCK_BF16),
-            256,
-            w,
-            x,
-            logits,
-            key,
-            counter,
-            token,
-            drafts,
-            slot,
-            host_drafts,
-            publish,
-            n,
-            k,
-            flag,
-            stream=stream,
-        )
-    else:
-        grid, smem = head_fp8_launch(gpu, n, k)
-        launch(
-            gpu,
-            gpu.kernel(*HEAD_ARGMAX_FP8.key),
-            grid,
-            256,
-            w,
-            scale,
-            x,
-            logits,
-            key,
-            counter,
-            token,
-            drafts,
-            slot,
-            host_drafts,
-            publish,
-            n,
-            k,
-            flag,
-            smem=smem,
-            stream=stream,
-        )
-
-
-def argmax_pack(gpu, idx, val, key, v0, stream=None):
-    launch(gpu, gpu.kernel(*ARGMAX_PACK.key), 1, 32, idx, val, key, v0, stream=stream)
-
-
-def draft_commit(gpu, key, token, drafts, slot, host_drafts, publish, stream=None, *, flag):
-    """*token = drafts[slot] = the all-reduced key's index; ``flag`` as for ``head_argmax``."""
-    launch(
-        gpu,
-        gpu.kernel(*DRAFT_COMMIT.key),
-        1,
-        32,
-        key,
-        token,
-        drafts,
-        slot,
-        host_drafts,
-        int(bool(publish)),
-        flag,
-        stream=stream,
-    )
 
 
 # ---- the head over a batch ------------------------------------------------------------------------
@@ -298,9 +88,9 @@ def draft_commit(gpu, key, token, drafts, slot, host_drafts, publish, stream=Non
 # memory: the step's one copy back); a non-finite winner raises byte flags[e * 4 + flag_byte]. A
 # padding entry (slot PAD_SLOT) writes none of these; its logits row is scratch.
 #
-# Batch invariance: every logit is computed with the single-row heads' arithmetic (see
+# Batch invariance: every logit's arithmetic depends on its row and its weight row alone (see
 # ptx/fp8_batch.cuh), so a row's logits, draft and flag are bit-identical whatever the batch, and
-# identical to head_argmax's for that row alone. The twins use dot_rows (runtime.host_math), whose
+# identical to a launch of that row alone. The twins use dot_rows (runtime.host_math), whose
 # element (i, j) depends on x[i] and w[j] alone, so they are batch-invariant exactly too.
 
 BATCH_MAX = gemv_fp8w_mod.BATCH_MAX_M
@@ -309,7 +99,7 @@ BATCH_MAX = gemv_fp8w_mod.BATCH_MAX_M
 def _batch_commit(
     mem, keys: list[int], entries, drafts, draft_index, kmax, host_drafts, publish, m, flags, flag_byte
 ):
-    """draft_commit for every live entry e < m, from its key keys[e]."""
+    """The commit of every live entry e < m from its key keys[e] (the module docstring's rules)."""
     ent = read_entries(mem, entries, m)
     for e in range(m):
         if is_pad(ent[e]):
@@ -384,8 +174,8 @@ def _head_batch(
     mem.write(counter, np.zeros(1, np.uint32))
 
 
-# Both release their dependents right after their wait, as the single-row heads do (the next
-# draft's batched embedding streams its weights in the head's tail).
+# Both release their dependents right after their wait (the next draft's batched embedding streams
+# its weights in the head's tail).
 @declare(
     "draft_head",
     "head_argmax_bf16_batch",
@@ -414,7 +204,7 @@ def HEAD_ARGMAX_BF16_BATCH(
     flag_byte,
     tiles,
 ):
-    """head_argmax_bf16 for every live entry of a batch (see the section comment)."""
+    """The BF16 head for every live entry of a batch (see the section comment)."""
 
     def logits_of(rows):
         return gemv_bf16_ref(mem.view(w, BF16, (n, k)), mem.read(x, BF16, (m, k))[rows])
@@ -468,7 +258,7 @@ def HEAD_ARGMAX_FP8_BATCH(
     flag_byte,
     tiles,
 ):
-    """head_argmax_fp8 for every live entry of a batch (see the section comment)."""
+    """The FP8 head for every live entry of a batch (see the section comment)."""
 
     def logits_of(rows):
         xs = mem.read(x, BF16, (m, k))[rows]
@@ -495,9 +285,9 @@ def HEAD_ARGMAX_FP8_BATCH(
 
 
 def head_batch_launch(gpu, fp8: bool, m: int, n: int, k: int) -> tuple[int, int, int]:
-    """(grid, dynamic shared bytes, tiles) of head_argmax_{fp8,bf16}_batch. One row (m = 1) is the
-    single-row heads' launch: the FP8 head's grid-stride grid with x staged (head_fp8_launch), the
-    BF16 head's one 16-row group per block with x from L2. Otherwise balanced tiles of at most four
+    """(grid, dynamic shared bytes, tiles) of head_argmax_{fp8,bf16}_batch. One row (m = 1): the FP8
+    head grid-strides over its 16-row groups with x staged as f32, the BF16 head takes one 16-row
+    group per block with x from L2. Otherwise balanced tiles of at most four
     rows, x staged per tile, blocks grid-striding over the groups (runtime.kernels.gemv_fp8w)."""
     decl = HEAD_ARGMAX_FP8_BATCH if fp8 else HEAD_ARGMAX_BF16_BATCH
     tiles, smem = gemv_fp8w_mod.batch_tiling(m, k, 16 if fp8 else 8)
@@ -547,8 +337,8 @@ def head_argmax_batch(
     if all are NaN) into entries[e].token and drafts[e * kmax + draft_index]; with ``publish``
     drafts[e * kmax + 0 .. draft_index] copied to host_drafts; byte flag_byte of entry e's flags
     raised (NONFINITE_NAN / NONFINITE_INF) when its winning logit is not finite. Padding entries
-    write nothing. A row's results are bit-identical whatever m and whatever the other rows, and to
-    head_argmax's for that row alone; the weights are read from HBM about once per launch."""
+    write nothing. A row's results are bit-identical whatever m and whatever the other rows (so to a
+    launch of that row alone); the weights are read from HBM about once per launch."""
     _check_batch(m, n, k, draft_index, kmax, flag_byte, "head_argmax_batch")
     fp8 = scale is not None
     grid, smem, tiles = head_batch_launch(gpu, fp8, m, n, k)
@@ -588,7 +378,9 @@ def head_argmax_batch(
     writes=("keys",),
 )
 def ARGMAX_PACK_BATCH(mem, idx, val, keys, v0, m):
-    """argmax_pack of every row e < m (padding rows too: the commit skips them)."""
+    """keys[e] = pack_key(val[e], idx[e] + v0) for every row e < m, 0 for an empty shard's index
+    0xFFFFFFFF (padding rows too: the commit skips them). An all-NaN shard (index 0, value NaN)
+    packs high word 0: it loses to any number elsewhere."""
     if m == 0:
         return
     ii = mem.read(idx, np.uint32, m)
@@ -617,7 +409,7 @@ def ARGMAX_PACK_BATCH(mem, idx, val, keys, v0, m):
 def DRAFT_COMMIT_BATCH(
     mem, keys, entries, drafts, draft_index, kmax, host_drafts, publish, m, flags, flag_byte
 ):
-    """draft_commit for every live entry e < m from keys[e] (the all-reduced keys)."""
+    """The commit of every live entry e < m from keys[e] (the all-reduced keys)."""
     if m == 0:
         return
     ks = [int(v) for v in mem.read(keys, np.uint64, m)]
@@ -634,7 +426,7 @@ def argmax_pack_batch(gpu, idx, val, keys, v0, m, stream=None):
 def draft_commit_batch(
     gpu, *, keys, entries, drafts, draft_index, kmax, host_drafts, publish, m, flags, flag_byte, stream=None
 ):
-    """Per live entry e < m, draft_commit of keys[e] (u64 [m], all-reduced over the vocabulary
+    """Per live entry e < m, the commit of keys[e] (u64 [m], all-reduced over the vocabulary
     shards): entries[e].token, drafts[e * kmax + draft_index], with ``publish`` drafts
     [e * kmax + 0 .. draft_index] into host_drafts, and the flag byte flags[e * 4 + flag_byte] as
     head_argmax_batch stores them. Padding entries write nothing."""

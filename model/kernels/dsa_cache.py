@@ -1,19 +1,15 @@
-"""Writes of the DSA caches for rows ``row = *row_ptr + row_add + r``, r < rows.
+"""Writes of the DSA caches for the m entries of a batch (model/kernels/batch.py): entry e's row
+(its word 1 + row_add) of its own slot in the slot pools, from fused row e.
 
 - the MLA latent ``c = rmsnorm(kv) * kv_a_layernorm`` as an FP8 E4M3 row with one f32 scale, into
-  the paged cache at the row's slot through the block table;
+  the paged cache at the row's slot through the slot's block table;
 - the indexer's per-token key ``k = LayerNorm(wk y)`` and gate ``g = compress_gate y`` (BF16);
 - the compressed key of every pool the rows complete: a per-dimension softmax over the pool's
   slots of ``g + ape`` weighting the slots' ``k``, stored FP8 with a scale.
 
 Rows are read from a fused projection output with row stride ``stride`` (elements).
-CUDA: ptx/dsa_cache.cu (grid = rows, block 128). ``dsa_cache_write`` does all three for the same
-rows in one launch (the block path's only cache write).
-
-``dsa_cache_write_batch`` is ``dsa_cache_write`` for m batch entries (model/kernels/batch.py):
-entry e writes its own row of its own slot in the slot pools from fused row e, with today's
-arithmetic per entry (the same device functions and twin helpers), so a slot's bytes do not
-depend on the batch, its order or its chunking.
+CUDA: ptx/dsa_cache.cu (``dsa_cache_write_batch``, one block of 128 per entry: the block path's
+only cache write). A slot's bytes do not depend on the batch, its order or its chunking.
 """
 
 from __future__ import annotations
@@ -44,13 +40,8 @@ def compress_pool_ref(k: np.ndarray, g: np.ndarray, ape: np.ndarray) -> np.ndarr
     return (p * np.asarray(k, np.float32)).sum(0, dtype=np.float32)
 
 
-def _rows(mem, row_ptr, row_add, rows):
-    base = int(mem.scalar(row_ptr, np.uint32)) + row_add
-    return range(base, base + rows)
-
-
-# One row's writes, shared by the single-sequence twins and the batched one (which passes a slot's
-# keys / gates / pool keys / pool scales / block table as the bases), so both compute the same.
+# One row's writes (the twin passes a slot's keys / gates / pool keys / pool scales / block table as
+# the bases).
 
 
 def _latent_row(mem, x_ptr, w, cache, scales, block_table, row, dim, block_size, eps):
@@ -75,152 +66,6 @@ def _compress_row_pool(mem, keys, gates, apev, pool_keys, pool_scales, p, dim, k
     q, s = quantize_rows_fp8(compress_pool_ref(k, g, apev)[None])
     mem.write(pool_keys.offset(p * dim), q[0])
     mem.write(pool_scales.offset(p * 4), s)
-
-
-@declare(
-    "dsa_cache",
-    "latent_write_fp8",
-    [
-        ("kv", PTR),
-        ("stride", U32),
-        ("norm_w", PTR),
-        ("cache", PTR),
-        ("scales", PTR),
-        ("block_table", PTR),
-        ("row_ptr", PTR),
-        ("row_add", U32),
-        ("rows", U32),
-        ("dim", U32),
-        ("block_size", U32),
-        ("eps", F32),
-    ],
-    writes=("cache", "scales"),
-)
-def LATENT_WRITE_FP8(
-    mem, kv, stride, norm_w, cache, scales, block_table, row_ptr, row_add, rows, dim, block_size, eps
-):
-    w = mem.read(norm_w, BF16, dim)
-    for r, row in enumerate(_rows(mem, row_ptr, row_add, rows)):
-        _latent_row(mem, kv.offset(r * stride * 2), w, cache, scales, block_table, row, dim, block_size, eps)
-
-
-@declare(
-    "dsa_cache",
-    "indexer_write_keys",
-    [
-        ("kg", PTR),
-        ("stride", U32),
-        ("knorm_w", PTR),
-        ("knorm_b", PTR),
-        ("keys", PTR),
-        ("gates", PTR),
-        ("row_ptr", PTR),
-        ("row_add", U32),
-        ("rows", U32),
-        ("dim", U32),
-        ("eps", F32),
-    ],
-    writes=("keys", "gates"),
-)
-def INDEXER_WRITE_KEYS(mem, kg, stride, knorm_w, knorm_b, keys, gates, row_ptr, row_add, rows, dim, eps):
-    """kg row r holds [wk y (dim) ; compress_gate y (dim)]."""
-    w, b = mem.read(knorm_w, BF16, dim), mem.read(knorm_b, BF16, dim)
-    for r, row in enumerate(_rows(mem, row_ptr, row_add, rows)):
-        _key_gate_row(mem, kg.offset(r * stride * 2), w, b, keys, gates, row, dim, eps)
-
-
-@declare(
-    "dsa_cache",
-    "indexer_compress_pools",
-    [
-        ("keys", PTR),
-        ("gates", PTR),
-        ("ape", PTR),
-        ("pool_keys", PTR),
-        ("pool_scales", PTR),
-        ("row_ptr", PTR),
-        ("row_add", U32),
-        ("rows", U32),
-        ("dim", U32),
-        ("kpool", U32),
-    ],
-    writes=("pool_keys", "pool_scales"),
-)
-def INDEXER_COMPRESS_POOLS(mem, keys, gates, ape, pool_keys, pool_scales, row_ptr, row_add, rows, dim, kpool):
-    """Compress every pool whose last row is among the rows written: row + 1 divisible by kpool."""
-    apev = mem.read(ape, BF16, (kpool, dim))
-    for row in _rows(mem, row_ptr, row_add, rows):
-        if (row + 1) % kpool == 0:
-            _compress_row_pool(mem, keys, gates, apev, pool_keys, pool_scales, row // kpool, dim, kpool)
-
-
-@declare(
-    "dsa_cache",
-    "dsa_cache_write",
-    [
-        ("fused", PTR),
-        ("stride", U32),
-        ("kv_norm_w", PTR),
-        ("cache", PTR),
-        ("scales", PTR),
-        ("block_table", PTR),
-        ("knorm_w", PTR),
-        ("knorm_b", PTR),
-        ("keys", PTR),
-        ("gates", PTR),
-        ("ape", PTR),
-        ("pool_keys", PTR),
-        ("pool_scales", PTR),
-        ("row_ptr", PTR),
-        ("row_add", U32),
-        ("rows", U32),
-        ("C", U32),
-        ("idim", U32),
-        ("block_size", U32),
-        ("kpool", U32),
-        ("eps", F32),
-        ("ln_eps", F32),
-    ],
-    writes=("cache", "scales", "keys", "gates", "pool_keys", "pool_scales"),
-    pdl=True,
-    releases=True,  # the q projection (rmsnorm_gemv_beside) runs beside it
-)
-def DSA_CACHE_WRITE(
-    mem,
-    fused,
-    stride,
-    kv_norm_w,
-    cache,
-    scales,
-    block_table,
-    knorm_w,
-    knorm_b,
-    keys,
-    gates,
-    ape,
-    pool_keys,
-    pool_scales,
-    row_ptr,
-    row_add,
-    rows,
-    C,
-    idim,
-    block_size,
-    kpool,
-    eps,
-    ln_eps,
-):
-    """latent_write_fp8, indexer_write_keys and indexer_compress_pools of the same rows, in that
-    order, in one launch. Fused row r: [kv (C) ; wk y (idim) ; compress_gate y (idim) ; ...]."""
-    LATENT_WRITE_FP8.host(
-        mem, fused, stride, kv_norm_w, cache, scales, block_table, row_ptr, row_add, rows, C, block_size, eps
-    )
-    INDEXER_WRITE_KEYS.host(
-        mem, fused.offset(C * 2), stride, knorm_w, knorm_b, keys, gates, row_ptr, row_add, rows, idim, ln_eps
-    )
-    INDEXER_COMPRESS_POOLS.host(
-        mem, keys, gates, ape, pool_keys, pool_scales, row_ptr, row_add, rows, idim, kpool
-    )
 
 
 def _live_entries(mem, entries, m, row_add, slot_rows):
@@ -264,7 +109,7 @@ def _live_entries(mem, entries, m, row_add, slot_rows):
     ],
     writes=("cache", "scales", "keys", "gates", "pool_keys", "pool_scales"),
     pdl=True,
-    releases=True,  # as dsa_cache_write: the q projection runs beside it
+    releases=True,  # right after its wait: the q projection runs beside it
 )
 def DSA_CACHE_WRITE_BATCH(
     mem,
@@ -292,7 +137,7 @@ def DSA_CACHE_WRITE_BATCH(
     eps,
     ln_eps,
 ):
-    """dsa_cache_write for m entries: entry e's row (entries[e].row + row_add) of its slot, from
+    """The cache writes of m entries: entry e's row (entries[e].row + row_add) of its slot, from
     fused row e; latents, then keys and gates, then the pools the rows complete (so a pool whose
     rows share the launch sees them, as the kernel's recomputation does)."""
     geo = SlotGeometry(slot_rows, idim, kpool, block_size)
@@ -340,147 +185,6 @@ def check_dims(idim: int, kpool: int) -> None:
         )
 
 
-def latent_write_fp8(
-    gpu,
-    kv,
-    stride,
-    norm_w,
-    cache,
-    scales,
-    block_table,
-    row_ptr,
-    row_add,
-    rows,
-    dim,
-    block_size,
-    eps,
-    stream=None,
-):
-    launch(
-        gpu,
-        gpu.kernel(*LATENT_WRITE_FP8.key),
-        rows,
-        128,
-        kv,
-        stride,
-        norm_w,
-        cache,
-        scales,
-        block_table,
-        row_ptr,
-        row_add,
-        rows,
-        dim,
-        block_size,
-        eps,
-        stream=stream,
-    )
-
-
-def indexer_write_keys(
-    gpu, kg, stride, knorm_w, knorm_b, keys, gates, row_ptr, row_add, rows, dim, eps, stream=None
-):
-    launch(
-        gpu,
-        gpu.kernel(*INDEXER_WRITE_KEYS.key),
-        rows,
-        128,
-        kg,
-        stride,
-        knorm_w,
-        knorm_b,
-        keys,
-        gates,
-        row_ptr,
-        row_add,
-        rows,
-        dim,
-        eps,
-        stream=stream,
-    )
-
-
-def indexer_compress_pools(
-    gpu, keys, gates, ape, pool_keys, pool_scales, row_ptr, row_add, rows, dim, kpool, stream=None
-):
-    check_dims(dim, kpool)
-    launch(
-        gpu,
-        gpu.kernel(*INDEXER_COMPRESS_POOLS.key),
-        rows,
-        128,
-        keys,
-        gates,
-        ape,
-        pool_keys,
-        pool_scales,
-        row_ptr,
-        row_add,
-        rows,
-        dim,
-        kpool,
-        stream=stream,
-    )
-
-
-def dsa_cache_write(
-    gpu,
-    fused,
-    stride,
-    kv_norm_w,
-    cache,
-    scales,
-    block_table,
-    knorm_w,
-    knorm_b,
-    keys,
-    gates,
-    ape,
-    pool_keys,
-    pool_scales,
-    row_ptr,
-    row_add,
-    rows,
-    C,
-    idim,
-    block_size,
-    kpool,
-    eps,
-    ln_eps,
-    stream=None,
-):
-    check_dims(idim, kpool)
-    launch(
-        gpu,
-        gpu.kernel(*DSA_CACHE_WRITE.key),
-        rows,
-        128,
-        fused,
-        stride,
-        kv_norm_w,
-        cache,
-        scales,
-        block_table,
-        knorm_w,
-        knorm_b,
-        keys,
-        gates,
-        ape,
-        pool_keys,
-        pool_scales,
-        row_ptr,
-        row_add,
-        rows,
-        C,
-        idim,
-        block_size,
-        kpool,
-        eps,
-        ln_eps,
-        stream=stream,
-    )
-
-
 def dsa_cache_write_batch(
     gpu,
     *,
@@ -509,7 +213,7 @@ def dsa_cache_write_batch(
     ln_eps,
     stream=None,
 ):
-    """``dsa_cache_write`` for ``m`` batch entries (model/kernels/batch.py), one block each.
+    """The DSA cache writes of ``m`` batch entries (model/kernels/batch.py), one block each.
 
     Entry e = ``[slot, row, token, reserved]`` writes row ``row + row_add`` of its slot from fused
     row e (``fused + e * stride * 2`` bytes, ``[kv (C) ; wk y (idim) ; compress_gate y (idim) ;

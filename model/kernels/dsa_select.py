@@ -6,9 +6,8 @@ drafted after it (``index_share_for_mtp_iteration``, ``model.dsa``, "Shared sele
 f32 score per pool); ``model.dsa.max_dsa_context`` derives the drafter's reach from it, so a kernel
 change moves the sizing with it. CUDA: ptx/dsa_select.cu.
 
-The ``*_batch`` kernels do the same for m batch entries (model/kernels/batch.py), each entry over
-its own slot's pools with its own row, query and output rows; per entry they compute the bits of
-the single-sequence kernel (the same device functions and twin helpers).
+Each kernel covers m batch entries (model/kernels/batch.py), each entry over its own slot's pools
+with its own row, query and output rows; an entry's bits do not depend on the batch.
 """
 
 from __future__ import annotations
@@ -32,39 +31,13 @@ def complete_pools(row: int, kpool: int) -> int:
 
 def selection_capacity(rows: int, topk_pools: int, kpool: int, extra: int = 0) -> int:
     """Rows one selection can list: the top-k pools' rows and a tail of at most kpool - 1 rows,
-    plus ``extra`` rows appended by ``extend_selection`` (drafts after the first of a propose
+    plus ``extra`` rows appended by ``extend_selection_batch`` (drafts after the first of a propose
     that shares draft 1's selection)."""
     return min(rows, topk_pools * kpool + kpool - 1 + extra)
 
 
-@declare(
-    "dsa_select",
-    "indexer_scores",
-    [
-        ("q", PTR),
-        ("w", PTR),
-        ("pool_keys", PTR),
-        ("pool_scales", PTR),
-        ("scores", PTR),
-        ("row_ptr", PTR),
-        ("row_add", U32),
-        ("heads", U32),
-        ("dim", U32),
-        ("kpool", U32),
-        ("w_scale", F32),
-    ],
-    writes=("scores",),
-    pdl=True,
-    releases=True,  # right after its wait: its successor's blocks launch during its tail (ptx/common.cuh)
-)
-def INDEXER_SCORES(mem, q, w, pool_keys, pool_scales, scores, row_ptr, row_add, heads, dim, kpool, w_scale):
-    """scores[p] = sum_h (w_h * w_scale) * relu(q_h . key_p) / sqrt(dim) for every complete pool."""
-    row = int(mem.scalar(row_ptr, np.uint32)) + row_add
-    _score_pools(mem, q, w, pool_keys, pool_scales, scores, complete_pools(row, kpool), heads, dim, w_scale)
-
-
 def _score_pools(mem, q, w, pool_keys, pool_scales, scores, npools, heads, dim, w_scale):
-    """One sequence's scores of its first ``npools`` pools (the single and the batched twin)."""
+    """One sequence's scores of its first ``npools`` pools."""
     if npools == 0:
         return
     qv = mem.read(q, BF16, (heads, dim)).astype(np.float32)
@@ -93,61 +66,21 @@ def select_rows_ref(
     return np.concatenate([rows, tail_rows]).astype(np.uint32)
 
 
-@declare(
-    "dsa_select",
-    "select_topk_pools",
-    [
-        ("scores", PTR),
-        ("selected", PTR),
-        ("count", PTR),
-        ("row_ptr", PTR),
-        ("row_add", U32),
-        ("topk_pools", U32),
-        ("kpool", U32),
-        ("tail", U32),
-    ],
-    writes=("selected", "count"),
-    pdl=True,
-    releases=True,  # the q_abs GEMV (bgemv_bf16_f32_beside) runs beside it
-)
-def SELECT_TOPK_POOLS(mem, scores, selected, count, row_ptr, row_add, topk_pools, kpool, tail):
-    row = int(mem.scalar(row_ptr, np.uint32)) + row_add
-    _select(mem, scores, selected, count, row, topk_pools, kpool, tail, None)
-
-
 def _select(mem, scores, selected, count, row, topk_pools, kpool, tail, sel_cap):
-    """One sequence's selection (the single and the batched twin). With ``sel_cap`` (the batched
-    twin) a row past the kernel's TOPK_MAX_POOLS or a selection of more than ``sel_cap`` rows is
-    the kernel's visible failure, count 0."""
+    """One sequence's selection. A row past the kernel's TOPK_MAX_POOLS or a selection of more than
+    ``sel_cap`` rows is the kernel's visible failure, count 0."""
     npools = complete_pools(row, kpool)
-    if sel_cap is not None and npools > TOPK_MAX_POOLS:
+    if npools > TOPK_MAX_POOLS:
         mem.write(count, np.array([0], np.uint32))
         return
     sc = mem.read(scores, np.float32, npools) if npools > topk_pools else np.zeros(0, np.float32)
     rows = select_rows_ref(sc, row, topk_pools, kpool, bool(tail))
-    if sel_cap is not None and rows.size > sel_cap:
+    if rows.size > sel_cap:
         mem.write(count, np.array([0], np.uint32))
         return
     if rows.size:
         mem.write(selected, rows)
     mem.write(count, np.array([rows.size], np.uint32))
-
-
-@declare(
-    "dsa_select",
-    "extend_selection",
-    [("selected", PTR), ("count", PTR), ("row_ptr", PTR), ("row_add", U32)],
-    writes=("selected", "count"),
-    pdl=True,
-    releases=True,  # in select_topk_pools' place: the q_abs GEMV runs beside it
-)
-def EXTEND_SELECTION(mem, selected, count, row_ptr, row_add):
-    """Append row ``*row_ptr + row_add`` to the selection: a draft after the first of a propose
-    that reuses draft 1's pools still attends itself and the rows drafted since (they follow draft
-    1's tail, so the list stays ascending)."""
-    n = int(mem.scalar(count, np.uint32))
-    mem.write(selected.offset(n * 4), np.array([int(mem.scalar(row_ptr, np.uint32)) + row_add], np.uint32))
-    mem.write(count, np.array([n + 1], np.uint32))
 
 
 # ---- the batched kernels: m entries [slot, row, token, reserved] of the slot pools (batch.py) ----
@@ -184,7 +117,7 @@ def _entry_rows(mem, entries, m, row_add):
     ],
     writes=("scores",),
     pdl=True,
-    releases=True,  # as indexer_scores
+    releases=True,  # right after its wait: the selection launches during its tail
 )
 def INDEXER_SCORES_BATCH(
     mem,
@@ -204,7 +137,7 @@ def INDEXER_SCORES_BATCH(
     kpool,
     w_scale,
 ):
-    """indexer_scores of each entry over its slot's complete pools, into scores + e * pools_per_slot."""
+    """The scores of each entry's slot's complete pools, into scores + e * pools_per_slot."""
     geo = SlotGeometry(slot_rows, dim, kpool, 1)
     pps = geo.pools_per_slot
     for e, slot, row in _entry_rows(mem, entries, m, row_add):
@@ -242,12 +175,13 @@ def INDEXER_SCORES_BATCH(
     ],
     writes=("selected", "count"),
     pdl=True,
-    releases=True,  # as select_topk_pools: the q_abs GEMV runs beside it
+    releases=True,  # right after its wait: the q_abs GEMV runs beside it
 )
 def SELECT_TOPK_POOLS_BATCH(
     mem, scores, selected, count, entries, m, row_add, slot_rows, sel_cap, topk_pools, kpool, tail
 ):
-    """select_topk_pools of each entry: scores + e * pools_per_slot -> selected + e * sel_cap, count[e]."""
+    """The top-k pools' rows of each entry: scores + e * pools_per_slot -> selected + e * sel_cap,
+    count[e]."""
     pps = SlotGeometry(slot_rows, 1, kpool, 1).pools_per_slot
     for e, _, row in _entry_rows(mem, entries, m, row_add):
         cnt = count.offset(e * 4)
@@ -276,7 +210,7 @@ def SELECT_TOPK_POOLS_BATCH(
     releases=True,  # in select_topk_pools_batch's place
 )
 def EXTEND_SELECTION_BATCH(mem, selected, count, entries, m, row_add, sel_cap):
-    """extend_selection of each entry: its row appended to selected + e * sel_cap, count[e] + 1; a
+    """Each entry's row appended to selected + e * sel_cap, count[e] + 1; a
     full list (count == sel_cap) is left as it is."""
     for e, _, row in _entry_rows(mem, entries, m, row_add):
         n = int(mem.scalar(count.offset(e * 4), np.uint32))
@@ -286,7 +220,7 @@ def EXTEND_SELECTION_BATCH(mem, selected, count, entries, m, row_add, sel_cap):
         mem.write(count.offset(e * 4), np.array([n + 1], np.uint32))
 
 
-# indexer_scores: a warp per pool, 8 per block, grid-stride. The grid is capped at two blocks per SM
+# indexer_scores_batch: a warp per pool, 8 per block, grid-stride. An entry's grid is capped at two blocks per SM
 # of an H200 (132 SMs): past that each block stages q (heads x dim f32) for fewer than one pool per
 # warp. Blocks beyond the row's pools exit at once.
 SCORES_MAX_GRID = 264
@@ -295,69 +229,6 @@ SCORES_MAX_GRID = 264
 def indexer_scores_smem(heads: int, dim: int) -> int:
     """ptx/dsa_select.cu: q [heads][dim + 4] f32, w [heads] (padded to 4), 8 key rows [dim] f32."""
     return 4 * (heads * (dim + 4) + heads + (-heads % 4) + 8 * dim)
-
-
-def indexer_scores(
-    gpu,
-    q,
-    w,
-    pool_keys,
-    pool_scales,
-    scores,
-    row_ptr,
-    row_add,
-    heads,
-    dim,
-    kpool,
-    w_scale,
-    max_pools,
-    stream=None,
-):
-    grid = min(max(-(-max_pools // 8), 1), SCORES_MAX_GRID)
-    launch(
-        gpu,
-        gpu.kernel(*INDEXER_SCORES.key),
-        grid,
-        256,
-        q,
-        w,
-        pool_keys,
-        pool_scales,
-        scores,
-        row_ptr,
-        row_add,
-        heads,
-        dim,
-        kpool,
-        w_scale,
-        smem=indexer_scores_smem(heads, dim),
-        stream=stream,
-    )
-
-
-def select_topk_pools(
-    gpu, scores, selected, count, row_ptr, row_add, topk_pools, kpool, tail=True, stream=None
-):
-    launch(
-        gpu,
-        gpu.kernel(*SELECT_TOPK_POOLS.key),
-        1,
-        1024,
-        scores,
-        selected,
-        count,
-        row_ptr,
-        row_add,
-        topk_pools,
-        kpool,
-        int(bool(tail)),
-        smem=TOPK_MAX_POOLS * 4,
-        stream=stream,
-    )
-
-
-def extend_selection(gpu, selected, count, row_ptr, row_add, stream=None):
-    launch(gpu, gpu.kernel(*EXTEND_SELECTION.key), 1, 32, selected, count, row_ptr, row_add, stream=stream)
 
 
 # Grid dims y and z of a launch (the batched kernels put the entry there).
@@ -377,8 +248,8 @@ SCORES_BATCH_BLOCKS = 4 * SCORES_MAX_GRID
 
 def scores_batch_grid(m: int, pools_per_slot: int) -> tuple[int, int]:
     """indexer_scores_batch's grid: (blocks per entry, m). An entry gets SCORES_BATCH_BLOCKS / m
-    blocks, at least one and at most indexer_scores' grid (SCORES_MAX_GRID, or one per 8 pools a
-    slot can have): at m = 1 it is indexer_scores' grid; at m = 64 an entry's 17 blocks take its
+    blocks, at least one and at most SCORES_MAX_GRID or one per 8 pools a slot can have (what
+    m = 1 gets); at m = 64 an entry's 17 blocks take its
     pools grid-stride instead of 264 blocks that would mostly exit. A pool's score is one warp's
     in every grid, so the choice moves work, never bits."""
     per = max(-(-SCORES_BATCH_BLOCKS // m), 1)
@@ -405,14 +276,15 @@ def indexer_scores_batch(
     w_scale,
     stream=None,
 ):
-    """``indexer_scores`` for ``m`` batch entries (model/kernels/batch.py).
+    """The indexer scores of ``m`` batch entries (model/kernels/batch.py).
 
     Entry e ``[slot, row, ...]`` scores its slot's complete pools below row ``row + row_add``
     (pools ``0 .. (row + row_add + 1) // kpool - 1`` of the slot's pool keys / scales, a slot
     holding ``pools_per_slot = max(slot_rows // kpool, 1)``) with its query ``q + e * q_stride * 2``
     (BF16 ``[heads][dim]``) and head weights ``w + e * w_stride * 2`` (BF16 ``[heads]``), into
-    ``scores + e * pools_per_slot * 4`` (f32). Each score is indexer_scores' for that sequence, bit
-    for bit, whatever m and the entry's place. Padding entries and rows at or past ``slot_rows``
+    ``scores + e * pools_per_slot * 4`` (f32): score = w_scale * sum over heads of w[h] *
+    relu(q[h] . pool key) / sqrt(dim) (FP8 keys times their scale). Each score's bits do not depend on m or
+    the entry's place. Padding entries and rows at or past ``slot_rows``
     read and write nothing; scores past an entry's complete pools are not written."""
     _check_m("indexer_scores_batch", m)
     pps = SlotGeometry(slot_rows, dim, kpool, 1).pools_per_slot
@@ -457,10 +329,10 @@ def select_topk_pools_batch(
     tail,
     stream=None,
 ):
-    """``select_topk_pools`` for ``m`` entries, one block each: entry e's row ``row + row_add``,
+    """The top-k pool selection (with the tail) for ``m`` entries, one block each: entry e's row ``row + row_add``,
     its scores at ``scores + e * pools_per_slot * 4``, its ascending rows into
-    ``selected + e * sel_cap * 4`` and their number into ``count[e]`` (u32), identical to
-    select_topk_pools for that sequence. A selection longer than ``sel_cap`` (size it with
+    ``selected + e * sel_cap * 4`` and their number into ``count[e]`` (u32), the same whatever the
+    batch. A selection longer than ``sel_cap`` (size it with
     ``selection_capacity(slot_rows, topk_pools, kpool, extra)``), a row at or past ``slot_rows``
     or past the kernel's TOPK_MAX_POOLS give count 0. Padding entries read and write nothing."""
     _check_m("select_topk_pools_batch", m, 2**31 - 1)
@@ -487,7 +359,7 @@ def select_topk_pools_batch(
 
 
 def extend_selection_batch(gpu, *, selected, count, entries, m, row_add, sel_cap, stream=None):
-    """``extend_selection`` for ``m`` entries: entry e appends row ``row + row_add`` to its list
+    """The shared selection's extension for ``m`` entries: entry e appends row ``row + row_add`` to its list
     ``selected + e * sel_cap * 4`` and increments ``count[e]`` (a full list is left as it is).
     Padding entries read and write nothing."""
     _check_m("extend_selection_batch", m, 2**31 - 1)

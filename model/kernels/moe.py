@@ -1,16 +1,15 @@
-"""MoE: sigmoid router, top-k with correction bias, and expert GEMVs that read the chosen ids from
-device memory.
+"""MoE of a batch: sigmoid router, top-k with correction bias, and expert GEMVs that read the
+chosen ids from device memory, over the m entries of a batch (model/kernels/batch.py).
 
 Slots: the routed experts fill slots 0..topk-1; the shared expert, when present, is slot topk,
 with weight 1 (it has no gate: the published checkpoints store none, and transformers'
-``Glm5NextTextMoE`` adds it ungated). ``expert_down`` writes one f32 row per slot (zero for an expert this rank does not hold), and
-``bgemv.sum_rows_residual`` adds the rows in slot order, so the zero-padded all-reduce of a sharded
-run reproduces one rank's arithmetic exactly. CUDA: ptx/moe.cu.
+``Glm5NextTextMoE`` adds it ungated). ``moe_down_batch`` writes one f32 row per slot (zero for an
+expert this rank does not hold), and ``bgemv.sum_rows_residual_batch`` adds the rows in slot order,
+so the zero-padded all-reduce of a sharded run reproduces one rank's arithmetic exactly.
 
-Batched drafting (the second half of this module): router_fused_batch (or router_group_batch, the
-router with the grouping in its last block), moe_group_batch, moe_gate_up_batch and moe_down_batch
-cover the m entries of a batch, each used expert's rows read once for all its pairs, every pair's
-rows the bits of the single-row kernels above.
+router_group_batch routes the batch and groups its (entry, slot) pairs by local expert in its last
+block; moe_gate_up_batch and moe_down_batch then read each used expert's rows once for all its
+pairs. A pair's arithmetic does not depend on the batch. CUDA: ptx/moe.cu.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from runtime.dtypes import BF16
-from runtime.kernel import F32, PTR, U32, Pdl, declare
+from runtime.kernel import F32, PTR, U32, declare
 from runtime.launch import launch
 
 from .batch import is_pad, read_entries
@@ -46,191 +45,9 @@ def route_ref(scores: np.ndarray, bias: np.ndarray, topk: int, norm: bool, scale
     return ids, (w * np.float32(scale)).astype(np.float32)
 
 
-@declare(
-    "moe",
-    "router_scores",
-    [("w", PTR), ("y", PTR), ("scores", PTR), ("n", U32), ("h", U32)],
-    writes=("scores",),
-)
-def ROUTER_SCORES(mem, w, y, scores, n, h):
-    """scores[i] = sigmoid(w[i] . y), f32."""
-    wv = mem.read(w, BF16, (n, h)).astype(np.float32)
-    mem.write(scores, sigmoid(wv @ mem.read(y, BF16, h).astype(np.float32)))
-
-
-@declare(
-    "moe",
-    "router_topk",
-    [
-        ("scores", PTR),
-        ("bias", PTR),
-        ("ids", PTR),
-        ("weights", PTR),
-        ("n_experts", U32),
-        ("topk", U32),
-        ("norm", U32),
-        ("scale", F32),
-        ("shared", U32),
-    ],
-    writes=("ids", "weights"),
-)
-def ROUTER_TOPK(mem, scores, bias, ids, weights, n_experts, topk, norm, scale, shared):
-    """With ``shared``, slot topk gets id 0 and weight 1 (the ungated shared expert)."""
-    s = mem.read(scores, np.float32, n_experts)
-    i, w = route_ref(s, mem.read(bias, np.float32, n_experts), topk, bool(norm), scale)
-    if shared:
-        i = np.append(i, np.uint32(0))
-        w = np.append(w, np.float32(1.0)).astype(np.float32)
-    mem.write(ids, i)
-    mem.write(weights, w)
-
-
-_SLOTS = [("slot0", U32), ("nslots", U32), ("expert_base", U32), ("n_local", U32)]
-
-
-@declare(
-    "moe",
-    "expert_gate_up",
-    [("w", PTR), ("y", PTR), ("ids", PTR), ("act", PTR), *_SLOTS, ("inter", U32), ("h", U32), ("limit", F32)],
-    writes=("act",),
-)
-def EXPERT_GATE_UP(mem, w, y, ids, act, slot0, nslots, expert_base, n_local, inter, h, limit):
-    """act[j] = silu(min(g, L)) * clamp(u, -L, L) with [g; u] = w[e] @ y, for local experts.
-    w is [n_local, 2*inter, h]: the gate rows, then the up rows."""
-    yv = mem.read(y, BF16, h).astype(np.float32)
-    idv = mem.read(ids, np.uint32, slot0 + nslots)
-    for j in range(slot0, slot0 + nslots):
-        e = int(idv[j]) - expert_base
-        if not 0 <= e < n_local:
-            continue
-        we = mem.read(w.offset(e * 2 * inter * h * 2), BF16, (2 * inter, h)).astype(np.float32)
-        gu = we @ yv
-        mem.write(act.offset(j * inter * 2), clamped_swiglu(gu[:inter], gu[inter:], limit).astype(BF16))
-
-
-@declare(
-    "moe",
-    "expert_down",
-    [
-        ("w", PTR),
-        ("act", PTR),
-        ("ids", PTR),
-        ("weights", PTR),
-        ("parts", PTR),
-        *_SLOTS,
-        ("h", U32),
-        ("inter", U32),
-    ],
-    writes=("parts",),
-)
-def EXPERT_DOWN(mem, w, act, ids, weights, parts, slot0, nslots, expert_base, n_local, h, inter):
-    """parts[j] = weights[j] * (w[e] @ act[j]) in f32; zeros where the expert is not local."""
-    idv = mem.read(ids, np.uint32, slot0 + nslots)
-    wt = mem.read(weights, np.float32, slot0 + nslots)
-    for j in range(slot0, slot0 + nslots):
-        e = int(idv[j]) - expert_base
-        if not 0 <= e < n_local:
-            mem.write(parts.offset(j * h * 4), np.zeros(h, np.float32))
-            continue
-        we = mem.read(w.offset(e * h * inter * 2), BF16, (h, inter)).astype(np.float32)
-        a = mem.read(act.offset(j * inter * 2), BF16, inter).astype(np.float32)
-        mem.write(parts.offset(j * h * 4), (np.float32(wt[j]) * (we @ a)).astype(np.float32))
-
-
-@declare(
-    "moe",
-    "router_fused",
-    [
-        ("w", PTR),
-        ("y", PTR),
-        ("bias", PTR),
-        ("scores", PTR),
-        ("ids", PTR),
-        ("weights", PTR),
-        ("counter", PTR),
-        ("n_experts", U32),
-        ("h", U32),
-        ("topk", U32),
-        ("norm", U32),
-        ("scale", F32),
-        ("shared", U32),
-    ],
-    writes=("scores", "ids", "weights", "counter"),
-    pdl=True,
-    releases=True,  # moe_gate_up's shared slot runs beside it
-)
-def ROUTER_FUSED(mem, w, y, bias, scores, ids, weights, counter, n_experts, h, topk, norm, scale, shared):
-    """router_scores over the n_experts rows, then router_topk, in one launch; the last block
-    runs the top-k. ``counter`` is a zeroed u32 the kernel leaves zeroed."""
-    ROUTER_SCORES.host(mem, w, y, scores, n_experts, h)
-    ROUTER_TOPK.host(mem, scores, bias, ids, weights, n_experts, topk, norm, scale, shared)
-    mem.write(counter, np.zeros(1, np.uint32))
-
-
-_MOE = [("ntopk", U32), ("expert_base", U32), ("n_local", U32)]
 # shared: 0 no shared-expert slot, 1 slot ntopk is the shared expert (w_shared, [1, 2I, H] /
 # [1, H, I]), 2 the slot exists but another rank holds the shared expert (its parts row is zero).
 SHARED_NONE, SHARED_HERE, SHARED_ELSEWHERE = 0, 1, 2
-
-
-@declare(
-    "moe",
-    "moe_gate_up",
-    [
-        ("w", PTR),
-        ("w_shared", PTR),
-        ("y", PTR),
-        ("ids", PTR),
-        ("act", PTR),
-        *_MOE,
-        ("inter", U32),
-        ("h", U32),
-        ("limit", F32),
-        ("shared", U32),
-    ],
-    writes=("act",),
-    pdl=Pdl.BESIDE,  # the shared slot beside router_fused; the routed slots wait for its ids
-)
-def MOE_GATE_UP(mem, w, w_shared, y, ids, act, ntopk, expert_base, n_local, inter, h, limit, shared):
-    """expert_gate_up of the routed slots 0..ntopk-1 and, with shared == 1, of the shared expert
-    as slot ntopk, in one launch."""
-    EXPERT_GATE_UP.host(mem, w, y, ids, act, 0, ntopk, expert_base, n_local, inter, h, limit)
-    if shared == SHARED_HERE:
-        yv = mem.read(y, BF16, h).astype(np.float32)
-        we = mem.read(w_shared, BF16, (2 * inter, h)).astype(np.float32)
-        gu = we @ yv
-        mem.write(act.offset(ntopk * inter * 2), clamped_swiglu(gu[:inter], gu[inter:], limit).astype(BF16))
-
-
-@declare(
-    "moe",
-    "moe_down",
-    [
-        ("w", PTR),
-        ("w_shared", PTR),
-        ("act", PTR),
-        ("ids", PTR),
-        ("weights", PTR),
-        ("parts", PTR),
-        *_MOE,
-        ("h", U32),
-        ("inter", U32),
-        ("shared", U32),
-    ],
-    writes=("parts",),
-    pdl=True,
-)
-def MOE_DOWN(mem, w, w_shared, act, ids, weights, parts, ntopk, expert_base, n_local, h, inter, shared):
-    """expert_down of the routed slots and the shared slot in one launch (zeros for a shared slot
-    held by another rank)."""
-    EXPERT_DOWN.host(mem, w, act, ids, weights, parts, 0, ntopk, expert_base, n_local, h, inter)
-    if shared == SHARED_HERE:
-        we = mem.read(w_shared, BF16, (h, inter)).astype(np.float32)
-        a = mem.read(act.offset(ntopk * inter * 2), BF16, inter).astype(np.float32)
-        wt = mem.read(weights, np.float32, ntopk + 1)[ntopk]
-        mem.write(parts.offset(ntopk * h * 4), (np.float32(wt) * (we @ a)).astype(np.float32))
-    elif shared == SHARED_ELSEWHERE:
-        mem.write(parts.offset(ntopk * h * 4), np.zeros(h, np.float32))
 
 
 # ptx/moe.cu: rows per block of the GEMVs (8 warps; gate_up one act element per warp, down 4 rows).
@@ -238,158 +55,14 @@ GATE_UP_PER_BLOCK = 8
 DOWN_ROWS_PER_BLOCK = 32
 
 
-def router_scores(gpu, w, y, scores, n, h, stream=None):
-    launch(gpu, gpu.kernel(*ROUTER_SCORES.key), -(-n // 8), 256, w, y, scores, n, h, stream=stream)
-
-
-def router_topk(gpu, scores, bias, ids, weights, n_experts, topk, norm, scale, shared, stream=None):
-    if n_experts > 1024 or topk > min(128, n_experts):
-        raise ValueError(f"router_topk: {n_experts} experts / top-{topk} outside the kernel's 1024 / 128")
-    launch(
-        gpu,
-        gpu.kernel(*ROUTER_TOPK.key),
-        1,
-        32,
-        scores,
-        bias,
-        ids,
-        weights,
-        n_experts,
-        topk,
-        int(norm),
-        scale,
-        int(shared),
-        stream=stream,
-    )
-
-
-def expert_gate_up(gpu, w, y, ids, act, slot0, nslots, expert_base, n_local, inter, h, limit, stream=None):
-    launch(
-        gpu,
-        gpu.kernel(*EXPERT_GATE_UP.key),
-        (-(-inter // GATE_UP_PER_BLOCK), nslots),
-        256,
-        w,
-        y,
-        ids,
-        act,
-        slot0,
-        nslots,
-        expert_base,
-        n_local,
-        inter,
-        h,
-        limit,
-        stream=stream,
-    )
-
-
-def expert_down(gpu, w, act, ids, weights, parts, slot0, nslots, expert_base, n_local, h, inter, stream=None):
-    launch(
-        gpu,
-        gpu.kernel(*EXPERT_DOWN.key),
-        (-(-h // DOWN_ROWS_PER_BLOCK), nslots),
-        256,
-        w,
-        act,
-        ids,
-        weights,
-        parts,
-        slot0,
-        nslots,
-        expert_base,
-        n_local,
-        h,
-        inter,
-        stream=stream,
-    )
-
-
-def router_fused(
-    gpu, w, y, bias, scores, ids, weights, counter, n_experts, h, topk, norm, scale, shared, stream=None
-):
-    if n_experts > 1024 or topk > min(128, n_experts):
-        raise ValueError(f"router: {n_experts} experts / top-{topk} outside the kernel's 1024 / 128")
-    launch(
-        gpu,
-        gpu.kernel(*ROUTER_FUSED.key),
-        -(-n_experts // 8),
-        256,
-        w,
-        y,
-        bias,
-        scores,
-        ids,
-        weights,
-        counter,
-        n_experts,
-        h,
-        topk,
-        int(norm),
-        scale,
-        int(bool(shared)),
-        stream=stream,
-    )
-
-
-def moe_gate_up(
-    gpu, w, w_shared, y, ids, act, ntopk, expert_base, n_local, inter, h, limit, shared, stream=None
-):
-    slots = ntopk + (1 if shared == SHARED_HERE else 0)
-    launch(
-        gpu,
-        gpu.kernel(*MOE_GATE_UP.key),
-        (-(-inter // GATE_UP_PER_BLOCK), slots),
-        256,
-        w,
-        w_shared,
-        y,
-        ids,
-        act,
-        ntopk,
-        expert_base,
-        n_local,
-        inter,
-        h,
-        limit,
-        shared,
-        stream=stream,
-    )
-
-
-def moe_down(
-    gpu, w, w_shared, act, ids, weights, parts, ntopk, expert_base, n_local, h, inter, shared, stream=None
-):
-    slots = ntopk + (1 if shared != SHARED_NONE else 0)
-    launch(
-        gpu,
-        gpu.kernel(*MOE_DOWN.key),
-        (-(-h // DOWN_ROWS_PER_BLOCK), slots),
-        256,
-        w,
-        w_shared,
-        act,
-        ids,
-        weights,
-        parts,
-        ntopk,
-        expert_base,
-        n_local,
-        h,
-        inter,
-        shared,
-        stream=stream,
-    )
-
-
 # ---- batched drafting (issue 15) -----------------------------------------------------------------
 #
 # One launch covers the m entries of a batch (model/kernels/batch.py): the router scores and routes
-# every live entry; moe_group_batch groups the batch's (entry, slot) pairs by local expert on the
-# device; moe_gate_up_batch / moe_down_batch read each used expert's rows once for all its pairs.
+# every live entry and its last block groups the batch's (entry, slot) pairs by local expert on
+# the device (router_group_batch); moe_gate_up_batch / moe_down_batch read each used expert's rows once for all its pairs.
 # Pair (e, j) is entry e's slot j; its index e * nslots + j is its row in act [m * nslots][inter] and
 # in parts [m * nslots][h] (nslots = ntopk + 1 with a shared-expert slot), and its y row is e. A
-# pair's act and parts rows are the bits the single-row kernels give it, whatever the batch.
+# pair's act and parts rows are the bits it gets in a launch of its entry alone, whatever the batch.
 
 # Pairs per work item (ptx/moe.cu MOE_PAIRS): an expert with c pairs has ceil(c / 8) items, each
 # item's blocks read the expert's rows once for up to 8 pairs (8 f32 accumulators per row and lane).
@@ -398,14 +71,13 @@ ROUTER_ROWS = 8  # batch rows per router block (ptx/moe.cu ROUTER_ROWS)
 GROUP_ZERO = 0xFFFFFFFF  # an item's expert: live pairs of experts this rank does not hold
 GROUP_HEADER_WORDS = 4  # n_items, n_used, local pairs, zero pairs
 MAX_BATCH = 256
-_GROUP_BLOCK = 1024
 
 
 def items_bound(pairs: int, n_local: int) -> int:
     """Most work items ``pairs`` routed pairs can make over ``n_local`` experts (the zero items
     included): ``pairs`` while every pair can have an expert of its own, else one item per expert
     plus one per further PAIRS_PER_ITEM pairs plus one partial zero item. The launches' grids are
-    sized by it: at m = 1, top-8, 8 items, as today's eight routed slots."""
+    sized by it: at m = 1, top-8, 8 items, one per routed slot."""
     if pairs <= n_local:
         return pairs
     return n_local + (pairs - n_local) // PAIRS_PER_ITEM + 1
@@ -458,8 +130,8 @@ def group_workspace_bytes(m: int, ntopk: int, n_local: int) -> int:
 
 
 def router_counter_words(m: int, grouped: bool = False) -> int:
-    """u32 words of router_fused_batch's counter (one per row chunk; zero, left zero), and one more
-    for router_group_batch's hand-over between the chunks."""
+    """u32 words of the router's counter: one per row chunk (zero, left zero), and with ``grouped``
+    one more for router_group_batch's hand-over between the chunks."""
     return -(-m // ROUTER_ROWS) + (1 if grouped else 0)
 
 
@@ -507,36 +179,13 @@ def _live(mem, entries, m: int) -> list[int]:
     return [e for e in range(m) if not is_pad(ent[e])]
 
 
-@declare(
-    "moe",
-    "router_fused_batch",
-    [
-        ("w", PTR),
-        ("y", PTR),
-        ("bias", PTR),
-        ("scores", PTR),
-        ("ids", PTR),
-        ("weights", PTR),
-        ("counter", PTR),
-        ("entries", PTR),
-        ("m", U32),
-        ("n_experts", U32),
-        ("h", U32),
-        ("topk", U32),
-        ("norm", U32),
-        ("scale", F32),
-        ("shared", U32),
-    ],
-    writes=("scores", "ids", "weights", "counter"),
-    pdl=True,
-)
-def ROUTER_FUSED_BATCH(
-    mem, w, y, bias, scores, ids, weights, counter, entries, m, n_experts, h, topk, norm, scale, shared
+def route_batch_ref(
+    mem, w, y, bias, scores, ids, weights, entries, m, n_experts, h, topk, norm, scale, shared
 ):
-    """router_fused per live entry e: y row e [h] BF16 -> scores row e [n_experts] f32, ids / weights
-    row e [topk + shared] (the shared expert as slot topk: id 0, weight 1). A padding entry's output
-    rows are not written (the device reads its y row, which is batch scratch). ``counter``: u32[router_counter_words(m)], zero, left zero. Each
-    row's values are router_fused's for that row alone (its own matrix-vector product)."""
+    """The routing of each live entry e: y row e [h] BF16 -> scores row e [n_experts] f32 =
+    sigmoid(W @ y), ids / weights row e [topk + shared] by route_ref (the shared expert as slot topk:
+    id 0, weight 1). A padding entry's output rows are not written (the device reads its y row, which
+    is batch scratch). Each row's values are its own matrix-vector product's alone."""
     wv = mem.read(w, BF16, (n_experts, h)).astype(np.float32)
     b = mem.read(bias, np.float32, n_experts)
     slots = topk + (1 if shared else 0)
@@ -549,7 +198,6 @@ def ROUTER_FUSED_BATCH(
             wt = np.append(wt, np.float32(1.0)).astype(np.float32)
         mem.write(ids.offset(e * slots * 4), i.astype(np.uint32))
         mem.write(weights.offset(e * slots * 4), wt.astype(np.float32))
-    mem.write(counter, np.zeros(router_counter_words(m), np.uint32))
 
 
 def group_ref(
@@ -567,7 +215,7 @@ def group_ref(
             if x < n_local:
                 if x in seen:
                     raise ValueError(
-                        f"moe_group_batch: entry {e} names local expert {x} twice (a row's routed "
+                        f"router_group_batch: entry {e} names local expert {x} twice (a row's routed "
                         "ids must be distinct, as the router's top-k makes them)"
                     )
                 seen.add(x)
@@ -577,23 +225,7 @@ def group_ref(
     return by_expert, zero
 
 
-@declare(
-    "moe",
-    "moe_group_batch",
-    [
-        ("ids", PTR),
-        ("entries", PTR),
-        ("group", PTR),
-        ("m", U32),
-        ("ntopk", U32),
-        ("nslots", U32),
-        ("expert_base", U32),
-        ("n_local", U32),
-    ],
-    writes=("group",),
-    pdl=True,
-)
-def MOE_GROUP_BATCH(mem, ids, entries, group, m, ntopk, nslots, expert_base, n_local):
+def group_batch_ref(mem, ids, entries, group, m, ntopk, nslots, expert_base, n_local):
     """The live entries' routed pairs (e, j < ntopk) grouped by local expert x = ids[e][j] -
     expert_base in [0, n_local), into the group workspace (GroupLayout): per expert its pairs in
     increasing pair index, experts in increasing order, then the zero pairs (live pairs of other
@@ -678,14 +310,14 @@ def ROUTER_GROUP_BATCH(
     expert_base,
     n_local,
 ):
-    """router_fused_batch, then moe_group_batch of its ids (nslots = topk + shared), in one launch
+    """route_batch_ref, then group_batch_ref of its ids (nslots = topk + shared), in one launch
     (the last row chunk to be routed groups the batch). ``counter``: u32[router_counter_words(m,
     grouped=True)], zero, left zero."""
-    ROUTER_FUSED_BATCH.host(
-        mem, w, y, bias, scores, ids, weights, counter, entries, m, n_experts, h, topk, norm, scale, shared
+    route_batch_ref(
+        mem, w, y, bias, scores, ids, weights, entries, m, n_experts, h, topk, norm, scale, shared
     )
     slots = topk + (1 if shared else 0)
-    MOE_GROUP_BATCH.host(mem, ids, entries, group, m, topk, slots, expert_base, n_local)
+    group_batch_ref(mem, ids, entries, group, m, topk, slots, expert_base, n_local)
     mem.write(counter, np.zeros(router_counter_words(m, grouped=True), np.uint32))
 
 
@@ -726,7 +358,7 @@ def _items(mem, group, m: int, ntopk: int, n_local: int):
     pdl=True,
 )
 def MOE_GATE_UP_BATCH(mem, w, w_shared, y, group, act, entries, m, ntopk, n_local, inter, h, limit, shared):
-    """moe_gate_up for every pair of the batch: act[pair] = clamped SwiGLU of w_x @ y[e] for the
+    """The gate/up projection of every pair of the batch: act[pair] = clamped SwiGLU of w_x @ y[e] for the
     group's local pairs (w [n_local, 2 * inter, h]), and with shared == SHARED_HERE of w_shared @
     y[e] as slot ntopk of every live entry. Zero pairs, padding entries and (SHARED_ELSEWHERE) the
     shared slot are not written. ntopk == 0 with SHARED_HERE is a dense MLP (the group is not
@@ -779,7 +411,7 @@ def MOE_GATE_UP_BATCH(mem, w, w_shared, y, group, act, entries, m, ntopk, n_loca
 def MOE_DOWN_BATCH(
     mem, w, w_shared, act, weights, group, parts, entries, m, ntopk, n_local, h, inter, shared
 ):
-    """moe_down for every pair: parts[pair] = weights[pair] * (w_x @ act[pair]) in f32 for the
+    """The down projection of every pair: parts[pair] = weights[pair] * (w_x @ act[pair]) in f32 for the
     group's local pairs (w [n_local, h, inter]); zeros for its zero pairs; the shared slot of every
     live entry: w_shared @ act[pair] with SHARED_HERE (its weight is 1, as the router and the dense
     MLP give it), zeros with SHARED_ELSEWHERE. Padding entries' rows are not written."""
@@ -815,60 +447,6 @@ def _check_batch(what: str, m: int, group=None) -> None:
         raise ValueError(f"{what}: the group workspace must be 16-byte aligned (its items are uint4)")
 
 
-def router_fused_batch(
-    gpu,
-    *,
-    w,
-    y,
-    bias,
-    scores,
-    ids,
-    weights,
-    counter,
-    entries,
-    m,
-    n_experts,
-    h,
-    topk,
-    norm,
-    scale,
-    shared,
-    stream=None,
-):
-    """ROUTER_FUSED_BATCH. Grid (ceil(m / 8), ceil(n_experts / 8)): the 8 rows of a chunk share a
-    block's expert rows, the chunks of one expert block are neighbours (the expert rows come from
-    HBM once); at m = 1 it is router_fused's grid."""
-    _check_batch("router_fused_batch", m)
-    if n_experts > 1024 or topk > min(128, n_experts):
-        raise ValueError(f"router: {n_experts} experts / top-{topk} outside the kernel's 1024 / 128")
-    smem = min(m, ROUTER_ROWS) * (-(-h * 2 // 16) * 16)
-    if smem > 200 * 1024:
-        raise ValueError(f"router_fused_batch: h = {h} needs {smem} bytes of shared memory per block")
-    launch(
-        gpu,
-        gpu.kernel(*ROUTER_FUSED_BATCH.key),
-        (-(-m // ROUTER_ROWS), -(-n_experts // 8)),
-        256,
-        w,
-        y,
-        bias,
-        scores,
-        ids,
-        weights,
-        counter,
-        entries,
-        m,
-        n_experts,
-        h,
-        topk,
-        int(norm),
-        scale,
-        int(bool(shared)),
-        smem=smem,
-        stream=stream,
-    )
-
-
 def router_group_batch(
     gpu,
     *,
@@ -892,8 +470,10 @@ def router_group_batch(
     n_local,
     stream=None,
 ):
-    """ROUTER_GROUP_BATCH: router_fused_batch's grid; the grouping runs in the last routing block
-    (256 threads) in the staging memory, so the launch asks for the larger of the two."""
+    """ROUTER_GROUP_BATCH. Grid (ceil(m / 8), ceil(n_experts / 8)): the 8 rows of a chunk share a
+    block's expert rows, the chunks of one expert block are neighbours (the expert rows come from
+    HBM once). The grouping runs in the last routing block (256 threads) in the staging memory, so
+    the launch asks for the larger of the two."""
     _check_batch("router_group_batch", m, group)
     if n_experts > 1024 or topk > min(128, n_experts) or topk < 1:
         raise ValueError(f"router: {n_experts} experts / top-{topk} outside the kernel's 1024 / 128")
@@ -930,30 +510,6 @@ def router_group_batch(
     )
 
 
-def moe_group_batch(gpu, *, ids, entries, group, m, ntopk, nslots, expert_base, n_local, stream=None):
-    """MOE_GROUP_BATCH: one block of 1024 threads (no host sync: the counts stay on the device)."""
-    _check_batch("moe_group_batch", m, group)
-    if not 1 <= ntopk <= 128 or nslots < ntopk or not 1 <= n_local <= 1024:
-        raise ValueError(f"moe_group_batch: top-{ntopk} of {nslots} slots over {n_local} local experts")
-    smem = group_smem_bytes(m, ntopk, n_local)
-    launch(
-        gpu,
-        gpu.kernel(*MOE_GROUP_BATCH.key),
-        1,
-        _GROUP_BLOCK,
-        ids,
-        entries,
-        group,
-        m,
-        ntopk,
-        nslots,
-        expert_base,
-        n_local,
-        smem=smem,
-        stream=stream,
-    )
-
-
 def _batch_grid_y(m: int, ntopk: int, n_local: int, shared_tiles: bool) -> int:
     st = -(-m // PAIRS_PER_ITEM) if shared_tiles else 0
     return st + (items_bound(m * ntopk, n_local) if ntopk else 0)
@@ -963,7 +519,7 @@ def moe_gate_up_batch(
     gpu, *, w, w_shared, y, group, act, entries, m, ntopk, n_local, inter, h, limit, shared, stream=None
 ):
     """MOE_GATE_UP_BATCH. Grid (ceil(inter / 8), shared tiles + items_bound): at m = 1, top-8 with
-    a shared expert, (256, 9) as moe_gate_up. ``group`` may be None when ntopk == 0 (dense MLP)."""
+    a shared expert, (256, 9). ``group`` may be None when ntopk == 0 (dense MLP)."""
     _check_batch("moe_gate_up_batch", m, group)
     gy = _batch_grid_y(m, ntopk, n_local, shared == SHARED_HERE)
     if gy == 0:
@@ -1013,7 +569,7 @@ def moe_down_batch(
     stream=None,
 ):
     """MOE_DOWN_BATCH. Grid (ceil(h / 32), shared tiles + items_bound): (128, 9) at m = 1, top-8
-    with a shared slot, as moe_down. ``group`` / ``weights`` may be None when ntopk == 0."""
+    with a shared slot. ``group`` / ``weights`` may be None when ntopk == 0."""
     _check_batch("moe_down_batch", m, group)
     gy = _batch_grid_y(m, ntopk, n_local, shared != SHARED_NONE)
     if gy == 0:

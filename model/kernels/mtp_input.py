@@ -3,17 +3,17 @@
 The embedding row is read in place from the target's table at a token id held in device memory
 (graph replays feed draft i's token to draft i+1 without the host). CUDA: ptx/mtp_input.cu.
 
-``mtp_input_gemv`` (a draft's first kernel) also checks its inputs for the proposer: it sets its
-``flag`` byte to ``HIDDEN_NONFINITE`` when the hidden row is not finite (its RMS divisor, computed
+``mtp_input_gemv_batch`` (a draft's first kernel) also checks each entry's inputs for the
+proposer: it sets the entry's flag byte to ``HIDDEN_NONFINITE`` when the hidden row is not finite (its RMS divisor, computed
 anyway for the norm, is NaN or Inf: a NaN or an Inf in the row, or an f32 sum of squares that
 overflows), ``|`` ``TOKEN_OUTSIDE`` when the token is not in the vocabulary, and leaves it alone
 otherwise.
 
-The batched kernels (``mtp_input_gemv_batch``, ``mtp_embed_norm_batch``) take m entries
+Both kernels (``mtp_input_gemv_batch``, ``mtp_embed_norm_batch``) take m entries
 (model/kernels/batch.py): entry e's token is its word 2, its hidden row the e-th of a dense [m, h]
 buffer, its output row the e-th of a dense buffer, its flag byte ``flags + 4 e + flag_byte``. Each
-row is computed exactly as the single-row kernel computes it, whatever m and the other rows (so
-bit-identical to a launch of that entry alone); eh_proj is read once for all m. A padding entry's
+row's arithmetic does not depend on m or the other rows (so it is bit-identical to a launch of that
+entry alone); eh_proj is read once for all m. A padding entry's
 output row and flag are never written.
 """
 
@@ -29,29 +29,14 @@ from runtime.launch import grid_stride_blocks, launch
 
 from .batch import ENTRY_BYTES, is_pad, read_entries
 
-# What mtp_input_gemv stores in its flag byte (bits; 0 is never stored).
+# What mtp_input_gemv_batch stores in an entry's flag byte (bits; 0 is never stored).
 HIDDEN_NONFINITE = 1
 TOKEN_OUTSIDE = 2
 
 
-@declare(
-    "mtp_input",
-    "mtp_embed_norm",
-    [
-        ("table", PTR),
-        ("tokens", PTR),
-        ("enorm", PTR),
-        ("hidden", PTR),
-        ("hnorm", PTR),
-        ("out", PTR),
-        ("rows", U32),
-        ("vocab", U32),
-        ("h", U32),
-        ("eps", F32),
-    ],
-    writes=("out",),
-)
-def MTP_EMBED_NORM(mem, table, tokens, enorm, hidden, hnorm, out, rows, vocab, h, eps):
+def _embed_norm_rows(mem, table, tokens, enorm, hidden, hnorm, out, rows, vocab, h, eps):
+    """out row r = [rmsnorm(table[tokens[r]]) * enorm ; rmsnorm(hidden[r]) * hnorm] ([rows, 2h] BF16);
+    a token outside the vocabulary gives a NaN embedding half."""
     toks = mem.read(tokens, np.uint32, rows)
     res = np.empty((rows, 2 * h), BF16)
     e_w, h_w = mem.read(enorm, BF16, h), mem.read(hnorm, BF16, h)
@@ -65,31 +50,10 @@ def MTP_EMBED_NORM(mem, table, tokens, enorm, hidden, hnorm, out, rows, vocab, h
     mem.write(out, res)
 
 
-@declare(
-    "mtp_input",
-    "mtp_input_gemv",
-    [
-        ("table", PTR),
-        ("token", PTR),
-        ("enorm", PTR),
-        ("hidden", PTR),
-        ("hnorm", PTR),
-        ("w", PTR),
-        ("y", PTR),
-        ("vocab", U32),
-        ("h", U32),
-        ("n", U32),
-        ("eps", F32),
-        ("flag", PTR),
-    ],
-    writes=("y", "flag"),
-    # The hidden half runs before the wait, beside the head that released it (ptx/mtp_input.cu).
-    pdl=Pdl.BESIDE,
-)
-def MTP_INPUT_GEMV(mem, table, token, enorm, hidden, hnorm, w, y, vocab, h, n, eps, flag):
+def _input_gemv_row(mem, table, token, enorm, hidden, hnorm, w, y, vocab, h, n, eps, flag):
     """y = W @ [rmsnorm(table[*token]) * enorm ; rmsnorm(hidden) * hnorm] for one row (W [n, 2h]):
-    mtp_embed_norm (rows = 1) and gemv_bf16 in sequence, in one launch on the device (which sums
-    the two half-rows separately, within the GEMV's rounding of this). ``flag`` as the module says."""
+    _embed_norm_rows (rows = 1) and gemv_bf16 in sequence (the device sums the two half-rows
+    separately, within the GEMV's rounding of this). ``flag`` as the module says."""
     t = int(mem.scalar(token, np.uint32))
     x = np.empty(2 * h, BF16)
     hid = mem.read(hidden, BF16, h)
@@ -107,62 +71,12 @@ def MTP_INPUT_GEMV(mem, table, token, enorm, hidden, hnorm, w, y, vocab, h, n, e
         mem.write(y, gemv_bf16_ref(mem.view(w, BF16, (n, 2 * h)), x[None])[0])
 
 
-# ptx/mtp_input.cu mtp_input_gemv: one row per warp, 8 warps per block, grid-stride over the rows
+# ptx/mtp_input.cu mtp_input_gemv_batch: one row of eh_proj per warp, 8 warps per block, grid-stride over the rows
 # with the blocks the device holds at once (gpu.resident_blocks, balanced by grid_stride_blocks),
 # so that every block computes the norm prologues once; never more than MTP_INPUT_ROWS_PER_WARP
 # rows per warp (the kernel keeps that many hidden-half sums per warp in shared memory). The
 # 2h-wide input lives in dynamic smem.
 MTP_INPUT_ROWS_PER_WARP = 4
-
-
-def mtp_input_grid(gpu, n: int, h: int) -> int:
-    kernel = gpu.kernel(*MTP_INPUT_GEMV.key)
-    units = -(-n // 8)
-    grid = grid_stride_blocks(units, gpu.resident_blocks(kernel, 256, 4 * h))
-    return max(grid, -(-units // MTP_INPUT_ROWS_PER_WARP))
-
-
-def mtp_input_gemv(gpu, table, token, enorm, hidden, hnorm, w, y, vocab, h, n, eps, stream=None, *, flag):
-    launch(
-        gpu,
-        gpu.kernel(*MTP_INPUT_GEMV.key),
-        mtp_input_grid(gpu, n, h),
-        256,
-        table,
-        token,
-        enorm,
-        hidden,
-        hnorm,
-        w,
-        y,
-        vocab,
-        h,
-        n,
-        eps,
-        flag,
-        smem=4 * h,
-        stream=stream,
-    )
-
-
-def mtp_embed_norm(gpu, table, tokens, enorm, hidden, hnorm, out, rows, vocab, h, eps, stream=None):
-    launch(
-        gpu,
-        gpu.kernel(*MTP_EMBED_NORM.key),
-        (rows, 2),
-        256,
-        table,
-        tokens,
-        enorm,
-        hidden,
-        hnorm,
-        out,
-        rows,
-        vocab,
-        h,
-        eps,
-        stream=stream,
-    )
 
 
 # ---- the batch: m entries (model/kernels/batch.py), eh_proj read once for all of them -------------
@@ -194,14 +108,14 @@ def _entry_token_ptr(entries, e: int):
     writes=("out",),
 )
 def MTP_EMBED_NORM_BATCH(mem, table, entries, enorm, hidden, hnorm, out, m, vocab, h, eps):
-    """mtp_embed_norm over m entries: out row e = [rmsnorm(table[entry e's token]) * enorm ;
-    rmsnorm(hidden[e]) * hnorm] ([m, 2h] BF16), row for row mtp_embed_norm's arithmetic. A padding
-    entry's row is not written and nothing is read for it."""
+    """out row e = [rmsnorm(table[entry e's token]) * enorm ; rmsnorm(hidden[e]) * hnorm] ([m, 2h]
+    BF16) for each of m entries, row by row. A padding entry's row is not written and nothing is
+    read for it."""
     ents = read_entries(mem, entries, m)
     for e in range(m):
         if is_pad(ents[e]):
             continue
-        MTP_EMBED_NORM.host(
+        _embed_norm_rows(
             mem,
             table,
             _entry_token_ptr(entries, e),
@@ -236,14 +150,15 @@ def MTP_EMBED_NORM_BATCH(mem, table, entries, enorm, hidden, hnorm, out, m, voca
         ("flag_byte", U32),
     ],
     writes=("y", "flags"),
-    # As mtp_input_gemv: the hidden halves before the wait, beside the head that released it; the
-    # entries (whose tokens the head writes) after it.
+    # The hidden halves before the wait, beside the head that released it; the entries (whose
+    # tokens the head writes) after it.
     pdl=Pdl.BESIDE,
 )
 def MTP_INPUT_GEMV_BATCH(
     mem, table, entries, enorm, hidden, hnorm, w, y, m, vocab, h, n, eps, flags, flag_byte
 ):
-    """mtp_input_gemv for each of the m entries e that is not padding: the token is entry e's word
+    """y row e = W @ [rmsnorm(table[token]) * enorm ; rmsnorm(hidden_e) * hnorm] and the flag as
+    the module says, for each of the m entries e that is not padding: the token is entry e's word
     2, the hidden row ``hidden + e * h * 2`` bytes, y row e of ``[m, n]`` BF16, the flag byte
     ``flags + e * 4 + flag_byte`` (one u32 of four flag bytes per entry). A padding entry's y row
     and flag are never written."""
@@ -251,7 +166,7 @@ def MTP_INPUT_GEMV_BATCH(
     for e in range(m):
         if is_pad(ents[e]):
             continue
-        MTP_INPUT_GEMV.host(
+        _input_gemv_row(
             mem,
             table,
             _entry_token_ptr(entries, e),
@@ -281,8 +196,9 @@ def mtp_input_batch_smem(m: int, h: int) -> int:
 
 
 def mtp_input_batch_grid(gpu, m: int, n: int, h: int) -> tuple[int, int]:
-    """(chunks of entries, blocks over the rows of eh_proj): the second as mtp_input_grid, for the
-    shared memory of m's chunks, so that every warp owns at most MTP_INPUT_ROWS_PER_WARP rows."""
+    """(chunks of entries, blocks over the rows of eh_proj): the blocks resident at once for the
+    shared memory of m's chunks, but never so few that a warp owns more than
+    MTP_INPUT_ROWS_PER_WARP rows."""
     kernel = gpu.kernel(*MTP_INPUT_GEMV_BATCH.key)
     units = -(-n // 8)
     grid = grid_stride_blocks(units, gpu.resident_blocks(kernel, 256, mtp_input_batch_smem(m, h)))
@@ -301,7 +217,7 @@ def mtp_input_gemv_batch(
     * hnorm] (MTP_INPUT_GEMV_BATCH). ``entries``: m entries (16-byte aligned, u32 [m, 4]);
     ``hidden``: m BF16 rows of h (a padding entry's row is read, never used); ``flags``: m u32
     words, entry e's flag in byte ``flag_byte`` of word e. Each row is bit-identical to a launch of
-    that entry alone (m = 1), which computes what mtp_input_gemv computes."""
+    that entry alone (m = 1)."""
     _check_batch("mtp_input_gemv_batch", m)
     if not 0 <= flag_byte < 4:
         raise ValueError(f"mtp_input_gemv_batch: flag_byte={flag_byte} is not a byte of a u32 (0..3)")

@@ -5,14 +5,12 @@ Per head: ``s_j = (q_h . c_j) * scale`` over the selected rows j, softmax, ``o_h
 The selection's row count is read from device memory; an empty selection (a row with no complete
 pool when the tail is not selected) attends nothing and outputs zero. CUDA: ptx/sparse_mla.cu.
 
-Two implementations of the same function: ``sparse_mla_attend`` (one launch, one block per head,
-CUDA cores) and the split pair ``sparse_mla_partial`` + ``sparse_mla_combine`` (flash-decoding:
-64-row splits x 16-head tiles on the tensor cores, then an exact merge), which the decoder block
-uses where the shapes allow it (``split_supported``).
-
-``sparse_mla_split_batch`` / ``sparse_mla_attend_batch`` run either for m batch entries
-(model/kernels/batch.py): each entry attends its own selection through its own slot's block
-table, with the single-sequence kernel's bits (the same device functions and twin helpers).
+Two implementations of the same function, each for m batch entries (model/kernels/batch.py):
+``sparse_mla_attend_batch`` (one launch, one block per head and entry, CUDA cores) and the split
+pair ``sparse_mla_partial_batch`` + ``sparse_mla_combine_batch`` (``sparse_mla_split_batch``;
+flash-decoding: 64-row splits x 16-head tiles on the tensor cores, then an exact merge), which the
+decoder block uses where the shapes allow it (``split_supported``). Each entry attends its own
+selection through its own slot's block table; its bits do not depend on the batch.
 """
 
 from __future__ import annotations
@@ -27,13 +25,6 @@ from runtime.launch import launch
 from .batch import is_pad, read_entries
 
 
-def _gather(mem, cache, scales, block_table, selected, count, dim, block_size):
-    """(count, the selected rows' FP8 latents widened to f32 and times their row scales)."""
-    return _gather_n(
-        mem, cache, scales, block_table, selected, int(mem.scalar(count, np.uint32)), dim, block_size
-    )
-
-
 def _gather_n(mem, cache, scales, block_table, selected, n, dim, block_size):
     if n == 0:
         return 0, np.zeros((0, dim), np.float32)
@@ -46,33 +37,8 @@ def _gather_n(mem, cache, scales, block_table, selected, n, dim, block_size):
     return n, c
 
 
-@declare(
-    "sparse_mla",
-    "sparse_mla_attend",
-    [
-        ("q", PTR),
-        ("cache", PTR),
-        ("scales", PTR),
-        ("block_table", PTR),
-        ("selected", PTR),
-        ("count", PTR),
-        ("out", PTR),
-        ("heads", U32),
-        ("dim", U32),
-        ("block_size", U32),
-        ("scale", F32),
-    ],
-    writes=("out",),
-)
-def SPARSE_MLA_ATTEND(
-    mem, q, cache, scales, block_table, selected, count, out, heads, dim, block_size, scale
-):
-    n, c = _gather(mem, cache, scales, block_table, selected, count, dim, block_size)
-    _attend(mem, q, n, c, out, heads, dim, scale)
-
-
 def _attend(mem, q, n, c, out, heads, dim, scale):
-    """One sequence's attention over its gathered rows (the single and the batched twin)."""
+    """One sequence's attention over its gathered rows."""
     if n == 0:
         mem.write(out, np.zeros((heads, dim), BF16))
         return
@@ -84,40 +50,10 @@ def _attend(mem, q, n, c, out, heads, dim, scale):
     mem.write(out, dot_rows(p, c.T).astype(BF16))
 
 
-# ptx/sparse_mla.cu: rows per split and heads per tile of sparse_mla_partial.
+# ptx/sparse_mla.cu: rows per split and heads per tile of sparse_mla_partial_batch.
 SPLIT_ROWS = 64
 HEAD_TILE = 16
 MAX_SPLITS = 1024
-
-
-@declare(
-    "sparse_mla",
-    "sparse_mla_partial",
-    [
-        ("q", PTR),
-        ("cache", PTR),
-        ("scales", PTR),
-        ("block_table", PTR),
-        ("selected", PTR),
-        ("count", PTR),
-        ("part", PTR),
-        ("ml", PTR),
-        ("heads", U32),
-        ("dim", U32),
-        ("block_size", U32),
-        ("scale", F32),
-    ],
-    writes=("part", "ml"),
-    pdl=True,
-    releases=True,  # right after its wait: its successor's blocks launch during its tail (ptx/common.cuh)
-)
-def SPARSE_MLA_PARTIAL(
-    mem, q, cache, scales, block_table, selected, count, part, ml, heads, dim, block_size, scale
-):
-    """Split s = rows [64 s, 64 s + 64) of the selection: m = max_j s_j, l = sum_j exp(s_j - m),
-    part[s][h] = sum_j exp(s_j - m) c_j (f32), ml[s][h] = (m, l)."""
-    n, c = _gather(mem, cache, scales, block_table, selected, count, dim, block_size)
-    _partial(mem, q, n, c, part, ml, heads, dim, scale)
 
 
 def _partial(mem, q, n, c, part, ml, heads, dim, scale):
@@ -129,19 +65,6 @@ def _partial(mem, q, n, c, part, ml, heads, dim, scale):
         e = np.exp(s[:, seg] - m[:, None])
         mem.write(part.offset(sp * heads * dim * 4), dot_rows(e, c[seg].T))
         mem.write(ml.offset(sp * heads * 8), np.stack([m, e.sum(1, dtype=np.float32)], 1).astype(np.float32))
-
-
-@declare(
-    "sparse_mla",
-    "sparse_mla_combine",
-    [("part", PTR), ("ml", PTR), ("count", PTR), ("out", PTR), ("heads", U32), ("dim", U32)],
-    writes=("out",),
-    pdl=True,
-    releases=True,  # right after its wait: its successor's blocks launch during its tail (ptx/common.cuh)
-)
-def SPARSE_MLA_COMBINE(mem, part, ml, count, out, heads, dim):
-    """out[h] = sum_s w_s part[s][h] / sum_s w_s l_s with w_s = exp(m_s - max_s m_s)."""
-    _combine(mem, part, ml, int(mem.scalar(count, np.uint32)), out, heads, dim)
 
 
 def _combine(mem, part, ml, n, out, heads, dim):
@@ -255,7 +178,7 @@ def SPARSE_MLA_ATTEND_BATCH(
     ],
     writes=("part", "ml"),
     pdl=True,
-    releases=True,  # as sparse_mla_partial
+    releases=True,  # right after its wait: the merge launches during its tail
 )
 def SPARSE_MLA_PARTIAL_BATCH(
     mem,
@@ -276,7 +199,8 @@ def SPARSE_MLA_PARTIAL_BATCH(
     block_size,
     scale,
 ):
-    """sparse_mla_partial of each entry into its workspace (split_workspace_batch)."""
+    """Each entry's per-split partial attention (unnormalised output and its (max, sum)) into its
+    workspace (split_workspace_batch)."""
     bps, splits = _blocks_per_slot(slot_rows, block_size), batch_splits(sel_cap)
     for e, slot, n in _batch_entries(mem, entries, m, count, sel_cap):
         table = tables.offset(slot * bps * 4)
@@ -310,10 +234,10 @@ def SPARSE_MLA_PARTIAL_BATCH(
     ],
     writes=("out",),
     pdl=True,
-    releases=True,  # as sparse_mla_combine
+    releases=True,  # right after its wait: wv launches during its tail
 )
 def SPARSE_MLA_COMBINE_BATCH(mem, part, ml, count, out, entries, m, sel_cap, heads, dim):
-    """sparse_mla_combine of each entry's workspace into out + e * heads * dim."""
+    """The exact merge of each entry's splits into out + e * heads * dim."""
     splits = batch_splits(sel_cap)
     for e, _, n in _batch_entries(mem, entries, m, count, sel_cap):
         _combine(
@@ -329,7 +253,7 @@ def SPARSE_MLA_COMBINE_BATCH(mem, part, ml, count, out, entries, m, sel_cap, hea
 
 def split_supported(dim: int, rows_capacity: int) -> bool:
     """Shapes the tensor-core split kernels take: dim a multiple of 16 up to 512, and at most
-    MAX_SPLITS splits (sparse_mla_combine's shared weights)."""
+    MAX_SPLITS splits (sparse_mla_combine_batch's shared weights)."""
     return dim % 16 == 0 and 16 <= dim <= 512 and -(-rows_capacity // SPLIT_ROWS) <= MAX_SPLITS
 
 
@@ -347,7 +271,7 @@ def split_workspace_batch(heads: int, dim: int, sel_cap: int, m: int) -> tuple[i
 
 
 def partial_smem(dim: int) -> int:
-    """ptx/sparse_mla.cu sparse_mla_partial: C [64][dim+8] and q hi/lo [16][dim+8] BF16, scores
+    """ptx/sparse_mla.cu sparse_mla_partial_batch: C [64][dim+8] and q hi/lo [16][dim+8] BF16, scores
     [16][68] f32, p hi/lo [16][72] BF16, 64 slots and scales, 16 (m, l)."""
     dp = dim + 8
     return (
@@ -357,89 +281,6 @@ def partial_smem(dim: int) -> int:
         + 4 * HEAD_TILE * 72
         + 8 * SPLIT_ROWS
         + 8 * HEAD_TILE
-    )
-
-
-def sparse_mla_split(
-    gpu,
-    q,
-    cache,
-    scales,
-    block_table,
-    selected,
-    count,
-    part,
-    ml,
-    out,
-    heads,
-    dim,
-    block_size,
-    scale,
-    rows_capacity,
-    stream=None,
-):
-    """sparse_mla_partial over every split a selection of ``rows_capacity`` rows can have (splits
-    past the device-side count exit), then sparse_mla_combine."""
-    if not split_supported(dim, rows_capacity):
-        raise ValueError(f"sparse_mla_split: dim {dim} / {rows_capacity} rows outside the split kernels")
-    splits = max(-(-rows_capacity // SPLIT_ROWS), 1)
-    launch(
-        gpu,
-        gpu.kernel(*SPARSE_MLA_PARTIAL.key),
-        (splits, -(-heads // HEAD_TILE)),
-        256,
-        q,
-        cache,
-        scales,
-        block_table,
-        selected,
-        count,
-        part,
-        ml,
-        heads,
-        dim,
-        block_size,
-        scale,
-        smem=partial_smem(dim),
-        stream=stream,
-    )
-    launch(
-        gpu,
-        gpu.kernel(*SPARSE_MLA_COMBINE.key),
-        (heads, -(-dim // 128)),
-        256,
-        part,
-        ml,
-        count,
-        out,
-        heads,
-        dim,
-        stream=stream,
-    )
-
-
-def sparse_mla_attend(
-    gpu, q, cache, scales, block_table, selected, count, out, heads, dim, block_size, scale, stream=None
-):
-    if dim > 1024:
-        raise ValueError(f"sparse_mla_attend: dim {dim} > 1024 (the kernel's per-lane registers)")
-    launch(
-        gpu,
-        gpu.kernel(*SPARSE_MLA_ATTEND.key),
-        heads,
-        256,
-        q,
-        cache,
-        scales,
-        block_table,
-        selected,
-        count,
-        out,
-        heads,
-        dim,
-        block_size,
-        scale,
-        stream=stream,
     )
 
 
@@ -474,13 +315,13 @@ def sparse_mla_split_batch(
     scale,
     stream=None,
 ):
-    """``sparse_mla_split`` for ``m`` batch entries (model/kernels/batch.py): partials over grid
+    """The split attention for ``m`` batch entries (model/kernels/batch.py): partials over grid
     ``(batch_splits(sel_cap), ceil(heads / 16), m)``, then the merge over ``(heads, ceil(dim / 128),
     m)``. Entry e: absorbed query ``q + e * heads * dim * 4`` (f32 ``[heads][dim]``), selection
     ``selected + e * sel_cap * 4`` with ``count[e]`` rows (at most ``sel_cap``), latent rows through
     its slot's block table (``tables + slot * ceil(slot_rows / block_size) * 4``), workspace
     ``part`` / ``ml`` per entry (``split_workspace_batch``), output ``out + e * heads * dim * 2``
-    (BF16). Each entry's output is sparse_mla_split's for that sequence, bit for bit. Padding
+    (BF16). Each entry's output is that of a launch of its entry alone, bit for bit. Padding
     entries read and write nothing (their output rows keep what they held)."""
     if not split_supported(dim, sel_cap):
         raise ValueError(f"sparse_mla_split_batch: dim {dim} / {sel_cap} rows outside the split kernels")
@@ -547,7 +388,7 @@ def sparse_mla_attend_batch(
     scale,
     stream=None,
 ):
-    """``sparse_mla_attend`` (the fallback for shapes ``split_supported`` refuses) for ``m`` entries,
+    """The one-pass attention (the fallback for shapes ``split_supported`` refuses) for ``m`` entries,
     grid ``(heads, m)``, addressed as ``sparse_mla_split_batch``; no workspace."""
     if dim > 1024:
         raise ValueError(f"sparse_mla_attend_batch: dim {dim} > 1024 (the kernel's per-lane registers)")
