@@ -915,12 +915,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) head_argmax_fp8_mma(
             float acc[MMA_NG][4];
 #pragma unroll
             for (int c = 0; c < MMA_NG; ++c) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = 0.0f;
-            if (whole) {
-                if (mine) mma_slice(w0, w1, 0u, nsb, nsb, 0u, ngc, xrow, acc);
-            } else {
-                for (uint32_t sl = 0; sl < nslices; ++sl, ++it) {
-                    // The next step's slice into the other buffer (its last reader finished before the
-                    // barrier that ended the previous step), then this step's slice complete and seen.
+            for (uint32_t sl = 0; sl < nslices; ++sl, ++it) {  // one step when whole
+                if (!whole) {
+                    // The next step's slice into the other buffer (its last reader finished before
+                    // the barrier that ended the previous step), then this step's slice complete and
+                    // seen by every thread.
                     const uint32_t nx = sl + 1u < nslices ? sl + 1u : 0u;
                     if (sl + 1u < nslices || gi + s.stride < groups)
                         issue_x_slice(xt, rows, k, nx * S, min(S, nsb - nx * S), S, ((it + 1u) & 1u) * bufsize);
@@ -928,10 +927,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) head_argmax_fp8_mma(
                         asm volatile("cp.async.commit_group;" ::: "memory");  // keeps wait_group 1 exact
                     cp_async_wait<1>();
                     __syncthreads();
-                    const uint32_t s0 = sl * S;
-                    if (mine) mma_slice(w0, w1, s0, min(nsb, s0 + S), nsb, (it & 1u) * bufsize, ngc, xrow, acc);
-                    __syncthreads();  // every warp is done with this buffer before it is refilled
                 }
+                const uint32_t s0 = sl * S, buf = whole ? 0u : (it & 1u) * bufsize;
+                if (mine) mma_slice(w0, w1, s0, min(nsb, s0 + S), nsb, buf, ngc, xrow, acc);
+                if (!whole) __syncthreads();  // every warp is done with this buffer before it is refilled
             }
             if (!mine) continue;
             const uint32_t ra = row0 + g, rb = row0 + g + 8u;
