@@ -769,14 +769,23 @@ __device__ __forceinline__ void mma_16816_bf16(float (&d)[4], uint32_t a0, uint3
 // caller waits (cp_async_wait) and then needs a barrier before any thread reads the slice.
 __device__ __forceinline__ void issue_x_slice(const uint16_t* __restrict__ x, uint32_t rows, uint32_t k,
                                               uint32_t sb0, uint32_t cnt, uint32_t S, uint32_t buf) {
-    const uint32_t per_row = 8u * cnt, total = rows * per_row, kc = k / 8u;
+    const uint32_t per_row = 8u * cnt, kc = k / 8u;
     const uint4* xv = reinterpret_cast<const uint4*>(x) + 8u * sb0;
     const uint32_t base = (uint32_t)__cvta_generic_to_shared(x_smem) + 16u * buf;
-    for (uint32_t j = threadIdx.x; j < total; j += blockDim.x) {
-        const uint32_t r = j / per_row, c = j % per_row;
+    // Element j = r * per_row + c of the slice, j = threadIdx.x + i * blockDim.x: (r, c) stepped by
+    // blockDim's quotient and remainder (two divisions a call, not two an element).
+    const uint32_t dr = blockDim.x / per_row, dc = blockDim.x % per_row;
+    uint32_t r = threadIdx.x / per_row, c = threadIdx.x % per_row;
+    for (; r < rows;) {
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + 16u * (r * (8u * S + 1u) + c)),
                      "l"(xv + (size_t)r * kc + c)
                      : "memory");
+        r += dr;
+        c += dc;
+        if (c >= per_row) {
+            c -= per_row;
+            ++r;
+        }
     }
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
