@@ -898,6 +898,21 @@ extern "C" __global__ void __launch_bounds__(256, 2) head_argmax_fp8_mma(
     const bool whole = per_row >= 128u * nsb + 16u;          // one slice, staged once
     const uint32_t S = whole ? nsb : per_row >= 288u ? (per_row / 2u - 16u) / 128u : 0u;
     const bool shape_ok = k % 64u == 0 && k > 0 && aligned16(wq) && aligned16(x) && S > 0u;
+    const uint32_t groups = (n + WARPS * MMA_ROWS - 1) / (WARPS * MMA_ROWS);
+    {
+        // The first group's first two weight batches towards L2 before the wait (weights only: no
+        // kernel writes them), so that the stream starts under the previous kernel's tail as the
+        // single-row head's does; a block whose tile turns out to be padding wasted them.
+        const uint32_t row0 = (s.gfirst * WARPS + warp) * MMA_ROWS;
+        if (s.active && shape_ok && s.gfirst < groups && row0 < n) {
+            const uint8_t* w0 = wq + (size_t)min(row0 + g, n - 1u) * k + 16u * t;
+            const uint8_t* w1 = wq + (size_t)min(row0 + g + 8u, n - 1u) * k + 16u * t;
+            for (uint32_t sb = 0; sb < min(nsb, 2u * MMA_U); ++sb) {
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(w0 + 64u * sb));
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(w1 + 64u * sb));
+            }
+        }
+    }
     wait_then_release();
     const bool live = s.active && shape_ok && tile_any_live(entries, s.tile);  // block-uniform
     if (live) {
@@ -914,7 +929,6 @@ extern "C" __global__ void __launch_bounds__(256, 2) head_argmax_fp8_mma(
             cp_async_wait<0>();
             __syncthreads();
         }
-        const uint32_t groups = (n + WARPS * MMA_ROWS - 1) / (WARPS * MMA_ROWS);
         uint32_t it = 0;  // (group, slice) steps so far: the buffer is it & 1
         for (uint32_t gi = s.gfirst; gi < groups; gi += s.stride) {  // block-uniform
             const uint32_t row0 = (gi * WARPS + warp) * MMA_ROWS;
