@@ -882,7 +882,10 @@ __device__ __forceinline__ bool tile_any_live(const uint32_t* entries, const Bat
 // Grid: tiles x the blocks per tile (gridDim.x a multiple of tiles), block 256: 8 warps x 16 rows =
 // 128-row weight groups, grid-stride; dynamic shared memory tmax * P bytes (x staging, above).
 // __launch_bounds__(256, 2): the eight column groups' accumulators (32 registers) beside the 128
-// bytes per lane of weights in flight need more than 64 registers.
+// bytes per lane of weights in flight and a superblock's A fragments (16) need more than 64
+// registers (ptxas -v, nvcc 13.0: 128, no spills), so 16 warps a SM; the L2 prefetches of the next
+// weight batch (mma_slice) and of the first two before the wait keep about as many bytes in flight
+// as the 32 warps of the 64-register heads do at m = 1.
 extern "C" __global__ void __launch_bounds__(256, 2) head_argmax_fp8_mma(
     const uint8_t* __restrict__ wq, const float* __restrict__ scale, const uint16_t* __restrict__ x,
     uint16_t* __restrict__ logits, unsigned long long* keys, uint32_t* counter, uint32_t* entries, uint32_t* drafts,
