@@ -606,7 +606,8 @@ def test_mma_ties_nan_and_inf_rows(cuda):
 
 def test_mma_batch_invariance_bit_for_bit(cuda, pool_weights):
     """As test_batch_invariance_bit_for_bit for the tensor-core kernel: 200 rows alone, then in
-    batches of 17, 200, 1, 64 and 3 (tiles of up to 8 rows, a row in any column of the MMA)."""
+    batches of 17, 200, 1, 64 and 3 (tiles of up to 64 rows, a row in any column of any column group;
+    x staged once per block at 1 and 3 rows, in double-buffered k-slices at 17, 50 and 64)."""
     rng = np.random.default_rng()
     base, resident = pool_weights[True]
     base = HeadCase(**{**base.__dict__, "mma": True})
