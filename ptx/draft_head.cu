@@ -221,26 +221,22 @@ __device__ __forceinline__ HeadBatchShape head_batch_shape(uint32_t m, uint32_t 
     return s;
 }
 
-// The argmax and the commit of a batch. Lane i of each warp holds the warp's best key for row i of the
-// block's tile; the block's best per live row goes into keys[e0 + i] by atomicMax; the last block
-// commits every live entry of the launch from its key (the file comment's rules) and re-zeroes
-// keys[0..m). The shape and the tile's live rows are derived again here rather than kept in
-// registers through the weight stream (that spilled the BF16 head).
-template <int TR = BATCH_TILE_ROWS>
-__device__ __forceinline__ void argmax_commit_batch(unsigned long long cand, uint32_t m, uint32_t tiles,
-                                                    unsigned long long* keys, uint32_t* counter, uint32_t* entries,
-                                                    uint32_t* drafts, uint32_t draft_index, uint32_t kmax,
-                                                    uint32_t* host_drafts, uint32_t publish, uint8_t* flags,
-                                                    uint32_t flag_byte) {
-    __shared__ unsigned long long best_s[WARPS][TR];
-    const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane < (uint32_t)TR) best_s[warp][lane] = cand;
-    __syncthreads();
+// The commit of a batched head from best[w][i], warp w's best key for row i of the block's tile
+// (written and made visible by the caller's barrier): the block's best per live row goes into
+// keys[e0 + i] by atomicMax; the last block commits every live entry of the launch from its key
+// (the file comment's rules) and re-zeroes keys[0..m). The shape is derived again here rather than kept
+// in registers through the weight stream (that spilled the BF16 head). Needs blockDim >= TR.
+template <int TR>
+__device__ __forceinline__ void commit_tile_keys(const unsigned long long (*best)[TR], uint32_t m, uint32_t tiles,
+                                                 unsigned long long* keys, uint32_t* counter, uint32_t* entries,
+                                                 uint32_t* drafts, uint32_t draft_index, uint32_t kmax,
+                                                 uint32_t* host_drafts, uint32_t publish, uint8_t* flags,
+                                                 uint32_t flag_byte) {
     const HeadBatchShape s = head_batch_shape<TR>(m, tiles);
     if (s.active && threadIdx.x < s.tile.rows &&
         __ldcg(entries + (size_t)(s.tile.e0 + threadIdx.x) * ENTRY_WORDS) != BATCH_PAD) {
         unsigned long long b = 0ull;
-        for (int w = 0; w < WARPS; ++w) b = best_s[w][threadIdx.x] > b ? best_s[w][threadIdx.x] : b;
+        for (int w = 0; w < WARPS; ++w) b = best[w][threadIdx.x] > b ? best[w][threadIdx.x] : b;
         if (b) atomicMax(keys + s.tile.e0 + threadIdx.x, b);
     }
     if (!last_block_done(counter)) return;
@@ -255,6 +251,22 @@ __device__ __forceinline__ void argmax_commit_batch(unsigned long long cand, uin
         d[draft_index] = t;
         if (publish) publish_drafts(d, host_drafts + (size_t)e * kmax, draft_index, t);
     }
+}
+
+// The batch's argmax and commit: lane i of each warp holds the warp's best key for row i of the block's
+// tile (TR <= 32); commit_tile_keys does the rest.
+template <int TR = BATCH_TILE_ROWS>
+__device__ __forceinline__ void argmax_commit_batch(unsigned long long cand, uint32_t m, uint32_t tiles,
+                                                    unsigned long long* keys, uint32_t* counter, uint32_t* entries,
+                                                    uint32_t* drafts, uint32_t draft_index, uint32_t kmax,
+                                                    uint32_t* host_drafts, uint32_t publish, uint8_t* flags,
+                                                    uint32_t flag_byte) {
+    __shared__ unsigned long long best_s[WARPS][TR];
+    const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane < (uint32_t)TR) best_s[warp][lane] = cand;
+    __syncthreads();
+    commit_tile_keys<TR>(best_s, m, tiles, keys, counter, entries, drafts, draft_index, kmax, host_drafts, publish,
+                         flags, flag_byte);
 }
 
 // One group of the FP8 head over a tile of M rows: ROWS_BATCH weight rows per warp, logits of tile
@@ -563,31 +575,48 @@ extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_bf16_batch(
 //
 // head_argmax_fp8_mma: head_argmax_fp8_batch's contract (the same arguments and commit), its logits
 // from mma.sync.m16n8k16 with BF16 inputs and f32 accumulation. A warp's 16 weight rows are the
-// MMA's M, a tile's up to 8 rows of x its N, and each 64-element superblock of k is four MMAs. The
-// FP8 weights are dequantised to BF16 in registers (exact: E4M3 -> f16 -> f32 -> BF16 changes no
-// value), the row scale multiplies the finished f32 sum and x is the BF16 it is, as in the
-// CUDA-core heads; but the sum of each k16 step is the tensor core's own, so the logits are not
-// the CUDA-core heads' bits (the GPU tests hold them to the twin within the GEMV bound). Batch
-// invariance: a logit depends only on its weight row, its x row and the fixed order of the MMAs
-// over k (an MMA's output column comes from its own column of B), never on m, the tile, the other
-// rows or the row's place; that is what would let one such kernel serve every m, m = 1 included.
-// A separate kernel for the lead to measure (tests/test_gpu_batch_head.py); the model does not use
-// it.
+// MMA's M; a tile of up to 64 rows of x is up to eight n8 column groups (the MMA's N = 8), and each
+// 64-element superblock of k is four MMAs per column group. The FP8 weights are dequantised to BF16
+// in registers once per block (exact: E4M3 -> f16 -> f32 -> BF16 changes no value) and each A
+// fragment feeds the MMAs of every column group of the tile, so a launch dequantises and reads the
+// weights once per tile, ceil(m / 64) times, instead of once per 8 rows. The row scale multiplies the
+// finished f32 sum and x is the BF16 it is, as in the CUDA-core heads; but the sum of each k16 step
+// is the tensor core's own, so the logits are not the CUDA-core heads' bits (the GPU tests hold them
+// to the twin within the GEMV bound).
+//
+// Batch invariance: a logit depends only on its weight row, its x row and the fixed order of the
+// MMAs over k (superblocks in order, MMAs j = 0..3 within one, into the one accumulator of its
+// column group starting from 0; an MMA's output column comes from its own column of B), never on
+// m, the tile, the column group, the other rows, the row's place or the k-slicing of the staging.
+// That order is the one the 8-row version of this kernel had, so its bits are kept.
 //
 // Fragments. Lane (g = lane / 4, t = lane % 4) loads the 16 weight bytes at superblock offset 16t
-// of rows g and g + 8, and the 16 x values at the same offset of tile row g. MMA j (0..3) takes
-// elements 16t + 4j .. 16t + 4j + 3 of them: its logical k pairs (2t, 2t + 1) and (2t + 8, 2t + 9)
-// are the physical pairs (16t + 4j, +1) and (16t + 4j + 2, +3) for A and B alike, so each product
-// pairs a weight with its own x, and the four MMAs cover the superblock's 64 k once.
-// x is staged per tile in shared memory as BF16, rows 2k + 16 bytes apart: lanes g and g + 1 then
-// fall an odd number of 16-byte bank groups apart and the 16-byte loads are conflict-free. A tile of
-// fewer than 8 rows reads row min(g, rows - 1) for the missing columns (their results are dropped).
-// Needs k % 64 == 0, 16-byte aligned wq and x (else the kernel computes nothing, every live entry
-// commits the empty key: token 0, NONFINITE_NAN; the launch helper refuses such shapes) and
-// tmax * (2k + 16) bytes of dynamic shared memory.
+// of rows g and g + 8, and for column group c the 16 x values at the same offset of tile row
+// 8c + g. MMA j (0..3) takes elements 16t + 4j .. 16t + 4j + 3 of them: its logical k pairs (2t,
+// 2t + 1) and (2t + 8, 2t + 9) are the physical pairs (16t + 4j, +1) and (16t + 4j + 2, +3) for A
+// and B alike, so each product pairs a weight with its own x, and the four MMAs cover the
+// superblock's 64 k once. The last column group of a tile whose rows are not a multiple of 8 reads
+// row rows - 1 for its missing columns (their results are dropped).
+//
+// x staging. The tile's x is staged in shared memory as BF16 by cp.async, row i of a k-slice of S
+// superblocks at i * (128 S + 16) bytes, so lanes g and g + 1 fall an odd number of 16-byte bank
+// groups apart and the 16-byte loads of a quarter warp are conflict-free. Dynamic shared memory of
+// tmax * P bytes (tmax: the largest tile's rows) holding all of k (P >= 128 k / 64 + 16: up to 11
+// rows at k = 4096 in 96 KB) gets one slice, staged once per block as a single-row kernel stages x.
+// Otherwise it holds two buffers of S = (P / 2 - 16) / 128 superblocks a row, and every 128-row
+// weight group walks the k-slices in turn, the accumulators held in registers across them: the
+// next slice (the next group's first after a group's last) is copied into one buffer while the
+// MMAs read the other, two barriers a slice (the weight groups run in step over the block, warps
+// past n included).
+//
+// Needs k % 64 == 0, 16-byte aligned wq and x and P >= 288 (or one slice of all of k)
+// (else the kernel computes nothing, every live entry commits the empty key: token 0,
+// NONFINITE_NAN; the launch helper refuses such shapes).
 namespace {
 constexpr int MMA_ROWS = 16;  // weight rows per warp: the MMA's M
-constexpr int MMA_TILE = 8;   // rows of x per tile: the MMA's N
+constexpr int MMA_N = 8;      // rows of x per column group: the MMA's N
+constexpr int MMA_NG = 8;     // column groups per tile at most
+constexpr int MMA_TILE = MMA_N * MMA_NG;  // rows of x per tile at most
 constexpr int MMA_U = 4;      // superblocks per row per lane in flight: 128 bytes, as the FP8 head
 
 // Two E4M3 bytes (the low 16 bits, low byte first) -> a BF16 pair (low byte in the low half), exact.
@@ -609,111 +638,226 @@ __device__ __forceinline__ void mma_16816_bf16(float (&d)[4], uint32_t a0, uint3
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// The tile's rows of x into shared memory, rows k / 8 + 1 uint4 apart. Every thread of the block;
-// ends with a barrier. Through L2: x may come from a kernel that released its dependents early.
-__device__ __forceinline__ void stage_x_mma(const uint16_t* __restrict__ x, uint32_t rows, uint32_t k) {
-    const uint32_t kc = k / 8u;
-    const uint4* xv = reinterpret_cast<const uint4*>(x);
-    uint4* xs = reinterpret_cast<uint4*>(x_smem);
-    for (uint32_t j = threadIdx.x; j < rows * kc; j += blockDim.x) {
-        const uint32_t r = j / kc, c = j % kc;
-        xs[r * (kc + 1u) + c] = __ldcg(xv + j);
+// Superblocks [sb0, sb0 + cnt) of the tile's rows of x into shared memory from uint4 `buf` on, rows
+// 8 * S + 1 uint4 apart (S: the slice length), by cp.async (L2 only, no registers: x may come from a
+// kernel that released its dependents early) as one commit group. Every thread of the block; the
+// caller waits (cp_async_wait) and then needs a barrier before any thread reads the slice.
+__device__ __forceinline__ void issue_x_slice(const uint16_t* __restrict__ x, uint32_t rows, uint32_t k,
+                                              uint32_t sb0, uint32_t cnt, uint32_t S, uint32_t buf) {
+    const uint32_t per_row = 8u * cnt, kc = k / 8u;
+    const uint4* xv = reinterpret_cast<const uint4*>(x) + 8u * sb0;
+    const uint32_t base = (uint32_t)__cvta_generic_to_shared(x_smem) + 16u * buf;
+    // Element j = r * per_row + c of the slice, j = threadIdx.x + i * blockDim.x: (r, c) stepped by
+    // blockDim's quotient and remainder (two divisions a call, not two an element).
+    const uint32_t dr = blockDim.x / per_row, dc = blockDim.x % per_row;
+    uint32_t r = threadIdx.x / per_row, c = threadIdx.x % per_row;
+    for (; r < rows;) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + 16u * (r * (8u * S + 1u) + c)),
+                     "l"(xv + (size_t)r * kc + c)
+                     : "memory");
+        r += dr;
+        c += dc;
+        if (c >= per_row) {
+            c -= per_row;
+            ++r;
+        }
     }
-    __syncthreads();
+    asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
-// The f32 dots of weight rows row0 + g and row0 + g + 8 (clamped to n - 1) with tile rows 2t and
-// 2t + 1: d = {(g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1)} (the MMA's C layout).
-__device__ __forceinline__ void mma_group_dots(const uint8_t* __restrict__ wq, uint32_t row0, uint32_t n, uint32_t k,
-                                               uint32_t rows, float (&d)[4]) {
-    const uint32_t lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const uint8_t* w0 = wq + (size_t)min(row0 + g, n - 1u) * k + 16u * t;
-    const uint8_t* w1 = wq + (size_t)min(row0 + g + 8u, n - 1u) * k + 16u * t;
-    const uint4* xs = reinterpret_cast<const uint4*>(x_smem) + (size_t)min(g, rows - 1u) * (k / 8u + 1u) + 2u * t;
-    const uint32_t nsb = k / 64u;
-    d[0] = d[1] = d[2] = d[3] = 0.0f;
-    for (uint32_t sb0 = 0; sb0 < nsb; sb0 += MMA_U) {
+// Every commit group of this thread but the newest N is complete.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// acc[c] += the MMAs of superblocks [sb0, sb1) of weight rows w0 / w1 (lane pointers at offset 16t,
+// superblock sb at + 64 sb) with column groups c < ngc, x of the slice (superblock sb0 on) staged
+// from uint4 `buf` on. xrow[c]: the uint4 offset in a slice of column group c's row of x for this
+// lane (g's row, 2t's chunk).
+__device__ __forceinline__ void mma_slice(const uint8_t* __restrict__ w0, const uint8_t* __restrict__ w1,
+                                          uint32_t sb0, uint32_t sb1, uint32_t nsb, uint32_t buf, uint32_t ngc,
+                                          const uint32_t (&xrow)[MMA_NG], float (&acc)[MMA_NG][4]) {
+    const uint4* xs = reinterpret_cast<const uint4*>(x_smem) + buf;
+    for (uint32_t b0 = sb0; b0 < sb1; b0 += MMA_U) {
         uint4 wa[MMA_U], wb[MMA_U];
 #pragma unroll
         for (int u = 0; u < MMA_U; ++u) {
-            const uint32_t sb = sb0 + u;
-            wa[u] = sb < nsb ? ld_stream16(w0 + 64u * sb) : make_uint4(0, 0, 0, 0);
-            wb[u] = sb < nsb ? ld_stream16(w1 + 64u * sb) : make_uint4(0, 0, 0, 0);
+            const uint32_t sb = b0 + u;
+            wa[u] = sb < sb1 ? ld_stream16(w0 + 64u * sb) : make_uint4(0, 0, 0, 0);
+            wb[u] = sb < sb1 ? ld_stream16(w1 + 64u * sb) : make_uint4(0, 0, 0, 0);
+        }
+        // The next batch of the same rows (past the slice too: the next slice's first) towards L2,
+        // so its loads wait on L2 rather than HBM: twice the bytes in flight without registers,
+        // which the 16 warps a SM of this kernel need to stream at m = 1.
+#pragma unroll
+        for (int u = 0; u < MMA_U; ++u) {
+            const uint32_t sb = b0 + MMA_U + u;
+            if (sb < nsb) {
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(w0 + 64u * sb));
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(w1 + 64u * sb));
+            }
         }
 #pragma unroll
         for (int u = 0; u < MMA_U; ++u) {
-            const uint32_t sb = sb0 + u;
-            if (sb < nsb) {
-                const uint4 x0 = xs[8u * sb], x1 = xs[8u * sb + 1u];
+            const uint32_t sb = b0 + u;
+            if (sb < sb1) {
+                uint32_t a[4][4];  // the superblock's four A fragments, dequantised once
 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     const uint32_t p = word_of(wa[u], j), q = word_of(wb[u], j);
-                    const uint4& xh = j < 2 ? x0 : x1;
-                    mma_16816_bf16(d, e4m3x2_to_bf16x2(p), e4m3x2_to_bf16x2(q), e4m3x2_to_bf16x2(p >> 16),
-                                   e4m3x2_to_bf16x2(q >> 16), word_of(xh, 2 * (j & 1)), word_of(xh, 2 * (j & 1) + 1));
+                    a[j][0] = e4m3x2_to_bf16x2(p);
+                    a[j][1] = e4m3x2_to_bf16x2(q);
+                    a[j][2] = e4m3x2_to_bf16x2(p >> 16);
+                    a[j][3] = e4m3x2_to_bf16x2(q >> 16);
+                }
+                const uint32_t off = 8u * (sb - sb0);
+#pragma unroll
+                for (int c = 0; c < MMA_NG; ++c) {
+                    if ((uint32_t)c < ngc) {
+                        const uint4 x0 = xs[xrow[c] + off], x1 = xs[xrow[c] + off + 1u];
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) {
+                            const uint4& xh = j < 2 ? x0 : x1;
+                            mma_16816_bf16(acc[c], a[j][0], a[j][1], a[j][2], a[j][3], word_of(xh, 2 * (j & 1)),
+                                           word_of(xh, 2 * (j & 1) + 1));
+                        }
+                    }
                 }
             }
         }
     }
 }
 
-// Logit (row, col) of the group into the tile's logits and the column's candidate.
-__device__ __forceinline__ void mma_store(float v, float sc, uint32_t row, uint32_t col, uint32_t n, uint32_t rows,
-                                          uint16_t* __restrict__ logits, unsigned long long& cand) {
-    if (row < n && col < rows) {
-        const unsigned long long c = store_logit(__fmul_rn(sc, v), row, logits + (size_t)col * n);
-        cand = c > cand ? c : cand;
+// Logit (row, col) of the group into the tile's logits; its key, or 0 outside the tile.
+__device__ __forceinline__ unsigned long long mma_store(float v, float sc, uint32_t row, uint32_t col, uint32_t n,
+                                                        uint32_t rows, uint16_t* __restrict__ logits) {
+    if (row < n && col < rows) return store_logit(__fmul_rn(sc, v), row, logits + (size_t)col * n);
+    return 0ull;
+}
+
+// The max of a key over the 8 lanes of each t (lane bits 2..4): lanes 0..3 hold it.
+__device__ __forceinline__ unsigned long long max_over_g(unsigned long long c) {
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xFFFFFFFFu, c, o);
+        c = other > c ? other : c;
     }
+    return c;
+}
+
+// True when any row of the tile is a live entry (block-uniform; through L2, after the wait).
+__device__ __forceinline__ bool tile_any_live(const uint32_t* entries, const BatchTile& tile) {
+    for (uint32_t i = 0; i < tile.rows; ++i)
+        if (__ldcg(entries + (size_t)(tile.e0 + i) * ENTRY_WORDS) != BATCH_PAD) return true;
+    return false;
 }
 }  // namespace
 
 // Grid: tiles x the blocks per tile (gridDim.x a multiple of tiles), block 256: 8 warps x 16 rows =
-// 128-row groups, grid-stride; tmax * (2k + 16) bytes of dynamic shared memory.
-// __launch_bounds__(256, 4): 64 registers (ptxas -v, nvcc 13.0: one value spilled, stored once per
-// block and reloaded once per group; 72 registers without the bound), 4 blocks per SM at m = 1.
-extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_fp8_mma(
+// 128-row weight groups, grid-stride; dynamic shared memory tmax * P bytes (x staging, above).
+// __launch_bounds__(256, 2): the eight column groups' accumulators (32 registers) beside the 128
+// bytes per lane of weights in flight and a superblock's A fragments (16) need more than 64
+// registers (ptxas -v, nvcc 13.0: 128, no spills), so 16 warps a SM; the L2 prefetches of the next
+// weight batch (mma_slice) and of the first two before the wait keep about as many bytes in flight
+// as the 32 warps of the 64-register heads do at m = 1.
+extern "C" __global__ void __launch_bounds__(256, 2) head_argmax_fp8_mma(
     const uint8_t* __restrict__ wq, const float* __restrict__ scale, const uint16_t* __restrict__ x,
     uint16_t* __restrict__ logits, unsigned long long* keys, uint32_t* counter, uint32_t* entries, uint32_t* drafts,
     uint32_t draft_index, uint32_t kmax, uint32_t* __restrict__ host_drafts, uint32_t publish, uint32_t m, uint32_t n,
     uint32_t k, uint8_t* __restrict__ flags, uint32_t flag_byte, uint32_t tiles) {
-    const uint32_t lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    __shared__ unsigned long long best_s[WARPS][MMA_TILE];  // warp w's best key per tile row
+    const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    best_s[warp][lane] = 0ull;
+    best_s[warp][lane + 32u] = 0ull;
     const HeadBatchShape s = head_batch_shape<MMA_TILE>(m, tiles);
-    const bool shape_ok = k % 64u == 0 && k > 0 && aligned16(wq) && aligned16(x) &&
-                          (size_t)s.tmax * (2u * k + 16u) <= dynamic_smem_bytes();
-    wait_then_release();
-    const uint32_t live = s.active && shape_ok ? tile_live(entries, s.tile) : 0u;  // block-uniform
-    unsigned long long c0 = 0ull, c1 = 0ull;  // this lane's candidates for tile rows 2t and 2t + 1
-    if (live) {
-        const uint32_t rows = s.tile.rows;
-        uint16_t* lt = logits + (size_t)s.tile.e0 * n;
-        stage_x_mma(x + (size_t)s.tile.e0 * k, rows, k);
-        const uint32_t groups = (n + WARPS * MMA_ROWS - 1) / (WARPS * MMA_ROWS);
-        for (uint32_t gi = s.gfirst; gi < groups; gi += s.stride) {
-            const uint32_t row0 = (gi * WARPS + (threadIdx.x >> 5)) * MMA_ROWS;
-            if (row0 >= n) break;  // warp-uniform; later groups only have larger rows
-            float d[4];
-            mma_group_dots(wq, row0, n, k, rows, d);
-            const uint32_t ra = row0 + g, rb = row0 + g + 8u;
-            const float sa = ra < n ? scale[ra] : 0.0f, sbb = rb < n ? scale[rb] : 0.0f;
-            mma_store(d[0], sa, ra, 2u * t, n, rows, lt, c0);
-            mma_store(d[1], sa, ra, 2u * t + 1u, n, rows, lt, c1);
-            mma_store(d[2], sbb, rb, 2u * t, n, rows, lt, c0);
-            mma_store(d[3], sbb, rb, 2u * t + 1u, n, rows, lt, c1);
+    const uint32_t nsb = k / 64u;
+    const uint32_t per_row = dynamic_smem_bytes() / s.tmax;  // P
+    const bool whole = per_row >= 128u * nsb + 16u;          // one slice, staged once
+    const uint32_t S = whole ? nsb : per_row >= 288u ? (per_row / 2u - 16u) / 128u : 0u;
+    const bool shape_ok = k % 64u == 0 && k > 0 && aligned16(wq) && aligned16(x) && S > 0u;
+    const uint32_t groups = (n + WARPS * MMA_ROWS - 1) / (WARPS * MMA_ROWS);
+    {
+        // The first group's first two weight batches towards L2 before the wait (weights only: no
+        // kernel writes them), so that the stream starts under the previous kernel's tail as the
+        // single-row head's does; a block whose tile turns out to be padding wasted them.
+        const uint32_t row0 = (s.gfirst * WARPS + warp) * MMA_ROWS;
+        if (s.active && shape_ok && s.gfirst < groups && row0 < n) {
+            const uint8_t* w0 = wq + (size_t)min(row0 + g, n - 1u) * k + 16u * t;
+            const uint8_t* w1 = wq + (size_t)min(row0 + g + 8u, n - 1u) * k + 16u * t;
+            for (uint32_t sb = 0; sb < min(nsb, 2u * MMA_U); ++sb) {
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(w0 + 64u * sb));
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(w1 + 64u * sb));
+            }
         }
     }
-    // The warp's best per tile row: over the 8 lanes of each t (lane bits 2..4), then lane c < 8
-    // takes row c from lane c / 2 (row 2t is c0 of lane t, row 2t + 1 its c1).
+    wait_then_release();
+    const bool live = s.active && shape_ok && tile_any_live(entries, s.tile);  // block-uniform
+    if (live) {
+        const uint32_t rows = s.tile.rows, ngc = (rows + MMA_N - 1u) / MMA_N;
+        const uint32_t nslices = (nsb + S - 1u) / S;  // 1 when whole, else >= 2
+        const uint32_t bufsize = rows * (8u * S + 1u);  // uint4 per buffer
+        const uint16_t* xt = x + (size_t)s.tile.e0 * k;
+        uint16_t* lt = logits + (size_t)s.tile.e0 * n;
+        uint32_t xrow[MMA_NG];
 #pragma unroll
-    for (int o = 4; o < 32; o <<= 1) {
-        const unsigned long long a = __shfl_xor_sync(0xFFFFFFFFu, c0, o), b = __shfl_xor_sync(0xFFFFFFFFu, c1, o);
-        c0 = a > c0 ? a : c0;
-        c1 = b > c1 ? b : c1;
+        for (int c = 0; c < MMA_NG; ++c) xrow[c] = min((uint32_t)c * MMA_N + g, rows - 1u) * (8u * S + 1u) + 2u * t;
+        issue_x_slice(xt, rows, k, 0u, S, S, 0u);  // all of k when whole, else slice 0 into buffer 0
+        if (whole) {
+            cp_async_wait<0>();
+            __syncthreads();
+        }
+        uint32_t it = 0;  // (group, slice) steps so far: the buffer is it & 1
+        for (uint32_t gi = s.gfirst; gi < groups; gi += s.stride) {  // block-uniform
+            const uint32_t row0 = (gi * WARPS + warp) * MMA_ROWS;
+            const bool mine = row0 < n;  // warp-uniform; a warp past n still joins the barriers
+            const uint8_t* w0 = wq + (size_t)min(row0 + g, n - 1u) * k + 16u * t;
+            const uint8_t* w1 = wq + (size_t)min(row0 + g + 8u, n - 1u) * k + 16u * t;
+            float acc[MMA_NG][4];
+#pragma unroll
+            for (int c = 0; c < MMA_NG; ++c) acc[c][0] = acc[c][1] = acc[c][2] = acc[c][3] = 0.0f;
+            for (uint32_t sl = 0; sl < nslices; ++sl, ++it) {  // one step when whole
+                if (!whole) {
+                    // The next step's slice into the other buffer (its last reader finished before
+                    // the barrier that ended the previous step), then this step's slice complete and
+                    // seen by every thread.
+                    const uint32_t nx = sl + 1u < nslices ? sl + 1u : 0u;
+                    if (sl + 1u < nslices || gi + s.stride < groups)
+                        issue_x_slice(xt, rows, k, nx * S, min(S, nsb - nx * S), S, ((it + 1u) & 1u) * bufsize);
+                    else
+                        asm volatile("cp.async.commit_group;" ::: "memory");  // keeps wait_group 1 exact
+                    cp_async_wait<1>();
+                    __syncthreads();
+                }
+                const uint32_t s0 = sl * S, buf = whole ? 0u : (it & 1u) * bufsize;
+                if (mine) mma_slice(w0, w1, s0, min(nsb, s0 + S), nsb, buf, ngc, xrow, acc);
+                if (!whole) __syncthreads();  // every warp is done with this buffer before it is refilled
+            }
+            if (!mine) continue;
+            const uint32_t ra = row0 + g, rb = row0 + g + 8u;
+            const float sa = ra < n ? scale[ra] : 0.0f, sbb = rb < n ? scale[rb] : 0.0f;
+#pragma unroll
+            for (int c = 0; c < MMA_NG; ++c) {
+                if ((uint32_t)c < ngc) {
+                    const uint32_t c0 = (uint32_t)c * MMA_N + 2u * t;  // this lane's tile rows c0, c0 + 1
+                    unsigned long long k0 = mma_store(acc[c][0], sa, ra, c0, n, rows, lt);
+                    unsigned long long k1 = mma_store(acc[c][1], sa, ra, c0 + 1u, n, rows, lt);
+                    const unsigned long long k2 = mma_store(acc[c][2], sbb, rb, c0, n, rows, lt);
+                    const unsigned long long k3 = mma_store(acc[c][3], sbb, rb, c0 + 1u, n, rows, lt);
+                    k0 = max_over_g(k2 > k0 ? k2 : k0);
+                    k1 = max_over_g(k3 > k1 ? k3 : k1);
+                    if (g == 0u) {  // lane t owns best_s[warp][c0], [c0 + 1]: no other lane writes them
+                        best_s[warp][c0] = k0 > best_s[warp][c0] ? k0 : best_s[warp][c0];
+                        best_s[warp][c0 + 1u] = k1 > best_s[warp][c0 + 1u] ? k1 : best_s[warp][c0 + 1u];
+                    }
+                }
+            }
+        }
+        cp_async_wait<0>();  // none in flight when the block exits (the last step issued an empty group)
     }
-    const uint32_t src = (lane & 7u) >> 1;
-    const unsigned long long v0 = __shfl_sync(0xFFFFFFFFu, c0, src), v1 = __shfl_sync(0xFFFFFFFFu, c1, src);
-    const unsigned long long cand = lane < (uint32_t)MMA_TILE ? ((lane & 1u) ? v1 : v0) : 0ull;
-    argmax_commit_batch<MMA_TILE>(cand, m, tiles, keys, counter, entries, drafts, draft_index, kmax, host_drafts,
-                                  publish, flags, flag_byte);
+    __syncthreads();
+    commit_tile_keys<MMA_TILE>(best_s, m, tiles, keys, counter, entries, drafts, draft_index, kmax, host_drafts,
+                               publish, flags, flag_byte);
 }
 
 // ---- the sharded path over a batch ---------------------------------------------------------------

@@ -587,10 +587,39 @@ def test_mma_twin_is_the_batch_twin(host, m, n, k, pads):
         assert logits_of(case, mma)[e].tobytes() == logits_of(case, plain)[e].tobytes()
 
 
-def test_mma_shapes_and_refusals(host):
+@pytest.mark.parametrize("k", [64, 256, 1024, 4096, 4160, 7168])
+def test_mma_tiling_fits_and_the_kernel_reads_it_back(k):
+    """Every m: the fewest tiles of at most 64 rows (balanced), at most MMA_X_SMEM_MAX bytes, all of
+    k staged once where it fits and else two buffers of S >= 1 superblocks, S as large as fits; the
+    kernel's own derivation (mma_x_slice of the bytes per row of the largest tile) gets that back."""
+    nsb = k // 64
     for m in range(1, 257):
-        tiles, smem = draft_head.mma_tiling(m, 4096)
-        assert tiles == -(-m // draft_head.MMA_TILE_ROWS) and smem == -(-m // tiles) * (2 * 4096 + 16)
+        tiles, smem = draft_head.mma_tiling(m, k)
+        rows = -(-m // tiles)
+        assert tiles == -(-m // draft_head.MMA_TILE_ROWS) and rows <= draft_head.MMA_TILE_ROWS
+        assert smem <= draft_head.MMA_X_SMEM_MAX and smem % rows == 0
+        whole, s = draft_head.mma_x_slice(k, smem // rows)
+        if rows * (2 * k + 16) <= draft_head.MMA_X_SMEM_MAX:
+            assert (whole, s, smem) == (True, nsb, rows * (2 * k + 16))
+        else:
+            assert not whole and 1 <= s < nsb and smem == rows * 2 * (128 * s + 16)
+            assert rows * 2 * (128 * (s + 1) + 16) > draft_head.MMA_X_SMEM_MAX  # the largest S
+        assert ((128 * s + 16) // 16) % 2 == 1  # rows an odd number of 16-byte bank groups apart
+
+
+def test_mma_tiling_at_the_model_shapes():
+    """What the proposer's batches get at hidden 4096: one pass over the weights up to 64 rows; all
+    of x once per block up to 11 rows; slices of 5 superblocks at 64 rows."""
+    assert draft_head.mma_tiling(1, 4096) == (1, 8208)
+    assert draft_head.mma_tiling(11, 4096) == (1, 11 * 8208)
+    assert draft_head.mma_tiling(12, 4096) == (1, 12 * 2 * (128 * 31 + 16))
+    assert draft_head.mma_tiling(64, 4096) == (1, 64 * 2 * (128 * 5 + 16))
+    assert draft_head.mma_tiling(65, 4096)[0] == 2
+    assert draft_head.mma_tiling(256, 4096) == (4, 64 * 2 * (128 * 5 + 16))
+    assert draft_head.mma_x_slice(4096, 100) == (False, 0)  # too little: the kernel computes nothing
+
+
+def test_mma_shapes_and_refusals(host):
     p = host.alloc(1 << 16)
     kw = dict(w=p, scale=p, x=p, logits=p, keys=p, counter=p, entries=p, drafts=p, host_drafts=p, flags=p)
     kw.update(publish=True, m=2, n=10, draft_index=0, kmax=4, flag_byte=0)
@@ -625,4 +654,5 @@ def test_mma_ptx_uses_the_tensor_cores_and_reads_x_through_l2():
     assert "cvt.rn.f16x2.e4m3x2" in body and "cvt.rn.bf16x2.f32" in body
     ro = re.findall(r"ld\.global\.nc(?!\.L1::no_allocate)(\.v[24])?\.(u16|b16|u32|b32|f32)\s", body)
     assert set(ro) <= {("", "f32")}, sorted(set(ro))  # the row scales
-    assert "ld.global.cg.v4.u32" in body  # x staged through L2
+    assert "cp.async.cg.shared.global" in body  # x staged through L2 only
+    assert "ld.global.cg.v4.u32" not in body and "cp.async.ca" not in body

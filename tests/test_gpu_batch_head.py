@@ -546,6 +546,13 @@ MMA_CASES = [
     (64, 777, 256, 10),
     (200, 129, 512, 50),
     (256, 40, 64, 0),
+    # x in double-buffered k-slices (mma_tiling): 12 rows of 4096 (slices 31, 31, 2), 64 of 1024
+    # (5, 5, 5, 1: a slice shorter than a load batch), 3 tiles of 44 / 43 rows, 4 of 64 at k = 4160
+    # (65 superblocks) with fewer weight groups than blocks
+    (12, 3000, 4096, 2),
+    (64, 1500, 1024, 5),
+    (130, 700, 4096, 13),
+    (256, 300, 4160, 20),
 ]
 
 
@@ -595,7 +602,8 @@ def test_mma_ties_nan_and_inf_rows(cuda):
 
 def test_mma_batch_invariance_bit_for_bit(cuda, pool_weights):
     """As test_batch_invariance_bit_for_bit for the tensor-core kernel: 200 rows alone, then in
-    batches of 17, 200, 1, 64 and 3 (tiles of up to 8 rows, a row in any column of the MMA)."""
+    batches of 17, 200, 1, 64 and 3 (tiles of up to 64 rows, a row in any column of any column group;
+    x staged once per block at 1 and 3 rows, in double-buffered k-slices at 17, 50 and 64)."""
     rng = np.random.default_rng()
     base, resident = pool_weights[True]
     base = HeadCase(**{**base.__dict__, "mma": True})
@@ -610,7 +618,67 @@ def test_mma_batch_invariance_bit_for_bit(cuda, pool_weights):
         check_rows_equal(case, out, rows, ref, refcase)
 
 
-@pytest.mark.parametrize("m,pads", [(1, 0), (17, 2)])
+def test_mma_bits_do_not_depend_on_the_slicing_the_tiles_or_the_grid(cuda):
+    """One batch of 100 rows launched directly with other tile counts (2, 3, 7, 10), other shared
+    memory (all of x once, or slices of 1, 3, 7 and 13 superblocks: up to 64 steps a weight group),
+    at most MMA_X_SMEM_MAX as the launch helper, and other grids (one block per tile, an odd
+    stride, more blocks than weight groups): every live row's logits and every commit byte are
+    those of the launch helper's shape."""
+    rng = np.random.default_rng()
+    m, n, k = 100, 2000, HIDDEN
+    case = head_case(rng, True, m, n, k, pads=9, draft_index=2, flag_byte=1)
+    case.mma = True
+    resident = {"w": cuda.alloc(case.w.nbytes), "sc": cuda.alloc(case.s.nbytes)}
+    cuda.copy_h2d(resident["w"], np.ascontiguousarray(case.w))
+    cuda.copy_h2d(resident["sc"], case.s)
+    try:
+        ref = case.run(cuda, resident)
+        check_commit(case, ref)
+        live = case.live
+        groups = -(-n // draft_head.MMA_GROUP_ROWS)
+        ran = 0
+        for tiles in (2, 3, 7, 10):
+            rows = -(-m // tiles)
+            for per_row in (2 * k + 16, *(2 * (128 * sb + 16) for sb in (1, 3, 7, 13))):
+                smem = rows * per_row
+                if smem > draft_head.MMA_X_SMEM_MAX:
+                    continue
+                for blocks in (1, 5, groups + 3):
+
+                    def run(
+                        gpu, w, x, logits, keys, ctr, entries, drafts, host, flags, sc, tiles=tiles, smem=smem
+                    ):
+                        args = (
+                            w,
+                            sc,
+                            x,
+                            logits,
+                            keys,
+                            ctr,
+                            entries,
+                            drafts,
+                            case.draft_index,
+                            case.kmax,
+                            host,
+                        )
+                        args += (int(case.publish), m, n, k, flags, case.flag_byte, tiles)
+                        kern = gpu.kernel(*draft_head.HEAD_ARGMAX_FP8_MMA.key)
+                        launch(gpu, kern, tiles * blocks, 256, *args, smem=smem)
+
+                    out = run_bufs(cuda, run, {**case.bufs(), **resident})
+                    what = f"tiles={tiles} bytes/row={per_row} blocks/tile={blocks}"
+                    check_commit(case, out)
+                    assert logits_of(case, out)[live].tobytes() == logits_of(case, ref)[live].tobytes(), what
+                    for name in ("entries", "drafts", "host", "flags", "keys", "ctr"):
+                        assert out[name].tobytes() == ref[name].tobytes(), f"{what}: {name}"
+                    ran += 1
+        assert ran == 45
+    finally:
+        for p in resident.values():
+            cuda.free(p)
+
+
+@pytest.mark.parametrize("m,pads", [(1, 0), (17, 2), (64, 5)])
 def test_mma_full_fp8_head(cuda, full_head, m, pads):
     rng = np.random.default_rng()
     f = full_head
@@ -638,7 +706,7 @@ def test_mma_full_fp8_head(cuda, full_head, m, pads):
 
 def test_report_head_times(cuda, full_head):
     """Device time per launch of the full FP8 head (154880 x 4096, 634 MB) for the CUDA-core
-    batched kernel and the tensor-core one, at m = 1, 2, 4, 8, 16, 64, 256:
+    batched kernel and the tensor-core one, at m = 1, 2, 4, 8, 16, 32, 64, 128, 256:
     printed for the lead (pytest -s -k report_head_times); asserts only that each ran. Launches
     back to back on one stream between two events (PDL on, as in the graphs), so a launch's time
     includes its overlap with the one before."""
@@ -646,7 +714,7 @@ def test_report_head_times(cuda, full_head):
     rng = np.random.default_rng()
     reps = 20
     rows = []
-    for m in (1, 2, 4, 8, 16, 64, 256):
+    for m in (1, 2, 4, 8, 16, 32, 64, 128, 256):
         case = head_case(rng, True, m, VOCAB, HIDDEN, 0, wq=(f["q"], f["s"]))
         times = {}
         for kind in ["batch", "mma"]:

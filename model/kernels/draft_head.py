@@ -450,27 +450,45 @@ def draft_commit_batch(
     )
 
 
-# ---- the tensor-core variant (for the lead to measure; the model does not use it) ------------------
+# ---- the tensor-core variant ------------------------------------------------------------------------
 #
 # ptx/draft_head.cu head_argmax_fp8_mma: head_argmax_fp8_batch's contract, its logits from
-# mma.sync.m16n8k16 (the FP8 weights dequantised to BF16 in registers, f32 accumulation, the row
-# scale after the sum). Tiles of up to MMA_TILE_ROWS rows (the MMA's N), x staged per tile as BF16
-# rows of 2k + 16 bytes. Not the CUDA-core heads' bits (the tensor core sums each k16 step its own
-# way): the twin is the same f32 math, which the GPU test holds it to within the GEMV bound; rows
-# are bit-identical across batches (each MMA output column depends on its own x row only).
+# mma.sync.m16n8k16 (the FP8 weights dequantised to BF16 in registers once per block, f32
+# accumulation, the row scale after the sum). Tiles of up to MMA_TILE_ROWS rows (eight column groups
+# of the MMA's N = 8, each A fragment applied to all of them), so the weights are read and
+# dequantised ceil(m / 64) times per launch. x is staged per tile as BF16 in k-slices (mma_x_slice).
+# Not the CUDA-core heads' bits (the tensor core sums each k16 step its own way): the twin is the
+# same f32 math, which the GPU test holds it to within the GEMV bound; rows are bit-identical across
+# batches (each MMA output column depends on its own x row only, and the MMAs over k run in one
+# order whatever the tile or the slicing).
 
-MMA_TILE_ROWS = 8
+MMA_TILE_ROWS = 64
 MMA_GROUP_ROWS = 128  # 8 warps x 16 weight rows
 MMA_X_SMEM_MAX = 96 * 1024
 
 
+def mma_x_slice(k: int, per_row: int) -> tuple[bool, int]:
+    """The kernel's x staging for ``per_row`` bytes of dynamic shared memory per row of the largest
+    tile: (whole, S). Whole: one slice of all k // 64 superblocks, staged once per block (per_row >=
+    2k + 16); else two buffers of S superblocks a row (per_row >= 2 (128 S + 16)). S == 0: the kernel
+    cannot run (it computes nothing)."""
+    nsb = k // 64
+    if per_row >= 128 * nsb + 16:
+        return True, nsb
+    return False, (per_row // 2 - 16) // 128 if per_row >= 288 else 0
+
+
 def mma_tiling(m: int, k: int) -> tuple[int, int]:
-    """(tiles, dynamic shared bytes) of head_argmax_fp8_mma: the fewest balanced tiles of at most
-    MMA_TILE_ROWS rows whose largest fits MMA_X_SMEM_MAX as BF16 rows of 2k + 16 bytes."""
-    per_row = 2 * k + 16
-    rows = max(1, min(MMA_TILE_ROWS, MMA_X_SMEM_MAX // per_row))
-    tiles = -(-m // rows)
-    return tiles, -(-m // tiles) * per_row
+    """(tiles, dynamic shared bytes) of head_argmax_fp8_mma: ceil(m / MMA_TILE_ROWS) balanced tiles;
+    all of the largest tile's x (rows of 2k + 16 bytes) where it fits MMA_X_SMEM_MAX, else the two
+    slice buffers of the most superblocks that fit (mma_x_slice)."""
+    tiles = -(-m // MMA_TILE_ROWS)
+    rows = -(-m // tiles)
+    whole = 2 * k + 16
+    if rows * whole <= MMA_X_SMEM_MAX:
+        return tiles, rows * whole
+    s = (MMA_X_SMEM_MAX // rows // 2 - 16) // 128
+    return tiles, rows * 2 * (128 * s + 16)
 
 
 def _mma_supported(wq, x, k: int) -> bool:
