@@ -773,9 +773,10 @@ class MtpProposer:
         m = self._bucket(B) if self.opt.use_graphs else B
         step, H = self.step, self.cfg.hidden_size
         with self._borrowed_rows([(target_hiddens, B, "target_hiddens")]) as (hid,):
-            rewound = [states[b] for b in np.flatnonzero(rows > pos)]
-            for st in rewound:
-                st.dsa.rewind_to(int(pos[states.index(st)]))
+            back = np.flatnonzero(rows > pos).tolist()
+            rewound = [states[b] for b in back]
+            for b in back:
+                states[b].dsa.rewind_to(int(pos[b]))
             # Read by the step's first kernel, inside the graph when there is one: the host writes
             # mapped pinned memory instead of issuing copies (the previous step has finished, since
             # propose waits for its drafts).
@@ -834,7 +835,7 @@ class MtpProposer:
         handle = getattr(stream, "cuda_stream", stream)  # torch.cuda.Stream, or a raw handle
         if isinstance(handle, bool) or not isinstance(handle, (int, np.integer)):
             raise ProposerError(f"stream must be a CUDA stream handle (an int), got {type(stream).__name__}")
-        return int(handle)
+        return self.gpu.adopt_stream(int(handle))
 
     def _launch_step(self, m: int, k: int, s: int) -> None:
         """Enqueue the k-draft step over m entries: as the bucket's graph (captured on first use)

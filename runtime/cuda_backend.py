@@ -90,6 +90,7 @@ class CudaBackend:
         self._ledger = Ledger()
         self._pinned = PinnedHost()  # alloc_host and alloc_mapped buffers
         self._streams: dict[int, Any] = {}
+        self._adopted: set[int] = set()  # other libraries' streams (adopt_stream): never destroyed here
         self._events: dict[int, Any] = {}
         self._modules: dict[str, Any] = {}
         self._kernels: dict[tuple[str, str], KernelHandle] = {}
@@ -151,9 +152,11 @@ class CudaBackend:
         for ev in self._events.values():
             attempt("cuEventDestroy", driver.cuEventDestroy(ev))
         self._events.clear()
-        for s in self._streams.values():
-            attempt("cuStreamDestroy", driver.cuStreamDestroy(s))
+        for key, s in self._streams.items():
+            if key not in self._adopted:
+                attempt("cuStreamDestroy", driver.cuStreamDestroy(s))
         self._streams.clear()
+        self._adopted.clear()
         for mod in self._modules.values():
             attempt("cuModuleUnload", driver.cuModuleUnload(mod))
         self._modules.clear()
@@ -355,8 +358,21 @@ class CudaBackend:
         self._streams[key] = s
         return key
 
+    def adopt_stream(self, handle: int) -> int:
+        """Another library's CUstream (a serving engine's current stream, say ``torch.cuda.
+        current_stream().cuda_stream``) usable as this backend's stream: its owner keeps it, so
+        ``close`` and ``destroy_stream`` leave it alone. Returns the key calls take."""
+        self._alive()
+        key = int(handle)
+        if key not in self._streams:
+            self._streams[key] = driver.CUstream(key)
+            self._adopted.add(key)
+        return key
+
     def destroy_stream(self, stream: int) -> None:
         self._alive()
+        if stream in self._adopted:
+            raise ValueError(f"stream {stream:#x} was adopted (adopt_stream): its owner destroys it")
         if stream == self._default:
             raise ValueError("the default stream is destroyed by close(), not destroy_stream")
         s = self._stream(stream)

@@ -210,6 +210,11 @@ class HostBackend:
         self._streams.add(s)
         return s
 
+    def adopt_stream(self, handle: int) -> int:
+        """See ``CudaBackend.adopt_stream``: host streams are only names, so any int is one."""
+        self._streams.add(int(handle))
+        return int(handle)
+
     def destroy_stream(self, stream: int) -> None:
         self._streams.discard(stream)
 
