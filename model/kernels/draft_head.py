@@ -229,6 +229,16 @@ def HEAD_ARGMAX_BF16_BATCH(
     )
 
 
+def _fp8_logits(mem, wq, scale, x, m: int, n: int, k: int):
+    """The FP8 heads' logits of some rows of x (the f32 math both FP8 kernels' twins share)."""
+
+    def logits_of(rows):
+        xs = mem.read(x, BF16, (m, k))[rows]
+        return gemv_fp8w_ref(mem.view(wq, FP8, (n, k)), mem.read(scale, np.float32, n), xs)
+
+    return logits_of
+
+
 @declare(
     "draft_head",
     "head_argmax_fp8_batch",
@@ -260,10 +270,7 @@ def HEAD_ARGMAX_FP8_BATCH(
 ):
     """The FP8 head for every live entry of a batch (see the section comment)."""
 
-    def logits_of(rows):
-        xs = mem.read(x, BF16, (m, k))[rows]
-        return gemv_fp8w_ref(mem.view(wq, FP8, (n, k)), mem.read(scale, np.float32, n), xs)
-
+    logits_of = _fp8_logits(mem, wq, scale, x, m, n, k)
     _head_batch(
         mem,
         logits_of,
@@ -536,10 +543,7 @@ def HEAD_ARGMAX_FP8_MMA(
         mem.write(counter, np.zeros(1, np.uint32))
         return
 
-    def logits_of(rows):
-        xs = mem.read(x, BF16, (m, k))[rows]
-        return gemv_fp8w_ref(mem.view(wq, FP8, (n, k)), mem.read(scale, np.float32, n), xs)
-
+    logits_of = _fp8_logits(mem, wq, scale, x, m, n, k)
     _head_batch(
         mem,
         logits_of,
