@@ -88,6 +88,51 @@ def test_world_2_and_4_draft_exactly_what_one_rank_drafts(history, seed, vocab):
             assert res[r] == one, f"world {world} rank {r}"
 
 
+def batch_drafts(cfg, weights, rank_world, gpu, comm, seed):
+    """Four sequences of ragged contexts drafted in padded batches of 3, 4 and 2 through bucket
+    graphs (their rows verified and caught up between): every batch's drafts."""
+    c = cfg.with_parallel(*rank_world)
+    opt = ProposerOptions(
+        served_max_seq_len=64, o_proj_groups=4, max_sequences=4, use_graphs=True, batch_buckets=(1, 4)
+    )
+    prop = MtpProposer(gpu, c, weights, opt, comm=comm)
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, cfg.vocab_size, (4, 60))
+    hid = rng.standard_normal((4, 60, cfg.hidden_size)).astype(np.float32)
+    sts = [prop.alloc_state() for _ in range(4)]
+    rows = [5, 17, 9, 30]
+    ptrs = [upload_rows(gpu, hid[b]) for b in range(4)]
+    prop.catchup_batch(sts, [tokens[b, : rows[b] + 1] for b in range(4)], ptrs, [0] * 4)
+    out = []
+    for pick, k in (([2, 0, 3], 3), ([3, 1, 0, 2], 2), ([1, 3], 3)):
+        pos = [prop.drafter_rows(sts[b]) for b in pick]
+        h = upload_rows(gpu, np.stack([hid[b, p] for b, p in zip(pick, pos)]))
+        d = prop.propose_batch(
+            [sts[b] for b in pick], [int(tokens[b, p + 1]) for b, p in zip(pick, pos)], h, pos, k
+        )
+        gpu.free(h)
+        out.append(d.tolist())
+        prop.after_verify_batch([sts[b] for b in pick], [int(x) % (k + 1) for x in d[:, 0]])
+    for p in ptrs:
+        gpu.free(p)
+    prop.close()
+    return out
+
+
+@pytest.mark.parametrize("seed", [3, 11])
+def test_sharded_batches_draft_exactly_what_one_rank_drafts(seed):
+    """The batched step's collectives (o_proj's zero-padded groups, the MoE rows, one exchanged
+    key per sequence) over padded bucket graphs: every rank drafts what one rank drafts."""
+    cfg = tiny(vocab_size=96, index_topk=8, index_kpool=2, max_context=64)
+    w = bf16_weights(cfg, seed)
+    one = batch_drafts(cfg, w, (0, 1), HostBackend(), None, seed)
+    for world in (2, 4):
+        res, errs = run_ranks(world, lambda r, g, c: batch_drafts(cfg, w, (r, world), g, c, seed))
+        assert errs == [None] * world, errs
+        for r in range(world):
+            assert res[r] == one, f"world {world} rank {r}"
+
+
 def test_sharded_layer_without_a_communicator_refuses_to_start():
     cfg = tiny().with_parallel(0, 2)
     with pytest.raises(ValueError, match="needs a communicator"):
