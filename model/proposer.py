@@ -45,7 +45,8 @@ from runtime.device_ptr import DevicePtr
 from runtime.errors import CommError, MemoryFault
 from runtime.external import BF16_TYPESTRS, ExternalArrayError, cuda_array, has_cuda_array_interface
 from runtime.graph import Graph
-from runtime.kernels.all_finite_bf16 import first_nonfinite_row
+from runtime.kernels.all_finite_bf16 import NONE as NO_BAD_ROW
+from runtime.kernels.all_finite_bf16 import all_finite_bf16
 from runtime.kernels.argmax_bf16 import argmax_bf16_batch
 from runtime.kernels.copy_words import copy_words
 from runtime.kernels.gemv_bf16 import gemv_bf16_batch
@@ -229,7 +230,7 @@ class ContextBuffers:
     concat: DevicePtr  # BF16 [rows, 2H]
     x: DevicePtr  # BF16 [rows, H]
     fused: DevicePtr  # BF16 [rows, ctx_rows]
-    finite_row: DevicePtr  # u32 answer of all_finite_bf16
+    finite_row: DevicePtr  # u32 [max_sequences]: all_finite_bf16's answer per sequence of a catch-up
 
 
 _SERIALS = itertools.count(1)
@@ -411,7 +412,7 @@ class MtpProposer:
             concat=z(rows * 2 * H * 2),
             x=z(rows * H * 2),
             fused=z(rows * self.layer.ctx_rows * 2),
-            finite_row=z(4),
+            finite_row=z(4 * self.opt.max_sequences),
         )
 
     def _free_device(self) -> None:
@@ -640,14 +641,19 @@ class MtpProposer:
         with self._borrowed_rows(
             [(h, rows, f"hiddens of sequence {b}") for b, (_, _, h, rows) in enumerate(plan)]
         ) as ptrs:
-            for b, ((st, _, _, rows), p) in enumerate(zip(plan, ptrs)):
-                if not rows:
-                    continue
-                bad = first_nonfinite_row(self.gpu, p, rows, H, self.ctx.finite_row, s)
-                if bad is not None:
+            # One check per sequence, one wait for all of them (a wait per sequence cost more than
+            # the catch-up's own launches at B = 64).
+            for b, ((_, _, _, rows), p) in enumerate(zip(plan, ptrs)):
+                if rows:
+                    all_finite_bf16(self.gpu, p, rows, H, self.ctx.finite_row.offset(4 * b), s)
+            self.gpu.synchronize(s)
+            found = np.empty(len(plan), np.uint32)
+            self.gpu.copy_d2h(found, self.ctx.finite_row)
+            for b, (st, _, _, rows) in enumerate(plan):
+                if rows and int(found[b]) != NO_BAD_ROW:
                     raise ProposerError(
-                        f"catchup_batch entry {b} of {len(states)}: slot {st.slot}: hidden row {bad} "
-                        f"(drafter row {st.rows + bad}) is not finite (NaN or Inf); no sequence was "
+                        f"catchup_batch entry {b} of {len(states)}: slot {st.slot}: hidden row {int(found[b])} "
+                        f"(drafter row {st.rows + int(found[b])}) is not finite (NaN or Inf); no sequence was "
                         "changed"
                     )
             # Every sequence's rows, in order, a sequence's rows consecutive and ascending (the

@@ -22,7 +22,7 @@ from model.weights import WeightError
 from runtime.dtypes import BF16
 from runtime.errors import OutOfMemoryError
 from runtime.host_backend import HostBackend
-from runtime.kernels.all_finite_bf16 import NONE, first_nonfinite_row
+from runtime.kernels.all_finite_bf16 import NONE, all_finite_bf16
 from tests.proposer_fixtures import (
     assert_same_caches,
     bf16_weights,
@@ -177,6 +177,15 @@ def test_the_step_flags_say_which_input_was_not_finite():
     assert flags[2] == draft_head.NONFINITE_NAN  # every logit NaN: token 0, flagged
     assert prop.step.drafts_host[0, :3].tolist() == [0, 0, 0]
     prop.close()
+
+
+def first_nonfinite_row(gpu, x, rows, h, out):
+    """all_finite_bf16's answer, waited for and read back: None when every row is finite."""
+    all_finite_bf16(gpu, x, rows, h, out)
+    gpu.synchronize()
+    got = np.empty(1, np.uint32)
+    gpu.copy_d2h(got, out)
+    return None if int(got[0]) == NONE else int(got[0])
 
 
 def test_host_twins_of_the_checks():

@@ -55,15 +55,3 @@ def all_finite_bf16(
     grid = max(1, min(MAX_GRID, -(-rows * h // _PER_BLOCK)))
     gpu.memset(out, 0xFF, 4, stream)
     launch(gpu, gpu.kernel(*ALL_FINITE_BF16.key), grid, BLOCK, x, rows, h, out, stream=stream)
-
-
-def first_nonfinite_row(
-    gpu: GpuBackend, x: DevicePtr, rows: int, h: int, out: DevicePtr, stream: int | None = None
-) -> int | None:
-    """``all_finite_bf16``, then wait for it and read the answer back (one host sync): the lowest
-    row of ``x`` holding a NaN or an Inf, or None when every element is finite."""
-    all_finite_bf16(gpu, x, rows, h, out, stream)
-    gpu.synchronize(stream)
-    got = np.empty(1, np.uint32)
-    gpu.copy_d2h(got, out)
-    return None if int(got[0]) == NONE else int(got[0])
