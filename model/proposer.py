@@ -821,8 +821,13 @@ class MtpProposer:
         """One integer per state as int64, without a Python check per element when they are
         plainly integers (a list of ints, an integer array); anything else goes through
         ``as_int`` element by element, which names the first that is not one."""
-        a = np.asarray(values) if not isinstance(values, np.ndarray) else values
-        if a.ndim == 1 and a.dtype.kind in "iu" and a.dtype != np.uint64:
+        if isinstance(values, np.ndarray):
+            a = values
+        elif not {bool, np.bool_}.isdisjoint(map(type, values)):
+            a = None  # NumPy would read [1, True] as integers; as_int refuses the bool
+        else:
+            a = np.asarray(values)
+        if a is not None and a.ndim == 1 and a.dtype.kind in "iu" and a.dtype != np.uint64:
             return a.astype(np.int64, copy=False)
         return np.array(
             [

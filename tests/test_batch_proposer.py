@@ -219,6 +219,8 @@ def _unchanged(prop, seqs, before):
         ("small_hidden", "holds"),
         ("behind", "catch up the missing rows"),
         ("token", "outside the vocabulary"),
+        ("bool_token", "entry 1 of 2: slot .*: last_token must be an integer, got bool"),
+        ("float_position", "entry 0 of 2: slot .*: position must be an integer, got float"),
     ],
 )
 def test_bad_batches_are_refused_and_change_nothing(filled, case, message):
@@ -240,6 +242,8 @@ def test_bad_batches_are_refused_and_change_nothing(filled, case, message):
         "small_hidden": ([a, b], [1, 2], hid.offset(2 * H * 2), [rows, rows]),
         "behind": ([a, b], [1, 2], hid, [rows, rows + 1]),
         "token": ([a, b], [1, CFG.vocab_size], hid, [rows, rows - 2]),
+        "bool_token": ([a, b], [1, True], hid, [rows, rows]),
+        "float_position": ([a, b], [1, 2], hid, [float(rows), rows]),
     }[case]
     with pytest.raises(ProposerError, match=message):
         prop.propose_batch(*args, 2)
