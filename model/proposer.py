@@ -992,21 +992,19 @@ class MtpProposer:
         """``after_verify`` for each sequence, ``accepted[b]`` for ``states[b]``; every count is
         checked before any sequence is trimmed."""
         states = self._batch(states, "after_verify_batch", ("accepted counts", accepted))
-        counts = []
-        for b, st in enumerate(states):
-            a = as_int(
-                accepted[b], f"after_verify_batch entry {b} of {len(states)}: slot {st.slot}: accepted"
+        counts = self._ints(accepted, states, "after_verify_batch", "accepted")
+        drafted = np.fromiter((st.last_drafted for st in states), np.int64, len(states))
+        bad = (counts < 0) | (counts > drafted)
+        if bad.any():
+            b = int(np.flatnonzero(bad)[0])
+            raise ProposerError(
+                f"after_verify_batch entry {b} of {len(states)}: slot {states[b].slot}: accepted={int(counts[b])} "
+                f"outside 0..{int(drafted[b])} (drafts proposed)"
             )
-            if a < 0 or a > st.last_drafted:
-                raise ProposerError(
-                    f"after_verify_batch entry {b} of {len(states)}: slot {st.slot}: accepted={a} outside "
-                    f"0..{st.last_drafted} (drafts proposed)"
-                )
-            counts.append(a)
-        for st, a in zip(states, counts):
-            trim = st.last_drafted - min(st.last_drafted, a + 1)
+        for st, d, a in zip(states, drafted.tolist(), counts.tolist()):
+            trim = d - min(d, a + 1)
             if trim:
-                st.dsa.rewind_to(st.rows - trim)
+                st.dsa.rewind_to(st.dsa.length - trim)
             st.last_drafted = 0
 
     # ---- checks ---------------------------------------------------------------------------------
