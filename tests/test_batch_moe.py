@@ -34,7 +34,7 @@ from batch_moe_util import (
 from kernel_util import random_bf16
 
 from model.kernels import moe
-from model.kernels.batch import pack_entries
+from model.kernels.batch import MAX_ROWS, pack_entries
 from runtime.dtypes import BF16
 from runtime.host_backend import HostBackend
 
@@ -217,9 +217,9 @@ def test_group_refuses_a_row_that_repeats_an_expert():
 
 def test_group_layout_of_the_largest_batch_holds_every_smaller_one():
     for k, n in [(8, 288), (8, 36), (4, 12)]:
-        big = moe.group_workspace_bytes(moe.MAX_BATCH, k, n)
-        assert all(moe.group_workspace_bytes(m, k, n) <= big for m in range(1, moe.MAX_BATCH + 1))
-        assert moe.GroupLayout(moe.MAX_BATCH, k, n).items * 4 % 16 == 0
+        big = moe.group_workspace_bytes(MAX_ROWS, k, n)
+        assert all(moe.group_workspace_bytes(m, k, n) <= big for m in range(1, MAX_ROWS + 1))
+        assert moe.GroupLayout(MAX_ROWS, k, n).items * 4 % 16 == 0
 
 
 @pytest.mark.parametrize("m,pads,base,n_local", [(1, 0, 0, 40), (21, 5, 0, 40), (30, 3, 30, 10)])

@@ -25,6 +25,12 @@ PAD_SLOT = 0xFFFFFFFF
 MAX_ROWS = 256
 
 
+def check_rows(what: str, m: int) -> None:
+    """Every batched kernel of the model covers 1..MAX_ROWS entries per launch."""
+    if not 1 <= m <= MAX_ROWS:
+        raise ValueError(f"{what}: m={m} entries outside 1..{MAX_ROWS} (the entries of one batched launch)")
+
+
 def pack_entries(slots, rows, tokens, m: int | None = None) -> np.ndarray:
     """u32 ``[m, 4]``: one entry per (slot, row, token), then padding entries up to ``m``."""
     n = len(slots)

@@ -15,9 +15,11 @@ import numpy as np
 from runtime.dtypes import BF16
 from runtime.host_math import dot_rows
 from runtime.kernel import F32, PTR, U32, Pdl, declare
-from runtime.kernels.gemv_bf16 import MAX_BATCH, gemv_bf16_ref
+from runtime.kernels.gemv_bf16 import gemv_bf16_ref
 from runtime.kernels.rmsnorm import rmsnorm_ref
 from runtime.launch import grid_stride_blocks, launch
+
+from .batch import check_rows
 
 
 def rows_per_warp(k: int) -> int:
@@ -26,7 +28,7 @@ def rows_per_warp(k: int) -> int:
     return 16 if k <= 256 else 8 if k <= 512 else 4
 
 
-# ---- the batch: m rows of activations (1 <= m <= MAX_BATCH), each weight matrix read once ------------
+# ---- the batch: m rows of activations (1 <= m <= MAX_ROWS), each weight matrix read once ------------
 #
 # ptx/bgemv.cu: rows of x per block (blockIdx.x is the chunk, so the blocks that stream one tile of
 # weights launch one after another and all but the first read it from L2). A chunk of one row runs
@@ -34,11 +36,6 @@ def rows_per_warp(k: int) -> int:
 # arithmetic is the same in every one of them, so row e of any batch is bit-identical to a launch of
 # that row alone (m = 1).
 BATCH_ROWS = 8
-
-
-def _check_batch(what: str, m: int) -> None:
-    if not 1 <= m <= MAX_BATCH:
-        raise ValueError(f"{what}: m={m} rows; a batched launch covers 1..{MAX_BATCH}")
 
 
 def _pow2_rows(m: int) -> int:
@@ -112,7 +109,7 @@ def bgemv_batch(
     ``[heads][n]`` (f32 with ``out_f32``, else BF16) at ``y + e * y_stride``; the strides default to
     dense rows (heads * k, heads * n). ``beside``: x was produced before the previous launch on the
     stream (f32 output only; Pdl.BESIDE)."""
-    _check_batch("bgemv_batch", m)
+    check_rows("bgemv_batch", m)
     if beside and not out_f32:
         raise ValueError("the beside variant of bgemv_batch writes f32 only")
     if heads < 1 or n < 1:
@@ -209,7 +206,7 @@ def SUM_ROWS_RESIDUAL_RMSNORM_BATCH(mem, parts, residual, norm_w, out, normed, m
 
 def sum_rows_residual_batch(gpu, *, parts, residual, out, m, rows, n, stream=None):
     """out[e] = bf16(residual[e] + (((parts[e, 0] + parts[e, 1]) + ...))) for e < m."""
-    _check_batch("sum_rows_residual_batch", m)
+    check_rows("sum_rows_residual_batch", m)
     launch(
         gpu,
         gpu.kernel(*SUM_ROWS_RESIDUAL_BATCH.key),
@@ -230,7 +227,7 @@ def sum_rows_residual_rmsnorm_batch(
 ):
     """sum_rows_residual_batch into ``out``, then ``normed[e] = rmsnorm(out[e]) * norm_w``: one
     block of 1024 threads per row."""
-    _check_batch("sum_rows_residual_rmsnorm_batch", m)
+    check_rows("sum_rows_residual_rmsnorm_batch", m)
     launch(
         gpu,
         gpu.kernel(*SUM_ROWS_RESIDUAL_RMSNORM_BATCH.key),
@@ -288,7 +285,7 @@ def rmsnorm_gemv_batch(gpu, *, x, x_stride, norm_w, w, y, m, n, k, eps, beside: 
     q projection's q_a sits inside the wider fused row). One grid over W's rows (the blocks resident at
     once), times the chunks of m. ``beside``: x was produced before the previous launch on the stream,
     so the projection may run beside that launch (runtime.kernel.Pdl.BESIDE)."""
-    _check_batch("rmsnorm_gemv_batch", m)
+    check_rows("rmsnorm_gemv_batch", m)
     if x_stride < k:
         raise ValueError(f"rmsnorm_gemv_batch: x_stride={x_stride} is shorter than a row (k={k})")
     kernel = gpu.kernel(*(RMSNORM_GEMV_BATCH_BESIDE if beside else RMSNORM_GEMV_BATCH).key)

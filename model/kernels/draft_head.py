@@ -30,7 +30,7 @@ from runtime.kernels.gemv_bf16 import gemv_bf16_ref
 from runtime.kernels.gemv_fp8w import gemv_fp8w_ref
 from runtime.launch import grid_stride_blocks, launch
 
-from .batch import ENTRY_BYTES, is_pad, read_entries
+from .batch import ENTRY_BYTES, MAX_ROWS, check_rows, is_pad, read_entries
 
 # What a commit stores in its flag byte (ptx/draft_head.cu key_nonfinite); 0 is never stored.
 NONFINITE_NAN = 1
@@ -93,8 +93,6 @@ HEAD_ROWS_PER_BLOCK_BF16 = 16
 # identical to a launch of that row alone. The twins use dot_rows (runtime.host_math), whose
 # element (i, j) depends on x[i] and w[j] alone, so they are batch-invariant exactly too.
 
-BATCH_MAX = gemv_fp8w_mod.BATCH_MAX_M
-
 
 def _batch_commit(
     mem, keys: list[int], entries, drafts, draft_index, kmax, host_drafts, publish, m, flags, flag_byte
@@ -156,7 +154,7 @@ def _head_batch(
     """The batched heads' twin: ``logits_of(rows)`` gives the BF16 logits [len(rows), n] of those
     rows of x. Only live rows are computed and stored (a padding row's logits are scratch). A tile
     count the kernel refuses (more than ``tile_rows`` rows in a tile) writes nothing."""
-    if not (1 <= m <= BATCH_MAX and 1 <= tiles <= m and -(-m // tiles) <= tile_rows):
+    if not (1 <= m <= MAX_ROWS and 1 <= tiles <= m and -(-m // tiles) <= tile_rows):
         mem.write(counter, np.zeros(1, np.uint32))  # the kernel only takes part in the handshake
         return
     ent = read_entries(mem, entries, m)
@@ -304,8 +302,7 @@ def head_batch_launch(gpu, fp8: bool, m: int, n: int, k: int) -> tuple[int, int,
 
 
 def _check_batch(m: int, n: int, k: int, draft_index: int, kmax: int, flag_byte: int, what: str) -> None:
-    if not 1 <= m <= BATCH_MAX:
-        raise ValueError(f"{what}: m={m} entries; a batched launch covers 1..{BATCH_MAX}")
+    check_rows(what, m)
     if n < 1 or k < 0:
         raise ValueError(f"{what}: bad shape n={n}, k={k}")
     if not 0 <= draft_index < kmax:
@@ -425,8 +422,7 @@ def DRAFT_COMMIT_BATCH(
 
 def argmax_pack_batch(gpu, idx, val, keys, v0, m, stream=None):
     """keys[e] = the exchange key of (idx[e] + v0, val[e]) for the m rows of argmax_bf16_batch."""
-    if not 1 <= m <= BATCH_MAX:
-        raise ValueError(f"argmax_pack_batch: m={m}; a batched launch covers 1..{BATCH_MAX}")
+    check_rows("argmax_pack_batch", m)
     launch(gpu, gpu.kernel(*ARGMAX_PACK_BATCH.key), 1, 256, idx, val, keys, v0, m, stream=stream)
 
 
@@ -534,7 +530,7 @@ def HEAD_ARGMAX_FP8_MMA(
     """head_argmax_fp8_batch's twin, up to MMA_TILE_ROWS rows per tile; a shape the kernel cannot
     run (k % 64 != 0, an unaligned pointer) computes nothing: every live entry commits the empty key
     (token 0, NONFINITE_NAN), as on the device."""
-    tiles_ok = 1 <= m <= BATCH_MAX and 1 <= tiles <= m and -(-m // tiles) <= MMA_TILE_ROWS
+    tiles_ok = 1 <= m <= MAX_ROWS and 1 <= tiles <= m and -(-m // tiles) <= MMA_TILE_ROWS
     if tiles_ok and not _mma_supported(wq, x, k):
         _batch_commit(
             mem, [0] * m, entries, drafts, draft_index, kmax, host_drafts, publish, m, flags, flag_byte

@@ -22,7 +22,7 @@ from runtime.dtypes import BF16
 from runtime.kernel import F32, PTR, U32, declare
 from runtime.launch import launch
 
-from .batch import is_pad, read_entries
+from .batch import check_rows, is_pad, read_entries
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
@@ -70,7 +70,6 @@ PAIRS_PER_ITEM = 8
 ROUTER_ROWS = 8  # batch rows per router block (ptx/moe.cu ROUTER_ROWS)
 GROUP_ZERO = 0xFFFFFFFF  # an item's expert: live pairs of experts this rank does not hold
 GROUP_HEADER_WORDS = 4  # n_items, n_used, local pairs, zero pairs
-MAX_BATCH = 256
 
 
 def items_bound(pairs: int, n_local: int) -> int:
@@ -441,8 +440,7 @@ def MOE_DOWN_BATCH(
 
 
 def _check_batch(what: str, m: int, group=None) -> None:
-    if not 1 <= m <= MAX_BATCH:
-        raise ValueError(f"{what}: m = {m} entries outside 1..{MAX_BATCH}")
+    check_rows(what, m)
     if group is not None and group.addr % 16:
         raise ValueError(f"{what}: the group workspace must be 16-byte aligned (its items are uint4)")
 

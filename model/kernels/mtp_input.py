@@ -23,11 +23,11 @@ import numpy as np
 
 from runtime.dtypes import BF16
 from runtime.kernel import F32, PTR, U32, Pdl, declare
-from runtime.kernels.gemv_bf16 import MAX_BATCH, gemv_bf16_ref
+from runtime.kernels.gemv_bf16 import gemv_bf16_ref
 from runtime.kernels.rmsnorm import rmsnorm_ref
 from runtime.launch import grid_stride_blocks, launch
 
-from .batch import ENTRY_BYTES, is_pad, read_entries
+from .batch import ENTRY_BYTES, check_rows, is_pad, read_entries
 
 # What mtp_input_gemv_batch stores in an entry's flag byte (bits; 0 is never stored).
 HIDDEN_NONFINITE = 1
@@ -205,11 +205,6 @@ def mtp_input_batch_grid(gpu, m: int, n: int, h: int) -> tuple[int, int]:
     return (-(-m // MTP_INPUT_BATCH_ROWS), max(grid, -(-units // MTP_INPUT_ROWS_PER_WARP)))
 
 
-def _check_batch(what: str, m: int) -> None:
-    if not 1 <= m <= MAX_BATCH:
-        raise ValueError(f"{what}: m={m} entries; a batched launch covers 1..{MAX_BATCH}")
-
-
 def mtp_input_gemv_batch(
     gpu, *, table, entries, enorm, hidden, hnorm, w, y, m, vocab, h, n, eps, flags, flag_byte, stream=None
 ):
@@ -218,7 +213,7 @@ def mtp_input_gemv_batch(
     ``hidden``: m BF16 rows of h (a padding entry's row is read, never used); ``flags``: m u32
     words, entry e's flag in byte ``flag_byte`` of word e. Each row is bit-identical to a launch of
     that entry alone (m = 1)."""
-    _check_batch("mtp_input_gemv_batch", m)
+    check_rows("mtp_input_gemv_batch", m)
     if not 0 <= flag_byte < 4:
         raise ValueError(f"mtp_input_gemv_batch: flag_byte={flag_byte} is not a byte of a u32 (0..3)")
     launch(
@@ -248,7 +243,7 @@ def mtp_input_gemv_batch(
 def mtp_embed_norm_batch(gpu, *, table, entries, enorm, hidden, hnorm, out, m, vocab, h, eps, stream=None):
     """out [m, 2h] BF16 for the context rows of m entries (MTP_EMBED_NORM_BATCH): tokens from the
     entries, hidden rows dense [m, h]; a padding entry's row is left as it was."""
-    _check_batch("mtp_embed_norm_batch", m)
+    check_rows("mtp_embed_norm_batch", m)
     launch(
         gpu,
         gpu.kernel(*MTP_EMBED_NORM_BATCH.key),
