@@ -25,6 +25,7 @@ from runtime.device_ptr import DevicePtr
 from .config import ModelConfig
 from .dsa import selection_rows
 from .kernels import bgemv as bg
+from .kernels import bgemv_fp8 as bg8
 from .kernels import dsa_cache, dsa_select, moe, sparse_mla
 from .slot_pools import SlotPools
 from .weights import AttentionWeights, DeviceArena, MlpWeights, Sharding
@@ -195,15 +196,15 @@ class DecoderLayer:
         row's, cut to the rows a cache needs, so a context row writes exactly the bytes its full
         row would."""
         H, eps = self.cfg.hidden_size, self.cfg.rms_norm_eps
-        bg.rmsnorm_gemv_batch(
+        bg8.rmsnorm_gemv_seg_batch(
             self.gpu,
             x=x,
             x_stride=H,
             norm_w=self.attn.input_norm,
-            w=self.attn.fused_in,
+            segments=self.attn.fused_ctx,
             y=fused,
+            y_stride=self.ctx_rows,
             m=m,
-            n=self.ctx_rows,
             k=H,
             eps=eps,
             stream=stream,
@@ -250,15 +251,15 @@ class DecoderLayer:
         lp, kv = pools.layers[self.kv_layer], pools.kv
         fr = w.fused_rows
         # The input norm is every block's prologue of the fused projection (no rmsnorm launch).
-        bg.rmsnorm_gemv_batch(
+        bg8.rmsnorm_gemv_seg_batch(
             gpu,
             x=x,
             x_stride=H,
             norm_w=w.input_norm,
-            w=w.fused_in,
+            segments=w.fused_full,
             y=s.fused,
+            y_stride=fr,
             m=m,
-            n=fr,
             k=H,
             eps=eps,
             stream=stream,
@@ -267,15 +268,15 @@ class DecoderLayer:
         q_a = s.fused.offset(self.ctx_rows * 2)
         nq = hl * a.qk_head_dim + ih * idim
         # The q projection reads the same fused rows as the cache write, so it runs beside it.
-        bg.rmsnorm_gemv_batch(
+        bg8.rmsnorm_gemv_seg_batch(
             gpu,
             x=q_a,
             x_stride=fr,
             norm_w=w.q_a_norm,
-            w=w.q_fused,
+            segments=w.q_segments,
             y=s.q_fused,
+            y_stride=nq,
             m=m,
-            n=nq,
             k=a.q_lora_rank,
             eps=eps,
             beside=True,
@@ -389,8 +390,7 @@ class DecoderLayer:
             # The all-reduce below leaves every rank's groups in place; they must be zero again
             # before this rank's contribution (else the next draft adds the last one's back in).
             gpu.memset(s.attn_parts, 0, m * sh.groups * H * 4, stream)
-        bg.bgemv_batch(
-            gpu,
+        o_proj = dict(
             w=w.o_proj,
             x=s.o,
             x_stride=hl * a.v_head_dim,
@@ -403,6 +403,10 @@ class DecoderLayer:
             out_f32=True,
             stream=stream,
         )
+        if w.o_scales is not None:
+            bg8.bgemv_fp8_batch(gpu, scales=w.o_scales, scale_cols=w.o_scale_cols, col0=w.o_col0, **o_proj)
+        else:
+            bg.bgemv_batch(gpu, **o_proj)
         if sh.world_size > 1:
             self.comm.all_reduce(
                 s.attn_parts, m * sh.groups * H, CommDtype.FLOAT32, ReduceOp.SUM, stream=stream

@@ -85,6 +85,14 @@ class ProposerOptions:
     max_draft_tokens: int = 4
     max_sequences: int = 4
     fp8_head: bool = True
+    # Weights the checkpoint stores as 128x128 block-scaled FP8 (GLM-5.3-Flash: the experts, the
+    # shared expert, q_a, q_b, kv_a, o_proj) stay FP8 on the device, read by kernels that apply the
+    # block scales: half the bytes of the BF16 copy a draft would otherwise stream. False
+    # dequantises them to BF16 at load.
+    native_fp8: bool = True
+    # Quantise a BF16 checkpoint's routed and shared experts to 128x128 block-scaled FP8 on load
+    # (absmax / 448 per block, saturating): the FP8 bytes at the cost of the checkpoint's precision.
+    quantize_experts: bool = False
     # The FP8 head on tensor cores (mma.sync, BF16 from the FP8 rows in registers) instead of the
     # CUDA-core GEMV: 0.20 vs 0.15 ms per draft at one sequence, 0.43 vs 0.91 at 16, 1.35 vs 3.71
     # at 64 (H200, BENCHMARKS.md). Both are batch-invariant; they are not bit-identical to each
@@ -309,8 +317,10 @@ class MtpProposer:
             self.enorm, self.hnorm = vec("enorm.weight"), vec("hnorm.weight")
             self.head_norm = vec("shared_head.norm.weight")
             self.eh_proj = arena.upload(src.checked(P + "eh_proj.weight", (H, 2 * H)))
-            attn = load_attention(arena, src, P, cfg, sh)
-            mlp = load_moe(arena, src, P, cfg, sh)
+            attn = load_attention(arena, src, P, cfg, sh, native_fp8=options.native_fp8)
+            mlp = load_moe(
+                arena, src, P, cfg, sh, native_fp8=options.native_fp8, quantize_experts=options.quantize_experts
+            )
             self.layer = DecoderLayer(
                 gpu,
                 cfg,
@@ -448,6 +458,8 @@ class MtpProposer:
             "config": {k: v for k, v in self.cfg.to_hf_dict().items()},
             "o_proj_groups": options.o_proj_groups,
             "fp8_head": options.fp8_head,
+            "native_fp8": options.native_fp8,
+            "quantize_experts": options.quantize_experts,
         }
         fp = int.from_bytes(hashlib.sha256(json.dumps(what, sort_keys=True).encode()).digest()[:8], "little")
         W, gpu = self.cfg.parallel.world_size, self.gpu

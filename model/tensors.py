@@ -49,6 +49,50 @@ class TensorLookup:
         return check_finite_tensor(name, a)
 
 
+    def block_fp8(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
+        """(FP8 E4M3 values [out, in], F32 scales [ceil(out/128), ceil(in/128)]) when ``name`` is
+        stored as 128x128 block-scaled FP8, else None (``checked`` then reads it, dequantised if
+        needed). A mapping holds such a tensor as FP8 ``name`` plus F32 ``name + '_scale_inv'``.
+        Another block size is refused here, before anything is uploaded: the kernels apply
+        128x128 blocks only."""
+        if name not in self:
+            raise WeightError(f"missing tensor {name!r}")
+        if self._is_checkpoint:
+            if not hasattr(self._src, "block_fp8"):
+                return None
+            found = self._src.block_fp8(name)
+            if found is None:
+                return None
+            q, s, block = found
+        else:
+            q = self._src[name]
+            if np.dtype(q.dtype) != np.dtype(FP8):
+                return None
+            sname = name + "_scale_inv"
+            if sname not in self._src:
+                raise WeightError(f"tensor {name!r} is FP8 without its block scales {sname!r}")
+            s, block = self._src[sname], FP8_BLOCK
+        if tuple(block) != FP8_BLOCK:
+            raise WeightError(
+                f"tensor {name!r}: FP8 weight block size {tuple(block)} is not supported; the kernels "
+                f"apply {FP8_BLOCK[0]}x{FP8_BLOCK[1]} blocks (load with native FP8 off to dequantise it)"
+            )
+        if tuple(q.shape) != tuple(shape):
+            raise WeightError(f"tensor {name!r}: expected shape {tuple(shape)}, found {tuple(q.shape)}")
+        want = tuple(-(-d // b) for d, b in zip(shape, FP8_BLOCK))
+        if tuple(s.shape) != want or np.dtype(s.dtype) != np.float32:
+            raise WeightError(
+                f"block scales of {name!r}: expected float32{want}, found {np.dtype(s.dtype)}{tuple(s.shape)}"
+            )
+        check_finite_tensor(name, q)
+        check_finite_tensor(name + "_scale_inv", s)
+        return np.asarray(q), np.asarray(s)
+
+
+# The weight block size the FP8 kernels apply (ptx/bgemv_fp8.cu, ptx/moe.cu).
+FP8_BLOCK = (128, 128)
+
+
 # ---- finiteness ------------------------------------------------------------------------------------
 
 

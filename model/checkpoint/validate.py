@@ -22,6 +22,7 @@ from model.weights_layout import (
     target_layout,
 )
 
+from . import fp8
 from .reader import Checkpoint
 from .safetensors_io import CheckpointError
 
@@ -72,6 +73,16 @@ class TensorSet(Mapping[str, np.ndarray]):
         """Rows [start, stop) in the expected dtype, reading only those rows."""
         r = self._resolved[name]
         return self.checkpoint.get_rows(r.source, start, stop, r.spec.dtype, r.spec.accept)
+
+    def block_fp8(self, name: str) -> tuple[np.ndarray, np.ndarray, tuple[int, int]] | None:
+        """(FP8 values, F32 block scales, block size) of ``name`` when it is stored block-scaled
+        FP8 (validated: the scales' shape matches), else None: the bytes as the checkpoint holds
+        them, for kernels that apply the scales themselves."""
+        r = self._resolved[name]
+        ckpt = self.checkpoint
+        if ckpt.info(r.source).dtype != "F8_E4M3":
+            return None
+        return ckpt.get(r.source), ckpt.get(fp8.scale_name(r.source)), ckpt.fp8_block
 
     def load(self) -> dict[str, np.ndarray]:
         """Every tensor, as arrays (views of the file where no dequantisation is needed)."""
