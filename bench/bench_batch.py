@@ -96,22 +96,38 @@ def expected_distinct_experts(n_experts: int, top_k: int, batch: int) -> float:
 # ---- bytes ----------------------------------------------------------------------------------------
 
 
-def _floor_view(cfg_or_prop: Any) -> Any:
-    """What draft_bytes reads of a proposer (cfg, sharding, the fused projection's rows, the head's
-    rows), from a proposer itself or built from a config as MtpProposer lays its weights out."""
+def _floor_view(cfg_or_prop: Any, fp8: bool = False) -> Any:
+    """What draft_bytes reads of a proposer (cfg, sharding, the projections' segments, o_proj and
+    the experts' kind, the head's rows), from a proposer itself or built from a config as
+    MtpProposer lays its weights out: BF16, or with ``fp8`` the published checkpoint's FP8
+    tensors kept native (kv_a, q_a, q_b, o_proj, the experts)."""
     if not isinstance(cfg_or_prop, ModelConfig):
         return cfg_or_prop
     cfg = cfg_or_prop
-    a, V = cfg.attention, cfg.vocab_size
+    a, d, V = cfg.attention, cfg.dsa, cfg.vocab_size
     W = cfg.parallel.world_size
     heads = a.num_attention_heads
     # o_proj's bytes do not depend on its group count; one group per head always divides.
     sh = Sharding.for_config(cfg, heads)
-    fused_rows = fused_in_rows(cfg)
+    C, ql, idim, ih = a.kv_lora_rank, a.q_lora_rank, d.index_head_dim, d.index_n_heads
+    scale = object() if fp8 else None
+
+    def seg(rows: int, is_fp8: bool) -> SimpleNamespace:
+        return SimpleNamespace(rows=rows, scales=scale if is_fp8 else None)
+
+    bf16_rows = fused_in_rows(cfg) - C - ql
+    fused = [seg(C, True), seg(ql, True), seg(bf16_rows, False)] if fp8 else [seg(fused_in_rows(cfg), False)]
+    q_rows = sh.local_heads * a.qk_head_dim
+    q_segs = [seg(q_rows, True), seg(ih * idim, False)] if fp8 else [seg(q_rows + ih * idim, False)]
     return SimpleNamespace(
         cfg=cfg,
         sharding=sh,
-        layer=SimpleNamespace(attn=SimpleNamespace(fused_rows=fused_rows)),
+        layer=SimpleNamespace(
+            attn=SimpleNamespace(
+                fused_rows=fused_in_rows(cfg), fused_full=fused, q_segments=q_segs, o_scales=scale
+            ),
+            mlp=SimpleNamespace(gate_up_scales=scale),
+        ),
         head_n=V // W if V % W == 0 else V,
     )
 
@@ -168,6 +184,7 @@ def batch_floor_bytes(
     k: int,
     chosen_experts_per_draft: Sequence[float],
     fp8_head: bool,
+    fp8_weights: bool = False,
 ) -> dict[str, int]:
     """Bytes one ``propose_batch`` of k drafts must move for sequences at ``contexts`` (``cfg``: a
     ModelConfig, or the proposer itself so its own buffer sizes are counted, as draft_bytes does).
@@ -176,7 +193,7 @@ def batch_floor_bytes(
     Keys: ``block`` (draft_bytes' BLOCK_WEIGHTS, once per draft), ``experts`` (each chosen expert's
     gate_up and down once per draft), ``head``, ``cache_reads`` and ``cache_writes`` (every
     sequence's, ``sequence_bytes``), ``total``."""
-    view, c = _floor_view(cfg), _cfg(cfg)
+    view, c = _floor_view(cfg, fp8_weights), _cfg(cfg)
     contexts = [int(x) for x in contexts]
     if k < 1 or not contexts:
         raise ValueError(f"need k >= 1 and at least one sequence, got k={k}, {len(contexts)} sequences")

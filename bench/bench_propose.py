@@ -101,11 +101,11 @@ class ArmProposer(MtpProposer):
         finally:
             self._ids_log = None
 
-    def _launch_step(self, m: int, k: int, s: int) -> None:
+    def _launch_step(self, m: int, k: int, s: int, sampled: bool = False) -> None:
         if self.arm.graphs and self._ids_log is None:
-            self._replay_graph(m, k, s)
+            self._replay_graph(m, k, s, sampled)
         else:
-            self._enqueue_drafts(m, k, s)
+            self._enqueue_drafts(m, k, s, sampled)
 
     def alloc_state(self, arm: Arm | None = None) -> ProposerState:
         """A state running ``arm`` (the current arm when None)."""
@@ -186,27 +186,43 @@ class LaunchRecorder:
 # ---- bytes per draft -------------------------------------------------------------------------------
 
 
+def _matrix_bytes(rows: int, cols: int, fp8: bool) -> int:
+    """A weight's bytes: BF16, or FP8 plus its 128x128 block scales."""
+    if not fp8:
+        return rows * cols * 2
+    return rows * cols + -(-rows // 128) * -(-cols // 128) * 4
+
+
 def draft_bytes(prop: Any, context_row: int, fp8_head: bool) -> dict[str, int]:
     """Bytes one draft of one sequence at row ``context_row`` reads, from the buffers the step
-    touches."""
+    touches (FP8 weights counted at one byte plus their block scales)."""
     cfg, sh = prop.cfg, prop.sharding
     a, d, m, H = cfg.attention, cfg.dsa, cfg.moe, cfg.hidden_size
     hl, C, I = sh.local_heads, a.kv_lora_rank, m.moe_intermediate_size
+    attn, mlp = prop.layer.attn, prop.layer.mlp
     npools = complete_pools(context_row, d.index_kpool)
     if npools <= d.topk_pools:
         sel = context_row + 1
     else:
         sel = d.topk_pools * d.index_kpool + context_row + 1 - npools * d.index_kpool
+    expert_fp8 = mlp.gate_up_scales is not None
     out = {
         "eh_proj": H * 2 * H * 2,
-        "fused_in": prop.layer.attn.fused_rows * H * 2,
-        "q_fused": (hl * a.qk_head_dim + d.index_n_heads * d.index_head_dim) * a.q_lora_rank * 2,
+        "fused_in": sum(_matrix_bytes(g.rows, H, g.scales is not None) for g in attn.fused_full),
+        "q_fused": sum(_matrix_bytes(g.rows, a.q_lora_rank, g.scales is not None) for g in attn.q_segments),
         "wk_t": hl * C * a.qk_nope_head_dim * 2,
         "wv": hl * a.v_head_dim * C * 2,
-        "o_proj": sh.groups * H * sh.group_heads * a.v_head_dim * 2,
+        "o_proj": _matrix_bytes(H, sh.local_groups * sh.group_heads * a.v_head_dim, attn.o_scales is not None)
+        * sh.world_size,
         "router": m.n_routed_experts * H * 2,
-        "experts": m.num_experts_per_tok * 3 * I * H * 2,
-        "shared_expert": 3 * I * m.n_shared_experts * H * 2 if m.n_shared_experts else 0,
+        "experts": m.num_experts_per_tok
+        * (2 * _matrix_bytes(I, H, expert_fp8) + _matrix_bytes(H, I, expert_fp8)),
+        "shared_expert": (
+            2 * _matrix_bytes(I * m.n_shared_experts, H, expert_fp8)
+            + _matrix_bytes(H, I * m.n_shared_experts, expert_fp8)
+            if m.n_shared_experts
+            else 0
+        ),
         "head": prop.head_n * H + prop.head_n * 4 if fp8_head else prop.head_n * H * 2,
         "caches": sel * (C + 4) + npools * (d.index_head_dim + 4) + H * 2,
     }

@@ -282,6 +282,8 @@ class MtpProposer:
         self.gpu, self.cfg, self.opt, self.comm = gpu, cfg, options, comm
         self.stream = gpu.default_stream if stream is None else stream
         src = TensorLookup.of(tensors)
+        if options.native_fp8:
+            src.check_fp8_block()
         H, V = cfg.hidden_size, cfg.vocab_size
         W = cfg.parallel.world_size
         if W > 1 and comm is None:
@@ -319,7 +321,13 @@ class MtpProposer:
             self.eh_proj = arena.upload(src.checked(P + "eh_proj.weight", (H, 2 * H)))
             attn = load_attention(arena, src, P, cfg, sh, native_fp8=options.native_fp8)
             mlp = load_moe(
-                arena, src, P, cfg, sh, native_fp8=options.native_fp8, quantize_experts=options.quantize_experts
+                arena,
+                src,
+                P,
+                cfg,
+                sh,
+                native_fp8=options.native_fp8,
+                quantize_experts=options.quantize_experts,
             )
             self.layer = DecoderLayer(
                 gpu,

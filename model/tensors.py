@@ -48,6 +48,16 @@ class TensorLookup:
         # Refused as it is read: a NaN weight would otherwise surface as a NaN draft much later.
         return check_finite_tensor(name, a)
 
+    def check_fp8_block(self) -> None:
+        """Refuse a checkpoint whose FP8 weights use a block size the kernels do not apply, before
+        anything is loaded (reads headers only)."""
+        block = getattr(getattr(self._src, "checkpoint", None), "fp8_block", FP8_BLOCK)
+        if tuple(block) != FP8_BLOCK and any(self._src.block_fp8_stored(n) for n in self._src):
+            raise WeightError(
+                f"FP8 weight block size {tuple(block)} (quantization_config.weight_block_size) is not "
+                f"supported; the kernels apply {FP8_BLOCK[0]}x{FP8_BLOCK[1]} blocks (load with native FP8 "
+                "off to dequantise the weights)"
+            )
 
     def block_fp8(self, name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
         """(FP8 E4M3 values [out, in], F32 scales [ceil(out/128), ceil(in/128)]) when ``name`` is

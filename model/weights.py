@@ -228,7 +228,11 @@ def _segments(arena: DeviceArena, pieces: list[np.ndarray | _Fp8Rows]) -> tuple[
             flush()
             out.append(
                 GemvSegment(
-                    w=arena.upload(p.q), scales=arena.upload(p.scales), rows=p.q.shape[0], col=col, row0=p.row0
+                    w=arena.upload(p.q),
+                    scales=arena.upload(p.scales),
+                    rows=p.q.shape[0],
+                    col=col,
+                    row0=p.row0,
                 )
             )
             col += p.q.shape[0]
@@ -240,13 +244,16 @@ def _segments(arena: DeviceArena, pieces: list[np.ndarray | _Fp8Rows]) -> tuple[
 
 def _clip(segments: tuple[GemvSegment, ...], cols: int) -> tuple[GemvSegment, ...]:
     """The segments cut to output columns [0, cols): the same weights, fewer rows."""
-    return tuple(
-        dataclasses.replace(g, rows=min(g.rows, cols - g.col)) for g in segments if g.col < cols
-    )
+    return tuple(dataclasses.replace(g, rows=min(g.rows, cols - g.col)) for g in segments if g.col < cols)
 
 
 def load_attention(
-    arena: DeviceArena, src: TensorLookup, prefix: str, cfg: ModelConfig, sh: Sharding, native_fp8: bool = True
+    arena: DeviceArena,
+    src: TensorLookup,
+    prefix: str,
+    cfg: ModelConfig,
+    sh: Sharding,
+    native_fp8: bool = True,
 ) -> AttentionWeights:
     """The layer's attention weights; with ``native_fp8`` the tensors stored as block-scaled FP8
     stay FP8 on the device (kv_a, q_a, q_b, o_proj in the published checkpoints)."""
@@ -254,7 +261,9 @@ def load_attention(
     nope, v, C, ql = a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank, a.q_lora_rank
     ih, idim = d.index_n_heads, d.index_head_dim
     at, ix = prefix + "self_attn.", prefix + "self_attn.indexer."
-    kv_a = _rows(_weight(src, at + "kv_a_proj_with_mqa.weight", (C + a.qk_rope_head_dim, H), native_fp8), 0, C)
+    kv_a = _rows(
+        _weight(src, at + "kv_a_proj_with_mqa.weight", (C + a.qk_rope_head_dim, H), native_fp8), 0, C
+    )
     rows = C + 2 * idim + ql + ih
     # Zero rows up to a multiple of 8: each batch row of the fused output then starts on 16 bytes,
     # which the vector paths of the cache write and the q projection need for every row alike (an

@@ -31,7 +31,7 @@ from model.weights_layout import (
     shared_layout,
     target_layout,
 )
-from runtime.dtypes import BF16, FP8_MAX, to_fp8_saturating
+from runtime.dtypes import BF16, FP8, FP8_MAX, to_fp8_saturating
 
 from . import fp8
 from .naming import NameLayout
@@ -275,4 +275,39 @@ def tiled_mtp_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
         w[M + "shared_experts.gate_proj.weight"] = t(Is, H)
         w[M + "shared_experts.up_proj.weight"] = t(Is, H)
         w[M + "shared_experts.down_proj.weight"] = t(H, Is)
+    return w
+
+
+def fp8_on_disk_names(cfg: ModelConfig) -> list[str]:
+    """The MTP block's tensors the published FP8 checkpoints store as 128x128 block-scaled FP8
+    (REFERENCE.md): every routed and shared expert, q_a, q_b, kv_a_proj_with_mqa and o_proj."""
+    P = f"model.layers.{cfg.mtp_layer_index}."
+    A, M = P + "self_attn.", P + "mlp."
+    names = [A + n + ".weight" for n in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")]
+    for e in range(cfg.moe.n_routed_experts):
+        names += [M + f"experts.{e}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+    if cfg.moe.n_shared_experts:
+        names += [M + f"shared_experts.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+    return names
+
+
+def tiled_fp8_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """``tiled_mtp_weights`` in the published FP8 layout: the tensors of ``fp8_on_disk_names`` as
+    random FP8 E4M3 (slices of one random byte pool, exponent's top bit clear: finite, below 2 in
+    magnitude) with random F32 block scales under ``name + '_scale_inv'``; the rest as there."""
+    w = tiled_mtp_weights(cfg, seed)
+    rng = np.random.default_rng(seed + 1)
+    pool = (rng.integers(0, 256, POOL_ELEMS, dtype=np.uint8) & np.uint8(0xBF)).view(FP8)
+    for i, name in enumerate(fp8_on_disk_names(cfg)):
+        out, inp = w[name].shape
+        n = out * inp
+        if n <= POOL_ELEMS // 2:
+            off = (i * 1_000_003) % (POOL_ELEMS - n)
+            q = pool[off : off + n].reshape(out, inp)
+        else:
+            q = np.resize(pool, n).reshape(out, inp)
+        w[name] = q
+        w[name + "_scale_inv"] = (0.005 + 0.01 * rng.random((-(-out // 128), -(-inp // 128)))).astype(
+            np.float32
+        )
     return w

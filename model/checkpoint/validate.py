@@ -74,6 +74,10 @@ class TensorSet(Mapping[str, np.ndarray]):
         r = self._resolved[name]
         return self.checkpoint.get_rows(r.source, start, stop, r.spec.dtype, r.spec.accept)
 
+    def block_fp8_stored(self, name: str) -> bool:
+        """Whether ``name`` is stored as FP8 (reads its header only)."""
+        return self.checkpoint.info(self._resolved[name].source).dtype == "F8_E4M3"
+
     def block_fp8(self, name: str) -> tuple[np.ndarray, np.ndarray, tuple[int, int]] | None:
         """(FP8 values, F32 block scales, block size) of ``name`` when it is stored block-scaled
         FP8 (validated: the scales' shape matches), else None: the bytes as the checkpoint holds
