@@ -13,7 +13,10 @@ does: the step's kernels up to the failed collective have run, so the rows at ``
 be written; the row counts are moved only after the step completes): each sequence of the batch
 holds ``min(rows before, position)`` rows, with its cache bytes in those rows as before; the
 sequences outside the batch are untouched; the next call that meets the peers fails at once with
-the same cause."""
+the same cause.
+
+Over NCCL (not run here) the same death is a timed-out ``wait``; its message names the ranks it
+waited for (``runtime.comm.nccl.missing_peers``: exactly the other rank of two)."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import pytest
 
 from model.config import tiny
 from model.proposer import MtpProposer, ProposerOptions
+from runtime.comm.nccl import missing_peers
 from runtime.errors import CommError
 from tests.proposer_fixtures import bf16_weights, cache_snapshot
 from tests.sharded_util import Seq, _catchup, _propose, run_ranks
@@ -299,3 +303,14 @@ def test_after_a_failed_collective_a_rewound_sequence_has_nothing_to_trim():
         assert prop.drafter_rows(q.state) == rows
     finally:
         out["prop"].close()
+
+
+def test_an_nccl_timeout_names_the_ranks_it_waited_for():
+    """NCCL reports no per-peer progress: a timed-out wait names the other rank of two, the
+    candidates of more (the message of ``NcclCommunicator.wait`` and of its init's timeout)."""
+    assert missing_peers(0, 2).startswith("rank 1 did not arrive")
+    assert missing_peers(1, 2).startswith("rank 0 did not arrive")
+    assert "ranks [0, 1, 3] did not arrive" in missing_peers(2, 4) and "does not say which" in missing_peers(
+        2, 4
+    )
+    assert "no other rank" in missing_peers(0, 1)
