@@ -185,6 +185,10 @@ def measure(prop: Any, gpu: Any, args: Any, bw: float, log: Log) -> list[dict[st
         r["floor_bytes"], r["floor_ms"] = fb, fb["total"] / bw * 1e3
         r["over_floor"] = r["graph_device_ms"] / r["floor_ms"]
         r["allreduce_bytes"] = allreduce_bytes(prop, prop._bucket(r["B"]), r["k"])
+        if prop.cfg.parallel.world_size > 1:  # measure_batch logged the whole drafter's floor
+            log(
+                f"  B {r['B']:>3}: this rank's share of the floor {r['floor_ms']:.3f} ms ({r['over_floor']:.2f}x)"
+            )
     return rows
 
 
@@ -446,6 +450,7 @@ def table(res: dict[str, Any]) -> str:
     W, hist = res["world_size"], res["history"]
     heads = list(res["single"])
     head = ["B", f"{W} ranks ms (slowest)", "rank floor ms (largest share)", "x floor", "all-reduced MB"]
+    head += ["one GPU floor ms"] * bool(heads)
     head += [f"one GPU {h} head ms" for h in heads] + [f"speedup vs {h}" for h in heads]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" for _ in head) + "|"]
     for s in res["summary"]:
@@ -456,6 +461,7 @@ def table(res: dict[str, Any]) -> str:
             _f(s["ranks_over_floor"], ".2f"),
             _f(s["allreduce_MB"], ".1f"),
         ]
+        cells += [_f(s.get(f"one_gpu_{heads[0]}_floor_ms"), ".3f")] * bool(heads)
         cells += [_f(s.get(f"one_gpu_{h}_ms"), ".3f") for h in heads]
         cells += [_f(s.get(f"speedup_vs_{h}"), ".2f") for h in heads]
         lines.append("| " + " | ".join(cells) + " |")
