@@ -271,6 +271,7 @@ class MtpProposer:
         self.label = f"MtpProposer#{next(_SERIALS)}"
         self._lock = threading.RLock()
         self._closed = False
+        self._broken: str | None = None
         self.gpu, self.cfg, self.opt, self.comm = gpu, cfg, options, comm
         self.stream = gpu.default_stream if stream is None else stream
         src = TensorLookup.of(tensors)
@@ -747,6 +748,13 @@ class MtpProposer:
         were rewritten by the step): such a sequence then holds ``position`` rows and
         ``after_verify`` has nothing to trim, as after ``rewind_to``."""
         t_enter = time.perf_counter()
+        if self._broken is not None:
+            # Its peers are gone or out of step: another step would pair its collectives with ranks
+            # that are not there. Calls that meet no peer (catch-up, rewinds, frees) still run.
+            raise CommError(
+                f"{self.label} is broken since a collective with its peers failed (propose refused; "
+                f"close it and build a new one): {self._broken}"
+            )
         states = self._batch(states, "propose_batch", ("last tokens", last_tokens), ("positions", positions))
         B = len(states)
         k = as_int(k, "k")
@@ -794,9 +802,19 @@ class MtpProposer:
             ent[:B, 2] = toks
             step.flags_host[:m] = 0
             self.gpu.copy_d2d(step.hidden_in, hid, B * H * 2, s)
-            self._launch_step(m, k, s)
-            t_wait = time.perf_counter()
-            self._wait(s)
+            try:
+                self._launch_step(m, k, s)
+                t_wait = time.perf_counter()
+                self._wait(s)
+            except BaseException as e:
+                # The step did not finish: the rewound sequences hold ``position`` rows and nothing
+                # of this step to trim (as after a flagged step); peers that failed leave the
+                # proposer unusable.
+                for st in rewound:
+                    st.last_drafted = 0
+                if isinstance(e, CommError):
+                    self._broken = f"{type(e).__name__}: {e}"
+                raise
             t_done = time.perf_counter()
         words = step.flag_words_host[:B]
         if words.any():  # a kernel of the step raised a non-finite flag

@@ -277,12 +277,6 @@ def test_a_rank_dying_in_catchup_batch_is_named_at_the_next_propose(world, dead)
             assert after == [r + n for r, n in zip(rows, [3, 0, 2, 5])]  # the failed propose moved none
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="MtpProposer.propose_batch resets last_drafted of the sequences it rewound when a step "
-    "raises a non-finite flag, but not when a collective fails: after_verify then trims the "
-    "previous propose's drafts from the rewound row count (model/proposer.py, not this branch's)",
-)
 def test_after_a_failed_collective_a_rewound_sequence_has_nothing_to_trim():
     """Sequence 0 had two unverified drafts; the failed propose rewound it one row behind them.
     As after a flagged step (and after ``rewind_to``), ``after_verify`` must then keep its rows."""
