@@ -96,16 +96,180 @@ __device__ __forceinline__ void score_pools(const uint16_t* __restrict__ q, cons
 }
 }  // namespace
 
+// ---- the tensor-core path of indexer_scores_batch (mma = 1) -------------------------------------
+// Past a few thousand pools the warp-per-pool path above is bound by its shared-memory reads (160
+// wavefronts of q and key per pool, about 160 us at 262,144 pools), far from streaming the keys
+// (132 bytes a pool). Here the dots are mma.sync.m16n8k16 with f16 operands and f32 accumulation:
+// M = the heads (two m16 tiles, rows past `heads` zero), N = 8 pools, K = the 128 dimensions in 8
+// steps. A warp converts each key byte once (cvt.rn.f16x2.e4m3x2: exact, every E4M3 value is an
+// f16) and the 32 heads share it through the MMA.
+//
+// q as f16 without loss: head h's BF16 row times 2^s_h, s_h the power of two that puts its largest
+// magnitude in [2^14, 2^15) (clamped to +-126): a BF16 value's 8 significant bits fit f16's 11, and
+// only elements below 2^-28 of the row's largest fall under f16's normal range. The dot is
+// multiplied back by 2^-s_h (exact) and then by the pool's scale, so
+//   score_p = sum_h (w_h * w_scale) * relu((dot_h(q_h 2^s_h, fp8 key_p) * 2^-s_h) * scale_p) / sqrt(dim)
+// equal to the twin's formula up to f32 rounding (the GPU tests' score bound).
+//
+// Fragments (as ptx/draft_head.cu's head_argmax_fp8_mma): lane (g = lane / 4, t = lane % 4) holds
+// elements 32t .. 32t + 31 of q rows g, g + 8, g + 16, g + 24 and loads bytes 32t .. 32t + 31 of
+// pool 8T + g's key for tile T (two 16-byte loads; a warp's tile is 1 KB, contiguous). MMA step j
+// takes the thread's elements 32t + 4j .. 32t + 4j + 3: its logical k pairs (2t, 2t + 1) and
+// (2t + 8, 2t + 9) are the physical (32t + 4j, +1) and (32t + 4j + 2, +3) in A and B alike, so the
+// 8 steps pair each q element with its own key byte. The accumulator's columns 2t, 2t + 1 are pools
+// 8T + 2t, +1; a lane sums its four heads in order, then three xor shuffles sum the eight lanes of
+// its column (a fixed order). A pool's score is thus one warp's fixed arithmetic whatever the grid,
+// the warp or the batch.
+//
+// A warp takes IDX_TILES tiles per round (32 pools, 4 KB) and has the next round's keys in flight
+// while it computes one (about 190 registers: one 256-thread block per SM). Needs dim == 128,
+// heads <= 32, q rows 4-byte aligned and the pool keys 16-byte aligned (the launch helper checks;
+// a launch that asks for this path without them writes nothing).
+#define IDX_MMA_DIM 128u
+#define IDX_TILES 4
+
+namespace {
+__device__ __forceinline__ void mma_16816_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                              uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Two E4M3 bytes (the low 16 bits, low byte first) -> an exact f16 pair (low byte in the low half).
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
+    uint32_t h;
+    const uint16_t v = (uint16_t)(two & 0xFFFFu);
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(v));
+    return h;
+}
+
+// A BF16 pair times 2^s (exact in f32) -> an f16 pair, low element in the low half.
+__device__ __forceinline__ uint32_t bf16x2_scaled_to_f16x2(uint32_t v, float scale) {
+    const __half2 h = __floats2half2_rn(bf16_lo(v) * scale, bf16_hi(v) * scale);
+    return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// 2^s as an f32, s in [-126, 126].
+__device__ __forceinline__ float pow2f(int s) { return __int_as_float((127 + s) << 23); }
+
+// A round's keys: for each of its tiles, the thread's 32 bytes of pool 8T + g (clamped to the last
+// complete pool: its results are dropped).
+__device__ __forceinline__ void load_key_round(const uint8_t* __restrict__ keys, uint32_t group, uint32_t npools,
+                                               uint32_t g, uint32_t t, uint4 (&kv)[IDX_TILES][2]) {
+#pragma unroll
+    for (int u = 0; u < IDX_TILES; ++u) {
+        const uint32_t p = min((group * IDX_TILES + (uint32_t)u) * 8u + g, npools - 1u);
+        const uint8_t* src = keys + (size_t)p * IDX_MMA_DIM + 32u * t;
+        kv[u][0] = ld_stream16(src);
+        kv[u][1] = ld_stream16(src + 16);
+    }
+}
+
+__device__ __forceinline__ uint32_t word_of4(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Rounds blockIdx.x * 8 + warp, + gridDim.x * 8, ... of IDX_TILES tiles below npools.
+__device__ __forceinline__ void score_pools_mma(const uint16_t* __restrict__ q, const uint16_t* __restrict__ w,
+                                                const uint8_t* __restrict__ pool_keys,
+                                                const float* __restrict__ pool_scales, float* __restrict__ scores,
+                                                uint32_t npools, uint32_t heads, float w_scale) {
+    const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31u, g = lane >> 2, t = lane & 3u;
+    const uint32_t rounds = (npools + 8u * IDX_TILES - 1u) / (8u * IDX_TILES);
+    const uint32_t stride = gridDim.x * (blockDim.x >> 5);
+    uint32_t r = blockIdx.x * (blockDim.x >> 5) + warp;
+    if (r >= rounds) return;
+    uint4 cur[IDX_TILES][2];
+    load_key_round(pool_keys, r, npools, g, t, cur);  // in flight while q is staged
+
+    // A fragments: rows g + 8i (i = 0..3), elements 32t .. 32t + 31, 16 words each.
+    uint32_t a[4][16];
+    float inv[4], wh[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint32_t h = g + 8u * i;
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(q + (size_t)h * IDX_MMA_DIM + 32u * t);
+#pragma unroll
+        for (int k = 0; k < 16; ++k) a[i][k] = h < heads ? __ldg(src + k) : 0u;
+        wh[i] = h < heads ? __fmul_rn(bf16_bits_to_f32(w[h]), w_scale) : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        uint32_t mx = 0u;  // the largest |BF16| bits (magnitudes order as their bits)
+#pragma unroll
+        for (int k = 0; k < 16; ++k) mx = max(mx, max(a[i][k] & 0x7FFFu, (a[i][k] >> 16) & 0x7FFFu));
+        mx = max(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
+        mx = max(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
+        const int s = min(max(141 - (int)((mx >> 7) & 0xFFu), -126), 126);  // 2^s * max in [2^14, 2^15)
+        const float scale = pow2f(s);
+        inv[i] = pow2f(-s);
+#pragma unroll
+        for (int k = 0; k < 16; ++k) a[i][k] = bf16x2_scaled_to_f16x2(a[i][k], scale);
+    }
+    const float root = sqrtf((float)IDX_MMA_DIM);
+
+    for (; r < rounds; r += stride) {
+        uint4 nxt[IDX_TILES][2];
+        const bool more = r + stride < rounds;
+        if (more) load_key_round(pool_keys, r + stride, npools, g, t, nxt);
+#pragma unroll
+        for (int u = 0; u < IDX_TILES; ++u) {
+            const uint32_t p0 = (r * IDX_TILES + (uint32_t)u) * 8u;
+            if (p0 >= npools) break;  // uniform over the warp
+            float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const uint32_t kw = word_of4(cur[u][j >> 2], j & 3);
+                const uint32_t b0 = e4m3x2_to_f16x2(kw), b1 = e4m3x2_to_f16x2(kw >> 16);
+                mma_16816_f16(acc[0], a[0][2 * j], a[1][2 * j], a[0][2 * j + 1], a[1][2 * j + 1], b0, b1);
+                mma_16816_f16(acc[1], a[2][2 * j], a[3][2 * j], a[2][2 * j + 1], a[3][2 * j + 1], b0, b1);
+            }
+            const uint32_t pc = p0 + 2u * t;
+            const float sc[2] = {__ldg(pool_scales + min(pc, npools - 1u)), __ldg(pool_scales + min(pc + 1u, npools - 1u))};
+            float s[2];
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                float v = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float d = __fmul_rn(__fmul_rn(acc[i >> 1][2 * (i & 1) + c], inv[i]), sc[c]);
+                    v = fmaf(wh[i], fmaxf(d, 0.0f), v);
+                }
+                v += __shfl_xor_sync(0xFFFFFFFFu, v, 4);
+                v += __shfl_xor_sync(0xFFFFFFFFu, v, 8);
+                v += __shfl_xor_sync(0xFFFFFFFFu, v, 16);
+                s[c] = v / root;
+            }
+            if (g == 0) {
+                if (pc < npools) scores[pc] = s[0];
+                if (pc + 1u < npools) scores[pc + 1u] = s[1];
+            }
+        }
+        if (more) {
+#pragma unroll
+            for (int u = 0; u < IDX_TILES; ++u) {
+                cur[u][0] = nxt[u][0];
+                cur[u][1] = nxt[u][1];
+            }
+        }
+    }
+}
+}  // namespace
+
 // The same scores for m batch entries (ptx/batch.cuh): blockIdx.y = entry e, whose query is
 // q + e * q_stride, head weights w + e * w_stride, pools its slot's and scores
-// scores + e * pools_per_slot; blockIdx.x strides over its pools. A pool's score is one warp's
-// whatever the grid, so an entry's scores have the same bits in every batch.
+// scores + e * pools_per_slot; blockIdx.x strides over its pools (mma = 0: warps over pools; mma
+// = 1: warps over rounds of IDX_TILES * 8 pools, the tensor-core path). A pool's score is one
+// warp's whatever the grid, so an entry's scores have the same bits in every batch; the path is
+// the launch helper's choice from the shapes alone (scores_use_mma), never from m or the rows.
 // Padding entries and rows past slot_rows read and write nothing.
 extern "C" __global__ void __launch_bounds__(256) indexer_scores_batch(
     const uint16_t* __restrict__ q, uint32_t q_stride, const uint16_t* __restrict__ w, uint32_t w_stride,
     const uint8_t* __restrict__ pool_keys, const float* __restrict__ pool_scales, float* __restrict__ scores,
     const uint32_t* __restrict__ entries, uint32_t m, uint32_t row_add, uint32_t slot_rows, uint32_t heads,
-    uint32_t dim, uint32_t kpool, float w_scale) {
+    uint32_t dim, uint32_t kpool, float w_scale, uint32_t mma) {
     extern __shared__ __align__(16) float sm[];
     wait_then_release();
     const uint32_t e = blockIdx.y;
@@ -114,10 +278,20 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores_batch(
     const uint32_t row = b.row + row_add;
     if (entry_is_pad(b) || row >= slot_rows) return;
     const uint32_t npools = (row + 1u) / kpool;  // <= pools_per_slot: row < slot_rows
-    if (blockIdx.x * 8u >= npools) return;
     const size_t pps = pools_per_slot(slot_rows, kpool);
-    score_pools(q + (size_t)e * q_stride, w + (size_t)e * w_stride, pool_keys + b.slot * pps * dim,
-                pool_scales + b.slot * pps, scores + e * pps, npools, heads, dim, w_scale, sm);
+    const uint16_t* qe = q + (size_t)e * q_stride;
+    const uint8_t* keys = pool_keys + b.slot * pps * dim;
+    if (mma) {
+        const bool ok = dim == IDX_MMA_DIM && heads <= 32u && (q_stride & 1u) == 0 &&
+                        ((uintptr_t)q & 3u) == 0 && ((uintptr_t)pool_keys & 15u) == 0;
+        if (!ok || npools == 0) return;
+        score_pools_mma(qe, w + (size_t)e * w_stride, keys, pool_scales + b.slot * pps, scores + e * pps, npools,
+                        heads, w_scale);
+        return;
+    }
+    if (blockIdx.x * 8u >= npools) return;
+    score_pools(qe, w + (size_t)e * w_stride, keys, pool_scales + b.slot * pps, scores + e * pps, npools, heads, dim,
+                w_scale, sm);
 }
 
 // ---- select_topk_pools_batch --------------------------------------------------------------------

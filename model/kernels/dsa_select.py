@@ -30,8 +30,9 @@ TOPK_MAX_POOLS = 262144
 # capacity before it had chunks): a slot of at most this many pools needs no workspace.
 TOPK_SINGLE_BLOCK_POOLS = 16384
 # Chunks of at least this many pools, and at least 16 x topk_pools: the merge then ranks at most
-# TOPK_MAX_POOLS / 16 = 16384 candidates (64 KiB of keys) and a chunk's local top k is a small
-# part of it. A chunk of 8192 keys and a merge of up to 16384 split the work about evenly.
+# about TOPK_MAX_POOLS / 16 = 16384 candidates (64 KiB of keys; ceil(pools / chunk) x topk_pools,
+# under 16384 + topk_pools), and a chunk's local top k is a small part of it. At topk 512 a chunk
+# of 8192 keys and a merge of up to 16384 split the work about evenly.
 SELECT_CHUNK_MIN = 8192
 # The largest topk_pools the chunked selection ranks (its chunk of 16 x 2048 keys is 128 KiB of
 # shared memory); a larger one is ranked by one block, up to TOPK_SINGLE_BLOCK_POOLS pools.
@@ -182,6 +183,7 @@ def _entry_rows(mem, entries, m, row_add):
         ("dim", U32),
         ("kpool", U32),
         ("w_scale", F32),
+        ("mma", U32),
     ],
     writes=("scores",),
     pdl=True,
@@ -204,8 +206,10 @@ def INDEXER_SCORES_BATCH(
     dim,
     kpool,
     w_scale,
+    mma,
 ):
-    """The scores of each entry's slot's complete pools, into scores + e * pools_per_slot."""
+    """The scores of each entry's slot's complete pools, into scores + e * pools_per_slot (both
+    paths of the kernel: one formula, f32 rounding apart)."""
     geo = SlotGeometry(slot_rows, dim, kpool, 1)
     pps = geo.pools_per_slot
     for e, slot, row in _entry_rows(mem, entries, m, row_add):
@@ -340,6 +344,44 @@ def scores_batch_grid(m: int, pools_per_slot: int) -> tuple[int, int]:
     return min(per, SCORES_MAX_GRID, max(-(-pools_per_slot // 8), 1)), m
 
 
+# The tensor-core path (ptx/dsa_select.cu score_pools_mma): dim 128, up to 32 heads; a warp takes
+# rounds of SCORES_MMA_ROUND pools (4 tiles of 8). Its ~220 registers hold one 256-thread block per
+# SM, so an entry's grid is one H200 wave (132 blocks) at m = 1, and a launch about two waves.
+SCORES_MMA_DIM = 128
+SCORES_MMA_MAX_HEADS = 32
+SCORES_MMA_ROUND = 32
+SCORES_MMA_MAX_GRID = 132
+SCORES_MMA_BATCH_BLOCKS = 2 * SCORES_MMA_MAX_GRID
+
+
+def scores_use_mma(heads: int, dim: int, q, q_stride: int, pool_keys) -> bool:
+    """Whether indexer_scores_batch runs on the tensor cores: the shapes (dim 128, at most 32
+    heads) and alignments (q rows of 4 bytes, pool keys of 16) it needs. A function of the layer's
+    shapes and buffers only, never of m or the rows, so every launch of a layer takes one path."""
+    return (
+        dim == SCORES_MMA_DIM
+        and 1 <= heads <= SCORES_MMA_MAX_HEADS
+        and q_stride % 2 == 0
+        and int(q) % 4 == 0
+        and int(pool_keys) % 16 == 0
+    )
+
+
+def scores_mma_grid(m: int, pools_per_slot: int) -> tuple[int, int]:
+    """The tensor-core path's grid: (blocks per entry, m), SCORES_MMA_BATCH_BLOCKS / m blocks an
+    entry, at most SCORES_MMA_MAX_GRID or one per 8 rounds (a block's 8 warps) of a slot's pools.
+    The choice moves work, never bits (a pool's score is one warp's fixed arithmetic)."""
+    per = max(-(-SCORES_MMA_BATCH_BLOCKS // m), 1)
+    rounds = -(-pools_per_slot // SCORES_MMA_ROUND)
+    return min(per, SCORES_MMA_MAX_GRID, max(-(-rounds // 8), 1)), m
+
+
+def indexer_score_bytes(npools: int, dim: int) -> int:
+    """Bytes the indexer reads for one row of ``npools`` complete pools (FP8 keys and f32 scales)
+    and writes (f32 scores): its HBM floor is this over the copy bandwidth."""
+    return npools * (dim + 4 + 4)
+
+
 def indexer_scores_batch(
     gpu,
     *,
@@ -367,15 +409,18 @@ def indexer_scores_batch(
     holding ``pools_per_slot = max(slot_rows // kpool, 1)``) with its query ``q + e * q_stride * 2``
     (BF16 ``[heads][dim]``) and head weights ``w + e * w_stride * 2`` (BF16 ``[heads]``), into
     ``scores + e * pools_per_slot * 4`` (f32): score = w_scale * sum over heads of w[h] *
-    relu(q[h] . pool key) / sqrt(dim) (FP8 keys times their scale). Each score's bits do not depend on m or
-    the entry's place. Padding entries and rows at or past ``slot_rows``
-    read and write nothing; scores past an entry's complete pools are not written."""
+    relu(q[h] . pool key) / sqrt(dim) (FP8 keys times their scale). Each score's bits do not depend
+    on m or the entry's place. At dim 128 and up to 32 heads (GLM-5.3-Flash's indexer) the dots run
+    on the tensor cores (``scores_use_mma``), streaming the keys at HBM speed at any length.
+    Padding entries and rows at or past ``slot_rows`` read and write nothing; scores past an
+    entry's complete pools are not written."""
     _check_m("indexer_scores_batch", m)
     pps = SlotGeometry(slot_rows, dim, kpool, 1).pools_per_slot
+    mma = scores_use_mma(heads, dim, q, q_stride, pool_keys)
     launch(
         gpu,
         gpu.kernel(*INDEXER_SCORES_BATCH.key),
-        scores_batch_grid(m, pps),
+        scores_mma_grid(m, pps) if mma else scores_batch_grid(m, pps),
         256,
         q,
         q_stride,
@@ -392,7 +437,8 @@ def indexer_scores_batch(
         dim,
         kpool,
         w_scale,
-        smem=indexer_scores_smem(heads, dim),
+        int(mma),
+        smem=0 if mma else indexer_scores_smem(heads, dim),
         stream=stream,
     )
 
