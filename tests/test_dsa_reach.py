@@ -313,3 +313,57 @@ def test_indexer_path_and_grid():
     assert scores_mma_grid(64, TOPK_MAX_POOLS) == (5, 64)
     assert scores_mma_grid(256, 16) == (1, 256)
     assert indexer_score_bytes(TOPK_MAX_POOLS, 128) == TOPK_MAX_POOLS * 136
+
+
+# ---- the proposer past 16384 pools ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "per-draft"])
+def test_a_proposer_past_the_one_block_cap_selects_exactly(share):
+    """A host proposer of 16434-pool slots (tiny config, kpool 2), its context fed fast to 16433
+    complete pools: after propose(k = 3) the layer's list is the exact top-k of its own indexer
+    scores (the chunked selection through the layer's workspace), then the drafted rows when
+    drafts 2..k share draft 1's selection."""
+    from proposer_fixtures import bf16_weights, make_proposer
+
+    from bench.bench_propose import fill_context
+    from model.dsa import selection_rows
+    from runtime.dtypes import BF16
+
+    reach = 2 * 16384 + 100
+    cfg = tiny(max_context=reach, share_for_mtp_iteration=share)
+    d = cfg.dsa
+    prop = make_proposer(cfg, bf16_weights(cfg, 3), served=reach, max_draft_tokens=3, max_sequences=1)
+    try:
+        assert prop.pools.geometry.pools_per_slot > TOPK_SINGLE_BLOCK_POOLS
+        st = prop.alloc_state()
+        ctx = reach - 3
+        fill_context(prop, st, ctx, np.random.default_rng(4))
+        hid = np.random.default_rng(5).standard_normal(cfg.hidden_size).astype(np.float32).astype(BF16)
+        hidden = prop.gpu.alloc(hid.nbytes)
+        prop.gpu.copy_h2d(hidden, hid)
+        drafts = prop.propose(st, 7, hidden, ctx, 3)
+        assert len(drafts) == 3 and all(0 <= t < cfg.vocab_size for t in drafts)
+        s, gpu = prop.scratch, prop.gpu
+        pps = prop.pools.geometry.pools_per_slot
+        sel_cap = selection_rows(d, prop.rows_cap, prop.layer.selection_extra)
+        scores = np.empty(pps, np.float32)
+        gpu.copy_d2h(scores, s.iscores)
+        cnt = np.empty(1, np.uint32)
+        gpu.copy_d2h(cnt, s.count)
+        sel = np.empty(sel_cap, np.uint32)
+        gpu.copy_d2h(sel, s.selected)
+        last = ctx if share else ctx + 2  # the row whose selection the list holds
+        want = select_rows_ref(scores, last, d.topk_pools, d.index_kpool, d.always_select_tail)
+        if share:
+            want = np.concatenate([want, [ctx + 1, ctx + 2]]).astype(np.uint32)
+        assert (last + 1) // d.index_kpool > TOPK_SINGLE_BLOCK_POOLS
+        assert cnt[0] == want.size
+        np.testing.assert_array_equal(sel[: want.size], want)
+        ws = np.empty(select_workspace_bytes(1, prop.rows_cap, d.index_kpool, d.topk_pools) // 4, np.uint32)
+        gpu.copy_d2h(ws, s.select_ws)
+        assert ws[0] == 0, "the workspace counter must be left zero"
+        gpu.free(hidden)
+        prop.free_state(st)
+    finally:
+        prop.close()
