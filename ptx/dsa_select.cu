@@ -495,8 +495,9 @@ __device__ __forceinline__ bool last_of(uint32_t* counter, uint32_t n, SelectSme
 // (entries[e].row + row_add) from scores + e * pools_per_slot, its rows into selected + e * sel_cap
 // and their count into count[e]. Dynamic smem: select_smem (launch helper), one u32 key per pool a
 // block ranks. Padding entries read and write nothing; a row past slot_rows, a list longer than
-// sel_cap (a sizing error) or a row past the capacity give count 0 and no list.
-extern "C" __global__ void __launch_bounds__(1024) select_topk_pools_batch(
+// sel_cap (a sizing error) or a row past the capacity give count 0 and no list. Two blocks per SM
+// (32 registers, 64 KiB of keys each at GLM-5.3-Flash's sizes): a batch's chunks share the SMs.
+extern "C" __global__ void __launch_bounds__(1024, 2) select_topk_pools_batch(
     const float* __restrict__ scores, uint32_t* __restrict__ selected, uint32_t* __restrict__ count,
     const uint32_t* __restrict__ entries, uint32_t m, uint32_t row_add, uint32_t slot_rows, uint32_t sel_cap,
     uint32_t topk_pools, uint32_t kpool, uint32_t tail, uint32_t* __restrict__ workspace, uint32_t chunk) {
@@ -552,7 +553,19 @@ extern "C" __global__ void __launch_bounds__(1024) select_topk_pools_batch(
         if (!last_of(ws, nch, sm)) return;
         // Full chunks list topk_pools each, the last one min(its pools, topk_pools).
         const uint32_t ncand = (nch - 1u) * topk_pools + min(topk_pools, npools - (nch - 1u) * chunk);
-        for (uint32_t i = tid; i < ncand; i += blockDim.x) keys_s[i] = __ldcg(cand_key + i);
+        for (uint32_t base0 = 0; base0 < ncand; base0 += 4u * blockDim.x) {  // 4 loads in flight per thread
+            uint32_t v[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const uint32_t i = base0 + tid + blockDim.x * u;
+                v[u] = i < ncand ? __ldcg(cand_key + i) : 0u;
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const uint32_t i = base0 + tid + blockDim.x * u;
+                if (i < ncand) keys_s[i] = v[u];
+            }
+        }
         __syncthreads();
         select_core(keys_s, ncand, topk_pools, sm, [&](uint32_t pos, uint32_t i) {
             put_pool_rows(sel, pos, __ldcg(cand_pool + i), kpool);
