@@ -55,7 +55,7 @@ from runtime.kernels.quantize_fp8 import quantize_fp8
 
 from .block import BatchScratch, DecoderLayer
 from .config import ModelConfig
-from .dsa import DsaState, drafter_context_rows, shared_selection_extra
+from .dsa import DsaState, check_served_context, shared_selection_extra
 from .kernels import draft_head
 from .kernels.batch import ENTRY_BYTES, ENTRY_WORDS, MAX_ROWS, PAD_SLOT
 from .kernels.mtp_input import mtp_embed_norm_batch, mtp_input_gemv_batch
@@ -288,7 +288,9 @@ class MtpProposer:
             self._agree_with_peers(options)
         groups = min(options.o_proj_groups, cfg.attention.num_attention_heads)
         self.sharding = sh = Sharding.for_config(cfg, groups)
-        self.rows_cap = drafter_context_rows(options.served_max_seq_len, cfg.dsa)
+        # A served length the indexer reservation cannot hold is refused here, before anything is
+        # allocated: a silent clamp would leave the sequences past it without drafts.
+        self.rows_cap = check_served_context(options.served_max_seq_len, cfg.dsa)
         if options.max_draft_tokens > self.rows_cap:
             raise ProposerError(
                 f"max_draft_tokens={options.max_draft_tokens} is more than the {self.rows_cap} rows "
