@@ -186,7 +186,8 @@ def pack_sampling(params: SamplingParams, position: int, dist_addr: int) -> np.n
     if not isinstance(params, SamplingParams):
         raise ValueError(f"pack_sampling: params must be SamplingParams, got {type(params).__name__}")
     params.check(0xFFFF_FFFF, "pack_sampling")
-    t32 = np.float32(params.temperature)
+    with np.errstate(over="ignore"):
+        t32 = np.float32(params.temperature)
     if not np.isfinite(t32):
         raise ValueError(f"pack_sampling: temperature {params.temperature!r} overflows f32")
     if isinstance(position, bool) or not isinstance(position, (int, np.integer)) or not 0 <= position < 2**32:
@@ -309,10 +310,13 @@ def select_state(bits: np.ndarray, rec: Record) -> _State:
     kernel finds the same numbers by scanning its histogram."""
     n = bits.shape[0]
     keys, z = _row_z(bits, rec.temperature)
-    zmax = z.max()
+    # z of the largest key (the kernel's): z.max() might be -0.0 where that is +0.0.
+    with np.errstate(over="ignore", under="ignore"):
+        zmax = key_values(keys.max()) / rec.temperature
     if not np.isfinite(zmax):
         return _State(0)
-    e = sample_exp(z - zmax)
+    with np.errstate(over="ignore"):
+        e = sample_exp(z - zmax)  # an overflowing difference is -inf: mass 0, as on the device
     mass = fixed_mass(e)
     order = np.lexsort((np.arange(n), -z))
     c = np.cumsum(mass[order], dtype=np.uint64)
@@ -355,7 +359,8 @@ def draw_row(bits: np.ndarray, rec: Record, st: _State, draft_index: int) -> tup
     g = -np.log(-np.log(u))
     score = z[kept] + g
     token = int(kept[score == score.max()].min())
-    e = sample_exp(z - st.zmax)
+    with np.errstate(over="ignore"):
+        e = sample_exp(z - st.zmax)
     q = np.where(s_mask, (e.astype(np.float64) * st.inv).astype(np.float32), np.float32(0.0))
     return token, q.astype(np.float32)
 
