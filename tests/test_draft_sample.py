@@ -24,6 +24,7 @@ of ptx/draft_sample.cu, and the arithmetic they share with the device.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -560,7 +561,7 @@ def test_a_captured_graph_replays_the_records_in_memory(host):
 
     rng = np.random.default_rng(13)
     m, n = 4, 600
-    case = make_case(rng, normal_bits(rng, (m, n), 2.0), [SamplingParams(1.0, 0.95, 0, s) for s in range(m)])
+    case = make_case(rng, normal_bits(rng, (m, n), 2.0), mixed_params(rng, m))
     recs = np.stack([case.record(e) for e in range(m)])
     gpu = host
     ptrs = {}
@@ -597,11 +598,12 @@ def test_a_captured_graph_replays_the_records_in_memory(host):
     )
     g = gpu.end_capture(s, label="draft_sample")
     try:
-        for seed0 in (100, 200, 300):
-            new = [SamplingParams(1.0, 0.95, 0, seed0 + e) for e in range(m)]
-            case.params = new
+        for _ in range(3):
+            case.params = mixed_params(rng, m)
             gpu.copy_h2d(ptrs["sampling"], np.stack([case.record(e) for e in range(m)]))
+            # What the head rewrites before each sampling step: the entries' tokens, drafts[di].
             gpu.copy_h2d(ptrs["entries"], case.entries)
+            gpu.copy_h2d(ptrs["drafts"], case.drafts)
             gpu.graph_launch(g, s)
             gpu.synchronize(s)
             want = [x.token for x in expected(case)]
@@ -687,3 +689,22 @@ def test_ptx_waits_first_and_reads_through_l2(function):
     # The head releases its dependents early: what it wrote (logits, entries) must come from L2.
     assert "ld.global.nc" not in body, f"{function} uses the read-only path"
     assert "fma.rn.f32" not in body or function == "sample_draw_batch"  # logf's own, in the draw
+
+
+def test_declarations_match_the_ptx_params():
+    """tests/test_launch_packing.py's check, for these kernels (declared when this module is
+    imported): the declared argument types are the PTX entry's parameters."""
+    import re
+
+    from runtime.kernel import Arg, lookup
+
+    text = (Path(__file__).resolve().parent.parent / "ptx" / "draft_sample.ptx").read_text()
+    entries = {
+        name: re.findall(r"\.param \.(\w+)", params)
+        for name, params in re.findall(r"\.visible \.entry (\w+)\(\s*(.*?)\)", text, re.S)
+    }
+    ptx_type = {Arg.PTR: "u64", Arg.U32: "u32"}
+    for f in KERNELS:
+        want = [ptx_type[t] for t in lookup("draft_sample", f).arg_types]
+        got = ["u32" if t in ("s32", "b32") else "u64" if t in ("s64", "b64") else t for t in entries[f]]
+        assert got == want, (f, got, want)
