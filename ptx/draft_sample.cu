@@ -115,6 +115,7 @@ __device__ __forceinline__ uint32_t block_sum_u32(uint32_t v) {
     uint32_t s = 0;
     if (threadIdx.x == 0)
         for (uint32_t w = 0; w < blockDim.x / 32u; ++w) s += part[w];
+    __syncthreads();  // part is free again for the next call
     return s;
 }
 
@@ -147,9 +148,11 @@ __device__ __forceinline__ bool sampled_entry(const uint32_t* entries, const uin
 
 // ---- 1. the histogram --------------------------------------------------------------------------------
 //
-// Grid (ceil(n / HIST_CHUNK), m), 256 threads, eight elements a thread (strided: coalesced). Equal
-// keys within a warp are counted by one atomic (match.any), which keeps a run of equal logits from
-// serialising on one L2 address. The row's largest key goes to state word 0 (atomicMax).
+// Grid (blocks per row, m), 256 threads; the blocks of a row stride over its chunks of HIST_CHUNK
+// elements, eight elements a thread (strided: coalesced). Any split gives the same histogram (integer
+// sums), so the launch helper picks one wave of blocks for the batch. Equal keys within a warp are
+// counted by one atomic (match.any), which keeps a run of equal logits from serialising on one L2
+// address. The row's largest key goes to state word 0 (atomicMax).
 extern "C" __global__ void __launch_bounds__(HIST_THREADS) sample_hist_batch(const uint16_t* logits,
                                                                              const uint32_t* sampling,
                                                                              const uint32_t* entries, uint8_t* ws,
@@ -160,20 +163,22 @@ extern "C" __global__ void __launch_bounds__(HIST_THREADS) sample_hist_batch(con
     if (e >= m || !sampled_entry(entries, sampling, e, t)) return;
     uint32_t* hist = row_hist(ws, e);
     const uint16_t* row = logits + (size_t)e * n;
-    const uint32_t c0 = blockIdx.x * HIST_CHUNK + threadIdx.x, lane = threadIdx.x & 31u;
+    const uint32_t lane = threadIdx.x & 31u, chunks = (n + HIST_CHUNK - 1u) / HIST_CHUNK;
     uint32_t top = 0;
-    uint32_t u[HIST_CHUNK / HIST_THREADS];
+    for (uint32_t c = blockIdx.x; c < chunks; c += gridDim.x) {  // block-uniform
+        uint32_t u[HIST_CHUNK / HIST_THREADS];
 #pragma unroll
-    for (uint32_t k = 0; k < HIST_CHUNK / HIST_THREADS; ++k) {
-        const uint32_t i = c0 + k * HIST_THREADS;
-        u[k] = i < n ? key16(canon_bf16(__ldcg(row + i))) : NO_KEY;
-    }
+        for (uint32_t k = 0; k < HIST_CHUNK / HIST_THREADS; ++k) {
+            const uint32_t i = c * HIST_CHUNK + k * HIST_THREADS + threadIdx.x;
+            u[k] = i < n ? key16(canon_bf16(__ldcg(row + i))) : NO_KEY;
+        }
 #pragma unroll
-    for (uint32_t k = 0; k < HIST_CHUNK / HIST_THREADS; ++k) {
-        const uint32_t same = __match_any_sync(FULL, u[k]);
-        if (u[k] != NO_KEY) {
-            top = max(top, u[k]);
-            if (lane == (uint32_t)(__ffs(same) - 1)) atomicAdd(hist + u[k], (uint32_t)__popc(same));
+        for (uint32_t k = 0; k < HIST_CHUNK / HIST_THREADS; ++k) {
+            const uint32_t same = __match_any_sync(FULL, u[k]);
+            if (u[k] != NO_KEY) {
+                top = max(top, u[k]);
+                if (lane == (uint32_t)(__ffs(same) - 1)) atomicAdd(hist + u[k], (uint32_t)__popc(same));
+            }
         }
     }
     __shared__ uint32_t wtop[HIST_THREADS / 32];
@@ -511,9 +516,10 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS, 1) sample_select_ba
 
 // ---- 3. the index of the boundary --------------------------------------------------------------------
 //
-// Grid (ceil(n / INDEX_CHUNK), m), 256 threads. Rows with jstar > 0 only: each chunk counts the
-// elements of the run [lo, hi]; the row's last block finds the chunk of the jstar-th and in it (16
-// consecutive elements a thread, then a scan) the element: istar.
+// Grid (blocks per row, m), 256 threads, the blocks striding over the row's chunks of INDEX_CHUNK.
+// Rows with jstar > 0 only: each chunk's count of the elements of the run [lo, hi]; the row's last
+// block finds the chunk of the jstar-th and in it (16 consecutive elements a thread, then a scan)
+// the element: istar.
 extern "C" __global__ void __launch_bounds__(INDEX_THREADS) sample_index_batch(const uint16_t* logits,
                                                                                const uint32_t* sampling,
                                                                                const uint32_t* entries, uint8_t* ws,
@@ -528,25 +534,28 @@ extern "C" __global__ void __launch_bounds__(INDEX_THREADS) sample_index_batch(c
     if (jstar == 0u) return;
     const uint32_t lo = __ldcg(st + W_LO), hi = __ldcg(st + W_HI);
     const uint16_t* row = logits + (size_t)e * n;
-    uint32_t* counts = row_counts(ws, m, e, gridDim.x);
-    uint32_t cnt = 0;
+    const uint32_t chunks = (n + INDEX_CHUNK - 1u) / INDEX_CHUNK;
+    uint32_t* counts = row_counts(ws, m, e, chunks);
+    for (uint32_t c = blockIdx.x; c < chunks; c += gridDim.x) {  // block-uniform
+        uint32_t cnt = 0;
 #pragma unroll 4
-    for (uint32_t k = 0; k < INDEX_CHUNK / INDEX_THREADS; ++k) {
-        const uint32_t i = blockIdx.x * INDEX_CHUNK + k * INDEX_THREADS + tid;
-        if (i < n) {
-            const uint32_t u = key16(canon_bf16(__ldcg(row + i)));
-            cnt += (u >= lo && u <= hi) ? 1u : 0u;
+        for (uint32_t k = 0; k < INDEX_CHUNK / INDEX_THREADS; ++k) {
+            const uint32_t i = c * INDEX_CHUNK + k * INDEX_THREADS + tid;
+            if (i < n) {
+                const uint32_t u = key16(canon_bf16(__ldcg(row + i)));
+                cnt += (u >= lo && u <= hi) ? 1u : 0u;
+            }
         }
+        cnt = block_sum_u32(cnt);
+        if (tid == 0) counts[c] = cnt;
     }
-    cnt = block_sum_u32(cnt);
-    if (tid == 0) counts[blockIdx.x] = cnt;
     if (!row_last_block(st + W_CNT_INDEX, gridDim.x)) return;
 
     __shared__ uint32_t scratch[32];
     __shared__ uint32_t sh_chunk, sh_rank;
     uint32_t base = 0;
-    for (uint32_t b0 = 0; b0 < gridDim.x; b0 += INDEX_THREADS) {  // block-uniform
-        const uint32_t v = b0 + tid < gridDim.x ? __ldcg(counts + b0 + tid) : 0u;
+    for (uint32_t b0 = 0; b0 < chunks; b0 += INDEX_THREADS) {  // block-uniform
+        const uint32_t v = b0 + tid < chunks ? __ldcg(counts + b0 + tid) : 0u;
         uint32_t sum;
         const uint32_t ex = base + block_exclusive_scan(v, scratch, &sum);
         if (ex < jstar && jstar <= ex + v) {
@@ -583,7 +592,8 @@ extern "C" __global__ void __launch_bounds__(INDEX_THREADS) sample_index_batch(c
 
 // ---- 4. the draw -----------------------------------------------------------------------------------------
 //
-// Grid (ceil(n / DRAW_CHUNK), m), 256 threads, four elements a thread (strided). A greedy-like row:
+// Grid (blocks per row, m), 256 threads striding over the row's chunks of DRAW_CHUNK, four elements
+// a thread in a chunk (strided). A greedy-like row:
 // the dist row one-hot at the head's token (entries[e].token), block 0 commits q = 1. A sampled row:
 // each block's best key (ordered f32 score << 32 | ~index: the larger score, then the lower index)
 // into state words 4-5 by atomicMax (order-free), the dist row q_i = f32(f64(e_i) * inv) on the kept
@@ -630,15 +640,17 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS) sample_draw_batch(
     float* dist = daddr ? reinterpret_cast<float*>(daddr) + (size_t)draft_index * n : nullptr;
     uint32_t* st = row_state(ws, m, e);
     const uint16_t* row = logits + (size_t)e * n;
-    const uint32_t c0 = blockIdx.x * DRAW_CHUNK + tid;
+    const uint32_t chunks = (n + DRAW_CHUNK - 1u) / DRAW_CHUNK;
     const bool sampled = t > 0.0f;
     if (sampled) zero_hist_share(row_hist(ws, e), blockIdx.x, gridDim.x);
     if (!sampled || __ldcg(st + W_MODE) == 0u) {
         const uint32_t tok = __ldcg(entries + (size_t)e * ENTRY_WORDS + 2u);
         if (dist) {
-            for (uint32_t k = 0; k < DRAW_CHUNK / DRAW_THREADS; ++k) {
-                const uint32_t i = c0 + k * DRAW_THREADS;
-                if (i < n) dist[i] = i == tok ? 1.0f : 0.0f;
+            for (uint32_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+                for (uint32_t k = 0; k < DRAW_CHUNK / DRAW_THREADS; ++k) {
+                    const uint32_t i = c * DRAW_CHUNK + k * DRAW_THREADS + tid;
+                    if (i < n) dist[i] = i == tok ? 1.0f : 0.0f;
+                }
             }
         }
         if (blockIdx.x == 0 && tid == 0)
@@ -654,19 +666,21 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS) sample_draw_batch(
     const float floor_s = __fadd_rn(zmax, G_MIN);
     float best_s = -INFINITY;
     unsigned long long best = 0ull;
-    for (uint32_t k = 0; k < DRAW_CHUNK / DRAW_THREADS; ++k) {
-        const uint32_t i = c0 + k * DRAW_THREADS;
-        if (i >= n) break;
-        const uint32_t cb = canon_bf16(__ldcg(row + i)), u = key16(cb);
-        const float z = __fdiv_rn(bf16_bits_to_f32(cb), t);
-        const bool kept = u > hi || (u >= lo && i <= istar);
-        if (dist) dist[i] = kept ? prob_of(z, zmax, inv) : 0.0f;
-        if (kept && !(__fadd_rn(z, G_MAX) < fmaxf(floor_s, best_s))) {
-            const float s = __fadd_rn(z, keyed_gumbel(seed, position, draft_index, 0u, i));
-            const unsigned long long key = ((unsigned long long)ordered_key(s) << 32) | (0xFFFFFFFFu - i);
-            if (key > best) {
-                best = key;
-                best_s = s;
+    for (uint32_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+        for (uint32_t k = 0; k < DRAW_CHUNK / DRAW_THREADS; ++k) {
+            const uint32_t i = c * DRAW_CHUNK + k * DRAW_THREADS + tid;
+            if (i >= n) break;
+            const uint32_t cb = canon_bf16(__ldcg(row + i)), u = key16(cb);
+            const float z = __fdiv_rn(bf16_bits_to_f32(cb), t);
+            const bool kept = u > hi || (u >= lo && i <= istar);
+            if (dist) dist[i] = kept ? prob_of(z, zmax, inv) : 0.0f;
+            if (kept && !(__fadd_rn(z, G_MAX) < fmaxf(floor_s, best_s))) {
+                const float s = __fadd_rn(z, keyed_gumbel(seed, position, draft_index, 0u, i));
+                const unsigned long long key = ((unsigned long long)ordered_key(s) << 32) | (0xFFFFFFFFu - i);
+                if (key > best) {
+                    best = key;
+                    best_s = s;
+                }
             }
         }
     }

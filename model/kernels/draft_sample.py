@@ -54,19 +54,22 @@ Four launches (graph-capturable, fixed grids for given m and n, no host synchron
 declared Pdl.WAIT (it waits at its top and releases its dependents at exit); a greedy or padding
 entry's blocks return at once except in the last:
 
-1. ``sample_hist_batch`` (HIST_CHUNK elements per block of 256 threads, x m): a 65,536-bin
-   histogram per sampled row of the elements' 16-bit order keys (the BF16 bits made monotone: z is
-   a non-decreasing function of the key, so a bin is one value of z and a run of equal z is an
+1. ``sample_hist_batch`` (256 threads, chunks of HIST_CHUNK elements): a 65,536-bin histogram per
+   sampled row of the elements' 16-bit order keys (the BF16 bits made monotone: z is a
+   non-decreasing function of the key, so a bin is one value of z and a run of equal z is an
    interval of keys), and the row's largest key;
 2. ``sample_select_batch`` (one block of 1024 threads per row): scans the histogram (a bin's mass
    is its count times the mass of its key) and resolves the kept set to "every key above hi, and
    of the keys in [lo, hi] (one value of z) the jstar lowest indices" (jstar 0: all of them);
-3. ``sample_index_batch`` (INDEX_CHUNK elements per block): where jstar > 0, the chunks count the
-   run's elements and the row's last block finds the index of the jstar-th (istar);
-4. ``sample_draw_batch`` (DRAW_CHUNK elements per block): the Gumbel-max over the kept set (noise
-   only where it can still win: an element whose ``z + 17`` is below a score already reached, or
-   below ``z_max - 3``, cannot), the dist rows, then the commit and publish by the row's last block;
-   it zeroes the histograms again.
+3. ``sample_index_batch`` (chunks of INDEX_CHUNK): where jstar > 0, the chunks count the run's
+   elements and the row's last block finds the index of the jstar-th (istar);
+4. ``sample_draw_batch`` (chunks of DRAW_CHUNK): the Gumbel-max over the kept set (noise only where
+   it can still win: an element whose ``z + 17`` is below a score already reached, or below
+   ``z_max - 3``, cannot), the dist rows, then the commit and publish by the row's last block; it
+   zeroes the histograms again.
+
+In 1, 3 and 4 the blocks of a row stride over its chunks, ``row_blocks`` per row: one wave for the
+whole batch (152 draw blocks for one row of 154,880, 16 a row at m = 64).
 
 Workspace (``sample_workspace_bytes(m, n)``, 16-byte aligned, allocated once per bucket and zeroed
 once: every launch leaves the histograms, counters and the best key zero again): m histograms of
@@ -83,7 +86,7 @@ import numpy as np
 
 from runtime.device_ptr import DevicePtr
 from runtime.kernel import PTR, U32, declare
-from runtime.launch import launch
+from runtime.launch import grid_stride_blocks, launch
 
 from ..sampling import SamplingParams
 from .batch import ENTRY_BYTES, check_rows, is_pad, read_entries
@@ -533,6 +536,22 @@ def SAMPLE_DRAW_BATCH(
             mem.write(host_probs.offset(row), mem.read(probs.offset(row), np.float32, draft_index + 1))
 
 
+def row_blocks(gpu, m: int, n: int) -> tuple[int, int, int]:
+    """Blocks per row of sample_hist_batch, sample_index_batch and sample_draw_batch: the blocks of
+    a row stride over its chunks, and the m rows share one wave of resident blocks (at most one
+    block per chunk; grid_stride_blocks evens out the rounds). The split cannot change a result:
+    every combination across blocks is an integer sum or a max of unique keys."""
+    out = []
+    for decl, chunk in (
+        (SAMPLE_HIST_BATCH, HIST_CHUNK),
+        (SAMPLE_INDEX_BATCH, INDEX_CHUNK),
+        (SAMPLE_DRAW_BATCH, DRAW_CHUNK),
+    ):
+        per_row = max(1, gpu.resident_blocks(gpu.kernel(*decl.key), 256) // m)
+        out.append(grid_stride_blocks(-(-n // chunk), per_row))
+    return out[0], out[1], out[2]
+
+
 def _check(m: int, n: int, draft_index: int, kmax: int, workspace) -> None:
     check_rows("draft_sample_batch", m)
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= MAX_VOCAB:
@@ -571,14 +590,15 @@ def draft_sample_batch(
     nothing. A row's results are bit-identical whatever m and whatever the other rows."""
     _check(m, n, draft_index, kmax, workspace)
     front = (logits, sampling, entries, workspace, m, n)
+    hist, index, draw = row_blocks(gpu, m, n)
     k = gpu.kernel
-    launch(gpu, k(*SAMPLE_HIST_BATCH.key), (-(-n // HIST_CHUNK), m), 256, *front, stream=stream)
+    launch(gpu, k(*SAMPLE_HIST_BATCH.key), (hist, m), 256, *front, stream=stream)
     launch(gpu, k(*SAMPLE_SELECT_BATCH.key), (1, m), 1024, *front, stream=stream)
-    launch(gpu, k(*SAMPLE_INDEX_BATCH.key), (index_blocks(n), m), 256, *front, stream=stream)
+    launch(gpu, k(*SAMPLE_INDEX_BATCH.key), (index, m), 256, *front, stream=stream)
     launch(
         gpu,
         k(*SAMPLE_DRAW_BATCH.key),
-        (-(-n // DRAW_CHUNK), m),
+        (draw, m),
         256,
         logits,
         sampling,
