@@ -20,6 +20,7 @@ target's p) use, with the same rules:
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,3 +103,10 @@ def draw(logits: np.ndarray, params: SamplingParams, position: int, draft_index:
     s = z[order] + g[order]
     best = s.max()
     return int(order[s == best].min())
+
+
+class SampledDrafts(NamedTuple):
+    """A sampled propose's drafts and each draft's probability under the drafter, q(token)."""
+
+    tokens: Any
+    probs: Any
