@@ -63,8 +63,8 @@ from .block import BatchScratch, DecoderLayer
 from .config import ModelConfig
 from .dsa import DsaState, drafter_context_rows, shared_selection_extra
 from .kernels import draft_head, draft_sample
-from .kernels.draft_sample import SAMPLE_WORDS, pack_sampling, sample_workspace_bytes
 from .kernels.batch import ENTRY_BYTES, ENTRY_WORDS, MAX_ROWS, PAD_SLOT
+from .kernels.draft_sample import SAMPLE_WORDS, pack_sampling, sample_workspace_bytes
 from .kernels.mtp_input import mtp_embed_norm_batch, mtp_input_gemv_batch
 from .proposer_checks import (
     FLAG_BYTES,

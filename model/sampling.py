@@ -20,8 +20,8 @@ target's p) use, with the same rules:
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
