@@ -101,11 +101,11 @@ class ArmProposer(MtpProposer):
         finally:
             self._ids_log = None
 
-    def _launch_step(self, m: int, k: int, s: int) -> None:
+    def _launch_step(self, m: int, k: int, s: int, sampled: bool = False) -> None:
         if self.arm.graphs and self._ids_log is None:
-            self._replay_graph(m, k, s)
+            self._replay_graph(m, k, s, sampled)
         else:
-            self._enqueue_drafts(m, k, s)
+            self._enqueue_drafts(m, k, s, sampled)
 
     def alloc_state(self, arm: Arm | None = None) -> ProposerState:
         """A state running ``arm`` (the current arm when None)."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -102,3 +103,10 @@ def draw(logits: np.ndarray, params: SamplingParams, position: int, draft_index:
     s = z[order] + g[order]
     best = s.max()
     return int(order[s == best].min())
+
+
+class SampledDrafts(NamedTuple):
+    """A sampled propose's drafts and each draft's probability under the drafter, q(token)."""
+
+    tokens: Any
+    probs: Any
