@@ -217,25 +217,34 @@ extern "C" __global__ void __launch_bounds__(THREADS) sample_shard_local_batch(
     } else if (mode == MODE_TEMP) {
         float z[PER];
         uint32_t zmax_key = 0u;
-        u64 best = 0ull;
 #pragma unroll
         for (uint32_t j = 0; j < PER; ++j) {
             const uint32_t l = tid + j * THREADS;
-            z[j] = -INFINITY;
-            if (l < len) {
+            z[j] = l < len ? z_of(row, c0 + l, rec.t) : -INFINITY;
+            if (l < len) zmax_key = max(zmax_key, ordered_key(z[j]));
+        }
+        const float zmax = key_value((uint32_t)(block_max_u64(zmax_key, red_u)));
+        // The noise only where it can win: g lies in [G_MIN, G_MAX] = [-2.8116, 16.6356] (u in
+        // [2^-24, 1 - 2^-24]), so z + g of a z below zmax - 19.45 is below the chunk's largest z's
+        // own z + g and is not the chunk's best. The cut keeps 0.05 plus 8 ulps of zmax to spare for
+        // the roundings of z + g; NaN (in z or zmax) and infinities are never cut. Exact: the same
+        // best key as the noise everywhere, at a fraction of the Philox work when the logits are
+        // spread out (a language model's are).
+        const float cut = __fsub_rn(zmax, __fadd_rn(19.5f, __fmul_rn(9.5367431640625e-7f, fabsf(zmax))));
+        u64 best = 0ull;
+        float s = 0.0f;
+#pragma unroll
+        for (uint32_t j = 0; j < PER; ++j) {
+            const uint32_t l = tid + j * THREADS;
+            s = __fadd_rn(s, soft_term(z[j], zmax));
+            if (l < len && !(z[j] < cut)) {
                 const uint32_t gi = v0 + c0 + l;
-                z[j] = z_of(row, c0 + l, rec.t);
-                zmax_key = max(zmax_key, ordered_key(z[j]));
                 const float g = keyed_gumbel(rec.seed, rec.pos, draft_index, STREAM_DRAFT, gi);
                 const u64 key = pack_key(__fadd_rn(z[j], g), gi);
                 best = key > best ? key : best;
             }
         }
         best = block_max_u64(best, red_u);
-        const float zmax = key_value((uint32_t)(block_max_u64(zmax_key, red_u)));
-        float s = 0.0f;
-#pragma unroll
-        for (uint32_t j = 0; j < PER; ++j) s = __fadd_rn(s, soft_term(z[j], zmax));
         s = block_sum(s, red_f);
         if (tid == 0) {
             pc[0] = best;

@@ -36,6 +36,14 @@ address (0: none) is the entry's f32 [kmax][vocab] distribution block: draft i's
 and each rank writes only its columns [v0, v0 + n_local) of it (in its own memory; the caller joins
 the ranks' columns if it needs the whole row). dist[token] is bitwise the committed q.
 
+Cost per row and rank: the local kernel reads the shard's logits once (2 n_local bytes, just written
+by the head, from L2); a temperature row draws the noise (Philox4x32-10 and two logs) only where it
+can win, z >= the chunk's max z - 19.5 (g lies within [-2.81, 16.64]), which skips most of a spread-out
+row; a top-k row selects by radix on the keys (up to 8 passes over the chunk in shared memory, then
+over the chunks' candidates) and draws noise for its k candidates only, in the commit. The commit
+reads world * R words of the gathered records (and the shard's logits again only where the record
+asks for dist: 2 + 4 bytes a column).
+
 Batch invariance: the row is cut into chunks of SHARD_CHUNK columns, each reduced by one block, and
 combined in chunk order by the row's last block, so a row's record, token, q and dist are
 bit-identical whatever m and the other rows. The host twins mirror the kernels' rules (selection
