@@ -256,30 +256,36 @@ def test_world_1_end_to_end_and_graph_replay(cuda):
                 cuda, comm, workspace=rb.ptrs["workspace"], stream=s, **rb.common(), **rb.commit_args()
             )
             graph = cuda.end_capture(s, label="sharded sampling, world 1")
-            base = rb.ptrs["dist"].addr
-            dists = [base + 4 * e * case.kmax * case.vocab if case.with_dist[e] else 0 for e in range(case.m)]
-            for _ in range(2):
-                params = [
-                    None
-                    if p is None
-                    else SamplingParams(p.temperature, p.top_p, p.top_k, int(rng.integers(0, 2**63)))
-                    for p in case.params
+            try:
+                base = rb.ptrs["dist"].addr
+                dists = [
+                    base + 4 * e * case.kmax * case.vocab if case.with_dist[e] else 0 for e in range(case.m)
                 ]
-                recs = dss.pack_sample_records([p or GREEDY for p in params], case.positions.tolist(), dists)
-                cuda.copy_h2d(rb.ptrs["sampling"], recs)
-                cuda.copy_h2d(rb.ptrs["entries"], case.entries)
-                cuda.copy_h2d(rb.ptrs["drafts"], case.prior_drafts)
-                cuda.copy_h2d(rb.ptrs["probs"], case.prior_probs)
-                cuda.memset(rb.ptrs["dist"], 0xFF, 4 * case.m * case.kmax * case.vocab)
-                cuda.memset(rb.ptrs["host_drafts"], 0xFF, 4 * case.m * case.kmax)
-                cuda.memset(rb.ptrs["host_probs"], 0xFF, 4 * case.m * case.kmax)
-                cuda.synchronize()
-                cuda.graph_launch(graph, s)
-                cuda.synchronize(s)
-                replayed = ShardCase(**{**case.__dict__, "params": params})
-                out = [rb.read()]
-                check_commit(replayed, out, device_token(replayed, out))
-            cuda.graph_destroy(graph)
+                for _ in range(2):
+                    params = [
+                        None
+                        if p is None
+                        else SamplingParams(p.temperature, p.top_p, p.top_k, int(rng.integers(0, 2**63)))
+                        for p in case.params
+                    ]
+                    recs = dss.pack_sample_records(
+                        [p or GREEDY for p in params], case.positions.tolist(), dists
+                    )
+                    cuda.copy_h2d(rb.ptrs["sampling"], recs)
+                    cuda.copy_h2d(rb.ptrs["entries"], case.entries)
+                    cuda.copy_h2d(rb.ptrs["drafts"], case.prior_drafts)
+                    cuda.copy_h2d(rb.ptrs["probs"], case.prior_probs)
+                    cuda.memset(rb.ptrs["dist"], 0xFF, 4 * case.m * case.kmax * case.vocab)
+                    cuda.memset(rb.ptrs["host_drafts"], 0xFF, 4 * case.m * case.kmax)
+                    cuda.memset(rb.ptrs["host_probs"], 0xFF, 4 * case.m * case.kmax)
+                    cuda.synchronize()
+                    cuda.graph_launch(graph, s)
+                    cuda.synchronize(s)
+                    replayed = ShardCase(**{**case.__dict__, "params": params})
+                    out = [rb.read()]
+                    check_commit(replayed, out, device_token(replayed, out))
+            finally:
+                cuda.graph_destroy(graph)
         finally:
             cuda.destroy_stream(s)
     finally:
