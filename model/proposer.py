@@ -62,9 +62,10 @@ from runtime.kernels.quantize_fp8 import quantize_fp8
 from .block import BatchScratch, DecoderLayer
 from .config import ModelConfig
 from .dsa import DsaState, check_served_context, shared_selection_extra
-from .kernels import draft_head, draft_sample
+from .kernels import draft_head, draft_sample, draft_sample_shard
 from .kernels.batch import ENTRY_BYTES, ENTRY_WORDS, MAX_ROWS, PAD_SLOT
 from .kernels.draft_sample import SAMPLE_WORDS, pack_sampling, sample_workspace_bytes
+from .kernels.draft_sample_shard import SHARD_TOP_K_MAX
 from .kernels.mtp_input import mtp_embed_norm_batch, mtp_input_gemv_batch
 from .proposer_checks import (
     FLAG_BYTES,
@@ -438,8 +439,14 @@ class MtpProposer:
             sampling_in=sampling_in,
             probs=z(m * kmax * 4),
             probs_out=probs_out,
-            sample_ws=z(max(sample_workspace_bytes(m, self.head_n), 4)),
+            sample_ws=z(max(self._sample_workspace_bytes(m), 4)),
         )
+
+    def _sample_workspace_bytes(self, m: int) -> int:
+        if self.head_sharded:
+            W = self.cfg.parallel.world_size
+            return draft_sample_shard.shard_sample_workspace_bytes(m, W, self.head_n, SHARD_TOP_K_MAX)
+        return sample_workspace_bytes(m, self.head_n)
 
     def _alloc_context(self, rows: int) -> ContextBuffers:
         H, z = self.cfg.hidden_size, self.arena.zeros
@@ -1018,6 +1025,11 @@ class MtpProposer:
         self._block(m, i, s)
         # A sampled step's head commits the argmax without publishing; the sampler then draws
         # each sampled row's token (a greedy row keeps the argmax) and publishes drafts and probs.
+        if sampled and self.head_sharded:
+            # The sharded sampler draws every row, greedy ones included, from this rank's logits and
+            # the ranks' exchanged candidates (model/kernels/draft_sample_shard.py).
+            self._head_with(m, i, publish, s, *self._head_weights(), sampled=True)
+            return
         self._head(m, i, publish and not sampled, s)
         if sampled:
             self._sample(m, i, publish, s)
@@ -1060,12 +1072,16 @@ class MtpProposer:
 
     def _head(self, m: int, i: int, publish: bool, s: int) -> None:
         """Draft i's tokens from ``step.xn``, with the FP8 copy of the head when there is one."""
-        if self.head_fp8 is not None:
-            self._head_with(m, i, publish, s, self.head_fp8, self.head_fp8_scales)
-        else:
-            self._head_with(m, i, publish, s, self.head_bf16, None)
+        self._head_with(m, i, publish, s, *self._head_weights())
 
-    def _head_with(self, m: int, i: int, publish: bool, s: int, w: DevicePtr, sc: DevicePtr | None) -> None:
+    def _head_weights(self) -> tuple[DevicePtr, DevicePtr | None]:
+        if self.head_fp8 is not None:
+            return self.head_fp8, self.head_fp8_scales
+        return self.head_bf16, None
+
+    def _head_with(
+        self, m: int, i: int, publish: bool, s: int, w: DevicePtr, sc: DevicePtr | None, sampled: bool = False
+    ) -> None:
         """The head with weights ``w`` (this rank's vocabulary rows; FP8 with per-row scales
         ``sc``, else BF16): each row's argmax becomes its entry's token and its draft i."""
         gpu, st, H, n = self.gpu, self.step, self.cfg.hidden_size, self.head_n
@@ -1105,6 +1121,31 @@ class MtpProposer:
             gemv_fp8w_batch(gpu, w, sc, st.xn, st.logits, m, n, H, s)
         else:
             gemv_bf16_batch(gpu, w, st.xn, st.logits, m, n, H, s)
+        if sampled:
+            draft_sample_shard.sample_sharded_batch(
+                gpu,
+                self.comm,
+                logits=st.logits,
+                v0=self.head_v0,
+                n_local=n,
+                vocab=self.cfg.vocab_size,
+                sampling=st.sampling,
+                entries=st.entries,
+                drafts=st.drafts,
+                probs=st.probs,
+                host_drafts=st.drafts_out.device,
+                host_probs=st.probs_out.device,
+                draft_index=i,
+                kmax=st.kmax,
+                publish=publish,
+                m=m,
+                workspace=st.sample_ws,
+                flags=st.flags,
+                flag_byte=FLAG_LOGITS,
+                top_k_cap=SHARD_TOP_K_MAX,
+                stream=s,
+            )
+            return
         argmax_bf16_batch(gpu, st.logits, st.am_idx, st.am_val, m, n, s)
         draft_head.argmax_pack_batch(
             gpu, idx=st.am_idx, val=st.am_val, keys=st.keys, v0=self.head_v0, m=m, stream=s
@@ -1164,6 +1205,11 @@ class MtpProposer:
                 raise ProposerError(f"{what}: sampling must be a SamplingParams, got {type(p).__name__}")
             try:
                 p.check(V, what)
+            except ValueError as e:
+                raise ProposerError(str(e)) from None
+        if self.head_sharded:
+            try:
+                draft_sample_shard.check_shard_sampling(params, V, what=call)
             except ValueError as e:
                 raise ProposerError(str(e)) from None
         return params

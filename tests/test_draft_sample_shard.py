@@ -299,10 +299,10 @@ def test_bad_launch_arguments_are_refused_before_anything_runs():
 
 def test_record_layout():
     p = SamplingParams(temperature=0.75, top_p=1.0, top_k=12, seed=0x1234_5678_9ABC_DEF0)
-    rec = dss.pack_sample_records([p, GREEDY], [7, 2**32 + 5], [0x7F00_1234_5678, 0], m=3)
+    rec = dss.pack_sample_records([p, GREEDY], [7, 2**32 - 5], [0x7F00_1234_5678, 0], m=3)
     assert rec.shape == (3, dss.SAMPLE_WORDS) and rec.dtype == np.uint32
     assert rec[0].tolist() == [0x3F40_0000, 0x3F80_0000, 12, 0x9ABC_DEF0, 0x1234_5678, 7, 0x1234_5678, 0x7F00]
-    assert rec[1].tolist() == [0, 0x3F80_0000, 0, 0, 0, 5, 0, 0]
+    assert rec[1].tolist() == [0, 0x3F80_0000, 0, 0, 0, 2**32 - 5, 0, 0]
     assert (rec[2] == 0).all()
 
 

@@ -73,9 +73,9 @@ from runtime.launch import launch
 from ..sampling import SamplingParams
 from .batch import ENTRY_BYTES, MAX_ROWS, check_rows, is_pad, read_entries
 from .draft_head import key_nonfinite
+from .draft_sample import SAMPLE_WORDS, pack_sampling
 from .keyed_rng import Stream, uniforms
 
-SAMPLE_WORDS = 8  # u32 words of an entry's sampling record
 SHARD_TOP_K_MAX = 256  # the largest top-k a sharded head samples (one candidate per commit thread)
 SHARD_CHUNK = 4096  # columns of a row per block of both kernels (ptx CHUNK)
 SHARD_THREADS = 256
@@ -88,18 +88,15 @@ _F32_NEG_INF = np.float32(-np.inf)
 # ---- records, checks, workspace ----------------------------------------------------------------
 
 
-def f32_bits(v: float) -> int:
-    return int(np.array([v], np.float32).view(np.uint32)[0])
-
-
 def pack_sample_records(
     params: Sequence[SamplingParams],
     positions: Sequence[int],
     dists: Sequence[int] | None = None,
     m: int | None = None,
 ) -> np.ndarray:
-    """u32 [m][SAMPLE_WORDS]: entry b's record from params[b], positions[b] and the address of its
-    dist block (dists[b], 0 for none), then zero records (greedy) up to m for padding entries."""
+    """u32 [m][SAMPLE_WORDS]: entry b's record (draft_sample.pack_sampling) from params[b],
+    positions[b] and the address of its dist block (dists[b], 0 for none), then zero records
+    (greedy) up to m for padding entries."""
     n = len(params)
     m = n if m is None else m
     dists = [0] * n if dists is None else list(dists)
@@ -109,18 +106,12 @@ def pack_sample_records(
         )
     out = np.zeros((m, SAMPLE_WORDS), np.uint32)
     for b, (p, pos, d) in enumerate(zip(params, positions, dists)):
-        seed, d = int(p.seed), int(d)
-        out[b] = [
-            f32_bits(p.temperature),
-            f32_bits(p.top_p),
-            int(p.top_k),
-            seed & 0xFFFF_FFFF,
-            seed >> 32,
-            int(pos) & 0xFFFF_FFFF,
-            d & 0xFFFF_FFFF,
-            d >> 32,
-        ]
+        out[b] = pack_sampling(p, int(pos), int(d))
     return out
+
+
+def f32_bits(v: float) -> int:
+    return int(np.array([v], np.float32).view(np.uint32)[0])
 
 
 def check_top_k_cap(top_k_cap: int, what: str = "sharded sampling") -> None:
