@@ -735,16 +735,17 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_down_batch(
 // for A and B alike), as head_argmax_fp8_mma does. A weight chunk is widened once for all 8
 // columns; FP8_U superblocks (128 bytes a lane) are in flight, the next batch prefetched to L2.
 //
-// Widening without the conversion unit: the E4M3 bits s.eeee.mmm placed as BF16 s.0000.eeee.mmm.0000
-// are the value times 2^-120 exactly (E4M3's subnormals become BF16 subnormals), and one BF16x2
-// multiply by 2^120 (exact) restores it: a byte permute, two masks, a shift and a multiply per two
-// weights, all on the integer and FMA pipes. The NaN codes 0x7F / 0xFF read as +-480 (an E4M3
+// Widening: cvt.rn.f16x2.e4m3x2 makes each pair of E4M3 bytes an exact f16x2 (every E4M3 value is an
+// f16 normal or zero, with its 7 low mantissa bits zero); moving each half's bits 14..3 down by 3
+// gives the BF16 of the value times 2^-112 (a BF16 normal or zero), and one BF16x2 multiply by
+// 2^112 restores it exactly. Per 4 weights: 2 conversions, 6 integer operations, 2 multiplies;
+// no BF16 subnormal is ever an input. The NaN codes 0x7F / 0xFF do not come out NaN (an E4M3
 // weight is never NaN: quantize saturates).
 namespace {
 constexpr uint32_t FP8_BLOCK = 128;     // the scales' block, both dimensions (moe.py FP8_BLOCK)
 constexpr uint32_t FP8_WARPS = 4;       // warps per block of the FP8 expert kernels (moe.py FP8_WARPS)
 constexpr int FP8_U = 4;                // superblocks per batch: 2 x 64 weight bytes per lane in flight
-constexpr uint32_t BF16X2_2POW120 = 0x7B807B80u;
+constexpr uint32_t BF16X2_2POW112 = 0x77807780u;
 
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
     uint32_t d;
@@ -752,12 +753,20 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
     return d;
 }
 
+// An f16x2 of two E4M3 values -> their BF16x2, exact (the module comment above).
+__device__ __forceinline__ uint32_t e4m3_f16x2_to_bf16x2(uint32_t h) {
+    return bf16x2_mul((h & 0x80008000u) | ((h >> 3) & 0x0FFF0FFFu), BF16X2_2POW112);
+}
+
 // Four E4M3 bytes (element 0 in the low byte) -> BF16 pairs (elements 0, 1) and (2, 3), exact.
 __device__ __forceinline__ void e4m3x4_to_bf16x2(uint32_t q, uint32_t& lo, uint32_t& hi) {
-    const uint32_t p = __byte_perm(q, 0u, 0x3120u);  // bytes (3, 1, 2, 0): each pair in one half's top byte
-    const uint32_t pl = p << 8;
-    hi = bf16x2_mul((p & 0x80008000u) | ((p & 0x7F007F00u) >> 4), BF16X2_2POW120);
-    lo = bf16x2_mul((pl & 0x80008000u) | ((pl & 0x7F007F00u) >> 4), BF16X2_2POW120);
+    uint32_t h01, h23;
+    asm("{\n\t.reg .b16 l, u;\n\tmov.b32 {l, u}, %2;\n\t"
+        "cvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, u;\n\t}"
+        : "=r"(h01), "=r"(h23)
+        : "r"(q));
+    lo = e4m3_f16x2_to_bf16x2(h01);
+    hi = e4m3_f16x2_to_bf16x2(h23);
 }
 
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,

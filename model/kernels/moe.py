@@ -622,10 +622,10 @@ def moe_down_batch(
 #
 # Device design (ptx/moe.cu): a warp multiplies 16 weight rows by the up to 8 pairs of its work item
 # with mma.sync m16n8k16 (BF16 in, f32 accumulate): each FP8 weight chunk is read once per launch
-# for all its pairs and widened to BF16 once (bit operations and one BF16x2 multiply by 2^120, no
-# conversion unit); a block of 4 warps covers 32 act elements (gate_up) or 64 output rows (down).
-# The E4M3 NaN codes (0x7F, 0xFF) are not weights: quantize saturates, and the device reads them
-# as +-480.
+# for all its pairs and widened to BF16 once (the E4M3 -> f16x2 conversion, a shift and masks, one
+# BF16x2 multiply by 2^112; exact); a block of 4 warps covers 32 act elements (gate_up) or 64 output
+# rows (down). The E4M3 NaN codes (0x7F, 0xFF) are not weights (quantize saturates): the device does
+# not read them as NaN.
 
 FP8_BLOCK = 128  # the scales' block in both dimensions (the checkpoints' weight_block_size)
 FP8_WARPS = 4  # warps per block of the FP8 expert kernels (ptx/moe.cu FP8_WARPS)
