@@ -270,6 +270,10 @@ def test_layout_checks_refuse_wrong_shapes_dtypes_and_blocks():
         moe.check_fp8_experts(gu, gus, dn.transpose(0, 2, 1), dns, i, h)
     with pytest.raises(ValueError, match="gate_up: expected"):
         moe.check_fp8_experts(gu.astype(np.float32), gus, dn, dns, i, h)
+    moe.check_fp8_block((128, 128))
+    for block in [(64, 64), (128, 64), (1, 128)]:
+        with pytest.raises(ValueError, match="128 x 128 only"):
+            moe.check_fp8_block(block)
 
 
 # ---- launches -----------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ so the zero-padded all-reduce of a sharded run reproduces one rank's arithmetic 
 
 router_group_batch routes the batch and groups its (entry, slot) pairs by local expert in its last
 block; moe_gate_up_batch and moe_down_batch then read each used expert's rows once for all its
-pairs. A pair's arithmetic does not depend on the batch. CUDA: ptx/moe.cu.
+pairs. A pair's arithmetic does not depend on the batch. moe_gate_up_fp8_batch and
+moe_down_fp8_batch are the same contracts with FP8 E4M3 experts and 128 x 128 block scales (the
+section "FP8 experts" below). CUDA: ptx/moe.cu.
 """
 
 from __future__ import annotations
@@ -645,6 +647,14 @@ def gate_up_scale_shape(n_local: int, inter: int, h: int) -> tuple[int, int, int
 def down_scale_shape(n_local: int, h: int, inter: int) -> tuple[int, int, int]:
     """Shape of the down scales: [n_local, ceil(h / 128), ceil(inter / 128)]."""
     return (n_local, _blocks(h), _blocks(inter))
+
+
+def check_fp8_block(block: tuple[int, int]) -> None:
+    """ValueError unless a checkpoint's ``weight_block_size`` is the kernels' 128 x 128."""
+    if tuple(int(b) for b in block) != (FP8_BLOCK, FP8_BLOCK):
+        raise ValueError(
+            f"FP8 experts: block scales of {list(block)} blocks; the kernels take {FP8_BLOCK} x {FP8_BLOCK} only"
+        )
 
 
 def _check_fp8_weight(what: str, q: np.ndarray, s: np.ndarray, rows: int, cols: int) -> None:
