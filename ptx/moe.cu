@@ -826,26 +826,101 @@ struct Fp8Tile {
 };
 
 // Rows g and g + 8 of the tile's first two batches towards L2 (weights only: a PDL kernel may do
-// this before its wait).
+// this before its wait); whole superblocks only, so no address lies past a row.
 __device__ __forceinline__ void fp8_tile_prefetch(const Fp8Tile& f, uint32_t k, bool vec) {
     if (!vec) return;
-    const uint32_t t = threadIdx.x & 3u, nsb = (k + 63u) / 64u;
-    for (uint32_t sb = 0; sb < min(nsb, 2u * FP8_U); ++sb) {
+    const uint32_t t = threadIdx.x & 3u;
+    for (uint32_t sb = 0; sb < min(k / 64u, 2u * FP8_U); ++sb) {
         if (f.ok0) asm volatile("prefetch.global.L2 [%0];" ::"l"(f.w0 + 64u * sb + 16u * t));
         if (f.ok1) asm volatile("prefetch.global.L2 [%0];" ::"l"(f.w1 + 64u * sb + 16u * t));
     }
 }
 
+// One superblock's four MMAs into part: A from the lane's 16 weight bytes of rows g (wa) and g + 8
+// (wb), B from its 16 x values (x0, x1), MMA j on elements 4j .. 4j + 3 (the module comment).
+__device__ __forceinline__ void fp8_superblock(float (&part)[4], const uint4& wa, const uint4& wb, const uint4& x0,
+                                               const uint4& x1) {
+    const uint32_t qa[4] = {wa.x, wa.y, wa.z, wa.w};
+    const uint32_t qb[4] = {wb.x, wb.y, wb.z, wb.w};
+    const uint32_t xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        uint32_t a0, a1, a2, a3;
+        e4m3x4_to_bf16x2(qa[j], a0, a2);  // row g: elements 4j, 4j + 1 | 4j + 2, 4j + 3
+        e4m3x4_to_bf16x2(qb[j], a1, a3);  // row g + 8
+        mma_bf16_16816(part, a0, a1, a2, a3, xv[2 * j], xv[2 * j + 1]);
+    }
+}
+
+// The end of a block: acc += its scale times its partial sums (rows g: s0, rows g + 8: s1), in the
+// twin's two roundings; the partial sums restart from 0.
+__device__ __forceinline__ void fp8_block_done(float (&acc)[4], float (&part)[4], float s0, float s1) {
+    acc[0] = __fadd_rn(acc[0], __fmul_rn(s0, part[0]));
+    acc[1] = __fadd_rn(acc[1], __fmul_rn(s0, part[1]));
+    acc[2] = __fadd_rn(acc[2], __fmul_rn(s1, part[2]));
+    acc[3] = __fadd_rn(acc[3], __fmul_rn(s1, part[3]));
+    part[0] = part[1] = part[2] = part[3] = 0.0f;
+}
+
 // acc = the block-scaled dots of the warp tile (module comment): acc[0] / acc[1] row g with columns
 // 2t / 2t + 1, acc[2] / acc[3] row g + 8 with the same columns. Call from the whole warp. VEC: the
 // 16-byte loads (k % 16 == 0, aligned rows), else byte-wise ones; the same fragments either way.
+// With VEC the whole batches (FP8_U superblocks inside the row) run without a predicate: a row past
+// the matrix reads a real row (its pointer is clamped; its outputs are dropped) and a dead column
+// a real x row (its pointer is clamped likewise); an MMA's output row depends only on its own A
+// row and an output column only on its own B column, so neither changes a live output. The rest
+// (the byte-wise path, and the last superblocks of a row that do not fill a batch) zero-fill past
+// k, past the matrix and for dead columns.
 template <bool VEC>
 __device__ __forceinline__ void fp8_tile_dots_k(const Fp8Tile& f, uint32_t k, float (&acc)[4]) {
     const uint32_t t = threadIdx.x & 3u;
     const uint32_t nsb = (k + 63u) / 64u, nb = (k + FP8_BLOCK - 1u) / FP8_BLOCK;
     float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
-    for (uint32_t sb0 = 0; sb0 < nsb; sb0 += FP8_U) {
+    uint32_t sb0 = 0;
+    if (VEC) {
+        const uint32_t nfull = (k / 64u) / FP8_U * FP8_U;  // superblocks in whole batches
+        const uint8_t* p0 = f.w0 + 16u * t;
+        const uint8_t* p1 = f.w1 + 16u * t;
+        const uint16_t* px = f.x + 16u * t;
+        const float* q0 = f.s0;
+        const float* q1 = f.s1;
+        for (; sb0 < nfull; sb0 += FP8_U) {
+            uint4 wa[FP8_U], wb[FP8_U];
+#pragma unroll
+            for (int u = 0; u < FP8_U; ++u) {
+                wa[u] = ld_stream16(p0 + 64 * u);
+                wb[u] = ld_stream16(p1 + 64 * u);
+            }
+            if (sb0 + FP8_U < nfull) {
+                // The next batch towards L2 while this one is widened and multiplied: its loads then
+                // wait on L2, not HBM.
+#pragma unroll
+                for (int u = FP8_U; u < 2 * FP8_U; ++u) {
+                    asm volatile("prefetch.global.L2 [%0];" ::"l"(p0 + 64 * u));
+                    asm volatile("prefetch.global.L2 [%0];" ::"l"(p1 + 64 * u));
+                }
+            }
+            float sa[FP8_U / 2], sc[FP8_U / 2];  // the batch's blocks' scales: FP8_U is even, sb0 too
+#pragma unroll
+            for (int v = 0; v < FP8_U / 2; ++v) {
+                sa[v] = __ldg(q0 + v);
+                sc[v] = __ldg(q1 + v);
+            }
+#pragma unroll
+            for (int u = 0; u < FP8_U; ++u) {
+                const uint4* xq = reinterpret_cast<const uint4*>(px + 64 * u);
+                fp8_superblock(part, wa[u], wb[u], __ldg(xq), __ldg(xq + 1));
+                if (u & 1) fp8_block_done(acc, part, sa[u / 2], sc[u / 2]);
+            }
+            p0 += 64 * FP8_U;
+            p1 += 64 * FP8_U;
+            px += 64 * FP8_U;
+            q0 += FP8_U / 2;
+            q1 += FP8_U / 2;
+        }
+    }
+    for (; sb0 < nsb; sb0 += FP8_U) {
         uint4 wa[FP8_U], wb[FP8_U];
 #pragma unroll
         for (int u = 0; u < FP8_U; ++u) {
@@ -853,19 +928,7 @@ __device__ __forceinline__ void fp8_tile_dots_k(const Fp8Tile& f, uint32_t k, fl
             wa[u] = w_chunk16<VEC>(f.w0, c, k, f.ok0);
             wb[u] = w_chunk16<VEC>(f.w1, c, k, f.ok1);
         }
-        if (VEC) {
-            // The next batch towards L2 while this one is widened and multiplied: its loads then
-            // wait on L2, not HBM.
-#pragma unroll
-            for (int u = 0; u < FP8_U; ++u) {
-                const uint32_t sb = sb0 + FP8_U + (uint32_t)u;
-                if (sb < nsb) {
-                    if (f.ok0) asm volatile("prefetch.global.L2 [%0];" ::"l"(f.w0 + 64u * sb + 16u * t));
-                    if (f.ok1) asm volatile("prefetch.global.L2 [%0];" ::"l"(f.w1 + 64u * sb + 16u * t));
-                }
-            }
-        }
-        float sa[FP8_U / 2], sc[FP8_U / 2];  // the batch's blocks' scales (sb0 is even: blocks sb0 / 2 + v)
+        float sa[FP8_U / 2], sc[FP8_U / 2];
 #pragma unroll
         for (int v = 0; v < FP8_U / 2; ++v) {
             const uint32_t b = sb0 / 2u + (uint32_t)v;
@@ -878,24 +941,8 @@ __device__ __forceinline__ void fp8_tile_dots_k(const Fp8Tile& f, uint32_t k, fl
             if (sb < nsb) {  // warp-uniform
                 uint4 x0, x1;
                 x_chunk16<VEC>(f.x, 64u * sb + 16u * t, k, f.okx, x0, x1);
-                const uint32_t qa[4] = {wa[u].x, wa[u].y, wa[u].z, wa[u].w};
-                const uint32_t qb[4] = {wb[u].x, wb[u].y, wb[u].z, wb[u].w};
-                const uint32_t xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    uint32_t a0, a1, a2, a3;
-                    e4m3x4_to_bf16x2(qa[j], a0, a2);  // row g: elements 4j, 4j + 1 | 4j + 2, 4j + 3
-                    e4m3x4_to_bf16x2(qb[j], a1, a3);  // row g + 8
-                    mma_bf16_16816(part, a0, a1, a2, a3, xv[2 * j], xv[2 * j + 1]);
-                }
-                if ((sb & 1u) || sb + 1u == nsb) {  // the block's last superblock
-                    const float s0 = sa[u / 2], s1 = sc[u / 2];
-                    acc[0] = __fadd_rn(acc[0], __fmul_rn(s0, part[0]));
-                    acc[1] = __fadd_rn(acc[1], __fmul_rn(s0, part[1]));
-                    acc[2] = __fadd_rn(acc[2], __fmul_rn(s1, part[2]));
-                    acc[3] = __fadd_rn(acc[3], __fmul_rn(s1, part[3]));
-                    part[0] = part[1] = part[2] = part[3] = 0.0f;
-                }
+                fp8_superblock(part, wa[u], wb[u], x0, x1);
+                if ((sb & 1u) || sb + 1u == nsb) fp8_block_done(acc, part, sa[u / 2], sc[u / 2]);
             }
         }
     }
@@ -957,7 +1004,7 @@ extern "C" __global__ void __launch_bounds__(128, 5) moe_gate_up_fp8_batch(
     f.s1 = sx + (size_t)(nbi + i0 / FP8_BLOCK) * nbh;
     const uint32_t pg = __shfl_sync(0xFFFFFFFFu, pair, g);
     f.okx = (pm >> g) & 1u;
-    f.x = y + (size_t)(pg / nslots) * h;
+    f.x = y + (f.okx ? (size_t)(pg / nslots) * h : 0u);  // a dead column reads row 0 (its outputs are dropped)
     float acc[4];
     fp8_tile_dots(f, h, vec, acc);
     const uint32_t pa = __shfl_sync(0xFFFFFFFFu, pair, 2u * t), pb = __shfl_sync(0xFFFFFFFFu, pair, 2u * t + 1u);
@@ -1029,7 +1076,7 @@ extern "C" __global__ void __launch_bounds__(128, 5) moe_down_fp8_batch(
         f.s0 = f.s1 = sx + (size_t)(r0 / FP8_BLOCK) * nbi;  // r0 .. r0 + 15 share a block row (16 | 128)
         const uint32_t pg = __shfl_sync(0xFFFFFFFFu, pair, g);
         f.okx = (pm >> g) & 1u;
-        f.x = act + (size_t)pg * inter;
+        f.x = act + (f.okx ? (size_t)pg * inter : 0u);  // a dead column reads row 0 (its outputs are dropped)
         fp8_tile_dots(f, inter, vec, acc);
         // The routing weight is read after the GEMV, as moe_down_batch reads it.
         const float wt = (routed && ((pm >> lane) & 1u)) ? __ldcg(weights + pair) : 1.0f;
