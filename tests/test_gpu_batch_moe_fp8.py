@@ -83,16 +83,20 @@ def batch_of(rng, pool: int, m: int) -> tuple[np.ndarray, list[int]]:
 
 
 # (case, experts in the router's range). The load path of each kernel is the vector one where its k
-# is a multiple of 16 (gate/up: h, down: inter), else the byte-wise one; rows past the matrix in a
-# warp's 16 where inter % 8 != 0 (gate/up) or h % 16 != 0 (down).
+# is a multiple of 16 (gate/up: h, down: inter), else the byte-wise one; within the vector path the
+# whole batches of 256 columns run unpredicated and the rest of a row predicated. Rows past the
+# matrix in a warp's 16 where inter % 8 != 0 (gate/up) or h % 16 != 0 (down).
 CASES = {
-    "here": (MoeCase(12, 0, 160, 320, 8, moe.SHARED_HERE, 4.0), 12),  # partial blocks, vector paths
+    # gate/up: 256 columns unpredicated + 64 predicated (a partial block); down: predicated
+    "here": (MoeCase(12, 0, 160, 320, 8, moe.SHARED_HERE, 4.0), 12),
     "none": (MoeCase(10, 0, 48, 128, 4, moe.SHARED_NONE, 4.0), 10),
     "elsewhere_odd": (MoeCase(4, 4, 37, 45, 3, moe.SHARED_ELSEWHERE, 4.0), 12),  # byte-wise, sharded
     "sharded_here": (MoeCase(6, 12, 32, 64, 4, moe.SHARED_HERE, 4.0), 24),
     "dense": (MoeCase(1, 0, 72, 136, 0, moe.SHARED_HERE, 4.0), 1),  # byte-wise both
-    "ragged_inter": (MoeCase(5, 0, 36, 128, 4, moe.SHARED_HERE, 4.0), 5),  # gate/up vector, rows past inter
-    "ragged_h": (MoeCase(5, 0, 64, 72, 4, moe.SHARED_HERE, 4.0), 5),  # down vector, rows past h
+    # gate/up unpredicated with rows past inter; down byte-wise
+    "ragged_inter": (MoeCase(5, 0, 36, 256, 4, moe.SHARED_HERE, 4.0), 5),
+    # down unpredicated with rows past h (and 2 x 256 columns); gate/up byte-wise
+    "ragged_h": (MoeCase(5, 0, 512, 72, 4, moe.SHARED_HERE, 4.0), 5),
 }
 
 
