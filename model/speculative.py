@@ -19,7 +19,8 @@ position of the token being decided, its index in prompt + output):
 - verifying draft j (0-based) of a step whose first draft sits at position L: its accept uniform
   at (seed, L + j, j, Stream.ACCEPT); the residual draw replacing it, or the bonus draw (j = k),
   at (seed, L + j, j, Stream.RESAMPLE). Each key is used at most once per sequence (a position is
-  decided once), which is what makes the emitted tokens exactly the target's law.
+  decided once, and L grows every step), so every decision draws fresh numbers: the premise of
+  rejection sampling's exactness.
 """
 
 from __future__ import annotations

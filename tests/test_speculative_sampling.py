@@ -434,6 +434,16 @@ def no_residual(target_logits, drafts, draft_probs, draft_dists, sampling, posit
     return k, draw(target_logits[k], sampling, position + k, k, Stream.RESAMPLE)
 
 
+# Measured over 10 disjoint batches of N_SEEDS seeds each (the correct verifier beside them):
+#   config             correct   min(1, q/p)   resample from p
+#   (0.7, -, -, k=2)    0/10       10/10          10/10
+#   (1.0, -, -, k=1)    1/10       10/10           1/10
+#   (1.5, -, -, k=2)    0/10       10/10          10/10
+#   (1.0, 4, -, k=2)    0/10       10/10          10/10
+#   (1.5, -, .95, k=1)  0/10        9/10           3/10
+#   (2.0, 6, .9, k=2)   0/10       10/10          10/10
+# (k = 1 tests a single verified draft in the window: less to get wrong there.) The one correct
+# rejection was X^2 = 35.3 at df 12; the 30 batches of that config pooled give 55.6 at df 57.
 @pytest.mark.parametrize("wrong", [wrong_ratio, no_residual])
 @pytest.mark.parametrize("temperature,top_k,top_p,k", [CONFIGS[2], CONFIGS[5]])
 def test_the_law_test_rejects_a_wrong_verifier(models, monkeypatch, wrong, temperature, top_k, top_p, k):
