@@ -23,6 +23,8 @@ One point per batch size B (1, 2, 4, ..., 256 by default), the B sequences at th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import datetime
 import math
 import statistics
 import sys
@@ -396,6 +398,7 @@ def measure_batch(
     fill: str = "catchup",
     step: bool = True,
     log: Callable[..., Any] = print,
+    sampling: Any = None,
 ) -> list[dict[str, Any]]:
     """One row per batch size in ``Bs`` (``prop``: an MtpProposer with graphs on, max_sequences
     >= max(Bs), served length >= the largest context + 2k + 1).
@@ -411,7 +414,9 @@ def measure_batch(
     rewound to ``context + 1`` rows (untimed), then one ``catchup_batch`` re-feeding its accepted
     rows (random acceptance 0..k per sequence, fixed per B) and ``propose_batch`` after them, wall
     time and the device span between events around both (median), against ``step_floor_bytes``.
-    The states are freed before the next B."""
+    With ``sampling`` (a SamplingParams), the same propose sampled: its graph's device time
+    (``sampled_device_ms``) and its ratio to the greedy graph's. The states are freed before the
+    next B."""
     cfg = prop.cfg
     H, V = cfg.hidden_size, cfg.vocab_size
     bw = bandwidth if bandwidth is not None else copy_bandwidth(gpu)
@@ -445,6 +450,12 @@ def measure_batch(
                 walls.append(time.perf_counter() - t1)
                 hosts.append(_host_s(prop, states))
             device_ms = time_graphs(gpu, graphs, iters) if graphs else float("nan")
+            sampled_ms = float("nan")
+            if sampling is not None:
+                prop.propose_batch(states, last, hidden, ctx, k, sampling=sampling)  # captures
+                with caught_graphs(gpu) as sgraphs:
+                    prop.propose_batch(states, last, hidden, ctx, k, sampling=sampling)
+                sampled_ms = time_graphs(gpu, sgraphs, iters) if sgraphs else float("nan")
             fb = batch_floor_bytes(prop, ctx, k, chosen, fp8)
             row: dict[str, Any] = {
                 "kind": str(contexts_kind),
@@ -460,7 +471,11 @@ def measure_batch(
                 "graph_device_ms": device_ms,
                 "graph_wall_ms": statistics.median(walls) * 1e3,
                 "host_cpu_us": statistics.median(hosts) * 1e6,
+                "weights": "fp8" if getattr(prop.layer.mlp, "fp8", False) else "bf16",
             }
+            if sampling is not None:
+                row["sampled_device_ms"] = sampled_ms
+                row["sampled_over_greedy"] = sampled_ms / device_ms
             row["host_us"] = (row["graph_wall_ms"] - device_ms) * 1e3
             row["over_floor"] = device_ms / row["floor_ms"]
             row["ms_per_seq_draft"] = device_ms / (B * k)
@@ -473,6 +488,11 @@ def measure_batch(
                 f"{row['kind']} B {B:>3} k {k}: floor {row['floor_ms']:.3f} ms, graph {device_ms:.3f} ms "
                 f"({row['over_floor']:.2f}x), {row['ms_per_seq_draft'] * 1e3:.1f} us per sequence-draft, "
                 f"wall {row['graph_wall_ms']:.3f} ms, host CPU {row['host_cpu_us']:.0f} us"
+                + (
+                    f"; sampled {sampled_ms:.3f} ms ({sampled_ms / device_ms:.3f}x)"
+                    if sampling is not None
+                    else ""
+                )
                 + (
                     f"; step {row['step_wall_ms']:.3f} ms wall ({row['step_over_floor']:.2f}x its floor)"
                     if step
@@ -557,11 +577,14 @@ def batch_table(rows: Sequence[dict[str, Any]]) -> str:
     """Markdown table of measure_batch rows. Columns for the PyTorch batched step appear when
     rows carry ``torch_graph_ms`` (bench/torch_step.py run_batch at the same contexts)."""
     torch_cols = any("torch_graph_ms" in r for r in rows)
+    torch8_cols = any("torch_fp8_graph_ms" in r for r in rows)
     step_cols = any("step_wall_ms" in r for r in rows)
+    sample_cols = any("sampled_device_ms" in r for r in rows)
     head = [
         "contexts",
         "B",
         "k",
+        "weights",
         "head",
         "distinct experts / draft",
         "MB / propose",
@@ -575,11 +598,15 @@ def batch_table(rows: Sequence[dict[str, Any]]) -> str:
     ]
     if step_cols:
         head += ["step floor ms", "step wall ms", "step x floor"]
+    if sample_cols:
+        head += ["sampled ms", "sampled / greedy"]
     if torch_cols:
         head += ["torch graph ms", "torch / ours"]
+    if torch8_cols:
+        head += ["torch FP8-experts ms", "torch FP8 / ours"]
     lines = [
         "| " + " | ".join(head) + " |",
-        "|" + "|".join("---" if h in ("contexts", "head") else "---:" for h in head) + "|",
+        "|" + "|".join("---" if h in ("contexts", "head", "weights") else "---:" for h in head) + "|",
     ]
     for r in rows:
         lo, mean, hi = r["contexts"]
@@ -592,6 +619,7 @@ def batch_table(rows: Sequence[dict[str, Any]]) -> str:
             ctx,
             str(r["B"]),
             str(r["k"]),
+            r.get("weights", "bf16"),
             r["head"],
             de_s,
             f"{r['floor_bytes']['total'] / 1e6:.0f}",
@@ -609,10 +637,13 @@ def batch_table(rows: Sequence[dict[str, Any]]) -> str:
                 _f(r.get("step_wall_ms"), ".3f"),
                 _f(r.get("step_over_floor"), ".2f"),
             ]
-        if torch_cols:
-            tg = r.get("torch_graph_ms")
-            ratio = tg / r["graph_device_ms"] if tg is not None and r["graph_device_ms"] else None
-            cells += [_f(tg, ".3f"), _f(ratio, ".2f")]
+        if sample_cols:
+            cells += [_f(r.get("sampled_device_ms"), ".3f"), _f(r.get("sampled_over_greedy"), ".3f")]
+        for col, key in ((torch_cols, "torch_graph_ms"), (torch8_cols, "torch_fp8_graph_ms")):
+            if col:
+                tg = r.get(key)
+                ratio = tg / r["graph_device_ms"] if tg is not None and r["graph_device_ms"] else None
+                cells += [_f(tg, ".3f"), _f(ratio, ".2f")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -625,17 +656,48 @@ def run(args: Any, gpu: Any) -> dict[str, Any]:
     context kind of ``args.kinds``, the floor's experts counted from the router's own ids, and the
     same batches through the plain PyTorch step (bench/torch_step.py run_batch) unless
     ``args.torch`` is off."""
-    import datetime
-
     from bench.bench_propose import Arm, ArmProposer
-    from model.checkpoint.random_init import tiled_mtp_weights
+    from model.checkpoint.random_init import tiled_fp8_weights, tiled_mtp_weights
     from model.config import glm5_flash
     from model.proposer import ProposerOptions
+    from model.sampling import SamplingParams
 
     cfg = glm5_flash()
     bw = copy_bandwidth(gpu)
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s (read + write)", flush=True)
-    weights = tiled_mtp_weights(cfg)
+    sampling = None
+    if args.sampling:
+        t, top_p, top_k = (list(map(float, args.sampling.split(","))) + [1.0, 0.0])[:3]
+        sampling = SamplingParams(temperature=t, top_p=top_p, top_k=int(top_k), seed=1)
+    res: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "device": getattr(gpu, "device_name", gpu.name),
+        "copy_bw_GBps": bw / 1e9,
+        "sampling": None if sampling is None else dataclasses.asdict(sampling),
+        "rows": [],
+    }
+    for kind in args.weights:
+        weights = (tiled_fp8_weights if kind == "fp8" else tiled_mtp_weights)(cfg)
+        _measure_weights(args, gpu, cfg, weights, bw, res, sampling, Arm, ArmProposer, ProposerOptions)
+        del weights
+    if args.torch:
+        _torch_rows(args, res)
+    return res
+
+
+def _measure_weights(
+    args: Any,
+    gpu: Any,
+    cfg: Any,
+    weights: dict,
+    bw: float,
+    res: dict,
+    sampling: Any,
+    Arm,
+    ArmProposer,
+    ProposerOptions,
+) -> None:
+    """measure_batch over every context kind for one proposer built from ``weights``."""
     # The router drawn at random, not tiled: tiled rows repeat, so the batch's rows route alike (110
     # of 288 experts per draft at B = 64 instead of about 241) and the floor and the MoE read fewer
     # experts than the PyTorch step's random router makes it read.
@@ -666,13 +728,7 @@ def run(args: Any, gpu: Any) -> dict[str, Any]:
                 p.rewind_to(st, n)
             gpu.free(hid)
 
-    res: dict[str, Any] = {
-        "date": datetime.date.today().isoformat(),
-        "device": getattr(gpu, "device_name", gpu.name),
-        "copy_bw_GBps": bw / 1e9,
-        "tensor_core_head": prop.tensor_core_head,
-        "rows": [],
-    }
+    res["tensor_core_head"] = prop.tensor_core_head
     rng = np.random.default_rng(1)
     try:
         for kind in args.kinds:
@@ -687,29 +743,45 @@ def run(args: Any, gpu: Any) -> dict[str, Any]:
                 bandwidth=bw,
                 expert_ids=router_ids,
                 fill="direct",
-                step=kind == "uniform",
+                step=kind == "uniform" and args.step,
+                sampling=sampling,
             )
-        res["memory"] = prop.memory_report()
+        res[f"memory_{res['rows'][-1]['weights']}"] = prop.memory_report()
         if args.profile:
             res["profile"] = profile_batch(prop, gpu, args.profile, args.k, rng)
             print(profile_table(res["profile"]), flush=True)
     finally:
         prop.close()
-    if args.torch:
-        try:
-            from bench import torch_step
-        except Exception as e:  # noqa: BLE001 - the PyTorch rows are optional
-            print(f"note: bench/torch_step.py unavailable ({e!r}); the PyTorch rows are skipped")
-            return res
-        for row in res["rows"]:
-            ctx = contexts_for(row["kind"], row["B"], np.random.default_rng(0))
-            row["torch_graph_ms"] = torch_step.run_batch(
-                ctx, args.k, graph=True, iters=args.iters, fp8_head=True
-            )
-            row["torch_over_ours"] = row["torch_graph_ms"] / row["graph_device_ms"]
-            print(f"{row['kind']} B {row['B']}: torch graph {row['torch_graph_ms']:.3f} ms", flush=True)
-            torch_step.torch.cuda.empty_cache()
-    return res
+
+
+def _torch_rows(args, res) -> None:
+    """The same batches through the plain PyTorch step: BF16 experts for every row, and for the
+    native-FP8 rows also FP8 experts through torch._scaled_grouped_mm (bench/torch_step.py)."""
+    try:
+        from bench import torch_step
+    except Exception as e:  # noqa: BLE001 - the PyTorch rows are optional
+        print(f"note: bench/torch_step.py unavailable ({e!r}); the PyTorch rows are skipped")
+        return
+    done: dict[tuple, float] = {}
+    for row in res["rows"]:
+        ctx = contexts_for(row["kind"], row["B"], np.random.default_rng(0))
+        arms = [("torch_graph_ms", False)] + (
+            [("torch_fp8_graph_ms", True)] if row["weights"] == "fp8" else []
+        )
+        for key, fp8_experts in arms:
+            memo = (row["kind"], row["B"], fp8_experts)
+            if memo not in done:
+                try:
+                    done[memo] = torch_step.run_batch(
+                        ctx, args.k, graph=True, iters=args.iters, fp8_head=True, fp8_experts=fp8_experts
+                    )
+                except Exception as e:  # noqa: BLE001 - reported, the other rows go on
+                    print(f"note: torch step {key} at B {row['B']} failed: {e!r}", flush=True)
+                    done[memo] = float("nan")
+                torch_step.torch.cuda.empty_cache()
+            row[key] = done[memo]
+            print(f"{row['kind']} B {row['B']}: {key} {row[key]:.3f} ms", flush=True)
+        row["torch_over_ours"] = row["torch_graph_ms"] / row["graph_device_ms"]
 
 
 def profile_batch(prop: Any, gpu: Any, B: int, k: int, rng: np.random.Generator) -> dict[str, Any]:
@@ -750,8 +822,6 @@ def profile_batch(prop: Any, gpu: Any, B: int, k: int, rng: np.random.Generator)
 
 
 def dataclasses_replace(obj: Any, **kw: Any) -> Any:
-    import dataclasses
-
     return dataclasses.replace(obj, **kw)
 
 
@@ -788,6 +858,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--profile", type=int, default=0, help="per-kernel device time of one eager propose at this B"
     )
+    ap.add_argument(
+        "--weights",
+        type=lambda s: tuple(s.split(",")),
+        default=("bf16",),
+        help="bf16 (the experts and projections BF16, as a dequantising loader keeps them), fp8 (the "
+        "published FP8 tensors kept native), or both comma-separated",
+    )
+    ap.add_argument(
+        "--sampling",
+        default="",
+        help="also time a sampled propose: temperature[,top_p[,top_k]] (e.g. 0.8,0.95)",
+    )
+    ap.add_argument("--no-step", dest="step", action="store_false", help="skip the whole drafter step")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     from runtime.cuda_backend import CudaBackend

@@ -41,6 +41,25 @@ One graph per (B, k, contexts): the contexts are baked, as above. On an H200 (to
 every sequence at 4096, BF16 head, graph): 2.9 ms at B = 1, 8.5 ms at B = 16, 16.8 ms at B = 64,
 26.3 ms at B = 256; the grouped expert GEMMs take about 70% of it at B = 64 (about 3.1 TB/s of
 expert weights), ragged contexts (128..16000) about the same.
+
+FP8 experts (``run_batch(..., fp8_experts=True)``, ``--fp8-experts``): the routed and shared experts
+stored as FP8 E4M3 (``fp8_expert_weights``: one f32 scale per output channel, gate and up stacked as
+one [E + 1, 2I, H] matrix, the shared expert as group E) and the MoE as two calls of PyTorch's FP8
+grouped GEMM, rowwise 2d x 3d::
+
+    torch._scaled_grouped_mm(a8, w8.transpose(1, 2), scale_a, scale_w, offs=offs,
+                             out_dtype=torch.bfloat16, use_fast_accum=True)
+
+a8 [rows, K] FP8 row-major (each row's activations quantised on the fly, absmax / 448, saturating:
+``quantize_rows_fp8``), w8 [E + 1, N, K] contiguous so its transpose is the [G, K, N] column-major
+operand the op takes, scale_a [rows] f32, scale_w [E + 1, N] f32, offs [E + 1] int32 cumulative group
+ends; K and N multiples of 16, fewer than 1024 groups, compute capability 9.0 (or 10.0). The pairs are
+laid out by ``fp8_group_layout`` on the device (capturable): groups in expert order, each segment
+padded to 16 rows, the padding rows zero. The checkpoint's 128x128 block scales are not what the op
+takes (rowwise or MX scales only), so this step reads the same expert bytes as a block-scaled FP8
+kernel (plus 4 bytes per output channel) but does not compute the same numbers: bytes for bytes, not
+bit for bit. Where the op is missing or refuses the device or shapes, ``Fp8GroupedMmUnavailable``
+says why (``--fp8-experts`` reports it in its JSON and exits 3). The BF16 path is untouched.
 """
 
 from __future__ import annotations
@@ -51,6 +70,8 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 if not __package__:  # run as a script (python bench/torch_step.py): find model/
@@ -285,6 +306,203 @@ def weights_from_state_dict(cfg, sd: dict, device="cpu", dtype=torch.float32) ->
     return W
 
 
+# ---- FP8 experts (torch._scaled_grouped_mm) -----------------------------------------------------
+
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+# Row alignment of each expert's segment in the grouped operands. The 2d x 3d rowwise path only
+# asserts segments of >= 0 rows, but PyTorch's own tests of it use segments of multiples of 16 and its
+# epilogue reads each segment's activation scales from ``scale_a + offs[g - 1]`` (unaligned otherwise);
+# padding costs no weight bytes (a segment of up to 64 rows is one M tile either way).
+FP8_GROUP_ALIGN = 16
+# An inference stack takes Hopper's fast FP8 accumulation; the comparison is of speed.
+FP8_FAST_ACCUM = True
+
+
+# What the FP8-experts step runs, for the benchmark's record.
+EXPERTS_FP8 = (
+    "fp8 e4m3 torch._scaled_grouped_mm (rowwise: activations per row, weights per output channel; "
+    f"use_fast_accum={FP8_FAST_ACCUM}; gate and up one GEMM; the shared expert group E; "
+    f"segments padded to {FP8_GROUP_ALIGN} rows)"
+)
+
+
+class Fp8GroupedMmUnavailable(RuntimeError):
+    """torch._scaled_grouped_mm is missing here, or refuses this device or these operands."""
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row absmax FP8 E4M3 of x [..., K]: (q [..., K] float8_e4m3fn, scale [...] f32) with
+    ``x ~= q * scale[..., None]``, scale = max|row| / 448 (a zero row gets 1e-12 / 448 and zeros),
+    q = x / scale saturated to +-448 and rounded to nearest even. The activations' quantiser (each
+    call, per row, as an FP8 inference stack quantises on the fly) and the weights' (once, per output
+    channel: a weight [N, K]'s rows are its output channels)."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    q = (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale.squeeze(-1)
+
+
+@dataclass
+class Fp8Experts:
+    """The routed experts and the shared expert in FP8 E4M3, one stack per matrix, with one f32 scale
+    per output channel (what the rowwise ``torch._scaled_grouped_mm`` takes); index E (the last) is
+    the shared expert, so one grouped GEMM covers routed and shared pairs.
+
+    ``gate_up`` [E + 1, 2I, H]: each expert's gate rows then its up rows (one GEMM for both);
+    ``gate_up_scale`` [E + 1, 2I]; ``down`` [E + 1, H, I]; ``down_scale`` [E + 1, H]. All contiguous;
+    ``gate_up_t`` / ``down_t`` are the [G, K, N] column-major views (stride 1 along K) the op takes."""
+
+    gate_up: torch.Tensor
+    gate_up_scale: torch.Tensor
+    down: torch.Tensor
+    down_scale: torch.Tensor
+
+    @property
+    def gate_up_t(self) -> torch.Tensor:
+        return self.gate_up.transpose(1, 2)  # [G, H, 2I]
+
+    @property
+    def down_t(self) -> torch.Tensor:
+        return self.down.transpose(1, 2)  # [G, I, H]
+
+
+def fp8_expert_weights(W: dict) -> Fp8Experts:
+    """``Fp8Experts`` from the step's weight dict (``experts_*`` [E, I, H] / [E, H, I] and
+    ``shared_*``), quantised expert by expert (no full-size f32 copy). Per-output-channel scales are
+    not the checkpoint's 128x128 block scales (``_scaled_grouped_mm`` takes rowwise or MX scales, not
+    those): the PyTorch FP8 step reads the same bytes of expert weights as a block-scaled kernel,
+    plus 4 bytes per output channel, but does not compute the same numbers."""
+    g, u, d = W["experts_gate_proj"], W["experts_up_proj"], W["experts_down_proj"]
+    E, I, H = g.shape
+    shared = (W["shared_gate_proj"], W["shared_up_proj"], W["shared_down_proj"])
+    if (
+        tuple(shared[0].shape) != (I, H)
+        or tuple(shared[1].shape) != (I, H)
+        or tuple(shared[2].shape) != (H, I)
+    ):
+        raise ValueError(
+            f"the shared expert ({[tuple(t.shape) for t in shared]}) is not shaped as a routed one "
+            f"([{I}, {H}], [{I}, {H}], [{H}, {I}]): it cannot join the routed experts' stack"
+        )
+    dev, f8 = g.device, torch.float8_e4m3fn
+    ex = Fp8Experts(
+        torch.empty(E + 1, 2 * I, H, dtype=f8, device=dev),
+        torch.empty(E + 1, 2 * I, dtype=torch.float32, device=dev),
+        torch.empty(E + 1, H, I, dtype=f8, device=dev),
+        torch.empty(E + 1, H, dtype=torch.float32, device=dev),
+    )
+    for e in range(E + 1):
+        ge, ue, de = (g[e], u[e], d[e]) if e < E else shared
+        ex.gate_up[e], ex.gate_up_scale[e] = quantize_rows_fp8(torch.cat([ge, ue]))
+        ex.down[e], ex.down_scale[e] = quantize_rows_fp8(de)
+    return ex
+
+
+def check_fp8_grouped_shapes(hidden: int, inter: int, n_routed: int) -> None:
+    """Raise ``Fp8GroupedMmUnavailable`` unless ``torch._scaled_grouped_mm`` takes the MoE's GEMMs:
+    [rows, H] x [G, H, 2I] and [rows, I] x [G, I, H] need K and N multiples of 16 (its TMA rows are
+    16-byte aligned), and its CUTLASS path takes fewer than 1024 groups (E routed + 1 shared)."""
+    for what, k, n in (("gate/up", hidden, 2 * inter), ("down", inter, hidden)):
+        if k % 16 or n % 16:
+            raise Fp8GroupedMmUnavailable(
+                f"torch._scaled_grouped_mm needs K and N multiples of 16; the experts' {what} GEMM has "
+                f"K = {k}, N = {n}"
+            )
+    if n_routed + 1 >= 1024:
+        raise Fp8GroupedMmUnavailable(
+            f"torch._scaled_grouped_mm takes fewer than 1024 groups; {n_routed} routed experts + 1 shared"
+        )
+
+
+def check_fp8_grouped_device(device) -> None:
+    """Raise ``Fp8GroupedMmUnavailable`` unless this PyTorch has ``_scaled_grouped_mm`` and ``device``
+    is a CUDA GPU it runs on (compute capability 9.0 or 10.0, as its own gate says; E4M3FN operands,
+    so not ROCm's FNUZ)."""
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        raise Fp8GroupedMmUnavailable(f"PyTorch {torch.__version__} has no torch._scaled_grouped_mm")
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise Fp8GroupedMmUnavailable(
+            f"torch._scaled_grouped_mm runs on CUDA GPUs only; the step is on {dev}"
+        )
+    if torch.version.hip:
+        raise Fp8GroupedMmUnavailable(
+            "on ROCm torch._scaled_grouped_mm takes float8_e4m3fnuz; this step builds e4m3fn"
+        )
+    cap = torch.cuda.get_device_capability(dev)
+    if cap not in ((9, 0), (10, 0)):
+        raise Fp8GroupedMmUnavailable(
+            f"torch._scaled_grouped_mm runs on compute capability 9.0 or 10.0 only; "
+            f"{torch.cuda.get_device_name(dev)} is {cap[0]}.{cap[1]}"
+        )
+
+
+@dataclass
+class Fp8GroupLayout:
+    """Where each (row, slot) pair of a batch sits in the grouped operands: ``pos`` [B, top_k + 1]
+    (long) its operand row, slot top_k the shared expert (group E); ``offs`` [E + 1] int32 the group
+    ends (cumulative, each group's segment padded to ``align`` rows, empty groups empty); ``rows``
+    the operands' static row count (>= offs[-1], a bound fixed by B, so the step stays capturable)."""
+
+    pos: torch.Tensor
+    offs: torch.Tensor
+    rows: int
+
+
+def fp8_group_rows(batch: int, top_k: int, n_routed: int, align: int = FP8_GROUP_ALIGN) -> int:
+    """The operands' row count for a batch: every pair, plus at most align - 1 padding rows for each
+    group that can be non-empty (min(E, B x top_k) routed ones and the shared one)."""
+    return batch * (top_k + 1) + (align - 1) * (min(n_routed, batch * top_k) + 1)
+
+
+def fp8_group_layout(idx: torch.Tensor, n_routed: int, align: int = FP8_GROUP_ALIGN) -> Fp8GroupLayout:
+    """The grouped layout of a batch's chosen experts ``idx`` [B, top_k] plus the shared expert
+    (group ``n_routed``) for every row: groups in expert order, each group's pairs in row order, each
+    group padded to a multiple of ``align`` rows. Computed on the device (no host sync)."""
+    B, tk = idx.shape
+    dev = idx.device
+    pairs = torch.cat([idx, idx.new_full((B, 1), n_routed)], 1).reshape(-1)  # (row, slot) order
+    P = pairs.numel()
+    order = torch.sort(pairs, stable=True).indices  # pairs by group, then by row
+    grp = pairs[order]
+    ends = torch.searchsorted(grp, torch.arange(n_routed + 1, device=dev), right=True)
+    counts = ends - torch.cat([ends.new_zeros(1), ends[:-1]])
+    padded = (counts + align - 1) // align * align
+    pends = torch.cumsum(padded, 0)
+    dest = (pends - padded)[grp] + torch.arange(P, device=dev) - (ends - counts)[grp]
+    pos = torch.empty_like(dest).index_copy_(0, order, dest)
+    return Fp8GroupLayout(pos.view(B, tk + 1), pends.to(torch.int32), fp8_group_rows(B, tk, n_routed, align))
+
+
+def scatter_rows_fp8(
+    q: torch.Tensor, scale: torch.Tensor, dest: torch.Tensor, rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 rows q [n, K] and their scales [n] placed at operand rows ``dest`` [n] (distinct) of a
+    [rows, K] operand and its [rows] scales; the padding rows are zero with scale 0 (their outputs
+    are never read). The bytes move as uint8 (indexing kernels need not know FP8)."""
+    a = torch.zeros(rows, q.shape[1], dtype=torch.uint8, device=q.device)
+    a.index_copy_(0, dest, q.view(torch.uint8))
+    s = torch.zeros(rows, dtype=torch.float32, device=q.device).index_copy_(0, dest, scale)
+    return a.view(torch.float8_e4m3fn), s
+
+
+def scaled_grouped_mm_fp8(
+    a: torch.Tensor, scale_a: torch.Tensor, w_t: torch.Tensor, scale_w: torch.Tensor, offs: torch.Tensor
+) -> torch.Tensor:
+    """``torch._scaled_grouped_mm`` (rowwise, 2d x 3d): a [M, K] FP8 row-major, w_t [G, K, N] FP8
+    column-major, scale_a [M] f32, scale_w [G, N] f32, offs [G] int32 group ends -> [M, N] BF16,
+    rows past offs[-1] unwritten. Its refusal comes back as ``Fp8GroupedMmUnavailable``."""
+    try:
+        return torch._scaled_grouped_mm(
+            a, w_t, scale_a, scale_w, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=FP8_FAST_ACCUM
+        )
+    except (RuntimeError, ValueError, NotImplementedError, TypeError) as exc:
+        raise Fp8GroupedMmUnavailable(
+            f"torch._scaled_grouped_mm refused a {a.dtype} {tuple(a.shape)} x {w_t.dtype} {tuple(w_t.shape)} "
+            f"(strides {tuple(w_t.stride())}) on {a.device}: {exc}"
+        ) from exc
+
+
 # ---- the whole batch -----------------------------------------------------------------------------
 
 
@@ -362,6 +580,8 @@ class BatchDraftStep:
         self.wd_t = self.W["experts_down_proj"].transpose(1, 2)  # [E, I, H]
         self.head_fp8: torch.Tensor | None = None
         self.head_scale: torch.Tensor | None = None
+        self.experts_fp8: Fp8Experts | None = None
+        self._fp8_grouped_mm: Callable[..., torch.Tensor] = scaled_grouped_mm_fp8
         self._plans: dict[tuple[tuple[int, ...], int], list[_DraftPlan]] = {}
         self._bidx = torch.arange(batch, device=dev)
         self._sel0: torch.Tensor | None = None
@@ -382,10 +602,22 @@ class BatchDraftStep:
         """An FP8 E4M3 copy of the head with one f32 scale per vocabulary row (what the runtime's
         FP8 head reads). ``torch._scaled_mm`` needs both operands in FP8, so the activations are
         quantized per row too (the runtime keeps them BF16): same bytes, not the same numbers."""
-        w = self.W["head"].float()
-        scale = w.abs().amax(1, keepdim=True).clamp(min=1e-12) / 448.0
-        self.head_fp8 = (w / scale).to(torch.float8_e4m3fn)
+        self.head_fp8, scale = quantize_rows_fp8(self.W["head"])
         self.head_scale = scale.reshape(1, -1).contiguous()
+
+    def enable_fp8_experts(self, grouped_mm: Callable[..., torch.Tensor] | None = None) -> None:
+        """FP8 copies of the routed and shared experts (``fp8_expert_weights``) for the MoE by
+        ``torch._scaled_grouped_mm``. Raises ``Fp8GroupedMmUnavailable`` (before any copy is made)
+        where the op is missing, the device is not one it runs on, or the shapes are not ones it
+        takes. ``grouped_mm`` replaces the op (same arguments as ``scaled_grouped_mm_fp8``): a CPU
+        test's emulation of it; the shapes are checked either way."""
+        m = self.cfg.moe
+        check_fp8_grouped_shapes(self.cfg.hidden_size, m.moe_intermediate_size, m.n_routed_experts)
+        if grouped_mm is None:
+            check_fp8_grouped_device(self.device)
+            grouped_mm = scaled_grouped_mm_fp8
+        self.experts_fp8 = fp8_expert_weights(self.W)
+        self._fp8_grouped_mm = grouped_mm
 
     def plan(self, contexts, k: int) -> list[_DraftPlan]:
         key = (tuple(int(c) for c in contexts), k)
@@ -397,7 +629,50 @@ class BatchDraftStep:
             self._plans[key] = [_DraftPlan(self.cfg, list(key[0]), i, self.device) for i in range(k)]
         return self._plans[key]
 
-    def _draft(self, tok: torch.Tensor, h: torch.Tensor, p: _DraftPlan, fp8: bool):
+    def _moe_bf16(self, y2: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Routed (``torch._grouped_mm`` over the pairs sorted by expert) plus shared expert, f32 [B, H]."""
+        m, W, B = self.cfg.moe, self.W, self.B
+        tk = m.num_experts_per_tok
+        flat = idx.reshape(-1)
+        order = torch.sort(flat, stable=True).indices  # pairs by expert, then by row
+        experts = torch.arange(m.n_routed_experts, device=self.device)
+        offs = torch.searchsorted(flat[order], experts, right=True, out_int32=True)  # group ends
+        ya = y2.index_select(0, order // tk)
+        L = m.swiglu_limit
+        act = F.silu(torch._grouped_mm(ya, self.wg_t, offs=offs).clamp(max=L)) * torch._grouped_mm(
+            ya, self.wu_t, offs=offs
+        ).clamp(-L, L)
+        dn = _up(torch._grouped_mm(act, self.wd_t, offs=offs)) * w.reshape(-1)[order][:, None].to(
+            _up(act).dtype
+        )
+        # Back to (row, slot) order, then the per-row sum in the batch-1 step's order.
+        routed = torch.empty_like(dn).index_copy_(0, order, dn).view(B, tk, -1).sum(1)
+        sh = F.linear(
+            F.silu(F.linear(y2, W["shared_gate_proj"]).clamp(max=L))
+            * F.linear(y2, W["shared_up_proj"]).clamp(-L, L),
+            W["shared_down_proj"],
+        )
+        return routed + _up(sh)
+
+    def _moe_fp8(self, y2: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The MoE on ``experts_fp8``: routed and shared pairs in one rowwise FP8 grouped GEMM per
+        matrix (gate and up together), activations quantised per row on the fly; f32 [B, H]."""
+        m, ex, B = self.cfg.moe, self.experts_fp8, self.B
+        tk, I, L = m.num_experts_per_tok, m.moe_intermediate_size, m.swiglu_limit
+        lay = fp8_group_layout(idx, m.n_routed_experts)
+        dest = lay.pos.reshape(-1)  # (row, slot) order
+        q, s = quantize_rows_fp8(y2)  # once per row: every pair of the row reads the same bytes
+        src = torch.arange(B * (tk + 1), device=self.device) // (tk + 1)  # each pair's row
+        a8, sa = scatter_rows_fp8(q.view(torch.uint8).index_select(0, src), s[src], dest, lay.rows)
+        gu = self._fp8_grouped_mm(a8, sa, ex.gate_up_t, ex.gate_up_scale, lay.offs).index_select(0, dest)
+        act = F.silu(gu[:, :I].clamp(max=L)) * gu[:, I:].clamp(-L, L)  # [B (tk + 1), I] BF16
+        d8, sd = scatter_rows_fp8(*quantize_rows_fp8(act), dest, lay.rows)
+        dn = _up(self._fp8_grouped_mm(d8, sd, ex.down_t, ex.down_scale, lay.offs).index_select(0, dest))
+        dn = dn.view(B, tk + 1, -1)
+        routed = (dn[:, :tk] * w[:, :, None].to(dn.dtype)).sum(1)
+        return routed + dn[:, tk]
+
+    def _draft(self, tok: torch.Tensor, h: torch.Tensor, p: _DraftPlan, fp8: bool, fp8_experts: bool = False):
         """One draft for the batch: tokens [B], hiddens [B, H] -> (next tokens [B], normalised x)."""
         cfg, W = self.cfg, self.W
         a, d, m = cfg.attention, cfg.dsa, cfg.moe
@@ -460,46 +735,34 @@ class BatchDraftStep:
         if m.norm_topk_prob:
             w = w / w.sum(-1, keepdim=True)
         w = w * m.routed_scaling_factor
-        flat = idx.reshape(-1)
-        order = torch.sort(flat, stable=True).indices  # pairs by expert, then by row
-        experts = torch.arange(m.n_routed_experts, device=self.device)
-        offs = torch.searchsorted(flat[order], experts, right=True, out_int32=True)  # group ends
-        ya = y2.index_select(0, order // tk)
-        L = m.swiglu_limit
-        act = F.silu(torch._grouped_mm(ya, self.wg_t, offs=offs).clamp(max=L)) * torch._grouped_mm(
-            ya, self.wu_t, offs=offs
-        ).clamp(-L, L)
-        dn = _up(torch._grouped_mm(act, self.wd_t, offs=offs)) * w.reshape(-1)[order][:, None].to(
-            _up(act).dtype
-        )
-        # Back to (row, slot) order, then the per-row sum in the batch-1 step's order.
-        routed = torch.empty_like(dn).index_copy_(0, order, dn).view(B, tk, -1).sum(1)
-        sh = F.linear(
-            F.silu(F.linear(y2, W["shared_gate_proj"]).clamp(max=L))
-            * F.linear(y2, W["shared_up_proj"]).clamp(-L, L),
-            W["shared_down_proj"],
-        )
-        x = x + (routed + _up(sh)).to(self.dtype)
+        moe = self._moe_fp8(y2, idx, w) if fp8_experts else self._moe_bf16(y2, idx, w)
+        x = x + moe.to(self.dtype)
         out = _rms(x, W["head_norm"], eps)
         if fp8:
-            a_scale = _up(out).abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
-            a8 = (_up(out) / a_scale).to(torch.float8_e4m3fn)
+            a8, a_scale = quantize_rows_fp8(out)
             logits = torch._scaled_mm(
-                a8, self.head_fp8.t(), scale_a=a_scale, scale_b=self.head_scale, out_dtype=torch.bfloat16
+                a8,
+                self.head_fp8.t(),
+                scale_a=a_scale[:, None],
+                scale_b=self.head_scale,
+                out_dtype=torch.bfloat16,
             )
         else:
             logits = F.linear(out, W["head"])
         return torch.argmax(logits, dim=-1), out, logits
 
-    def propose(self, contexts, k: int, fp8: bool = False) -> torch.Tensor:
+    def propose(self, contexts, k: int, fp8: bool = False, fp8_experts: bool = False) -> torch.Tensor:
         """k drafts for every sequence b from (tok_in[b], hid_in[b]) at rows contexts[b] ..
-        contexts[b]+k-1; the drafts land in self.drafts[:, :k]."""
+        contexts[b]+k-1; the drafts land in self.drafts[:, :k]. ``fp8``: the head by
+        ``torch._scaled_mm``; ``fp8_experts``: the MoE by ``torch._scaled_grouped_mm``."""
         if fp8 and self.head_fp8 is None:
             self.enable_fp8_head()
+        if fp8_experts and self.experts_fp8 is None:
+            self.enable_fp8_experts()
         plans = self.plan(contexts, k)
         tok, h = self.tok_in, self.hid_in
         for p in plans:
-            tok, h, _ = self._draft(tok, h, p, fp8)
+            tok, h, _ = self._draft(tok, h, p, fp8, fp8_experts)
             self.drafts[:, p.i].copy_(tok)
         self.last_hidden.copy_(h)
         return self.drafts[:, :k]
@@ -594,22 +857,26 @@ def run_batch(
     warmup: int = 5,
     fp8_head: bool = False,
     info: dict | None = None,
+    fp8_experts: bool = False,
 ) -> float:
     """Median milliseconds of one k-draft propose for a batch of ``len(contexts)`` sequences, the
     sequence b at ``contexts[b]`` cached rows (GLM-5.3-Flash shapes, BF16 weights, the head BF16 or
-    FP8), eager (a synchronize around each propose) or as one CUDA graph per (B, k, contexts)
-    replayed back to back between CUDA events. ``info`` (a dict) receives the drafts and the
-    distinct experts the batch chose per draft (for its byte floor)."""
+    FP8, the experts BF16 or, ``fp8_experts``, FP8 E4M3 through ``torch._scaled_grouped_mm``), eager
+    (a synchronize around each propose) or as one CUDA graph per (B, k, contexts) replayed back to
+    back between CUDA events. ``info`` (a dict) receives the drafts and the distinct experts the
+    batch chose per draft (for its byte floor). Raises ``Fp8GroupedMmUnavailable`` where
+    ``fp8_experts`` cannot run here, saying why."""
     contexts = [int(c) for c in contexts]
     st = _batch_step(len(contexts), max(contexts), k)
+    fp8 = dict(fp8=fp8_head, fp8_experts=fp8_experts)
     if not graph:
         for _ in range(warmup):
-            st.propose(contexts, k, fp8_head)
+            st.propose(contexts, k, **fp8)
         torch.cuda.synchronize()
         times = []
         for _ in range(iters):
             t0 = time.perf_counter()
-            st.propose(contexts, k, fp8_head)
+            st.propose(contexts, k, **fp8)
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t0) * 1e3)
         ms = statistics.median(times)
@@ -618,12 +885,12 @@ def run_batch(
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(3):
-                st.propose(contexts, k, fp8_head)
+                st.propose(contexts, k, **fp8)
         torch.cuda.current_stream().wait_stream(s)
         torch.cuda.synchronize()
         gr = torch.cuda.CUDAGraph()
         with torch.cuda.graph(gr):
-            st.propose(contexts, k, fp8_head)
+            st.propose(contexts, k, **fp8)
         for _ in range(warmup):
             gr.replay()
         torch.cuda.synchronize()
@@ -637,7 +904,7 @@ def run_batch(
         torch.cuda.synchronize()
         ms = statistics.median(a.elapsed_time(b) for a, b in ev)
         g_drafts = st.drafts[:, :k].clone()
-        st.propose(contexts, k, fp8_head)
+        st.propose(contexts, k, **fp8)
         if not torch.equal(g_drafts, st.drafts[:, :k]):
             print("warning: batched graph drafts differ from eager", file=sys.stderr)
         del gr
@@ -660,6 +927,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--kinds", default="uniform,ragged", help="with --batches: context kinds")
     ap.add_argument("--fp8-head", action="store_true", help="with --batches: the head by torch._scaled_mm")
+    ap.add_argument(
+        "--fp8-experts",
+        action="store_true",
+        help="with --batches: the routed and shared experts FP8 E4M3 (per-channel scales), the MoE by "
+        "torch._scaled_grouped_mm (rowwise) with activations quantised per row",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device: bench/torch_step.py times a GPU", file=sys.stderr)
@@ -703,41 +976,54 @@ def batch_main(args) -> int:
         flush=True,
     )
     rows = []
+    experts = EXPERTS_FP8 if args.fp8_experts else "bf16 torch._grouped_mm"
+    print(f"experts: {experts}", flush=True)
     print(
         f"{'kind':>8} {'B':>4} {'k':>3} {'eager ms':>9} {'graph ms':>9} {'ms/seq-draft':>13}  distinct experts"
     )
-    for kind in args.kinds.split(","):
-        for B in args.batches:
-            ctx = contexts_for(kind, B)
-            for k in args.ks:
-                info: dict = {}
-                e = run_batch(ctx, k, graph=False, iters=max(args.iters // 4, 10), fp8_head=args.fp8_head)
-                try:
-                    g = run_batch(ctx, k, graph=True, iters=args.iters, fp8_head=args.fp8_head, info=info)
-                except Exception as exc:  # keep the eager numbers if capture fails
-                    print(f"graph capture failed at {kind} B {B}, k {k}: {exc!r}", file=sys.stderr)
-                    g = float("nan")
-                rows.append(
-                    {
-                        "kind": kind,
-                        "B": B,
-                        "k": k,
-                        "head": "fp8" if args.fp8_head else "bf16",
-                        "eager_ms": round(e, 4),
-                        "graph_ms": round(g, 4),
-                        "distinct_experts": info.get("distinct_experts"),
-                    }
-                )
-                print(
-                    f"{kind:>8} {B:>4} {k:>3} {e:>9.3f} {g:>9.3f} {g / (B * k):>13.4f}  "
-                    f"{info.get('distinct_experts')}",
-                    flush=True,
-                )
-    print(
-        "TORCH_STEP_BATCH_JSON "
-        + json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows})
-    )
-    return 0
+    opts = dict(fp8_head=args.fp8_head, fp8_experts=args.fp8_experts)
+    refused = None
+    for kind, B, k in ((kd, b, kk) for kd in args.kinds.split(",") for b in args.batches for kk in args.ks):
+        ctx = contexts_for(kind, B)
+        info: dict = {}
+        try:
+            e = run_batch(ctx, k, graph=False, iters=max(args.iters // 4, 10), **opts)
+        except Fp8GroupedMmUnavailable as exc:  # the same for every row: report it once and stop
+            refused = str(exc)
+            print(f"FP8 experts unavailable: {refused}", file=sys.stderr, flush=True)
+            break
+        try:
+            g = run_batch(ctx, k, graph=True, iters=args.iters, info=info, **opts)
+        except Exception as exc:  # keep the eager numbers if capture fails
+            print(f"graph capture failed at {kind} B {B}, k {k}: {exc!r}", file=sys.stderr)
+            g = float("nan")
+        rows.append(
+            {
+                "kind": kind,
+                "B": B,
+                "k": k,
+                "head": "fp8" if args.fp8_head else "bf16",
+                "experts": "fp8" if args.fp8_experts else "bf16",
+                "eager_ms": round(e, 4),
+                "graph_ms": round(g, 4),
+                "distinct_experts": info.get("distinct_experts"),
+            }
+        )
+        print(
+            f"{kind:>8} {B:>4} {k:>3} {e:>9.3f} {g:>9.3f} {g / (B * k):>13.4f}  "
+            f"{info.get('distinct_experts')}",
+            flush=True,
+        )
+    out = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "experts": experts,
+        "rows": rows,
+    }
+    if refused is not None:
+        out["fp8_experts_refused"] = refused
+    print("TORCH_STEP_BATCH_JSON " + json.dumps(out))
+    return 3 if refused is not None else 0
 
 
 if __name__ == "__main__":

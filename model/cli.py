@@ -12,6 +12,7 @@ User errors (a bad prompt, option, backend or checkpoint) print one line and exi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -44,6 +45,37 @@ def one_line(e: BaseException) -> str:
 def check_k(k: int) -> None:
     if not 1 <= k <= MAX_K:
         raise UserError(f"-k must be between 1 and {MAX_K}, got {k}")
+
+
+SAMPLING_FLAGS = (
+    ("temperature", "--temperature"),
+    ("top_p", "--top-p"),
+    ("top_k", "--top-k"),
+    ("seed", "--seed"),
+)
+
+
+def sampling_params(args, vocab: int | None):
+    """The request's SamplingParams from the flags, each checked by SamplingParams.check and
+    refused naming its flag; ``vocab`` None: before the checkpoint is read (top-k's upper bound
+    is checked once it is)."""
+    from model.sampling import SamplingParams
+
+    sp = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    for name, flag in SAMPLING_FLAGS:
+        try:
+            SamplingParams(**{name: getattr(sp, name)}).check(2**62 if vocab is None else vocab, flag)
+        except ValueError as e:
+            raise UserError(str(e)) from e
+    return sp
+
+
+def sampling_given(args) -> list[str]:
+    """The sampling flags set away from their defaults (greedy)."""
+    return [flag for name, flag in SAMPLING_FLAGS if getattr(args, name) != DEFAULT_SAMPLING[name]]
+
+
+DEFAULT_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}
 
 
 def encode(text: str) -> list[int]:
@@ -185,6 +217,12 @@ def cmd_generate(args) -> int:
     check_k(args.k)
     if args.max_context < 1:
         raise UserError(f"--max-context must be at least 1, got {args.max_context}")
+    sampling = sampling_params(args, None)
+    if args.check_lossless and not sampling.greedy:
+        raise UserError(
+            "--check-lossless compares with the target's greedy decode: it needs --temperature 0 "
+            "(a sampled decode keeps the target's distribution, not its tokens)"
+        )
     ckpt = open_checkpoint(Path(args.checkpoint))
     served = len(prompt) + args.max_new_tokens + args.k + 2
     cap = context_rows(ckpt.config, args.max_context)
@@ -194,6 +232,7 @@ def cmd_generate(args) -> int:
             f"served context of {cap} tokens (--max-context, capped by the model)"
         )
     vocab = ckpt.config.vocab_size
+    sampling = sampling_params(args, vocab)
     if max(prompt) >= vocab:
         at = next(i for i, b in enumerate(prompt) if b >= vocab)
         raise UserError(
@@ -210,11 +249,14 @@ def cmd_generate(args) -> int:
                 prompt,
                 args.max_new_tokens,
                 args.k,
+                sampling=sampling,
                 refeed_target_hidden=args.refeed_target_hidden,
                 progress=bar,
             )
         print(args.prompt + decode(out))
         summary = stats.summary()
+        if not sampling.greedy:
+            summary["sampling"] = dataclasses.asdict(sampling)
         if args.check_lossless:
             ref = run_model(greedy_decode, target, prompt, args.max_new_tokens)
             summary["lossless"] = ref == out
@@ -233,6 +275,12 @@ def cmd_eval(args) -> int:
     check_k(args.k)
     if args.samples < 1:
         raise UserError(f"--samples must be at least 1, got {args.samples}")
+    sampling = sampling_params(args, None)
+    if not args.decode and sampling_given(args):
+        raise UserError(
+            f"{', '.join(sampling_given(args))}: sampling applies to --decode (the protocol "
+            "compares greedy drafts with the target's greedy continuation)"
+        )
     if args.decode:
         if args.records:
             raise UserError("--records writes the protocol's samples; it does not apply to --decode")
@@ -253,6 +301,7 @@ def cmd_eval(args) -> int:
         served = args.max_t + args.k + 2
         what = "--max-t"
     ckpt = open_checkpoint(Path(args.checkpoint))
+    sampling = sampling_params(args, ckpt.config.vocab_size)
     cap = context_rows(ckpt.config, served)
     if served > cap:
         raise UserError(
@@ -276,6 +325,7 @@ def cmd_eval(args) -> int:
                     prompt_len=args.prompt_len,
                     new_tokens=args.new_tokens,
                     refeed=refeed,
+                    sampling=sampling,
                     quiet=args.quiet,
                 )
                 if res["prompts"] == 0:
@@ -362,6 +412,32 @@ def parser() -> argparse.ArgumentParser:
         )
         sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
+    def sampling_flags(sp, what: str):
+        d = DEFAULT_SAMPLING
+        sp.add_argument(
+            "--temperature",
+            type=float,
+            default=d["temperature"],
+            help=f"sample {what} at this temperature; 0 (default) is greedy and lossless token for "
+            "token, above 0 the drafts are sampled and verified by rejection sampling, which keeps "
+            "the target's distribution exactly",
+        )
+        sp.add_argument(
+            "--top-p",
+            type=float,
+            default=d["top_p"],
+            help="keep the smallest top set of this mass, (0, 1] (default 1: all)",
+        )
+        sp.add_argument(
+            "--top-k", type=int, default=d["top_k"], help="keep the k most likely tokens (default 0: all)"
+        )
+        sp.add_argument(
+            "--seed",
+            type=int,
+            default=d["seed"],
+            help="the sampling seed, 0 .. 2**64 - 1: a run is reproducible from it (default 0)",
+        )
+
     g = sub.add_parser("generate", help="generate text with speculative decoding")
     common(g)
     g.add_argument(
@@ -385,6 +461,7 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also decode with the target alone and check the outputs are identical",
     )
+    sampling_flags(g, "the tokens")
     g.set_defaults(func=cmd_generate)
 
     e = sub.add_parser("eval", help="acceptance per draft position on held-out text")
@@ -408,6 +485,7 @@ def parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--prompt-len", type=int, default=64, help="with --decode: prompt bytes")
     e.add_argument("--new-tokens", type=int, default=128, help="with --decode: tokens generated")
+    sampling_flags(e, "with --decode: the tokens")
     e.set_defaults(func=cmd_eval)
 
     i = sub.add_parser(

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from runtime.kv_cache import KvCacheConfig, KvDtype
 
 from .config import DsaConfig
-from .kernels.dsa_select import TOPK_MAX_POOLS, selection_capacity
+from .kernels.dsa_select import select_max_pools, selection_capacity
 from .proposer_checks import ProposerError
 
 # The drafter's private pool uses the same block size as the target's absorbed-MLA cache, so the
@@ -45,9 +45,10 @@ class DsaSizingError(ProposerError):
 
 def max_dsa_context(cfg: DsaConfig) -> int:
     """Rows a DSA layer can ever hold: the indexer reservation in whole pools, clamped to what the
-    top-k selection kernel can rank (``TOPK_MAX_POOLS`` pools). Derived, never a literal."""
+    top-k selection can rank (``select_max_pools(topk_pools)``: TOPK_MAX_POOLS = 262,144 pools,
+    1,048,576 tokens at kpool 4). Derived, never a literal."""
     whole_pools = cfg.max_context // cfg.index_kpool
-    return min(whole_pools, TOPK_MAX_POOLS) * cfg.index_kpool
+    return min(whole_pools, select_max_pools(cfg.topk_pools)) * cfg.index_kpool
 
 
 def drafter_context_rows(served_max_seq_len: int, cfg: DsaConfig) -> int:
@@ -56,6 +57,24 @@ def drafter_context_rows(served_max_seq_len: int, cfg: DsaConfig) -> int:
     if served_max_seq_len <= 0:
         raise DsaSizingError(f"served max_seq_len must be positive, got {served_max_seq_len}")
     return min(served_max_seq_len, max_dsa_context(cfg))
+
+
+def check_served_context(served_max_seq_len: int, cfg: DsaConfig) -> int:
+    """The drafter's reach for a served length that it must cover whole: a served length past
+    ``max_dsa_context`` (what the indexer reservation holds in whole pools, within the selection's
+    capacity) is refused with a DsaSizingError naming both, so a loader calls this before it
+    allocates anything. Returns ``drafter_context_rows`` (then equal to the served length)."""
+    reach = drafter_context_rows(served_max_seq_len, cfg)
+    if served_max_seq_len > reach:
+        whole = cfg.max_context // cfg.index_kpool
+        cap = select_max_pools(cfg.topk_pools)
+        raise DsaSizingError(
+            f"served max_seq_len {served_max_seq_len} is past the {reach} rows the drafter's DSA layer "
+            f"can hold: the indexer reservation (index_max_context) of {cfg.max_context} tokens is "
+            f"{whole} whole pools of {cfg.index_kpool}, and the top-k selection ranks at most {cap} "
+            "pools; raise the reservation or serve a shorter length"
+        )
+    return reach
 
 
 @dataclass

@@ -7,6 +7,7 @@ greedy continuation g_{i+1} and every draft before it was accepted.
 
 from __future__ import annotations
 
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,7 @@ from tqdm import tqdm
 
 from .corpus import SAMPLE_COUNT, SAMPLE_MAX_T, heldout_files, sample_positions
 from .proposer import MtpProposer
+from .sampling import SamplingParams
 from .target import TargetModel
 
 
@@ -97,19 +99,30 @@ def decode_acceptance(
     prompt_len: int,
     new_tokens: int,
     refeed: bool,
+    sampling: SamplingParams | None = None,
     quiet: bool = False,
 ) -> dict:
     """Acceptance inside the speculative decoding loop, on prompts cut from the held-out files
     (the first ``prompt_len`` bytes of each, in sorted order). Unlike the protocol above, later
     steps run on rows the loop built, so this is where re-feeding accepted draft rows with the
-    target's own hidden rows (``refeed``) can matter."""
+    target's own hidden rows (``refeed``) can matter. ``sampling`` (None: greedy) is passed to
+    ``speculative_decode``: sampled drafts verified by rejection sampling; prompt i decodes with
+    seed ``sampling.seed + i`` (mod 2**64): the prompts share their positions, and one seed
+    would give them all the same random numbers."""
     from .speculative import SpecStats, speculative_decode
 
     total = SpecStats(k)
     files = [(rel, data) for rel, data in heldout_files() if len(data) > prompt_len][:prompts]
-    for _rel, data in tqdm(files, desc=f"decode refeed={refeed}", disable=quiet):
+    for i, (_rel, data) in enumerate(tqdm(files, desc=f"decode refeed={refeed}", disable=quiet)):
+        sp = None if sampling is None else replace(sampling, seed=(int(sampling.seed) + i) % 2**64)
         _, s = speculative_decode(
-            target, drafter, list(data[:prompt_len]), new_tokens, k, refeed_target_hidden=refeed
+            target,
+            drafter,
+            list(data[:prompt_len]),
+            new_tokens,
+            k,
+            sampling=sp,
+            refeed_target_hidden=refeed,
         )
         total.steps += s.steps
         total.accepted_total += s.accepted_total
@@ -117,6 +130,8 @@ def decode_acceptance(
         total.accepted_at = [a + b for a, b in zip(total.accepted_at, s.accepted_at)]
     out = total.summary()
     out.update(prompts=len(files), prompt_len=prompt_len, new_tokens=new_tokens, refeed=refeed)
+    if sampling is not None and not sampling.greedy:
+        out["sampling"] = asdict(sampling)
     for key in ("drafter_ms_per_step", "target_ms_per_step"):
         out.pop(key)
     return out

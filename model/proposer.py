@@ -43,7 +43,13 @@ from runtime.backend import GpuBackend
 from runtime.comm.base import CommDtype, ReduceOp
 from runtime.device_ptr import DevicePtr
 from runtime.errors import CommError, MemoryFault
-from runtime.external import BF16_TYPESTRS, ExternalArrayError, cuda_array, has_cuda_array_interface
+from runtime.external import (
+    BF16_TYPESTRS,
+    F32_TYPESTRS,
+    ExternalArrayError,
+    cuda_array,
+    has_cuda_array_interface,
+)
 from runtime.graph import Graph
 from runtime.kernels.all_finite_bf16 import NONE as NO_BAD_ROW
 from runtime.kernels.all_finite_bf16 import all_finite_bf16
@@ -55,9 +61,11 @@ from runtime.kernels.quantize_fp8 import quantize_fp8
 
 from .block import BatchScratch, DecoderLayer
 from .config import ModelConfig
-from .dsa import DsaState, drafter_context_rows, shared_selection_extra
-from .kernels import draft_head
+from .dsa import DsaState, check_served_context, shared_selection_extra
+from .kernels import draft_head, draft_sample, draft_sample_shard
 from .kernels.batch import ENTRY_BYTES, ENTRY_WORDS, MAX_ROWS, PAD_SLOT
+from .kernels.draft_sample import SAMPLE_WORDS, pack_sampling, sample_workspace_bytes
+from .kernels.draft_sample_shard import SHARD_TOP_K_MAX
 from .kernels.mtp_input import mtp_embed_norm_batch, mtp_input_gemv_batch
 from .proposer_checks import (
     FLAG_BYTES,
@@ -70,6 +78,7 @@ from .proposer_checks import (
     exclusive,
     nonfinite_problem,
 )
+from .sampling import SampledDrafts, SamplingParams
 from .slot_pools import SlotPools
 from .tensors import TensorLookup
 from .weights import DeviceArena, Sharding, SharedTables, WeightError, load_attention, load_moe
@@ -207,6 +216,24 @@ class StepBuffers:
     # Mapped pinned u32 [rows][kmax] drafts, then [rows] flag words (proposer_checks.FLAG_*): the
     # launch that commits a step's last draft copies the drafts here (the step's one copy back).
     drafts_out: MappedBuffer
+    # Sampled steps: each entry's sampling record (model/kernels/draft_sample.py), written by the
+    # host into mapped ``sampling_in`` and copied in by the step's first kernels like the entries;
+    # the draft probabilities q(token) per draft, and their mapped copy back.
+    sampling: DevicePtr
+    sampling_in: MappedBuffer
+    probs: DevicePtr  # f32 [rows][kmax]
+    probs_out: MappedBuffer  # f32 [rows][kmax]
+    sample_ws: DevicePtr
+
+    @property
+    def probs_host(self) -> np.ndarray:
+        return self.probs_out.host.view(np.float32)[: self.rows * self.kmax].reshape(self.rows, self.kmax)
+
+    @property
+    def sampling_host(self) -> np.ndarray:
+        return self.sampling_in.host.view(np.uint32)[: self.rows * SAMPLE_WORDS].reshape(
+            self.rows, SAMPLE_WORDS
+        )
 
     @property
     def drafts_host(self) -> np.ndarray:
@@ -279,6 +306,7 @@ class MtpProposer:
         self.label = f"MtpProposer#{next(_SERIALS)}"
         self._lock = threading.RLock()
         self._closed = False
+        self._broken: str | None = None
         self.gpu, self.cfg, self.opt, self.comm = gpu, cfg, options, comm
         self.stream = gpu.default_stream if stream is None else stream
         src = TensorLookup.of(tensors)
@@ -297,7 +325,9 @@ class MtpProposer:
             self._agree_with_peers(options)
         groups = min(options.o_proj_groups, cfg.attention.num_attention_heads)
         self.sharding = sh = Sharding.for_config(cfg, groups)
-        self.rows_cap = drafter_context_rows(options.served_max_seq_len, cfg.dsa)
+        # A served length the indexer reservation cannot hold is refused here, before anything is
+        # allocated: a silent clamp would leave the sequences past it without drafts.
+        self.rows_cap = check_served_context(options.served_max_seq_len, cfg.dsa)
         if options.max_draft_tokens > self.rows_cap:
             raise ProposerError(
                 f"max_draft_tokens={options.max_draft_tokens} is more than the {self.rows_cap} rows "
@@ -404,6 +434,10 @@ class MtpProposer:
         self._mapped.append(entries_in)
         drafts_out = self.gpu.alloc_mapped(m * kmax * 4 + m * FLAG_BYTES)
         self._mapped.append(drafts_out)
+        sampling_in = self.gpu.alloc_mapped(m * SAMPLE_WORDS * 4)
+        self._mapped.append(sampling_in)
+        probs_out = self.gpu.alloc_mapped(m * kmax * 4)
+        self._mapped.append(probs_out)
         return StepBuffers(
             rows=m,
             kmax=kmax,
@@ -419,7 +453,18 @@ class MtpProposer:
             drafts=z(m * kmax * 4),
             entries_in=entries_in,
             drafts_out=drafts_out,
+            sampling=z(m * SAMPLE_WORDS * 4),
+            sampling_in=sampling_in,
+            probs=z(m * kmax * 4),
+            probs_out=probs_out,
+            sample_ws=z(max(self._sample_workspace_bytes(m), 4)),
         )
+
+    def _sample_workspace_bytes(self, m: int) -> int:
+        if self.head_sharded:
+            W = self.cfg.parallel.world_size
+            return draft_sample_shard.shard_sample_workspace_bytes(m, W, self.head_n, SHARD_TOP_K_MAX)
+        return sample_workspace_bytes(m, self.head_n)
 
     def _alloc_context(self, rows: int) -> ContextBuffers:
         H, z = self.cfg.hidden_size, self.arena.zeros
@@ -739,18 +784,47 @@ class MtpProposer:
 
     @exclusive()
     def propose(
-        self, st: ProposerState, last_token: int, target_hidden, position: int, k: int, *, stream=None
-    ) -> list[int]:
-        """k drafts for one sequence: the batch of one of ``propose_batch``."""
-        return [
-            int(t)
-            for t in self.propose_batch([st], [last_token], target_hidden, [position], k, stream=stream)[0]
-        ]
+        self,
+        st: ProposerState,
+        last_token: int,
+        target_hidden,
+        position: int,
+        k: int,
+        *,
+        sampling: SamplingParams | None = None,
+        draft_dist=None,
+        stream=None,
+    ):
+        """k drafts for one sequence: the batch of one of ``propose_batch``. A list of k tokens;
+        with ``sampling``, ``SampledDrafts(tokens, probs)`` of lists (``draft_dist``: f32
+        [k, vocab], as ``propose_batch``'s row)."""
+        out = self.propose_batch(
+            [st],
+            [last_token],
+            target_hidden,
+            [position],
+            k,
+            sampling=sampling,
+            draft_dist=draft_dist,
+            stream=stream,
+        )
+        if sampling is None:
+            return [int(t) for t in out[0]]
+        return SampledDrafts([int(t) for t in out.tokens[0]], [float(q) for q in out.probs[0]])
 
     @exclusive()
     def propose_batch(
-        self, states, last_tokens, target_hiddens, positions, k: int, *, stream=None
-    ) -> np.ndarray:
+        self,
+        states,
+        last_tokens,
+        target_hiddens,
+        positions,
+        k: int,
+        *,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        draft_dist=None,
+        stream=None,
+    ):
         """k drafts for each sequence of the batch, as an int64 array ``[B, k]``. Draft 1 of
         sequence b consumes ``target_hiddens`` row b (B contiguous BF16 rows of hidden_size: a
         DevicePtr, or an object exposing ``__cuda_array_interface__`` of shape ``[B, hidden]``);
@@ -765,8 +839,25 @@ class MtpProposer:
         and the cause, and no draft of any sequence is committed: row counts and ``last_pair_key``
         are as before the call, except that rewinds to ``positions`` stand (rows ``position..``
         were rewritten by the step): such a sequence then holds ``position`` rows and
-        ``after_verify`` has nothing to trim, as after ``rewind_to``."""
+        ``after_verify`` has nothing to trim, as after ``rewind_to``.
+
+        Sampling: ``sampling`` is one ``SamplingParams`` for the whole batch or one per sequence.
+        Then draft i of sequence b is drawn from the drafter's distribution q (model.sampling's
+        rules on its logits, the keyed noise at (seed, ``positions[b]``, i)), and the call returns
+        ``SampledDrafts(tokens int64 [B, k], probs float32 [B, k])`` with probs[b, i] = q(token).
+        A greedy sequence (temperature 0) drafts exactly what it drafts without ``sampling``,
+        with probability 1. ``draft_dist``: a caller's f32 buffer [B, k, vocab] (a DevicePtr, or a
+        ``__cuda_array_interface__`` array) that receives every draft's whole q(.) (what the
+        standard residual resampling needs); on a vocabulary-sharded head each rank writes its
+        own columns."""
         t_enter = time.perf_counter()
+        if self._broken is not None:
+            # Its peers are gone or out of step: another step would pair its collectives with ranks
+            # that are not there. Calls that meet no peer (catch-up, rewinds, frees) still run.
+            raise CommError(
+                f"{self.label} is broken since a collective with its peers failed (propose refused; "
+                f"close it and build a new one): {self._broken}"
+            )
         states = self._batch(states, "propose_batch", ("last tokens", last_tokens), ("positions", positions))
         B = len(states)
         k = as_int(k, "k")
@@ -795,10 +886,15 @@ class MtpProposer:
                 f"{where}: drafter holds {int(rows[b])} rows but propose is at position {p}: catch up "
                 "the missing rows first"
             )
+        params = self._sampling(sampling, states, "propose_batch")
+        sampled = params is not None and not all(p.greedy for p in params)
         s = self._stream(stream)
         m = self._bucket(B) if self.opt.use_graphs else B
         step, H = self.step, self.cfg.hidden_size
-        with self._borrowed_rows([(target_hiddens, B, "target_hiddens")]) as (hid,):
+        with self._borrowed_rows(
+            [(target_hiddens, B, "target_hiddens")],
+            [(draft_dist if sampling is not None else None, (B, k, V), "draft_dist")],
+        ) as (hid, dist):
             back = np.flatnonzero(rows > pos).tolist()
             rewound = [states[b] for b in back]
             for b in back:
@@ -813,10 +909,27 @@ class MtpProposer:
             ent[:B, 1] = pos
             ent[:B, 2] = toks
             step.flags_host[:m] = 0
+            if sampled or dist is not None:
+                sampled = True
+                rec = step.sampling_host
+                rec[:m] = 0
+                base = 0 if dist is None else dist.addr
+                for b, p in enumerate(params):
+                    rec[b] = pack_sampling(p, int(pos[b]), 0 if dist is None else base + b * k * V * 4)
             self.gpu.copy_d2d(step.hidden_in, hid, B * H * 2, s)
-            self._launch_step(m, k, s)
-            t_wait = time.perf_counter()
-            self._wait(s)
+            try:
+                self._launch_step(m, k, s, sampled)
+                t_wait = time.perf_counter()
+                self._wait(s)
+            except BaseException as e:
+                # The step did not finish: the rewound sequences hold ``position`` rows and nothing
+                # of this step to trim (as after a flagged step); peers that failed leave the
+                # proposer unusable.
+                for st in rewound:
+                    st.last_drafted = 0
+                if isinstance(e, CommError):
+                    self._broken = f"{type(e).__name__}: {e}"
+                raise
             t_done = time.perf_counter()
         words = step.flag_words_host[:B]
         if words.any():  # a kernel of the step raised a non-finite flag
@@ -829,12 +942,15 @@ class MtpProposer:
                 f"{nonfinite_problem(flags[b])}; no draft of the batch was committed"
             )
         drafts = step.drafts_host[:B, :k].astype(np.int64)
+        probs = None
+        if params is not None:
+            probs = step.probs_host[:B, :k].copy() if sampled else np.ones((B, k), np.float32)
         host_s = (t_wait - t_enter) + (time.perf_counter() - t_done)
         for st, p in zip(states, pos.tolist()):
             st.dsa.length = p + k
             st.last_drafted = k
             st.last_host_s = host_s
-        return drafts
+        return drafts if probs is None else SampledDrafts(drafts, probs)
 
     @staticmethod
     def _ints(values, states, call: str, what: str) -> np.ndarray:
@@ -868,34 +984,41 @@ class MtpProposer:
             raise ProposerError(f"stream must be a CUDA stream handle (an int), got {type(stream).__name__}")
         return self.gpu.adopt_stream(int(handle))
 
-    def _launch_step(self, m: int, k: int, s: int) -> None:
+    def _launch_step(self, m: int, k: int, s: int, sampled: bool = False) -> None:
         """Enqueue the k-draft step over m entries: as the bucket's graph (captured on first use)
         or as eager launches."""
         if self.opt.use_graphs:
-            self._replay_graph(m, k, s)
+            self._replay_graph(m, k, s, sampled)
         else:
-            self._enqueue_drafts(m, k, s)
+            self._enqueue_drafts(m, k, s, sampled)
 
-    def _replay_graph(self, m: int, k: int, s: int) -> None:
-        gpu = self.gpu
-        g = self._graphs.get((m, k))
+    def _replay_graph(self, m: int, k: int, s: int, sampled: bool) -> None:
+        # A sampled step is its own graph (the sampler after each head), so a greedy batch pays
+        # nothing for sampling: (bucket, k) greedy, (bucket, k, "sampled") sampled.
+        gpu, key = self.gpu, (m, k, "sampled") if sampled else (m, k)
+        g = self._graphs.get(key)
         if g is None:
             gpu.begin_capture(s)
             try:
-                self._enqueue_drafts(m, k, s)
+                self._enqueue_drafts(m, k, s, sampled)
             except BaseException:
                 gpu.abort_capture()
                 raise
-            g = self._graphs[(m, k)] = gpu.end_capture(s, label=f"propose bucket={m} k={k}")
+            g = self._graphs[key] = gpu.end_capture(
+                s, label=f"propose bucket={m} k={k}" + (" sampled" if sampled else "")
+            )
         gpu.graph_launch(g, s)
 
-    def _enqueue_drafts(self, m: int, k: int, s: int) -> None:
+    def _enqueue_drafts(self, m: int, k: int, s: int, sampled: bool = False) -> None:
         # The first draft's eh_proj streams its weights while this reads the host.
-        copy_words(self.gpu, self.step.entries_in.device, self.step.entries, m * ENTRY_WORDS, s)
+        st = self.step
+        copy_words(self.gpu, st.entries_in.device, st.entries, m * ENTRY_WORDS, s)
+        if sampled:
+            copy_words(self.gpu, st.sampling_in.device, st.sampling, m * SAMPLE_WORDS, s)
         for i in range(k):
-            self._draft_step(m, i, publish=i == k - 1, s=s)
+            self._draft_step(m, i, publish=i == k - 1, s=s, sampled=sampled)
 
-    def _draft_step(self, m: int, i: int, publish: bool, s: int) -> None:
+    def _draft_step(self, m: int, i: int, publish: bool, s: int, sampled: bool = False) -> None:
         """Draft i of every entry; with ``publish`` (the step's last draft) the launch that commits
         it also copies drafts 0..i to ``step.drafts_out``."""
         cfg, st = self.cfg, self.step
@@ -920,7 +1043,36 @@ class MtpProposer:
             stream=s,
         )
         self._block(m, i, s)
-        self._head(m, i, publish, s)
+        # A sampled step's head commits the argmax without publishing; the sampler then draws
+        # each sampled row's token (a greedy row keeps the argmax) and publishes drafts and probs.
+        if sampled and self.head_sharded:
+            # The sharded sampler draws every row, greedy ones included, from this rank's logits and
+            # the ranks' exchanged candidates (model/kernels/draft_sample_shard.py).
+            self._head_with(m, i, publish, s, *self._head_weights(), sampled=True)
+            return
+        self._head(m, i, publish and not sampled, s)
+        if sampled:
+            self._sample(m, i, publish, s)
+
+    def _sample(self, m: int, i: int, publish: bool, s: int) -> None:
+        st = self.step
+        draft_sample.draft_sample_batch(
+            self.gpu,
+            logits=st.logits,
+            sampling=st.sampling,
+            entries=st.entries,
+            drafts=st.drafts,
+            probs=st.probs,
+            host_drafts=st.drafts_out.device,
+            host_probs=st.probs_out.device,
+            draft_index=i,
+            kmax=st.kmax,
+            publish=publish,
+            m=m,
+            n=self.head_n,
+            workspace=st.sample_ws,
+            stream=s,
+        )
 
     def _block(self, m: int, i: int, s: int) -> None:
         """Draft i's block over ``step.x`` at rows ``entry.row + i``, leaving the head's input
@@ -940,12 +1092,16 @@ class MtpProposer:
 
     def _head(self, m: int, i: int, publish: bool, s: int) -> None:
         """Draft i's tokens from ``step.xn``, with the FP8 copy of the head when there is one."""
-        if self.head_fp8 is not None:
-            self._head_with(m, i, publish, s, self.head_fp8, self.head_fp8_scales)
-        else:
-            self._head_with(m, i, publish, s, self.head_bf16, None)
+        self._head_with(m, i, publish, s, *self._head_weights())
 
-    def _head_with(self, m: int, i: int, publish: bool, s: int, w: DevicePtr, sc: DevicePtr | None) -> None:
+    def _head_weights(self) -> tuple[DevicePtr, DevicePtr | None]:
+        if self.head_fp8 is not None:
+            return self.head_fp8, self.head_fp8_scales
+        return self.head_bf16, None
+
+    def _head_with(
+        self, m: int, i: int, publish: bool, s: int, w: DevicePtr, sc: DevicePtr | None, sampled: bool = False
+    ) -> None:
         """The head with weights ``w`` (this rank's vocabulary rows; FP8 with per-row scales
         ``sc``, else BF16): each row's argmax becomes its entry's token and its draft i."""
         gpu, st, H, n = self.gpu, self.step, self.cfg.hidden_size, self.head_n
@@ -985,6 +1141,31 @@ class MtpProposer:
             gemv_fp8w_batch(gpu, w, sc, st.xn, st.logits, m, n, H, s)
         else:
             gemv_bf16_batch(gpu, w, st.xn, st.logits, m, n, H, s)
+        if sampled:
+            draft_sample_shard.sample_sharded_batch(
+                gpu,
+                self.comm,
+                logits=st.logits,
+                v0=self.head_v0,
+                n_local=n,
+                vocab=self.cfg.vocab_size,
+                sampling=st.sampling,
+                entries=st.entries,
+                drafts=st.drafts,
+                probs=st.probs,
+                host_drafts=st.drafts_out.device,
+                host_probs=st.probs_out.device,
+                draft_index=i,
+                kmax=st.kmax,
+                publish=publish,
+                m=m,
+                workspace=st.sample_ws,
+                flags=st.flags,
+                flag_byte=FLAG_LOGITS,
+                top_k_cap=SHARD_TOP_K_MAX,
+                stream=s,
+            )
+            return
         argmax_bf16_batch(gpu, st.logits, st.am_idx, st.am_val, m, n, s)
         draft_head.argmax_pack_batch(
             gpu, idx=st.am_idx, val=st.am_val, keys=st.keys, v0=self.head_v0, m=m, stream=s
@@ -1029,34 +1210,73 @@ class MtpProposer:
 
     # ---- checks ---------------------------------------------------------------------------------
 
+    def _sampling(self, sampling, states, call: str) -> list[SamplingParams] | None:
+        """One checked SamplingParams per state (None when the call is greedy)."""
+        if sampling is None:
+            return None
+        B = len(states)
+        params = [sampling] * B if isinstance(sampling, SamplingParams) else list(sampling)
+        if len(params) != B:
+            raise ProposerError(f"{call}: {B} states but {len(params)} sampling parameters")
+        V = self.cfg.vocab_size
+        for b, (p, st) in enumerate(zip(params, states)):
+            what = f"{call} entry {b} of {B}: slot {st.slot}"
+            if not isinstance(p, SamplingParams):
+                raise ProposerError(f"{what}: sampling must be a SamplingParams, got {type(p).__name__}")
+            try:
+                p.check(V, what)
+            except ValueError as e:
+                raise ProposerError(str(e)) from None
+        if self.head_sharded:
+            try:
+                draft_sample_shard.check_shard_sampling(params, V, what=call)
+            except ValueError as e:
+                raise ProposerError(str(e)) from None
+        return params
+
     def _check_tokens(self, tokens: Sequence[int]) -> np.ndarray:
         return as_tokens(tokens, self.cfg.vocab_size)
 
-    def _borrowed_rows(self, items: list[tuple[object, int, str]]):
+    def _borrowed_rows(
+        self, items: list[tuple[object, int, str]], f32: Sequence[tuple[object, tuple, str]] = ()
+    ):
         """Each item's ``rows`` BF16 rows of hidden_size as a DevicePtr, for a ``with`` block: a
         DevicePtr of this backend, checked to hold them, or a ``__cuda_array_interface__`` object
-        of shape [rows, hidden], lent by the backend for the block."""
+        of shape [rows, hidden], lent by the backend for the block. ``f32``: (buffer, shape, what)
+        of float32 buffers the same way (None stays None; a shape with no elements gives None)."""
         H = self.cfg.hidden_size
-        if all(type(obj) is DevicePtr for obj, _, _ in items):
+        bufs = [(obj, (rows, H), BF16_TYPESTRS, 2, what) for obj, rows, what in items]
+        bufs += [(obj, tuple(shape), F32_TYPESTRS, 4, what) for obj, shape, what in f32]
+
+        def nbytes(shape, itemsize) -> int:
+            return itemsize * int(np.prod(shape))
+
+        def skip(obj, shape, itemsize) -> bool:
+            return obj is None or (nbytes(shape, itemsize) == 0 and not isinstance(obj, DevicePtr))
+
+        if all(type(obj) is DevicePtr or skip(obj, sh, isz) for obj, sh, _, isz, _ in bufs):
             # The common case, without a context stack: this backend's own pointers, checked.
-            for obj, rows, what in items:
-                if rows or obj:
-                    self._check_buffer(obj, rows * H * 2, what)
-            return nullcontext([obj for obj, _, _ in items])
+            out = []
+            for obj, shape, _, isz, what in bufs:
+                if skip(obj, shape, isz) or (nbytes(shape, isz) == 0 and obj is None):
+                    out.append(None)
+                    continue
+                if nbytes(shape, isz) or obj:
+                    self._check_buffer(obj, nbytes(shape, isz), what)
+                out.append(obj)
+            return nullcontext(out)
 
         @contextmanager
         def lend():
             with ExitStack() as stack:
                 out = []
-                for obj, rows, what in items:
-                    if rows == 0 and not isinstance(obj, DevicePtr):
+                for obj, shape, typestrs, isz, what in bufs:
+                    if skip(obj, shape, isz):
                         out.append(None)
                         continue
                     if has_cuda_array_interface(obj):
                         try:
-                            arr = cuda_array(
-                                obj, shape=(rows, H), typestrs=BF16_TYPESTRS, itemsize=2, what=what
-                            )
+                            arr = cuda_array(obj, shape=shape, typestrs=typestrs, itemsize=isz, what=what)
                         except ExternalArrayError as e:
                             raise ProposerError(str(e)) from None
                         try:
@@ -1066,7 +1286,7 @@ class MtpProposer:
                                 f"{what} is not device memory this backend can read: {e}"
                             ) from None
                         continue
-                    self._check_buffer(obj, rows * H * 2, what)
+                    self._check_buffer(obj, nbytes(shape, isz), what)
                     out.append(obj)
                 yield out
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -102,3 +103,26 @@ def draw(logits: np.ndarray, params: SamplingParams, position: int, draft_index:
     s = z[order] + g[order]
     best = s.max()
     return int(order[s == best].min())
+
+
+def draw_from(probs: np.ndarray, seed: int, position: int, draft_index: int, stream: Stream) -> int:
+    """A token drawn from an explicit distribution ``probs`` (>= 0, any positive total; the
+    verifier's residual): Gumbel-max on ``log(probs)`` with the keyed noise at (seed, position,
+    draft index, stream), over the tokens with ``probs > 0``, lower index on a tie."""
+    probs = np.asarray(probs, np.float64)
+    live = np.flatnonzero(probs > 0)
+    if live.size == 0:
+        raise ValueError("draw_from: the distribution has no positive entry")
+    g = gumbel(int(seed), position, draft_index, stream, probs.shape[0])
+    s = np.log(probs[live]) + g[live]
+    return int(live[int(np.argmax(s))])  # argmax: the first maximum, live is ascending
+
+
+class SampledDrafts(NamedTuple):
+    """What a sampled ``propose`` returns: draft i was drawn from the drafter's distribution q_i
+    (these rules on the drafter's logits, keyed noise at (seed, position, i, Stream.DRAFT)) and
+    ``probs[i] == q_i(tokens[i])``. Lists from ``propose``; int64 [B, k] and float32 [B, k]
+    arrays from ``propose_batch``."""
+
+    tokens: Any
+    probs: Any

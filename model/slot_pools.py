@@ -30,6 +30,27 @@ from .dsa import latent_cache_config
 from .kernels.batch import SlotGeometry
 
 
+def slot_bytes_by_kind(dsa: DsaConfig, kv_lora_rank: int, slot_rows: int, layers: int = 1) -> dict[str, int]:
+    """Device bytes one sequence slot of ``slot_rows`` rows holds in the pools, by kind: the latent
+    cache (an FP8 row of ``kv_lora_rank`` and an f32 scale per row of its whole blocks, per layer),
+    its block table (its row of the pools' tables and the claim's own device copy), and per layer
+    the indexer's per-token BF16 keys and gates, the FP8 pool keys and their f32 scales.
+
+    GLM-5.3-Flash at 1,048,576 rows: latent 541.1 MB, keys 268.4 MB, gates 268.4 MB, pool keys
+    33.6 MB, pool scales 1.0 MB, table 0.5 MB: 1.113 GB a sequence (docs/batching.md)."""
+    kvc = latent_cache_config(kv_lora_rank, layers)
+    g = SlotGeometry(slot_rows, dsa.index_head_dim, dsa.index_kpool, kvc.block_size)
+    latent_row = kvc.num_kv_heads * kvc.head_dim * kvc.dtype.itemsize + 4
+    return {
+        "latent_kv": g.blocks_per_slot * kvc.block_size * latent_row * layers,
+        "block_table": 2 * g.blocks_per_slot * 4,
+        "indexer_keys": layers * slot_rows * g.idim * 2,
+        "indexer_gates": layers * slot_rows * g.idim * 2,
+        "pool_keys": layers * g.pools_per_slot * g.idim,
+        "pool_scales": layers * g.pools_per_slot * 4,
+    }
+
+
 @dataclass(frozen=True)
 class LayerPools:
     keys: DevicePtr

@@ -5,9 +5,11 @@
 #include "batch.cuh"
 #include "model_common.cuh"
 
-// The selection kernel's capacity in pools; model/kernels/dsa_select.py TOPK_MAX_POOLS must equal it
-// (tests/test_batch_dsa.py reads both).
-#define TOPK_MAX_POOLS_CUDA 16384u
+// The selection kernel's capacity in pools, and the most one block ranks alone;
+// model/kernels/dsa_select.py TOPK_MAX_POOLS and TOPK_SINGLE_BLOCK_POOLS must equal them
+// (tests/test_batch_dsa.py and tests/test_dsa_reach.py read both).
+#define TOPK_MAX_POOLS_CUDA 262144u
+#define TOPK_SINGLE_BLOCK_POOLS 16384u
 
 // ---- indexer_scores_batch -----------------------------------------------------------------------
 // scores[p] = sum_h (w_h * w_scale) * relu(q_h . key_p) / sqrt(dim) over the complete pools
@@ -94,16 +96,180 @@ __device__ __forceinline__ void score_pools(const uint16_t* __restrict__ q, cons
 }
 }  // namespace
 
+// ---- the tensor-core path of indexer_scores_batch (mma = 1) -------------------------------------
+// Past a few thousand pools the warp-per-pool path above is bound by its shared-memory reads (160
+// wavefronts of q and key per pool, about 160 us at 262,144 pools), far from streaming the keys
+// (132 bytes a pool). Here the dots are mma.sync.m16n8k16 with f16 operands and f32 accumulation:
+// M = the heads (two m16 tiles, rows past `heads` zero), N = 8 pools, K = the 128 dimensions in 8
+// steps. A warp converts each key byte once (cvt.rn.f16x2.e4m3x2: exact, every E4M3 value is an
+// f16) and the 32 heads share it through the MMA.
+//
+// q as f16 without loss: head h's BF16 row times 2^s_h, s_h the power of two that puts its largest
+// magnitude in [2^14, 2^15) (clamped to +-126): a BF16 value's 8 significant bits fit f16's 11, and
+// only elements below 2^-28 of the row's largest fall under f16's normal range. The dot is
+// multiplied back by 2^-s_h (exact) and then by the pool's scale, so
+//   score_p = sum_h (w_h * w_scale) * relu((dot_h(q_h 2^s_h, fp8 key_p) * 2^-s_h) * scale_p) / sqrt(dim)
+// equal to the twin's formula up to f32 rounding (the GPU tests' score bound).
+//
+// Fragments (as ptx/draft_head.cu's head_argmax_fp8_mma): lane (g = lane / 4, t = lane % 4) holds
+// elements 32t .. 32t + 31 of q rows g, g + 8, g + 16, g + 24 and loads bytes 32t .. 32t + 31 of
+// pool 8T + g's key for tile T (two 16-byte loads; a warp's tile is 1 KB, contiguous). MMA step j
+// takes the thread's elements 32t + 4j .. 32t + 4j + 3: its logical k pairs (2t, 2t + 1) and
+// (2t + 8, 2t + 9) are the physical (32t + 4j, +1) and (32t + 4j + 2, +3) in A and B alike, so the
+// 8 steps pair each q element with its own key byte. The accumulator's columns 2t, 2t + 1 are pools
+// 8T + 2t, +1; a lane sums its four heads in order, then three xor shuffles sum the eight lanes of
+// its column (a fixed order). A pool's score is thus one warp's fixed arithmetic whatever the grid,
+// the warp or the batch.
+//
+// A warp takes IDX_TILES tiles per round (32 pools, 4 KB) and has the next round's keys in flight
+// while it computes one (about 190 registers: one 256-thread block per SM). Needs dim == 128,
+// heads <= 32, q rows 4-byte aligned and the pool keys 16-byte aligned (the launch helper checks;
+// a launch that asks for this path without them writes nothing).
+#define IDX_MMA_DIM 128u
+#define IDX_TILES 4
+
+namespace {
+__device__ __forceinline__ void mma_16816_f16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                              uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Two E4M3 bytes (the low 16 bits, low byte first) -> an exact f16 pair (low byte in the low half).
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two) {
+    uint32_t h;
+    const uint16_t v = (uint16_t)(two & 0xFFFFu);
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(v));
+    return h;
+}
+
+// A BF16 pair times 2^s (exact in f32) -> an f16 pair, low element in the low half.
+__device__ __forceinline__ uint32_t bf16x2_scaled_to_f16x2(uint32_t v, float scale) {
+    const __half2 h = __floats2half2_rn(bf16_lo(v) * scale, bf16_hi(v) * scale);
+    return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// 2^s as an f32, s in [-126, 126].
+__device__ __forceinline__ float pow2f(int s) { return __int_as_float((127 + s) << 23); }
+
+// A round's keys: for each of its tiles, the thread's 32 bytes of pool 8T + g (clamped to the last
+// complete pool: its results are dropped).
+__device__ __forceinline__ void load_key_round(const uint8_t* __restrict__ keys, uint32_t group, uint32_t npools,
+                                               uint32_t g, uint32_t t, uint4 (&kv)[IDX_TILES][2]) {
+#pragma unroll
+    for (int u = 0; u < IDX_TILES; ++u) {
+        const uint32_t p = min((group * IDX_TILES + (uint32_t)u) * 8u + g, npools - 1u);
+        const uint8_t* src = keys + (size_t)p * IDX_MMA_DIM + 32u * t;
+        kv[u][0] = ld_stream16(src);
+        kv[u][1] = ld_stream16(src + 16);
+    }
+}
+
+__device__ __forceinline__ uint32_t word_of4(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// Rounds blockIdx.x * 8 + warp, + gridDim.x * 8, ... of IDX_TILES tiles below npools.
+__device__ __forceinline__ void score_pools_mma(const uint16_t* __restrict__ q, const uint16_t* __restrict__ w,
+                                                const uint8_t* __restrict__ pool_keys,
+                                                const float* __restrict__ pool_scales, float* __restrict__ scores,
+                                                uint32_t npools, uint32_t heads, float w_scale) {
+    const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31u, g = lane >> 2, t = lane & 3u;
+    const uint32_t rounds = (npools + 8u * IDX_TILES - 1u) / (8u * IDX_TILES);
+    const uint32_t stride = gridDim.x * (blockDim.x >> 5);
+    uint32_t r = blockIdx.x * (blockDim.x >> 5) + warp;
+    if (r >= rounds) return;
+    uint4 cur[IDX_TILES][2];
+    load_key_round(pool_keys, r, npools, g, t, cur);  // in flight while q is staged
+
+    // A fragments: rows g + 8i (i = 0..3), elements 32t .. 32t + 31, 16 words each.
+    uint32_t a[4][16];
+    float inv[4], wh[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint32_t h = g + 8u * i;
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(q + (size_t)h * IDX_MMA_DIM + 32u * t);
+#pragma unroll
+        for (int k = 0; k < 16; ++k) a[i][k] = h < heads ? __ldg(src + k) : 0u;
+        wh[i] = h < heads ? __fmul_rn(bf16_bits_to_f32(w[h]), w_scale) : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        uint32_t mx = 0u;  // the largest |BF16| bits (magnitudes order as their bits)
+#pragma unroll
+        for (int k = 0; k < 16; ++k) mx = max(mx, max(a[i][k] & 0x7FFFu, (a[i][k] >> 16) & 0x7FFFu));
+        mx = max(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
+        mx = max(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
+        const int s = min(max(141 - (int)((mx >> 7) & 0xFFu), -126), 126);  // 2^s * max in [2^14, 2^15)
+        const float scale = pow2f(s);
+        inv[i] = pow2f(-s);
+#pragma unroll
+        for (int k = 0; k < 16; ++k) a[i][k] = bf16x2_scaled_to_f16x2(a[i][k], scale);
+    }
+    const float root = sqrtf((float)IDX_MMA_DIM);
+
+    for (; r < rounds; r += stride) {
+        uint4 nxt[IDX_TILES][2];
+        const bool more = r + stride < rounds;
+        if (more) load_key_round(pool_keys, r + stride, npools, g, t, nxt);
+#pragma unroll
+        for (int u = 0; u < IDX_TILES; ++u) {
+            const uint32_t p0 = (r * IDX_TILES + (uint32_t)u) * 8u;
+            if (p0 >= npools) break;  // uniform over the warp
+            float acc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const uint32_t kw = word_of4(cur[u][j >> 2], j & 3);
+                const uint32_t b0 = e4m3x2_to_f16x2(kw), b1 = e4m3x2_to_f16x2(kw >> 16);
+                mma_16816_f16(acc[0], a[0][2 * j], a[1][2 * j], a[0][2 * j + 1], a[1][2 * j + 1], b0, b1);
+                mma_16816_f16(acc[1], a[2][2 * j], a[3][2 * j], a[2][2 * j + 1], a[3][2 * j + 1], b0, b1);
+            }
+            const uint32_t pc = p0 + 2u * t;
+            const float sc[2] = {__ldg(pool_scales + min(pc, npools - 1u)), __ldg(pool_scales + min(pc + 1u, npools - 1u))};
+            float s[2];
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                float v = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float d = __fmul_rn(__fmul_rn(acc[i >> 1][2 * (i & 1) + c], inv[i]), sc[c]);
+                    v = fmaf(wh[i], fmaxf(d, 0.0f), v);
+                }
+                v += __shfl_xor_sync(0xFFFFFFFFu, v, 4);
+                v += __shfl_xor_sync(0xFFFFFFFFu, v, 8);
+                v += __shfl_xor_sync(0xFFFFFFFFu, v, 16);
+                s[c] = v / root;
+            }
+            if (g == 0) {
+                if (pc < npools) scores[pc] = s[0];
+                if (pc + 1u < npools) scores[pc + 1u] = s[1];
+            }
+        }
+        if (more) {
+#pragma unroll
+            for (int u = 0; u < IDX_TILES; ++u) {
+                cur[u][0] = nxt[u][0];
+                cur[u][1] = nxt[u][1];
+            }
+        }
+    }
+}
+}  // namespace
+
 // The same scores for m batch entries (ptx/batch.cuh): blockIdx.y = entry e, whose query is
 // q + e * q_stride, head weights w + e * w_stride, pools its slot's and scores
-// scores + e * pools_per_slot; blockIdx.x strides over its pools. A pool's score is one warp's
-// whatever the grid, so an entry's scores have the same bits in every batch.
+// scores + e * pools_per_slot; blockIdx.x strides over its pools (mma = 0: warps over pools; mma
+// = 1: warps over rounds of IDX_TILES * 8 pools, the tensor-core path). A pool's score is one
+// warp's whatever the grid, so an entry's scores have the same bits in every batch; the path is
+// the launch helper's choice from the shapes alone (scores_use_mma), never from m or the rows.
 // Padding entries and rows past slot_rows read and write nothing.
 extern "C" __global__ void __launch_bounds__(256) indexer_scores_batch(
     const uint16_t* __restrict__ q, uint32_t q_stride, const uint16_t* __restrict__ w, uint32_t w_stride,
     const uint8_t* __restrict__ pool_keys, const float* __restrict__ pool_scales, float* __restrict__ scores,
     const uint32_t* __restrict__ entries, uint32_t m, uint32_t row_add, uint32_t slot_rows, uint32_t heads,
-    uint32_t dim, uint32_t kpool, float w_scale) {
+    uint32_t dim, uint32_t kpool, float w_scale, uint32_t mma) {
     extern __shared__ __align__(16) float sm[];
     wait_then_release();
     const uint32_t e = blockIdx.y;
@@ -112,81 +278,111 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores_batch(
     const uint32_t row = b.row + row_add;
     if (entry_is_pad(b) || row >= slot_rows) return;
     const uint32_t npools = (row + 1u) / kpool;  // <= pools_per_slot: row < slot_rows
-    if (blockIdx.x * 8u >= npools) return;
     const size_t pps = pools_per_slot(slot_rows, kpool);
-    score_pools(q + (size_t)e * q_stride, w + (size_t)e * w_stride, pool_keys + b.slot * pps * dim,
-                pool_scales + b.slot * pps, scores + e * pps, npools, heads, dim, w_scale, sm);
+    const uint16_t* qe = q + (size_t)e * q_stride;
+    const uint8_t* keys = pool_keys + b.slot * pps * dim;
+    if (mma) {
+        const bool ok = dim == IDX_MMA_DIM && heads <= 32u && (q_stride & 1u) == 0 &&
+                        ((uintptr_t)q & 3u) == 0 && ((uintptr_t)pool_keys & 15u) == 0;
+        if (!ok || npools == 0) return;
+        score_pools_mma(qe, w + (size_t)e * w_stride, keys, pool_scales + b.slot * pps, scores + e * pps, npools,
+                        heads, w_scale);
+        return;
+    }
+    if (blockIdx.x * 8u >= npools) return;
+    score_pools(qe, w + (size_t)e * w_stride, keys, pool_scales + b.slot * pps, scores + e * pps, npools, heads, dim,
+                w_scale, sm);
 }
 
 // ---- select_topk_pools_batch --------------------------------------------------------------------
-// One block of 1024 threads; dynamic smem holds one u32 key per pool (TOPK_MAX_POOLS * 4 bytes,
-// 64 KiB for 16384 pools, above the 48 KB default: the backend raises the limit at launch).
+// The topk_pools best complete pools of each entry's row (higher score first, then lower pool
+// index), expanded to their kpool rows in ascending order, then with `tail` the rows of the
+// incomplete pool (index_kpool_always_select_tail). With npools <= topk_pools the list is every
+// complete pool's rows. The result is exactly select_rows_ref's: a unique set, so every algorithm
+// below gives the same list, and the grid or the batch can never change it.
 //
-// With npools <= topk_pools the selection is every complete pool's rows. Otherwise the topk_pools largest
-// scores (ties: lower pool index first) are found by an exact radix select on order-preserving
-// keys (4 passes of 8 bits, histograms with warp-aggregated shared atomics: scores of one
-// magnitude share their top byte, so plain atomics would serialise on one bin), then the chosen
-// pools are compacted in ascending pool order with two block scans (one for the tie quota, one
-// for output positions), expanded to their kpool rows. With `tail` the rows of the incomplete pool
-// are appended in both cases (index_kpool_always_select_tail). The result is exactly
-// select_rows_ref's.
+// Every ranking is select_core: an exact radix select over order-preserving u32 keys in shared
+// memory (4 passes of 8 bits; histograms with warp-aggregated shared atomics, since scores of one
+// magnitude share their top byte and plain atomics would serialise on one bin), then an ordered
+// emission: warp w walks its own contiguous segment of keys 32 at a time (consecutive lanes on
+// consecutive words: no bank conflicts), ballots give each taken key its place, and one block-wide
+// exchange of the warps' counts gives each segment its first output position and its share of the
+// keys equal to the threshold (the lowest positions first: ties go to the lower pool index).
+//
+// Up to TOPK_SINGLE_BLOCK_POOLS complete pools: one block (blockIdx.x == 0) ranks all of them
+// (what the kernel did before it had more). Past that, block c of the entry ranks chunk c of
+// `chunk` pools (the wrapper's select_chunk(topk_pools) >= 16 topk_pools) and writes its local
+// top topk_pools (key and pool, in ascending pool order) into the entry's workspace; the last
+// chunk to finish (a counter per entry, which it resets to 0 for the next launch and every graph
+// replay) ranks the ceil(npools / chunk) lists, at most TOPK_MAX_POOLS / chunk * topk_pools keys.
+// Exact: a pool of the global top k has fewer than k better pools in all, so fewer in its chunk,
+// so it is in its chunk's top k; and the lists, concatenated in chunk order, are in ascending pool
+// order, so the merge's "lower position first" is "lower pool index first".
+//
+// Workspace of entry e (u32, at workspace + e * select_ws_words(pps, topk, chunk)): the counter,
+// 3 words of padding, then ceil(pps / chunk) * topk keys and as many pool indices. Read only past
+// TOPK_SINGLE_BLOCK_POOLS complete pools; the counters must be zero before the first launch.
 namespace {
-// One sequence's selection for its row (the whole block). A selection longer than sel_cap rows (a
-// sizing error) is a visible failure like a row past the capacity: count 0, nothing listed.
 struct SelectSmem {
     uint32_t hist[256];
-    uint32_t scan_scratch[32];
+    uint32_t warp_gt[32], warp_eq[32];
     uint32_t digit, remaining;
+    bool last;
 };
 
-__device__ __forceinline__ void select_rows(const float* __restrict__ scores, uint32_t* __restrict__ selected,
-                                            uint32_t* __restrict__ count, uint32_t row, uint32_t topk_pools,
-                                            uint32_t kpool, uint32_t tail, uint32_t sel_cap, uint32_t* keys_s,
-                                            SelectSmem& sm) {
-    uint32_t* hist = sm.hist;
-    uint32_t* scan_scratch = sm.scan_scratch;
-    uint32_t& s_digit = sm.digit;
-    uint32_t& s_remaining = sm.remaining;
+__host__ __device__ __forceinline__ uint32_t select_chunks(uint32_t pools, uint32_t chunk) {
+    return (pools + chunk - 1u) / chunk;
+}
+
+__device__ __forceinline__ size_t select_ws_words(uint32_t pps, uint32_t topk, uint32_t chunk) {
+    return 4u + 2u * (size_t)select_chunks(pps, chunk) * topk;
+}
+
+// keys[0..n) from n f32 scores (through L2: the indexer releases its dependents early), four loads
+// in flight per thread. Ends with a barrier.
+__device__ __forceinline__ void stage_score_keys(const float* __restrict__ src, uint32_t n, uint32_t* keys) {
     const uint32_t tid = threadIdx.x, nt = blockDim.x;
-    const uint32_t npools = (row + 1u) / kpool;
-    const uint32_t tail0 = npools * kpool, tail_n = tail ? row + 1u - tail0 : 0u;
-    if ((npools <= topk_pools ? tail0 : topk_pools * kpool) + tail_n > sel_cap) {
-        if (tid == 0) *count = 0u;
-        return;
-    }
-    if (npools <= topk_pools) {
-        for (uint32_t i = tid; i < tail0 + tail_n; i += nt) selected[i] = i;
-        if (tid == 0) *count = tail0 + tail_n;
-        return;
-    }
-    if (npools > TOPK_MAX_POOLS_CUDA) {  // past the sizing the proposer enforces: a visible failure
-        if (tid == 0) *count = 0u;
-        return;
-    }
-    for (uint32_t base = 0; base < npools; base += 4u * nt) {  // 4 loads in flight per thread
+    for (uint32_t base = 0; base < n; base += 4u * nt) {
         float v[4];
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             const uint32_t i = base + tid + nt * u;
-            v[u] = i < npools ? __ldcg(scores + i) : 0.0f;  // L2: the indexer releases early
+            v[u] = i < n ? __ldcg(src + i) : 0.0f;
         }
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             const uint32_t i = base + tid + nt * u;
-            if (i < npools) keys_s[i] = ordered_key(v[u]);
+            if (i < n) keys[i] = ordered_key(v[u]);
         }
     }
+    __syncthreads();
+}
 
-    uint32_t prefix = 0u, mask = 0u, remaining = topk_pools;
-    for (int shift = 24; shift >= 0; shift -= 8) {
-        if (tid < 256) hist[tid] = 0u;
+// The exact top k of keys[0..n) (higher key first, then lower position), the whole block:
+// emit(pos, i) for every chosen position i, pos = its place among the chosen in ascending i
+// (0 .. min(n, k) - 1). keys must be complete (a barrier after their writes). Ends with a barrier.
+template <class Emit>
+__device__ void select_core(const uint32_t* keys, uint32_t n, uint32_t k, SelectSmem& sm, Emit emit) {
+    const uint32_t tid = threadIdx.x, nt = blockDim.x, lane = tid & 31u, warp = tid >> 5, nw = nt >> 5;
+    if (k == 0) {  // topk_pools 0: nothing is ranked in (the list is the tail alone)
         __syncthreads();
-        for (uint32_t i = tid; i < npools; i += nt) {
-            const uint32_t k = keys_s[i];
-            if ((k & mask) == prefix) {
-                const uint32_t digit = (k >> shift) & 255u;
+        return;
+    }
+    if (n <= k) {
+        for (uint32_t i = tid; i < n; i += nt) emit(i, i);
+        __syncthreads();
+        return;
+    }
+    uint32_t prefix = 0u, mask = 0u, remaining = k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        if (tid < 256) sm.hist[tid] = 0u;
+        __syncthreads();
+        for (uint32_t i = tid; i < n; i += nt) {
+            const uint32_t key = keys[i];
+            if ((key & mask) == prefix) {
+                const uint32_t digit = (key >> shift) & 255u;
                 const uint32_t peers = __match_any_sync(__activemask(), digit);
-                if ((tid & 31u) == (uint32_t)(__ffs(peers) - 1)) atomicAdd(&hist[digit], (uint32_t)__popc(peers));
+                if (lane == (uint32_t)(__ffs(peers) - 1)) atomicAdd(&sm.hist[digit], (uint32_t)__popc(peers));
             }
         }
         __syncthreads();
@@ -194,7 +390,7 @@ __device__ __forceinline__ void select_rows(const float* __restrict__ scores, ui
             // Lane l owns bins 8l..8l+7; "above" counts keys in higher bins.
             uint32_t local = 0u;
 #pragma unroll
-            for (int b = 0; b < 8; ++b) local += hist[8u * tid + b];
+            for (int b = 0; b < 8; ++b) local += sm.hist[8u * tid + b];
             uint32_t suffix = local;  // inclusive suffix sum over lanes >= tid
 #pragma unroll
             for (int o = 1; o < 32; o <<= 1) {
@@ -204,77 +400,179 @@ __device__ __forceinline__ void select_rows(const float* __restrict__ scores, ui
             uint32_t above = suffix - local;
 #pragma unroll
             for (int b = 7; b >= 0; --b) {
-                const uint32_t c = hist[8u * tid + b];
+                const uint32_t c = sm.hist[8u * tid + b];
                 if (above < remaining && above + c >= remaining) {
-                    s_digit = 8u * tid + b;
-                    s_remaining = remaining - above;
+                    sm.digit = 8u * tid + b;
+                    sm.remaining = remaining - above;
                 }
                 above += c;
             }
         }
         __syncthreads();
-        prefix |= s_digit << shift;
+        prefix |= sm.digit << shift;
         mask |= 255u << shift;
-        remaining = s_remaining;
-        __syncthreads();  // s_digit / s_remaining are rewritten by the next pass
+        remaining = sm.remaining;
+        __syncthreads();  // digit / remaining are rewritten by the next pass
     }
     const uint32_t T = prefix, need = remaining;  // the k-th largest key; take `need` of its ties
 
-    const uint32_t per = (npools + nt - 1u) / nt;
-    const uint32_t lo = min(tid * per, npools), hi = min(lo + per, npools);
+    // Segments of whole 32-key steps, one per warp, in position order.
+    const uint32_t seg = (n + 32u * nw - 1u) / (32u * nw) * 32u;
+    const uint32_t lo = min(warp * seg, n), hi = min(lo + seg, n);
     uint32_t gt = 0u, eq = 0u;
-    for (uint32_t i = lo; i < hi; ++i) {
-        const uint32_t k = keys_s[i];
-        gt += k > T;
-        eq += k == T;
+    for (uint32_t base = lo; base < hi; base += 32u) {
+        const uint32_t i = base + lane;
+        const uint32_t key = i < hi ? keys[i] : 0u;
+        gt += __popc(__ballot_sync(0xFFFFFFFFu, i < hi && key > T));
+        eq += __popc(__ballot_sync(0xFFFFFFFFu, i < hi && key == T));
     }
-    uint32_t total;
-    const uint32_t eq_before = block_exclusive_scan(eq, scan_scratch, &total);
-    const uint32_t quota = need > eq_before ? min(eq, need - eq_before) : 0u;
-    uint32_t pos = block_exclusive_scan(gt + quota, scan_scratch, &total);
-    uint32_t taken_eq = 0u;
-    for (uint32_t i = lo; i < hi; ++i) {
-        const uint32_t k = keys_s[i];
-        bool take = k > T;
-        if (k == T && taken_eq < quota) {
-            take = true;
-            ++taken_eq;
-        }
-        if (take) {
-            for (uint32_t j = 0; j < kpool; ++j) selected[pos * kpool + j] = i * kpool + j;
-            ++pos;
+    if (lane == 0) {
+        sm.warp_gt[warp] = gt;
+        sm.warp_eq[warp] = eq;
+    }
+    __syncthreads();
+    // Lane l: warp l's counts; its ties before it, its quota of ties, its first output position.
+    const uint32_t lgt = lane < nw ? sm.warp_gt[lane] : 0u, leq = lane < nw ? sm.warp_eq[lane] : 0u;
+    uint32_t eq_inc = leq;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t t = __shfl_up_sync(0xFFFFFFFFu, eq_inc, o);
+        if (lane >= (uint32_t)o) eq_inc += t;
+    }
+    const uint32_t eq_before = eq_inc - leq;
+    const uint32_t lquota = need > eq_before ? min(leq, need - eq_before) : 0u;
+    const uint32_t ltake = lgt + lquota;
+    uint32_t take_inc = ltake;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t t = __shfl_up_sync(0xFFFFFFFFu, take_inc, o);
+        if (lane >= (uint32_t)o) take_inc += t;
+    }
+    const uint32_t quota = __shfl_sync(0xFFFFFFFFu, lquota, warp);
+    uint32_t pos = __shfl_sync(0xFFFFFFFFu, take_inc - ltake, warp);
+    const uint32_t below = (1u << lane) - 1u;
+    uint32_t eq_seen = 0u;
+    for (uint32_t base = lo; base < hi; base += 32u) {
+        const uint32_t i = base + lane;
+        const uint32_t key = i < hi ? keys[i] : 0u;
+        const uint32_t eqm = __ballot_sync(0xFFFFFFFFu, i < hi && key == T);
+        const bool take = (i < hi && key > T) ||
+                          (((eqm >> lane) & 1u) && eq_seen + (uint32_t)__popc(eqm & below) < quota);
+        const uint32_t tm = __ballot_sync(0xFFFFFFFFu, take);
+        if (take) emit(pos + (uint32_t)__popc(tm & below), i);
+        pos += (uint32_t)__popc(tm);
+        eq_seen += (uint32_t)__popc(eqm);
+    }
+    __syncthreads();
+}
+
+// The chosen pools' rows (pool p -> rows p * kpool .. p * kpool + kpool - 1) at list position pos.
+__device__ __forceinline__ void put_pool_rows(uint32_t* __restrict__ selected, uint32_t pos, uint32_t p, uint32_t kpool) {
+    for (uint32_t j = 0; j < kpool; ++j) selected[pos * kpool + j] = p * kpool + j;
+}
+
+// The last of `n` blocks to arrive at an entry's counter (the whole block; uniform result): it
+// resets the counter to 0 and sees every other block's workspace writes (ptx/model_common.cuh
+// last_block_done's handshake, with the count of an entry's chunks instead of the grid).
+__device__ __forceinline__ bool last_of(uint32_t* counter, uint32_t n, SelectSmem& sm) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        const uint32_t prev = atomicAdd(counter, 1u);
+        sm.last = prev == n - 1u;
+        if (sm.last) {
+            *counter = 0u;
+            __threadfence();
         }
     }
-    const uint32_t base = topk_pools * kpool;
-    for (uint32_t i = tid; i < tail_n; i += nt) selected[base + i] = tail0 + i;
-    if (tid == 0) *count = base + tail_n;
+    __syncthreads();
+    return sm.last;
 }
 }  // namespace
 
-// The same selection for m batch entries, one block each (grid = m): entry e's row of its slot
-// (entries[e].row + row_add) from scores + e * pools_per_slot, its rows into
-// selected + e * sel_cap and their count into count[e]. Dynamic smem: one u32 key per pool a slot
-// can have, at most TOPK_MAX_POOLS (launch helper). Padding entries read and write nothing; a row
-// past slot_rows gets count 0 (its scores would be another entry's).
-extern "C" __global__ void __launch_bounds__(1024) select_topk_pools_batch(
+// Grid (G, m): blockIdx.y = entry e, blockIdx.x = chunk (G = 1 when a slot holds at most
+// TOPK_SINGLE_BLOCK_POOLS pools, else ceil(pools_per_slot / chunk)). Entry e's row of its slot
+// (entries[e].row + row_add) from scores + e * pools_per_slot, its rows into selected + e * sel_cap
+// and their count into count[e]. Dynamic smem: select_smem (launch helper), one u32 key per pool a
+// block ranks. Padding entries read and write nothing; a row past slot_rows, a list longer than
+// sel_cap (a sizing error) or a row past the capacity give count 0 and no list. Two blocks per SM
+// (32 registers, 64 KiB of keys each at GLM-5.3-Flash's sizes): a batch's chunks share the SMs.
+extern "C" __global__ void __launch_bounds__(1024, 2) select_topk_pools_batch(
     const float* __restrict__ scores, uint32_t* __restrict__ selected, uint32_t* __restrict__ count,
     const uint32_t* __restrict__ entries, uint32_t m, uint32_t row_add, uint32_t slot_rows, uint32_t sel_cap,
-    uint32_t topk_pools, uint32_t kpool, uint32_t tail) {
+    uint32_t topk_pools, uint32_t kpool, uint32_t tail, uint32_t* __restrict__ workspace, uint32_t chunk) {
     extern __shared__ uint32_t keys_s[];
     __shared__ SelectSmem sm;
     // The q_abs GEMV runs beside it.
     wait_then_release();
-    const uint32_t e = blockIdx.x;
+    const uint32_t e = blockIdx.y, c = blockIdx.x, tid = threadIdx.x;
     if (e >= m) return;
     const BatchEntry b = load_entry(entries, e);
     if (entry_is_pad(b)) return;
     const uint32_t row = b.row + row_add;
     if (row >= slot_rows) {
-        if (threadIdx.x == 0) count[e] = 0u;
+        if (c == 0 && tid == 0) count[e] = 0u;
         return;
     }
-    select_rows(scores + (size_t)e * pools_per_slot(slot_rows, kpool), selected + (size_t)e * sel_cap, count + e,
-                row, topk_pools, kpool, tail, sel_cap, keys_s, sm);
+    const uint32_t pps = pools_per_slot(slot_rows, kpool);
+    const float* sc = scores + (size_t)e * pps;
+    uint32_t* sel = selected + (size_t)e * sel_cap;
+    const uint32_t npools = (row + 1u) / kpool;
+    const uint32_t tail0 = npools * kpool, tail_n = tail ? row + 1u - tail0 : 0u;
+    const bool ranked = npools > topk_pools;
+    const uint32_t base = ranked ? topk_pools * kpool : tail0;  // where the tail goes
+    const bool multi = ranked && npools > TOPK_SINGLE_BLOCK_POOLS;
+    if (base + tail_n > sel_cap || npools > TOPK_MAX_POOLS_CUDA || (multi && (chunk == 0 || chunk < topk_pools))) {
+        if (c == 0 && tid == 0) count[e] = 0u;
+        return;
+    }
+    if (!multi) {
+        if (c != 0) return;
+        if (!ranked) {
+            for (uint32_t i = tid; i < tail0; i += blockDim.x) sel[i] = i;
+        } else {
+            stage_score_keys(sc, npools, keys_s);
+            select_core(keys_s, npools, topk_pools, sm,
+                        [&](uint32_t pos, uint32_t i) { put_pool_rows(sel, pos, i, kpool); });
+        }
+    } else {
+        const uint32_t nch = select_chunks(npools, chunk);
+        if (c >= nch) return;
+        uint32_t* ws = workspace + (size_t)e * select_ws_words(pps, topk_pools, chunk);
+        const size_t cand_cap = (size_t)select_chunks(pps, chunk) * topk_pools;
+        uint32_t* cand_key = ws + 4;
+        uint32_t* cand_pool = cand_key + cand_cap;
+        const uint32_t lo = c * chunk, len = min(chunk, npools - lo);
+        stage_score_keys(sc + lo, len, keys_s);
+        uint32_t* my_key = cand_key + (size_t)c * topk_pools;
+        uint32_t* my_pool = cand_pool + (size_t)c * topk_pools;
+        select_core(keys_s, len, topk_pools, sm, [&](uint32_t pos, uint32_t i) {
+            my_key[pos] = keys_s[i];
+            my_pool[pos] = lo + i;
+        });
+        if (!last_of(ws, nch, sm)) return;
+        // Full chunks list topk_pools each, the last one min(its pools, topk_pools).
+        const uint32_t ncand = (nch - 1u) * topk_pools + min(topk_pools, npools - (nch - 1u) * chunk);
+        for (uint32_t base0 = 0; base0 < ncand; base0 += 4u * blockDim.x) {  // 4 loads in flight per thread
+            uint32_t v[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const uint32_t i = base0 + tid + blockDim.x * u;
+                v[u] = i < ncand ? __ldcg(cand_key + i) : 0u;
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const uint32_t i = base0 + tid + blockDim.x * u;
+                if (i < ncand) keys_s[i] = v[u];
+            }
+        }
+        __syncthreads();
+        select_core(keys_s, ncand, topk_pools, sm, [&](uint32_t pos, uint32_t i) {
+            put_pool_rows(sel, pos, __ldcg(cand_pool + i), kpool);
+        });
+    }
+    for (uint32_t i = tid; i < tail_n; i += blockDim.x) sel[base + i] = tail0 + i;
+    if (tid == 0) count[e] = base + tail_n;
 }
 
 // Drafts 2..k of a shared selection for m batch entries: entry e appends its row

@@ -701,3 +701,400 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_down_batch(
         }
     }
 }
+
+// ==== FP8 experts (issue 18) ======================================================================
+//
+// moe_gate_up_fp8_batch / moe_down_fp8_batch: the contracts of moe_gate_up_batch / moe_down_batch
+// (the same grouping, shared-slot rules, padding and outputs) with the routed and the shared
+// expert's weights in FP8 E4M3 and one F32 scale per 128 x 128 block, W[r][c] = q[r][c] *
+// s[r / 128][c / 128]. Scales (moe.py gate_up_scale_shape / down_scale_shape): gate_up
+// [n_local][2 * ceil(inter / 128)][ceil(h / 128)], the gate's block rows then the up's (up row i
+// uses block row ceil(inter / 128) + i / 128); down [n_local][ceil(h / 128)][ceil(inter / 128)];
+// the shared expert's the same with n_local = 1. Neither dimension need fill its last block.
+//
+// Arithmetic of one output (weight row r, pair p with activation row x): acc = 0; for each block
+// b of 128 columns in increasing order, part = the f32 sum over the block's columns of q[r][c] *
+// x[c] by the tensor core (mma.sync m16n8k16, BF16 inputs: every E4M3 value is exact in BF16 and
+// x is the BF16 it is; the block's k16 steps in increasing order into one accumulator from 0), then
+// acc = acc + s[r / 128][b] * part, rounded twice (__fmul_rn, __fadd_rn: the twin's formula).
+// Then moe_gate_up_batch's clamped SwiGLU and BF16 store, moe_down_batch's routing weight
+// (__fmul_rn after the dot) and f32 store.
+//
+// Batch invariance: an output depends only on its weight row, its x row and that fixed order; an
+// MMA's output column comes from its own column of B, so neither the other pairs of the tile, the
+// column the pair lands in, m nor the grid change its bits. The vector and the byte-wise load paths
+// (k % 16 != 0 or unaligned pointers) build the same fragments, so the path changes no bits either.
+//
+// Warp tile. A warp multiplies 16 weight rows (the MMA's M) with the up to 8 pairs of its block's
+// work item (the MMA's N = 8: one item, one column group): gate_up's rows are gate rows i0 .. i0 + 7
+// and up rows inter + i0 .. + 7, so each lane finishes its SwiGLU from its own accumulators; down's
+// are rows r0 .. r0 + 15. Lane (g = lane / 4, t = lane % 4) loads the 16 weight bytes at column
+// 64 sb + 16 t of rows g and g + 8 (superblock sb: 64 columns) and the 16 x values at the same
+// columns of column g's pair; MMA j (0..3) of the superblock takes the lane's elements 4j .. 4j + 3
+// (logical k pairs (2t, 2t + 1) and (2t + 8, 2t + 9) are physical (4j, 4j + 1) and (4j + 2, 4j + 3)
+// for A and B alike), as head_argmax_fp8_mma does. A weight chunk is widened once for all 8
+// columns; FP8_U superblocks (128 bytes a lane) are in flight, the next batch prefetched to L2.
+//
+// Widening: cvt.rn.f16x2.e4m3x2 makes each pair of E4M3 bytes an exact f16x2 (every E4M3 value is an
+// f16 normal or zero, with its 7 low mantissa bits zero); moving each half's bits 14..3 down by 3
+// gives the BF16 of the value times 2^-112 (a BF16 normal or zero), and one BF16x2 multiply by
+// 2^112 restores it exactly. Per 4 weights: 2 conversions, 6 integer operations, 2 multiplies;
+// no BF16 subnormal is ever an input. The NaN codes 0x7F / 0xFF do not come out NaN (an E4M3
+// weight is never NaN: quantize saturates).
+namespace {
+constexpr uint32_t FP8_BLOCK = 128;     // the scales' block, both dimensions (moe.py FP8_BLOCK)
+constexpr uint32_t FP8_WARPS = 4;       // warps per block of the FP8 expert kernels (moe.py FP8_WARPS)
+constexpr int FP8_U = 4;                // superblocks per batch: 2 x 64 weight bytes per lane in flight
+constexpr uint32_t BF16X2_2POW112 = 0x77807780u;
+
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+    uint32_t d;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+// An f16x2 of two E4M3 values -> their BF16x2, exact (the module comment above).
+__device__ __forceinline__ uint32_t e4m3_f16x2_to_bf16x2(uint32_t h) {
+    return bf16x2_mul((h & 0x80008000u) | ((h >> 3) & 0x0FFF0FFFu), BF16X2_2POW112);
+}
+
+// Four E4M3 bytes (element 0 in the low byte) -> BF16 pairs (elements 0, 1) and (2, 3), exact.
+__device__ __forceinline__ void e4m3x4_to_bf16x2(uint32_t q, uint32_t& lo, uint32_t& hi) {
+    uint32_t h01, h23;
+    asm("{\n\t.reg .b16 l, u;\n\tmov.b32 {l, u}, %2;\n\t"
+        "cvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, u;\n\t}"
+        : "=r"(h01), "=r"(h23)
+        : "r"(q));
+    lo = e4m3_f16x2_to_bf16x2(h01);
+    hi = e4m3_f16x2_to_bf16x2(h23);
+}
+
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The 16 weight bytes of `row` at column c (a multiple of 16): zeros past its k columns and for a
+// row outside the matrix (!ok). vec: one 16-byte load (k % 16 == 0, 16-byte aligned rows); else
+// byte by byte, the same register contents.
+template <bool VEC>
+__device__ __forceinline__ uint4 w_chunk16(const uint8_t* __restrict__ row, uint32_t c, uint32_t k, bool ok) {
+    if (VEC) return (ok && c < k) ? ld_stream16(row + c) : make_uint4(0, 0, 0, 0);
+    uint32_t v[4] = {0u, 0u, 0u, 0u};
+    if (ok) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+            if (c + (uint32_t)i < k) v[i >> 2] |= (uint32_t)row[c + (uint32_t)i] << (8 * (i & 3));
+    }
+    return make_uint4(v[0], v[1], v[2], v[3]);
+}
+
+// The 16 BF16 values of x row `row` at column c, as w_chunk16 (!ok: a dead column, zeros).
+template <bool VEC>
+__device__ __forceinline__ void x_chunk16(const uint16_t* __restrict__ row, uint32_t c, uint32_t k, bool ok, uint4& x0,
+                                          uint4& x1) {
+    if (VEC) {
+        const bool in = ok && c < k;
+        const uint4* p = reinterpret_cast<const uint4*>(row + c);
+        x0 = in ? __ldg(p) : make_uint4(0, 0, 0, 0);
+        x1 = in ? __ldg(p + 1) : make_uint4(0, 0, 0, 0);
+        return;
+    }
+    uint32_t v[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
+    if (ok) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+            if (c + (uint32_t)i < k) v[i >> 1] |= (uint32_t)row[c + (uint32_t)i] << (16 * (i & 1));
+    }
+    x0 = make_uint4(v[0], v[1], v[2], v[3]);
+    x1 = make_uint4(v[4], v[5], v[6], v[7]);
+}
+
+// The lane's rows of a warp tile: w0 / w1 rows g and g + 8 (k bytes each; ok0 / ok1 false for a
+// row past the matrix, which reads as zeros), s0 / s1 their block rows of scales (ceil(k / 128)
+// each), x column g's activation row (okx false for a dead column).
+struct Fp8Tile {
+    const uint8_t* w0;
+    const uint8_t* w1;
+    const float* s0;
+    const float* s1;
+    const uint16_t* x;
+    bool ok0, ok1, okx;
+};
+
+// Rows g and g + 8 of the tile's first two batches towards L2 (weights only: a PDL kernel may do
+// this before its wait); whole superblocks only, so no address lies past a row.
+__device__ __forceinline__ void fp8_tile_prefetch(const Fp8Tile& f, uint32_t k, bool vec) {
+    if (!vec) return;
+    const uint32_t t = threadIdx.x & 3u;
+    for (uint32_t sb = 0; sb < min(k / 64u, 2u * FP8_U); ++sb) {
+        if (f.ok0) asm volatile("prefetch.global.L2 [%0];" ::"l"(f.w0 + 64u * sb + 16u * t));
+        if (f.ok1) asm volatile("prefetch.global.L2 [%0];" ::"l"(f.w1 + 64u * sb + 16u * t));
+    }
+}
+
+// One superblock's four MMAs into part: A from the lane's 16 weight bytes of rows g (wa) and g + 8
+// (wb), B from its 16 x values (x0, x1), MMA j on elements 4j .. 4j + 3 (the module comment).
+__device__ __forceinline__ void fp8_superblock(float (&part)[4], const uint4& wa, const uint4& wb, const uint4& x0,
+                                               const uint4& x1) {
+    const uint32_t qa[4] = {wa.x, wa.y, wa.z, wa.w};
+    const uint32_t qb[4] = {wb.x, wb.y, wb.z, wb.w};
+    const uint32_t xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        uint32_t a0, a1, a2, a3;
+        e4m3x4_to_bf16x2(qa[j], a0, a2);  // row g: elements 4j, 4j + 1 | 4j + 2, 4j + 3
+        e4m3x4_to_bf16x2(qb[j], a1, a3);  // row g + 8
+        mma_bf16_16816(part, a0, a1, a2, a3, xv[2 * j], xv[2 * j + 1]);
+    }
+}
+
+// The end of a block: acc += its scale times its partial sums (rows g: s0, rows g + 8: s1), in the
+// twin's two roundings; the partial sums restart from 0.
+__device__ __forceinline__ void fp8_block_done(float (&acc)[4], float (&part)[4], float s0, float s1) {
+    acc[0] = __fadd_rn(acc[0], __fmul_rn(s0, part[0]));
+    acc[1] = __fadd_rn(acc[1], __fmul_rn(s0, part[1]));
+    acc[2] = __fadd_rn(acc[2], __fmul_rn(s1, part[2]));
+    acc[3] = __fadd_rn(acc[3], __fmul_rn(s1, part[3]));
+    part[0] = part[1] = part[2] = part[3] = 0.0f;
+}
+
+// acc = the block-scaled dots of the warp tile (module comment): acc[0] / acc[1] row g with columns
+// 2t / 2t + 1, acc[2] / acc[3] row g + 8 with the same columns. Call from the whole warp. VEC: the
+// 16-byte loads (k % 16 == 0, aligned rows), else byte-wise ones; the same fragments either way.
+// With VEC the whole batches (FP8_U superblocks inside the row) run without a predicate: a row past
+// the matrix reads a real row (its pointer is clamped; its outputs are dropped) and a dead column
+// a real x row (its pointer is clamped likewise); an MMA's output row depends only on its own A
+// row and an output column only on its own B column, so neither changes a live output. The rest
+// (the byte-wise path, and the last superblocks of a row that do not fill a batch) zero-fill past
+// k, past the matrix and for dead columns.
+template <bool VEC>
+__device__ __forceinline__ void fp8_tile_dots_k(const Fp8Tile& f, uint32_t k, float (&acc)[4]) {
+    const uint32_t t = threadIdx.x & 3u;
+    const uint32_t nsb = (k + 63u) / 64u, nb = (k + FP8_BLOCK - 1u) / FP8_BLOCK;
+    float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
+    uint32_t sb0 = 0;
+    if (VEC) {
+        const uint32_t nfull = (k / 64u) / FP8_U * FP8_U;  // superblocks in whole batches
+        const uint8_t* p0 = f.w0 + 16u * t;
+        const uint8_t* p1 = f.w1 + 16u * t;
+        const uint16_t* px = f.x + 16u * t;
+        const float* q0 = f.s0;
+        const float* q1 = f.s1;
+        for (; sb0 < nfull; sb0 += FP8_U) {
+            uint4 wa[FP8_U], wb[FP8_U];
+#pragma unroll
+            for (int u = 0; u < FP8_U; ++u) {
+                wa[u] = ld_stream16(p0 + 64 * u);
+                wb[u] = ld_stream16(p1 + 64 * u);
+            }
+            if (sb0 + FP8_U < nfull) {
+                // The next batch towards L2 while this one is widened and multiplied: its loads then
+                // wait on L2, not HBM.
+#pragma unroll
+                for (int u = FP8_U; u < 2 * FP8_U; ++u) {
+                    asm volatile("prefetch.global.L2 [%0];" ::"l"(p0 + 64 * u));
+                    asm volatile("prefetch.global.L2 [%0];" ::"l"(p1 + 64 * u));
+                }
+            }
+            float sa[FP8_U / 2], sc[FP8_U / 2];  // the batch's blocks' scales: FP8_U is even, sb0 too
+#pragma unroll
+            for (int v = 0; v < FP8_U / 2; ++v) {
+                sa[v] = __ldg(q0 + v);
+                sc[v] = __ldg(q1 + v);
+            }
+#pragma unroll
+            for (int u = 0; u < FP8_U; ++u) {
+                const uint4* xq = reinterpret_cast<const uint4*>(px + 64 * u);
+                fp8_superblock(part, wa[u], wb[u], __ldg(xq), __ldg(xq + 1));
+                if (u & 1) fp8_block_done(acc, part, sa[u / 2], sc[u / 2]);
+            }
+            p0 += 64 * FP8_U;
+            p1 += 64 * FP8_U;
+            px += 64 * FP8_U;
+            q0 += FP8_U / 2;
+            q1 += FP8_U / 2;
+        }
+    }
+    for (; sb0 < nsb; sb0 += FP8_U) {
+        uint4 wa[FP8_U], wb[FP8_U];
+#pragma unroll
+        for (int u = 0; u < FP8_U; ++u) {
+            const uint32_t c = 64u * (sb0 + (uint32_t)u) + 16u * t;
+            wa[u] = w_chunk16<VEC>(f.w0, c, k, f.ok0);
+            wb[u] = w_chunk16<VEC>(f.w1, c, k, f.ok1);
+        }
+        float sa[FP8_U / 2], sc[FP8_U / 2];
+#pragma unroll
+        for (int v = 0; v < FP8_U / 2; ++v) {
+            const uint32_t b = sb0 / 2u + (uint32_t)v;
+            sa[v] = b < nb ? __ldg(f.s0 + b) : 0.0f;
+            sc[v] = b < nb ? __ldg(f.s1 + b) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < FP8_U; ++u) {
+            const uint32_t sb = sb0 + (uint32_t)u;
+            if (sb < nsb) {  // warp-uniform
+                uint4 x0, x1;
+                x_chunk16<VEC>(f.x, 64u * sb + 16u * t, k, f.okx, x0, x1);
+                fp8_superblock(part, wa[u], wb[u], x0, x1);
+                if ((sb & 1u) || sb + 1u == nsb) fp8_block_done(acc, part, sa[u / 2], sc[u / 2]);
+            }
+        }
+    }
+}
+__device__ __forceinline__ void fp8_tile_dots(const Fp8Tile& f, uint32_t k, bool vec, float (&acc)[4]) {
+    if (vec) fp8_tile_dots_k<true>(f, k, acc);
+    else fp8_tile_dots_k<false>(f, k, acc);
+}
+}  // namespace
+
+// moe_gate_up_batch's contract with FP8 weights: w [n_local][2 * inter][h] and w_shared
+// [1][2 * inter][h] E4M3, ws / ws_shared their scales (module comment above). Grid
+// (ceil(inter / 32), st + items_bound(m * ntopk, n_local)), block 128: warp w of block x computes
+// act elements i0 .. i0 + 7, i0 = 8 (4x + w), for the block's pairs (its item's, or its shared tile's
+// entries). At m = 1, top-8 with a shared expert here: (64, 9), 2304 warps, one wave at 5 blocks a
+// SM. PDL as moe_gate_up_batch: the shared tiles prefetch their first weight batches before the
+// wait, the routed items wait for the group first.
+extern "C" __global__ void __launch_bounds__(128, 5) moe_gate_up_fp8_batch(
+    const uint8_t* __restrict__ w, const float* __restrict__ ws, const uint8_t* __restrict__ w_shared,
+    const float* __restrict__ ws_shared, const uint16_t* __restrict__ y, const uint32_t* __restrict__ group,
+    uint16_t* __restrict__ act, const uint32_t* __restrict__ entries, uint32_t m, uint32_t ntopk, uint32_t n_local,
+    uint32_t inter, uint32_t h, float limit, uint32_t shared) {
+    const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const uint32_t nslots = ntopk + (shared != 0u ? 1u : 0u);
+    const uint32_t st = shared == 1u ? (m + MOE_PAIRS - 1u) / MOE_PAIRS : 0u;
+    const uint32_t nbi = (inter + FP8_BLOCK - 1u) / FP8_BLOCK, nbh = (h + FP8_BLOCK - 1u) / FP8_BLOCK;
+    const bool in_shared = blockIdx.y < st;
+    uint32_t xb, pm, pair;
+    const uint8_t* wx;  // the expert's [2 * inter][h] rows
+    const float* sx;    // and its [2 * nbi][nbh] scales
+    Fp8Tile f;
+    if (in_shared) {
+        uint32_t tile;
+        shared_tile(st, xb, tile);
+        wx = w_shared;
+        sx = ws_shared;
+        const uint32_t i = (xb * FP8_WARPS + warp) * 8u + g;
+        f.ok0 = f.ok1 = i < inter;
+        f.w0 = wx + (size_t)(f.ok0 ? i : 0u) * h;
+        f.w1 = wx + (size_t)(inter + (f.ok0 ? i : 0u)) * h;
+        fp8_tile_prefetch(f, h, h % 16u == 0 && aligned16(w_shared));
+        grid_dependency_wait();
+        pm = tile_pairs(entries, m, tile, nslots, ntopk, pair);
+    } else {
+        grid_dependency_wait();
+        uint32_t x;
+        if (!routed_item(group, group_layout(m, ntopk, n_local), blockIdx.y - st, x, xb, pm, pair)) return;
+        if (x >= n_local) return;  // a zero item: gate/up has nothing to compute for it
+        wx = w + (size_t)x * 2u * inter * h;
+        sx = ws + (size_t)x * 2u * nbi * nbh;
+    }
+    const uint32_t i0 = (xb * FP8_WARPS + warp) * 8u, i = i0 + g;
+    if (i0 >= inter || pm == 0u) return;  // warp-uniform
+    const bool vec = h % 16u == 0 && aligned16(wx) && aligned16(y);
+    f.ok0 = f.ok1 = i < inter;
+    f.w0 = wx + (size_t)(f.ok0 ? i : 0u) * h;            // gate row i
+    f.w1 = wx + (size_t)(inter + (f.ok0 ? i : 0u)) * h;  // up row i
+    f.s0 = sx + (size_t)(i0 / FP8_BLOCK) * nbh;          // i0 .. i0 + 7 share a block row (8 | 128)
+    f.s1 = sx + (size_t)(nbi + i0 / FP8_BLOCK) * nbh;
+    const uint32_t pg = __shfl_sync(0xFFFFFFFFu, pair, g);
+    f.okx = (pm >> g) & 1u;
+    f.x = y + (f.okx ? (size_t)(pg / nslots) * h : 0u);  // a dead column reads row 0 (its outputs are dropped)
+    float acc[4];
+    fp8_tile_dots(f, h, vec, acc);
+    const uint32_t pa = __shfl_sync(0xFFFFFFFFu, pair, 2u * t), pb = __shfl_sync(0xFFFFFFFFu, pair, 2u * t + 1u);
+    if (i < inter) {
+        if ((pm >> (2u * t)) & 1u) act[(size_t)pa * inter + i] = f32_to_bf16_bits(clamped_swiglu(acc[0], acc[2], limit));
+        if ((pm >> (2u * t + 1u)) & 1u)
+            act[(size_t)pb * inter + i] = f32_to_bf16_bits(clamped_swiglu(acc[1], acc[3], limit));
+    }
+}
+
+// moe_down_batch's contract with FP8 weights: w [n_local][h][inter], w_shared [1][h][inter] E4M3,
+// ws / ws_shared their scales. Grid (ceil(h / 64), st + items_bound(m * ntopk, n_local)), block
+// 128, st = ceil(m / 8) when shared != 0: warp w of block x computes rows r0 .. r0 + 15, r0 =
+// 16 (4x + w), for the block's pairs; zeros for a zero item's pairs and, with shared == 2, for the
+// shared slot. (64, 9) at m = 1, top-8 with a shared slot.
+extern "C" __global__ void __launch_bounds__(128, 5) moe_down_fp8_batch(
+    const uint8_t* __restrict__ w, const float* __restrict__ ws, const uint8_t* __restrict__ w_shared,
+    const float* __restrict__ ws_shared, const uint16_t* __restrict__ act, const float* __restrict__ weights,
+    const uint32_t* __restrict__ group, float* __restrict__ parts, const uint32_t* __restrict__ entries, uint32_t m,
+    uint32_t ntopk, uint32_t n_local, uint32_t h, uint32_t inter, uint32_t shared) {
+    const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const uint32_t nslots = ntopk + (shared != 0u ? 1u : 0u);
+    const uint32_t st = shared != 0u ? (m + MOE_PAIRS - 1u) / MOE_PAIRS : 0u;
+    const uint32_t nbh = (h + FP8_BLOCK - 1u) / FP8_BLOCK, nbi = (inter + FP8_BLOCK - 1u) / FP8_BLOCK;
+    const bool in_shared = blockIdx.y < st;
+    uint32_t xb, pm, pair;
+    bool compute = false, routed = false;  // neither: the block's pairs get zero rows
+    const uint8_t* wx = w;  // the expert's [h][inter] rows
+    const float* sx = ws;   // and its [nbh][nbi] scales
+    Fp8Tile f;
+    if (in_shared) {
+        uint32_t tile;
+        shared_tile(st, xb, tile);
+        if (shared == 1u) {
+            compute = true;
+            wx = w_shared;
+            sx = ws_shared;
+            const uint32_t r = (xb * FP8_WARPS + warp) * 16u + g;
+            f.ok0 = r < h;
+            f.ok1 = r + 8u < h;
+            f.w0 = wx + (size_t)(f.ok0 ? r : 0u) * inter;
+            f.w1 = wx + (size_t)(f.ok1 ? r + 8u : 0u) * inter;
+            fp8_tile_prefetch(f, inter, inter % 16u == 0 && aligned16(w_shared));
+        }
+        grid_dependency_wait();
+        pm = tile_pairs(entries, m, tile, nslots, ntopk, pair);
+    } else {
+        grid_dependency_wait();
+        uint32_t x;
+        if (!routed_item(group, group_layout(m, ntopk, n_local), blockIdx.y - st, x, xb, pm, pair)) return;
+        if (x < n_local) {
+            compute = routed = true;
+            wx = w + (size_t)x * h * inter;
+            sx = ws + (size_t)x * nbh * nbi;
+        }
+    }
+    const uint32_t r0 = (xb * FP8_WARPS + warp) * 16u, ra = r0 + g, rb = r0 + g + 8u;
+    if (r0 >= h || pm == 0u) return;  // warp-uniform
+    const uint32_t pa = __shfl_sync(0xFFFFFFFFu, pair, 2u * t), pb = __shfl_sync(0xFFFFFFFFu, pair, 2u * t + 1u);
+    const bool la = (pm >> (2u * t)) & 1u, lb = (pm >> (2u * t + 1u)) & 1u;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float wta = 1.0f, wtb = 1.0f;
+    if (compute) {
+        const bool vec = inter % 16u == 0 && aligned16(wx) && aligned16(act);
+        f.ok0 = ra < h;
+        f.ok1 = rb < h;
+        f.w0 = wx + (size_t)(f.ok0 ? ra : 0u) * inter;
+        f.w1 = wx + (size_t)(f.ok1 ? rb : 0u) * inter;
+        f.s0 = f.s1 = sx + (size_t)(r0 / FP8_BLOCK) * nbi;  // r0 .. r0 + 15 share a block row (16 | 128)
+        const uint32_t pg = __shfl_sync(0xFFFFFFFFu, pair, g);
+        f.okx = (pm >> g) & 1u;
+        f.x = act + (f.okx ? (size_t)pg * inter : 0u);  // a dead column reads row 0 (its outputs are dropped)
+        fp8_tile_dots(f, inter, vec, acc);
+        // The routing weight is read after the GEMV, as moe_down_batch reads it.
+        const float wt = (routed && ((pm >> lane) & 1u)) ? __ldcg(weights + pair) : 1.0f;
+        wta = __shfl_sync(0xFFFFFFFFu, wt, 2u * t);
+        wtb = __shfl_sync(0xFFFFFFFFu, wt, 2u * t + 1u);
+        if (routed) {
+            acc[0] = __fmul_rn(wta, acc[0]);
+            acc[2] = __fmul_rn(wta, acc[2]);
+            acc[1] = __fmul_rn(wtb, acc[1]);
+            acc[3] = __fmul_rn(wtb, acc[3]);
+        }
+    }
+    if (la) {
+        if (ra < h) parts[(size_t)pa * h + ra] = acc[0];
+        if (rb < h) parts[(size_t)pa * h + rb] = acc[2];
+    }
+    if (lb) {
+        if (ra < h) parts[(size_t)pb * h + ra] = acc[1];
+        if (rb < h) parts[(size_t)pb * h + rb] = acc[3];
+    }
+}

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 # BF16 has no NumPy typestr of its own: PyTorch and ml_dtypes describe it as two opaque bytes.
 BF16_TYPESTRS = ("<V2",)
+F32_TYPESTRS = ("<f4",)
+_TYPE_NAMES = {BF16_TYPESTRS: "BF16", F32_TYPESTRS: "float32"}
 
 
 class ExternalArrayError(ValueError):
@@ -42,7 +44,8 @@ def cuda_array(
         raise ExternalArrayError(f"{what} has shape {got_shape}, expected {tuple(shape)}")
     typestr = cai.get("typestr")
     if typestr not in typestrs:
-        raise ExternalArrayError(f"{what} has dtype {typestr!r}, expected BF16 ({' or '.join(typestrs)})")
+        name = _TYPE_NAMES.get(tuple(typestrs), "")
+        raise ExternalArrayError(f"{what} has dtype {typestr!r}, expected {name} ({' or '.join(typestrs)})")
     strides = cai.get("strides")
     if strides is not None:
         want, acc = [], itemsize

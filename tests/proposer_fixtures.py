@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from model.config import ModelConfig, tiny
+from model.dsa import max_dsa_context
 from model.proposer import MtpProposer, ProposerOptions
 from runtime.dtypes import BF16, FP8
 from runtime.host_backend import HostBackend
@@ -35,7 +36,7 @@ def make_proposer(
     **opts,
 ):
     gpu = gpu or HostBackend()
-    served = served or cfg.dsa.max_context
+    served = served or max_dsa_context(cfg.dsa)  # the whole reach (the reservation in whole pools)
     return cls(gpu, cfg, weights, ProposerOptions(served_max_seq_len=served, **opts), tables=tables)
 
 

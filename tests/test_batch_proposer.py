@@ -11,6 +11,7 @@ from hypothesis import strategies as st_
 
 from model.config import tiny
 from model.proposer import ProposerError
+from model.sampling import SamplingParams
 from runtime.host_backend import HostBackend
 from tests.proposer_fixtures import (
     assert_same_caches,
@@ -37,6 +38,19 @@ class Seq:
         self.tokens = rng.integers(0, CFG.vocab_size, n + 1)
         self.hiddens = rng.standard_normal((n + 1, H)).astype(np.float32)
         self.a, self.b = a, b
+        # Half the sequences sample (temperature, top-k, top-p drawn at random), half are greedy:
+        # batches mix them, as a serving engine's do.
+        kind = int(rng.integers(0, 4))
+        self.params = (
+            SamplingParams()
+            if kind == 0
+            else SamplingParams(
+                temperature=float(rng.choice([0.5, 1.0, 2.0])),
+                top_k=int(rng.choice([0, 1, 5])) if kind >= 2 else 0,
+                top_p=float(rng.choice([0.3, 0.9, 1.0])) if kind == 3 else 1.0,
+                seed=int(rng.integers(0, 2**64, dtype=np.uint64)),
+            )
+        )
 
 
 class Pair:
@@ -83,16 +97,27 @@ def _catchup(pair: Pair, seqs: list[Seq], counts: list[int]) -> None:
         gpu.free(p)
 
 
-def _propose(pair: Pair, seqs: list[Seq], backs: list[int], k: int) -> None:
+def _propose(pair: Pair, seqs: list[Seq], backs: list[int], k: int, sampling: bool = False) -> None:
     gpu = pair.gpu
     pos = [max(pair.alone.drafter_rows(q.b) - back, 0) for q, back in zip(seqs, backs)]
     hid = upload_rows(gpu, np.stack([q.hiddens[p] for q, p in zip(seqs, pos)]))
     toks = [int(q.tokens[p + 1]) for q, p in zip(seqs, pos)]
-    got = pair.batched.propose_batch([q.a for q in seqs], toks, hid, pos, k)
+    sampled = sampling and any(not q.params.greedy for q in seqs)
+    if sampled:
+        got, probs = pair.batched.propose_batch(
+            [q.a for q in seqs], toks, hid, pos, k, sampling=[q.params for q in seqs]
+        )
+        assert probs.shape == (len(seqs), k) and probs.dtype == np.float32
+    else:
+        got = pair.batched.propose_batch([q.a for q in seqs], toks, hid, pos, k)
     assert got.shape == (len(seqs), k)
     for b, q in enumerate(seqs):
         one = upload_rows(gpu, q.hiddens[pos[b] : pos[b] + 1])
-        want = pair.alone.propose(q.b, toks[b], one, pos[b], k)
+        if sampled:
+            want, want_p = pair.alone.propose(q.b, toks[b], one, pos[b], k, sampling=q.params)
+            assert probs[b].tolist() == want_p, f"sequence {b}: draft probabilities differ from alone"
+        else:
+            want = pair.alone.propose(q.b, toks[b], one, pos[b], k)
         gpu.free(one)
         assert list(got[b]) == want, f"sequence {b} of the batch drafted differently than alone"
     gpu.free(hid)
@@ -100,7 +125,7 @@ def _propose(pair: Pair, seqs: list[Seq], backs: list[int], k: int) -> None:
 
 OPS = st_.one_of(
     st_.tuples(st_.just("alloc"), st_.integers(1, 40)),
-    st_.tuples(st_.just("propose"), st_.integers(0, 2**32 - 1), st_.integers(1, KMAX)),
+    st_.tuples(st_.just("propose"), st_.integers(0, 2**32 - 1), st_.integers(1, KMAX), st_.booleans()),
     st_.tuples(st_.just("verify"), st_.integers(0, 2**32 - 1)),
     st_.tuples(st_.just("catchup"), st_.integers(0, 2**32 - 1)),
     st_.tuples(st_.just("rewind"), st_.integers(0, 2**32 - 1)),
@@ -116,8 +141,10 @@ OPS = st_.one_of(
 )
 def test_batches_draft_as_each_sequence_alone(first, ops, seed):
     """Random subsets and orders of live slots, random positions (rewinds included) and context
-    lengths, any acceptance, catch-up, rewind, free and slot reuse, batches that need padding:
-    after every step every sequence's drafts and cache bytes equal its twin's, drafted alone."""
+    lengths, any acceptance, catch-up, rewind, free and slot reuse, batches that need padding,
+    greedy and sampled proposes (sampled batches mixing greedy and sampled sequences): after every
+    step every sequence's drafts, draft probabilities and cache bytes equal its twin's, drafted
+    alone."""
     pair = Pair()
     rng = np.random.default_rng(seed)
     serial = 0
@@ -146,7 +173,7 @@ def test_batches_draft_as_each_sequence_alone(first, ops, seed):
                 if not subset:
                     continue
                 backs = [int(rng.integers(0, 3)) for _ in subset]
-                _propose(pair, subset, backs, k)
+                _propose(pair, subset, backs, k, sampling=op[3])
                 event(f"propose of {len(subset)} (bucket {pair.batched._bucket(len(subset))})")
                 proposed = subset
             elif op[0] == "verify":

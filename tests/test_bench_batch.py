@@ -15,6 +15,7 @@ from bench import bench_batch as bb
 from bench.bench_propose import draft_bytes
 from model.config import tiny
 from model.proposer import MtpProposer
+from model.sampling import SamplingParams
 from runtime.host_backend import HostBackend
 from tests.proposer_fixtures import bf16_weights, make_proposer, upload_rows
 
@@ -247,14 +248,26 @@ def test_measure_batch_on_the_host_backend():
     )
     live = gpu.stats().live_bytes
     try:
-        rows = bb.measure_batch(prop, gpu, (1, 3), 40, 2, 2, np.random.default_rng(0), bandwidth=1e9)
+        rows = bb.measure_batch(
+            prop,
+            gpu,
+            (1, 3),
+            40,
+            2,
+            2,
+            np.random.default_rng(0),
+            bandwidth=1e9,
+            sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=2),
+        )
         assert [r["B"] for r in rows] == [1, 3]
+        assert all(r["sampled_device_ms"] > 0 and r["weights"] == "bf16" for r in rows)
+        assert (4, 2, "sampled") in prop.captured_graphs  # B = 3 runs in the bucket of 4
         for r in rows:
             assert r["graph_device_ms"] > 0 and r["floor_ms"] > 0 and r["step_wall_ms"] > 0
             assert r["experts_from"] == "expected" and len(r["distinct_experts"]) == 2
             assert r["floor_bytes"]["total"] == pytest.approx(r["floor_ms"] * 1e6)
             assert not math.isnan(r["over_floor"])
         assert gpu.stats().live_bytes == live  # every state and buffer freed
-        assert "| 3 | 2 |" in bb.batch_table(rows)
+        assert "| 3 | 2 | bf16 |" in bb.batch_table(rows) and "sampled / greedy" in bb.batch_table(rows)
     finally:
         prop.close()

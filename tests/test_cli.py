@@ -4,6 +4,7 @@ strict JSON; ``mtpdraft bench`` forwards its options and ships as a package."""
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 from model.checkpoint import random_tensors, write_checkpoint
 from model.cli import main, parser
 from model.config import tiny
+from model.proposer import MtpProposer
 from model.speculative import SpecStats
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,6 +121,28 @@ USER_ERRORS = [
         "byte 0x7a (offset 1) is outside the checkpoint's vocabulary 0..96",
     ),
     (["generate", "-v", "-k", "0"], "-k must be between 1 and 8, got 0"),
+    # Sampling flags: SamplingParams.check's refusal, naming the flag, before anything is built.
+    (["generate", "--temperature", "-1"], "--temperature: temperature -1.0 must be a finite number >= 0"),
+    (["generate", "--temperature", "nan"], "--temperature: temperature nan must be a finite number"),
+    (["generate", "--temperature", "inf"], "--temperature: temperature inf must be a finite number"),
+    (["generate", "--top-p", "0"], "--top-p: top_p 0.0 must be in (0, 1]"),
+    (["generate", "--top-p", "1.5"], "--top-p: top_p 1.5 must be in (0, 1]"),
+    (["generate", "--top-k", "-1"], "--top-k: top_k -1 must be an integer in 0 .. vocabulary size"),
+    (["generate", "--top-k", "257"], "--top-k: top_k 257 must be an integer in 0 .. vocabulary size 256"),
+    (
+        ["generate", "--top-k", "98", "--prompt", "AB", "--checkpoint", "{ck}/ok"],
+        "top_k 98 must be an integer in 0 .. vocabulary size 97",
+    ),
+    (["generate", "--seed", "-1"], "--seed: seed -1 is outside 0 .. 2**64 - 1"),
+    (["generate", "--seed", str(2**64)], f"--seed: seed {2**64} is outside 0 .. 2**64 - 1"),
+    (["generate", "--temperature", "-1", "--checkpoint", "/nonexistent"], "--temperature: temperature -1.0"),
+    (
+        ["generate", "--temperature", "0.8", "--check-lossless"],
+        "--check-lossless compares with the target's greedy decode: it needs --temperature 0",
+    ),
+    (["eval", "--temperature", "1", "--top-k", "5"], "--temperature, --top-k: sampling applies to --decode"),
+    (["eval", "--decode", "--top-p", "2"], "--top-p: top_p 2.0 must be in (0, 1]"),
+    (["eval", "--decode", "--top-k", "300"], "top_k 300 must be an integer in 0 .. vocabulary size 256"),
     (["eval", "-k", "0"], "-k must be between 1 and 8, got 0"),
     (["eval", "-k", "-1"], "-k must be between 1 and 8, got -1"),
     (["eval", "--samples", "0"], "--samples must be at least 1"),
@@ -191,8 +215,88 @@ def test_help_explains_every_option():
         "--max-new-tokens",
         "--check-lossless",
         "--verbose",
+        "--temperature",
+        "--top-p",
+        "--top-k",
+        "--seed",
     ):
         assert opt in r.stdout
+    r = run("eval", "--help")
+    assert r.returncode == 0
+    for opt in ("--temperature", "--top-p", "--top-k", "--seed"):
+        assert opt in r.stdout
+
+
+# ---- sampling flags -------------------------------------------------------------------------
+
+
+def test_a_bad_top_k_is_refused_before_the_model_is_built(monkeypatch, capsys):
+    """top-k's bound is the checkpoint's vocabulary: read from its config, before any tensor."""
+    import model.cli as cli
+
+    def no_build(*a, **kw):
+        raise AssertionError("the model was built before the sampling flags were checked")
+
+    monkeypatch.setattr(cli, "build", no_build)
+    assert main(["generate", "-q", "--temperature", "1", "--top-k", "257"]) == 2
+    assert_one_line_error(capsys.readouterr().err, "top_k 257 must be an integer in 0 .. vocabulary size 256")
+
+
+def test_sampling_flags_reach_the_decoder(monkeypatch, capsys):
+    """generate passes the flags' SamplingParams to speculative_decode and reports them; eval
+    --decode passes them to decode_acceptance."""
+    import model.evaluation
+    import model.speculative
+    from model.sampling import SamplingParams
+
+    seen = []
+    real = model.speculative.speculative_decode
+
+    def spy(*a, sampling=None, **kw):
+        seen.append(sampling)
+        return real(*a, **kw)  # greedy: the drafter under test here is not the sampled one
+
+    monkeypatch.setattr(model.speculative, "speculative_decode", spy)
+    flags = ["--temperature", "0.8", "--top-p", "0.9", "--top-k", "40", "--seed", "7"]
+    assert main(["generate", "-q", "--max-new-tokens", "4", *flags]) == 0
+    want = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=7)
+    assert seen == [want]
+    stats = strict_json(capsys.readouterr().err.strip().splitlines()[-1])
+    assert stats["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 40, "seed": 7}
+    # The default is greedy, and greedy runs say nothing of sampling.
+    assert main(["generate", "-q", "--max-new-tokens", "2"]) == 0
+    assert seen[-1] == SamplingParams() and seen[-1].greedy
+    assert "sampling" not in strict_json(capsys.readouterr().err.strip().splitlines()[-1])
+
+    got = []
+
+    def decode_spy(*a, sampling=None, refeed, **kw):
+        got.append((sampling, refeed))
+        return {"prompts": 1, "refeed": refeed}
+
+    monkeypatch.setattr(model.evaluation, "decode_acceptance", decode_spy)
+    assert main(["eval", "-q", "--decode", "--samples", "1", *flags]) == 0
+    assert got == [(want, False), (want, True)]
+
+
+SAMPLED_PROPOSE = "sampling" in inspect.signature(MtpProposer.propose).parameters
+
+
+@pytest.mark.skipif(
+    not SAMPLED_PROPOSE,
+    reason="MtpProposer.propose does not take sampling= yet (the sampled drafter is being integrated)",
+)
+def test_sampled_generate_is_reproducible_from_its_seed(capsys):
+    def gen(seed: int) -> tuple[str, dict]:
+        argv = ["generate", "-q", "--max-new-tokens", "24", "--temperature", "1.0", "--top-p", "0.95"]
+        assert main([*argv, "--seed", str(seed)]) == 0
+        out = capsys.readouterr()
+        return out.out, strict_json(out.err.strip().splitlines()[-1])
+
+    a, stats = gen(1)
+    assert gen(1)[0] == a and a.startswith("def fibonacci(n):")
+    assert len({a, gen(2)[0], gen(3)[0]}) > 1
+    assert stats["sampling"]["seed"] == 1 and stats["steps"] > 0
 
 
 # ---- strict JSON ----------------------------------------------------------------------------

@@ -119,7 +119,7 @@ def test_host_proposer_matches_float64(tail, share, seed, rows, topk, kpool, k):
     )
     w = bf16_weights(cfg, seed)
     gpu = HostBackend()
-    prop = make_proposer(cfg, w, gpu=gpu, served=64, max_draft_tokens=4)
+    prop = make_proposer(cfg, w, gpu=gpu, max_draft_tokens=4)
     assert prop.layer.selection_extra == (3 if tail and share else 0)
     ref = ReferenceDrafter(cfg, w, fp8_cache=True)
     rng = np.random.default_rng(seed)

@@ -612,7 +612,7 @@ def test_max_draft_tokens_is_bounded_by_what_the_drafter_holds():
     with pytest.raises(ProposerError, match="max_draft_tokens must be an integer"):
         ProposerOptions(served_max_seq_len=100, max_draft_tokens=2.0)
     gpu = HostBackend()
-    with pytest.raises(ProposerError, match=r"more than the \d+ rows the drafter holds"):
+    with pytest.raises(ProposerError, match=r"served max_seq_len 10000000 is past the \d+ rows"):
         make_proposer(CFG, WEIGHTS, gpu=gpu, served=10**7, max_draft_tokens=10**6)
     assert gpu.stats().live_bytes == 0
     probe = make_proposer(CFG, WEIGHTS, gpu=gpu, served=64)

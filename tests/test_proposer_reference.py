@@ -35,7 +35,7 @@ def test_drafts_and_logits_match_float64(seed, rows, topk, kpool, fp8_head):
     cfg = tiny(index_topk=topk, index_kpool=kpool, max_context=64)
     w = bf16_weights(cfg, seed)
     gpu = HostBackend()
-    prop = make_proposer(cfg, w, gpu=gpu, served=64, fp8_head=fp8_head)
+    prop = make_proposer(cfg, w, gpu=gpu, fp8_head=fp8_head)
     assert (prop.head_fp8 is not None) == fp8_head
     ref = ReferenceDrafter(cfg, w, fp8_cache=True, fp8_head=fp8_head)
     rng = np.random.default_rng(seed)

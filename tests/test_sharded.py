@@ -224,3 +224,89 @@ def test_the_rank_entry_point_runs_one_rank_on_the_host(capsys):
     assert main(["--backend", "host", "--steps", "6", "--timing-iters", "2", "--context", "48"]) == 0
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert '"ranks_agree": true' in line and '"proposes": 6' in line
+
+
+def sampled_batch_drafts(cfg, weights, rank_world, gpu, comm, seed, params):
+    """Three sequences drafted with ``params`` (one per sequence) through a bucket graph, twice
+    (the second after rewinding: a replay): (tokens, probs) of each call."""
+    c = cfg.with_parallel(*rank_world)
+    opt = ProposerOptions(
+        served_max_seq_len=64, o_proj_groups=4, max_sequences=4, use_graphs=True, batch_buckets=(1, 4)
+    )
+    prop = MtpProposer(gpu, c, weights, opt, comm=comm)
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, cfg.vocab_size, (3, 40))
+    hid = rng.standard_normal((3, 40, cfg.hidden_size)).astype(np.float32)
+    sts = [prop.alloc_state() for _ in range(3)]
+    rows = [6, 19, 11]
+    ptrs = [upload_rows(gpu, hid[b]) for b in range(3)]
+    prop.catchup_batch(sts, [tokens[b, : rows[b] + 1] for b in range(3)], ptrs, [0] * 3)
+    h = upload_rows(gpu, np.stack([hid[b, rows[b]] for b in range(3)]))
+    out = []
+    for _ in range(2):
+        d = prop.propose_batch(
+            sts, [int(tokens[b, rows[b] + 1]) for b in range(3)], h, rows, 3, sampling=params
+        )
+        out.append((d.tokens.tolist(), d.probs.copy()))
+    for p in (*ptrs, h):
+        gpu.free(p)
+    prop.close()
+    return out
+
+
+def test_sharded_sampling_draws_what_one_rank_draws_on_every_rank():
+    """Temperature and top-k rows (and a greedy one) on a vocabulary-sharded head: every rank commits
+    the same tokens and the same probabilities, the tokens one unsharded head draws (the noise of a
+    vocabulary index is the same on every rank), the probabilities within f32 rounding of its."""
+    from model.sampling import SamplingParams
+
+    cfg = tiny(vocab_size=96, index_topk=8, index_kpool=2, max_context=64)
+    w = bf16_weights(cfg, 21)
+    params = [
+        SamplingParams(temperature=1.5, seed=4),
+        SamplingParams(),
+        SamplingParams(temperature=0.8, top_k=7, seed=2**40 + 9),
+    ]
+    one = sampled_batch_drafts(cfg, w, (0, 1), HostBackend(), None, 21, params)
+    for world in (2, 4):
+        res, errs = run_ranks(
+            world, lambda r, g, c: sampled_batch_drafts(cfg, w, (r, world), g, c, 21, params)
+        )
+        assert errs == [None] * world, errs
+        for r in range(world):
+            for (tok, q), (tok1, q1), (_, q0) in zip(res[r], one, res[0]):
+                assert tok == tok1, f"world {world} rank {r}: tokens differ from one rank's"
+                assert np.array_equal(q, q0), f"world {world} rank {r}: probabilities differ across ranks"
+                np.testing.assert_allclose(q, q1, rtol=1e-5)
+            assert res[r][0][0] == res[r][1][0]  # the graph replay draws the same
+
+
+def test_top_p_on_a_sharded_head_is_refused_before_anything_is_drafted():
+    from model.proposer import ProposerError
+    from model.sampling import SamplingParams
+
+    cfg = tiny(vocab_size=96, index_topk=8, index_kpool=2, max_context=64)
+    w = bf16_weights(cfg, 22)
+
+    def body(r, gpu, comm):
+        prop = MtpProposer(
+            gpu,
+            cfg.with_parallel(r, 2),
+            w,
+            ProposerOptions(served_max_seq_len=64, o_proj_groups=4),
+            comm=comm,
+        )
+        st = prop.alloc_state()
+        h = upload_rows(gpu, np.zeros((1, cfg.hidden_size), np.float32))
+        try:
+            with pytest.raises(
+                ProposerError, match="top_p 0.9 < 1 is not supported with a vocabulary-sharded"
+            ):
+                prop.propose(st, 1, h, 0, 2, sampling=SamplingParams(temperature=1.0, top_p=0.9))
+            return prop.propose(st, 1, h, 0, 2, sampling=SamplingParams(temperature=1.0, top_k=5))
+        finally:
+            prop.close()
+
+    res, errs = run_ranks(2, body)
+    assert errs == [None, None], errs
+    assert res[0] == res[1]

@@ -66,12 +66,20 @@ def dequantize(
 
 
 def quantize(w: np.ndarray, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[np.ndarray, np.ndarray]:
-    """Block-quantise ``w`` [out, in]: scale = block absmax / 448 (1 for an all-zero block).
+    """Block-quantise ``w`` [out, in]: scale = block absmax / 448 (1 for an all-zero block; never
+    below the smallest f32 subnormal), q = w / scale in f32, rounded to nearest and saturated at
+    +-448 (an f32 quotient just past 448 never becomes NaN). Partial blocks (out or in not a
+    multiple of the block) take the absmax of the elements they hold.
 
-    Returns (q F8_E4M3 [out, in], scale F32 [ceil(out/bo), ceil(in/bi)]). Used by the writer to
-    produce FP8 test checkpoints.
+    Returns (q F8_E4M3 [out, in], scale F32 [ceil(out/bo), ceil(in/bi)]). The writer uses it for
+    FP8 test checkpoints and the loader to quantise a BF16 checkpoint's experts. A non-finite
+    weight is a ValueError (its block would have no scale).
     """
     w = np.asarray(w, dtype=np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"quantize: expected a matrix, got shape {list(w.shape)}")
+    if not np.isfinite(w).all():
+        raise ValueError(f"quantize: {int((~np.isfinite(w)).sum())} non-finite weights")
     bo, bi = block
     out, inp = w.shape
     so, si = scale_shape(w.shape, block)
@@ -79,6 +87,7 @@ def quantize(w: np.ndarray, block: tuple[int, int] = DEFAULT_BLOCK) -> tuple[np.
     padded[:out, :inp] = np.abs(w)
     amax = padded.reshape(so, bo, si, bi).max(axis=(1, 3))
     scale = np.where(amax > 0, amax / np.float32(448.0), np.float32(1.0)).astype(np.float32)
+    scale = np.maximum(scale, np.finfo(np.float32).smallest_subnormal)
     full = np.repeat(np.repeat(scale, bo, axis=0), bi, axis=1)[:out, :inp]
     return to_fp8_saturating(w / full), scale
 

@@ -2,9 +2,12 @@
 ``index_kpool_always_select_tail`` is false), and the extension of a shared selection by the rows
 drafted after it (``index_share_for_mtp_iteration``, ``model.dsa``, "Shared selection").
 
-``TOPK_MAX_POOLS`` is the selection kernel's capacity (its per-block shared-memory budget holds one
-f32 score per pool); ``model.dsa.max_dsa_context`` derives the drafter's reach from it, so a kernel
-change moves the sizing with it. CUDA: ptx/dsa_select.cu.
+``TOPK_MAX_POOLS`` is the selection kernel's capacity in pools (``select_max_pools`` for a given
+``topk_pools``); ``model.dsa.max_dsa_context`` derives the drafter's reach from it, so a kernel
+change moves the sizing with it. Up to ``TOPK_SINGLE_BLOCK_POOLS`` complete pools one block ranks
+a row; past that the row's pools are ranked in chunks by several blocks and merged by the last one,
+through a workspace the caller allocates zeroed (``select_workspace_bytes``). CUDA:
+ptx/dsa_select.cu.
 
 Each kernel covers m batch entries (model/kernels/batch.py), each entry over its own slot's pools
 with its own row, query and output rows; an entry's bits do not depend on the batch.
@@ -20,8 +23,20 @@ from runtime.launch import launch
 
 from .batch import SlotGeometry, is_pad, read_entries
 
-# 16384 pools x 4 B of f32 score = 64 KiB of dynamic shared memory in ptx/dsa_select.cu.
-TOPK_MAX_POOLS = 16384
+# The selection's capacity in pools (ptx/dsa_select.cu TOPK_MAX_POOLS_CUDA): 1,048,576 tokens at
+# kpool 4, GLM-5.3-Flash's max_position_embeddings.
+TOPK_MAX_POOLS = 262144
+# Pools one block ranks alone (one u32 key each in its 64 KiB of shared memory, the kernel's
+# capacity before it had chunks): a slot of at most this many pools needs no workspace.
+TOPK_SINGLE_BLOCK_POOLS = 16384
+# Chunks of at least this many pools, and at least 16 x topk_pools: the merge then ranks at most
+# about TOPK_MAX_POOLS / 16 = 16384 candidates (64 KiB of keys; ceil(pools / chunk) x topk_pools,
+# under 16384 + topk_pools), and a chunk's local top k is a small part of it. At topk 512 a chunk
+# of 8192 keys and a merge of up to 16384 split the work about evenly.
+SELECT_CHUNK_MIN = 8192
+# The largest topk_pools the chunked selection ranks (its chunk of 16 x 2048 keys is 128 KiB of
+# shared memory); a larger one is ranked by one block, up to TOPK_SINGLE_BLOCK_POOLS pools.
+SELECT_MAX_TOPK = 2048
 
 
 def complete_pools(row: int, kpool: int) -> int:
@@ -64,6 +79,60 @@ def select_rows_ref(
     pools = np.sort(order)
     rows = (pools[:, None] * kpool + np.arange(kpool)[None, :]).reshape(-1)
     return np.concatenate([rows, tail_rows]).astype(np.uint32)
+
+
+def select_max_pools(topk_pools: int) -> int:
+    """Complete pools the selection ranks for ``topk_pools``: TOPK_MAX_POOLS, or one block's
+    TOPK_SINGLE_BLOCK_POOLS for a top-k past SELECT_MAX_TOPK."""
+    return TOPK_MAX_POOLS if topk_pools <= SELECT_MAX_TOPK else TOPK_SINGLE_BLOCK_POOLS
+
+
+def select_chunk(topk_pools: int) -> int:
+    """Pools per block of the chunked selection (at least 16 x topk_pools)."""
+    return max(SELECT_CHUNK_MIN, 16 * topk_pools)
+
+
+def select_is_chunked(pools_per_slot: int) -> bool:
+    """Whether a slot of ``pools_per_slot`` pools can need the chunked selection (and its
+    workspace)."""
+    return pools_per_slot > TOPK_SINGLE_BLOCK_POOLS
+
+
+def select_workspace_words(pools_per_slot: int, topk_pools: int) -> int:
+    """u32 words of one entry's workspace (ptx/dsa_select.cu select_ws_words): a counter and three
+    words of padding, then each chunk's topk_pools keys and as many pool indices; 0 where one block
+    ranks every row."""
+    if not select_is_chunked(pools_per_slot):
+        return 0
+    chunks = -(-pools_per_slot // select_chunk(topk_pools))
+    return 4 + 2 * chunks * topk_pools
+
+
+def select_workspace_bytes(rows: int, slot_rows: int, kpool: int, topk_pools: int) -> int:
+    """Bytes of the selection workspace for launches of up to ``rows`` entries over slots of
+    ``slot_rows`` rows (dense per entry). Allocate it zeroed: the kernel's per-entry counters must
+    start at 0, and every launch leaves them 0 again (graph-capturable: no host sync, no reset)."""
+    pps = SlotGeometry(slot_rows, 1, kpool, 1).pools_per_slot
+    return rows * select_workspace_words(pps, topk_pools) * 4
+
+
+def select_smem(pools_per_slot: int, topk_pools: int) -> int:
+    """Dynamic shared memory of select_topk_pools_batch: one u32 key per pool a block ranks (one
+    block's pools, a chunk's, or the merge's candidates)."""
+    words = min(pools_per_slot, TOPK_SINGLE_BLOCK_POOLS)
+    if select_is_chunked(pools_per_slot):
+        chunk = select_chunk(topk_pools)
+        words = max(words, chunk, -(-pools_per_slot // chunk) * topk_pools)
+    return words * 4
+
+
+def select_grid(m: int, pools_per_slot: int, topk_pools: int) -> tuple[int, int]:
+    """select_topk_pools_batch's grid: (blocks per entry, m); one block per chunk of the slot's
+    pools where a row can need chunks. Blocks past a row's chunks exit at once; the grid never
+    changes a list (a selection is a unique set)."""
+    if not select_is_chunked(pools_per_slot):
+        return 1, m
+    return -(-pools_per_slot // select_chunk(topk_pools)), m
 
 
 def _select(mem, scores, selected, count, row, topk_pools, kpool, tail, sel_cap):
@@ -114,6 +183,7 @@ def _entry_rows(mem, entries, m, row_add):
         ("dim", U32),
         ("kpool", U32),
         ("w_scale", F32),
+        ("mma", U32),
     ],
     writes=("scores",),
     pdl=True,
@@ -136,8 +206,10 @@ def INDEXER_SCORES_BATCH(
     dim,
     kpool,
     w_scale,
+    mma,
 ):
-    """The scores of each entry's slot's complete pools, into scores + e * pools_per_slot."""
+    """The scores of each entry's slot's complete pools, into scores + e * pools_per_slot (both
+    paths of the kernel: one formula, f32 rounding apart)."""
     geo = SlotGeometry(slot_rows, dim, kpool, 1)
     pps = geo.pools_per_slot
     for e, slot, row in _entry_rows(mem, entries, m, row_add):
@@ -172,16 +244,32 @@ def INDEXER_SCORES_BATCH(
         ("topk_pools", U32),
         ("kpool", U32),
         ("tail", U32),
+        ("workspace", PTR),
+        ("chunk", U32),
     ],
-    writes=("selected", "count"),
+    writes=("selected", "count", "workspace"),
     pdl=True,
     releases=True,  # right after its wait: the q_abs GEMV runs beside it
 )
 def SELECT_TOPK_POOLS_BATCH(
-    mem, scores, selected, count, entries, m, row_add, slot_rows, sel_cap, topk_pools, kpool, tail
+    mem,
+    scores,
+    selected,
+    count,
+    entries,
+    m,
+    row_add,
+    slot_rows,
+    sel_cap,
+    topk_pools,
+    kpool,
+    tail,
+    workspace,
+    chunk,
 ):
     """The top-k pools' rows of each entry: scores + e * pools_per_slot -> selected + e * sel_cap,
-    count[e]."""
+    count[e]. The workspace is the kernel's scratch (the twin leaves it, as the kernel leaves its
+    counters, zero)."""
     pps = SlotGeometry(slot_rows, 1, kpool, 1).pools_per_slot
     for e, _, row in _entry_rows(mem, entries, m, row_add):
         cnt = count.offset(e * 4)
@@ -256,6 +344,44 @@ def scores_batch_grid(m: int, pools_per_slot: int) -> tuple[int, int]:
     return min(per, SCORES_MAX_GRID, max(-(-pools_per_slot // 8), 1)), m
 
 
+# The tensor-core path (ptx/dsa_select.cu score_pools_mma): dim 128, up to 32 heads; a warp takes
+# rounds of SCORES_MMA_ROUND pools (4 tiles of 8). Its ~220 registers hold one 256-thread block per
+# SM, so an entry's grid is one H200 wave (132 blocks) at m = 1, and a launch about two waves.
+SCORES_MMA_DIM = 128
+SCORES_MMA_MAX_HEADS = 32
+SCORES_MMA_ROUND = 32
+SCORES_MMA_MAX_GRID = 132
+SCORES_MMA_BATCH_BLOCKS = 2 * SCORES_MMA_MAX_GRID
+
+
+def scores_use_mma(heads: int, dim: int, q, q_stride: int, pool_keys) -> bool:
+    """Whether indexer_scores_batch runs on the tensor cores: the shapes (dim 128, at most 32
+    heads) and alignments (q rows of 4 bytes, pool keys of 16) it needs. A function of the layer's
+    shapes and buffers only, never of m or the rows, so every launch of a layer takes one path."""
+    return (
+        dim == SCORES_MMA_DIM
+        and 1 <= heads <= SCORES_MMA_MAX_HEADS
+        and q_stride % 2 == 0
+        and int(q) % 4 == 0
+        and int(pool_keys) % 16 == 0
+    )
+
+
+def scores_mma_grid(m: int, pools_per_slot: int) -> tuple[int, int]:
+    """The tensor-core path's grid: (blocks per entry, m), SCORES_MMA_BATCH_BLOCKS / m blocks an
+    entry, at most SCORES_MMA_MAX_GRID or one per 8 rounds (a block's 8 warps) of a slot's pools.
+    The choice moves work, never bits (a pool's score is one warp's fixed arithmetic)."""
+    per = max(-(-SCORES_MMA_BATCH_BLOCKS // m), 1)
+    rounds = -(-pools_per_slot // SCORES_MMA_ROUND)
+    return min(per, SCORES_MMA_MAX_GRID, max(-(-rounds // 8), 1)), m
+
+
+def indexer_score_bytes(npools: int, dim: int) -> int:
+    """Bytes the indexer reads for one row of ``npools`` complete pools (FP8 keys and f32 scales)
+    and writes (f32 scores): its HBM floor is this over the copy bandwidth."""
+    return npools * (dim + 4 + 4)
+
+
 def indexer_scores_batch(
     gpu,
     *,
@@ -283,15 +409,18 @@ def indexer_scores_batch(
     holding ``pools_per_slot = max(slot_rows // kpool, 1)``) with its query ``q + e * q_stride * 2``
     (BF16 ``[heads][dim]``) and head weights ``w + e * w_stride * 2`` (BF16 ``[heads]``), into
     ``scores + e * pools_per_slot * 4`` (f32): score = w_scale * sum over heads of w[h] *
-    relu(q[h] . pool key) / sqrt(dim) (FP8 keys times their scale). Each score's bits do not depend on m or
-    the entry's place. Padding entries and rows at or past ``slot_rows``
-    read and write nothing; scores past an entry's complete pools are not written."""
+    relu(q[h] . pool key) / sqrt(dim) (FP8 keys times their scale). Each score's bits do not depend
+    on m or the entry's place. At dim 128 and up to 32 heads (GLM-5.3-Flash's indexer) the dots run
+    on the tensor cores (``scores_use_mma``), streaming the keys at HBM speed at any length.
+    Padding entries and rows at or past ``slot_rows`` read and write nothing; scores past an
+    entry's complete pools are not written."""
     _check_m("indexer_scores_batch", m)
     pps = SlotGeometry(slot_rows, dim, kpool, 1).pools_per_slot
+    mma = scores_use_mma(heads, dim, q, q_stride, pool_keys)
     launch(
         gpu,
         gpu.kernel(*INDEXER_SCORES_BATCH.key),
-        scores_batch_grid(m, pps),
+        scores_mma_grid(m, pps) if mma else scores_batch_grid(m, pps),
         256,
         q,
         q_stride,
@@ -308,7 +437,8 @@ def indexer_scores_batch(
         dim,
         kpool,
         w_scale,
-        smem=indexer_scores_smem(heads, dim),
+        int(mma),
+        smem=0 if mma else indexer_scores_smem(heads, dim),
         stream=stream,
     )
 
@@ -327,20 +457,43 @@ def select_topk_pools_batch(
     topk_pools,
     kpool,
     tail,
+    workspace=None,
     stream=None,
 ):
-    """The top-k pool selection (with the tail) for ``m`` entries, one block each: entry e's row ``row + row_add``,
+    """The top-k pool selection (with the tail) for ``m`` entries: entry e's row ``row + row_add``,
     its scores at ``scores + e * pools_per_slot * 4``, its ascending rows into
     ``selected + e * sel_cap * 4`` and their number into ``count[e]`` (u32), the same whatever the
-    batch. A selection longer than ``sel_cap`` (size it with
-    ``selection_capacity(slot_rows, topk_pools, kpool, extra)``), a row at or past ``slot_rows``
-    or past the kernel's TOPK_MAX_POOLS give count 0. Padding entries read and write nothing."""
-    _check_m("select_topk_pools_batch", m, 2**31 - 1)
+    batch (a selection is a unique set: higher score first, then lower pool index). A selection
+    longer than ``sel_cap`` (size it with ``selection_capacity(slot_rows, topk_pools, kpool,
+    extra)``) or a row at or past ``slot_rows`` gives count 0. Padding entries read and write
+    nothing.
+
+    ``workspace``: ``select_workspace_bytes(rows, slot_rows, kpool, topk_pools)`` bytes for up to
+    ``rows`` >= m entries, allocated zeroed once (the launch leaves its counters zero), needed
+    where a slot holds more than TOPK_SINGLE_BLOCK_POOLS pools; elsewhere it may be None."""
+    _check_m("select_topk_pools_batch", m)
     pps = SlotGeometry(slot_rows, 1, kpool, 1).pools_per_slot
+    if pps > TOPK_MAX_POOLS:
+        raise ValueError(
+            f"select_topk_pools_batch: slots of {slot_rows} rows hold {pps} pools of {kpool}, past the "
+            f"selection's capacity of {TOPK_MAX_POOLS} pools"
+        )
+    chunked = select_is_chunked(pps)
+    if chunked and topk_pools > SELECT_MAX_TOPK:
+        raise ValueError(
+            f"select_topk_pools_batch: topk_pools={topk_pools} over slots of {pps} pools: the chunked "
+            f"selection ranks at most {SELECT_MAX_TOPK} pools, one block at most "
+            f"{TOPK_SINGLE_BLOCK_POOLS} pools (select_max_pools)"
+        )
+    if chunked and workspace is None:
+        raise ValueError(
+            f"select_topk_pools_batch: slots of {pps} pools (more than {TOPK_SINGLE_BLOCK_POOLS}) need a "
+            "workspace of select_workspace_bytes(rows, slot_rows, kpool, topk_pools) bytes, allocated zeroed"
+        )
     launch(
         gpu,
         gpu.kernel(*SELECT_TOPK_POOLS_BATCH.key),
-        m,
+        select_grid(m, pps, topk_pools),
         1024,
         scores,
         selected,
@@ -353,7 +506,9 @@ def select_topk_pools_batch(
         topk_pools,
         kpool,
         int(bool(tail)),
-        smem=min(pps, TOPK_MAX_POOLS) * 4,
+        count if workspace is None else workspace,  # never read where no row can need chunks
+        select_chunk(topk_pools),
+        smem=select_smem(pps, topk_pools),
         stream=stream,
     )
 

@@ -9,7 +9,9 @@ so the zero-padded all-reduce of a sharded run reproduces one rank's arithmetic 
 
 router_group_batch routes the batch and groups its (entry, slot) pairs by local expert in its last
 block; moe_gate_up_batch and moe_down_batch then read each used expert's rows once for all its
-pairs. A pair's arithmetic does not depend on the batch. CUDA: ptx/moe.cu.
+pairs. A pair's arithmetic does not depend on the batch. moe_gate_up_fp8_batch and
+moe_down_fp8_batch are the same contracts with FP8 E4M3 experts and 128 x 128 block scales (the
+section "FP8 experts" below). CUDA: ptx/moe.cu.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from runtime.dtypes import BF16
+from runtime.dtypes import BF16, FP8
 from runtime.kernel import F32, PTR, U32, declare
 from runtime.launch import launch
 
@@ -583,6 +585,423 @@ def moe_down_batch(
         256,
         w,
         w_shared,
+        act,
+        weights,
+        group,
+        parts,
+        entries,
+        m,
+        ntopk,
+        n_local,
+        h,
+        inter,
+        shared,
+        stream=stream,
+    )
+
+
+# ---- FP8 experts (issue 18) ----------------------------------------------------------------------
+#
+# moe_gate_up_fp8_batch / moe_down_fp8_batch: the contracts of moe_gate_up_batch / moe_down_batch
+# (the same group workspace, shared-slot rules, padding and outputs) with every expert, routed and
+# shared, in FP8 E4M3 with one F32 scale per 128 x 128 block: W[r, c] = q[r, c] * s[r // 128, c // 128]
+# (model/checkpoint/fp8.py, the checkpoint's ``weight_scale_inv``). Layouts:
+#   gate_up q [n_local, 2I, H] (gate rows, then up rows), scales [n_local, 2 * ceil(I / 128),
+#     ceil(H / 128)]: the gate's block rows, then the up's (up row i uses block row ceil(I / 128) +
+#     i // 128), as stack_gate_up_fp8 builds them from the two tensors' own scales;
+#   down q [n_local, H, I], scales [n_local, ceil(H / 128), ceil(I / 128)];
+#   the shared expert the same with n_local = 1 (its intermediate is I: n_shared_experts <= 1).
+# Neither I nor H need be a multiple of 128: the last block row / column is partial.
+#
+# Arithmetic of one output (weight row r, activation row x of its pair), which the twins compute:
+#   acc = 0 (f32); for each block b of 128 columns, in increasing order:
+#     part = sum over the block's columns c of q[r, c] * x[c], in f32 (q converted exactly; on the
+#            device the tensor core's sum of eight k16 steps, on the host NumPy's f32 dot);
+#     acc = f32(acc + f32(s[r // 128, b] * part)).
+# Then act = BF16(clamped SwiGLU(acc_gate, acc_up)), parts = f32(weight * acc) (routed pairs) or acc
+# (the shared slot), as the BF16 kernels. The device and the twin differ only in the order within
+# a block's partial sum (tests: within the f32 dot bound); each is batch-invariant.
+#
+# Device design (ptx/moe.cu): a warp multiplies 16 weight rows by the up to 8 pairs of its work item
+# with mma.sync m16n8k16 (BF16 in, f32 accumulate): each FP8 weight chunk is read once per launch
+# for all its pairs and widened to BF16 once (the E4M3 -> f16x2 conversion, a shift and masks, one
+# BF16x2 multiply by 2^112; exact); a block of 4 warps covers 32 act elements (gate_up) or 64 output
+# rows (down). The E4M3 NaN codes (0x7F, 0xFF) are not weights (quantize saturates): the device does
+# not read them as NaN.
+
+FP8_BLOCK = 128  # the scales' block in both dimensions (the checkpoints' weight_block_size)
+FP8_WARPS = 4  # warps per block of the FP8 expert kernels (ptx/moe.cu FP8_WARPS)
+FP8_GATE_UP_PER_BLOCK = 8 * FP8_WARPS  # act elements per block (8 per warp)
+FP8_DOWN_ROWS_PER_BLOCK = 16 * FP8_WARPS  # output rows per block (16 per warp: the MMA's M)
+
+
+def _blocks(n: int) -> int:
+    return -(-n // FP8_BLOCK)
+
+
+def gate_up_scale_shape(n_local: int, inter: int, h: int) -> tuple[int, int, int]:
+    """Shape of the gate_up scales: [n_local, 2 * ceil(inter / 128), ceil(h / 128)]."""
+    return (n_local, 2 * _blocks(inter), _blocks(h))
+
+
+def down_scale_shape(n_local: int, h: int, inter: int) -> tuple[int, int, int]:
+    """Shape of the down scales: [n_local, ceil(h / 128), ceil(inter / 128)]."""
+    return (n_local, _blocks(h), _blocks(inter))
+
+
+def check_fp8_block(block: tuple[int, int]) -> None:
+    """ValueError unless a checkpoint's ``weight_block_size`` is the kernels' 128 x 128."""
+    if tuple(int(b) for b in block) != (FP8_BLOCK, FP8_BLOCK):
+        raise ValueError(
+            f"FP8 experts: block scales of {list(block)} blocks; the kernels take {FP8_BLOCK} x {FP8_BLOCK} only"
+        )
+
+
+def _check_fp8_weight(what: str, q: np.ndarray, s: np.ndarray, rows: int, cols: int) -> None:
+    q, s = np.asarray(q), np.asarray(s)
+    if q.dtype != FP8 or q.shape != (rows, cols):
+        raise ValueError(f"{what}: expected F8_E4M3 [{rows}, {cols}], got {q.dtype} {list(q.shape)}")
+    want = (_blocks(rows), _blocks(cols))
+    if s.dtype != np.float32 or s.shape != want:
+        raise ValueError(
+            f"{what}: block scales must be F32 {list(want)} (blocks of {FP8_BLOCK} x {FP8_BLOCK}), "
+            f"got {s.dtype} {list(s.shape)}"
+        )
+
+
+def stack_gate_up_fp8(
+    gate_q: np.ndarray, gate_s: np.ndarray, up_q: np.ndarray, up_s: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """One expert's gate_up in the kernels' layout from the checkpoint's gate_proj and up_proj
+    (each q F8_E4M3 [I, H] with its scales F32 [ceil(I / 128), ceil(H / 128)]): q [2I, H], scales
+    [2 * ceil(I / 128), ceil(H / 128)] (the gate's block rows, then the up's). A wrong dtype or
+    shape, or scales of another block size, is a ValueError."""
+    gate_q = np.asarray(gate_q)
+    if gate_q.ndim != 2:
+        raise ValueError(f"gate_proj: expected a matrix [I, H], got shape {list(gate_q.shape)}")
+    i, h = gate_q.shape
+    _check_fp8_weight("gate_proj", gate_q, gate_s, i, h)
+    _check_fp8_weight("up_proj", up_q, up_s, i, h)
+    return np.concatenate([gate_q, up_q]), np.concatenate([gate_s, up_s])
+
+
+def check_fp8_experts(
+    gate_up: np.ndarray,
+    gate_up_scale: np.ndarray,
+    down: np.ndarray,
+    down_scale: np.ndarray,
+    inter: int,
+    h: int,
+) -> None:
+    """ValueError unless the stacks are the kernels' layout for this ``inter`` and ``h``: gate_up
+    F8_E4M3 [n, 2 inter, h] with F32 gate_up_scale_shape(n, inter, h), down F8_E4M3 [n, h, inter]
+    with F32 down_scale_shape(n, h, inter). For the loader, before device memory is taken."""
+    gate_up, down = np.asarray(gate_up), np.asarray(down)
+    n = gate_up.shape[0] if gate_up.ndim == 3 else -1
+    checks = [
+        ("gate_up", gate_up, (n, 2 * inter, h), gate_up_scale, gate_up_scale_shape(n, inter, h)),
+        ("down", down, (n, h, inter), down_scale, down_scale_shape(n, h, inter)),
+    ]
+    for what, q, qshape, s, sshape in checks:
+        s = np.asarray(s)
+        if q.dtype != FP8 or q.shape != qshape or n < 1:
+            raise ValueError(f"{what}: expected F8_E4M3 {list(qshape)}, got {q.dtype} {list(q.shape)}")
+        if s.dtype != np.float32 or s.shape != sshape:
+            raise ValueError(
+                f"{what} scales: expected F32 {list(sshape)} (blocks of {FP8_BLOCK} x {FP8_BLOCK}), "
+                f"got {s.dtype} {list(s.shape)}"
+            )
+
+
+def _fp8_rows(mem, ptr, rows: int, cols: int) -> np.ndarray:
+    """[nb, rows, 128] f32: the exact values of an FP8 [rows, cols] matrix by column block, zero
+    past the last column."""
+    nb = _blocks(cols)
+    q = np.zeros((rows, nb * FP8_BLOCK), np.float32)
+    q[:, :cols] = mem.read(ptr, np.uint8, (rows, cols)).view(FP8).astype(np.float32)
+    return np.ascontiguousarray(q.reshape(rows, nb, FP8_BLOCK).transpose(1, 0, 2))
+
+
+def block_scaled_dot(qb: np.ndarray, srows: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """The module's arithmetic for every row of one weight against one activation row: qb [nb,
+    rows, 128] (_fp8_rows), srows [rows, nb] f32 (each row's block row of scales), x [cols] f32.
+    Returns [rows] f32. One row's value depends on that row and x alone."""
+    nb = qb.shape[0]
+    xb = np.zeros(nb * FP8_BLOCK, np.float32)
+    xb[: len(x)] = x
+    part = np.matmul(qb, xb.reshape(nb, FP8_BLOCK, 1))[:, :, 0]  # [nb, rows] f32
+    acc = np.zeros(qb.shape[1], np.float32)
+    for b in range(nb):
+        acc = (acc + (srows[:, b] * part[b]).astype(np.float32)).astype(np.float32)
+    return acc
+
+
+def _gate_up_fp8(mem, w, ws, x: int, inter: int, h: int) -> tuple[np.ndarray, np.ndarray]:
+    """Expert x's gate_up as (_fp8_rows, per-row scales [2 inter, nbh])."""
+    nbi, nbh = _blocks(inter), _blocks(h)
+    qb = _fp8_rows(mem, w.offset(x * 2 * inter * h), 2 * inter, h)
+    s = mem.read(ws.offset(x * 2 * nbi * nbh * 4), np.float32, (2 * nbi, nbh))
+    i = np.arange(inter) // FP8_BLOCK
+    return qb, np.concatenate([s[i], s[nbi + i]])
+
+
+def _down_fp8(mem, w, ws, x: int, h: int, inter: int) -> tuple[np.ndarray, np.ndarray]:
+    nbh, nbi = _blocks(h), _blocks(inter)
+    qb = _fp8_rows(mem, w.offset(x * h * inter), h, inter)
+    s = mem.read(ws.offset(x * nbh * nbi * 4), np.float32, (nbh, nbi))
+    return qb, s[np.arange(h) // FP8_BLOCK]
+
+
+@declare(
+    "moe",
+    "moe_gate_up_fp8_batch",
+    [
+        ("w", PTR),
+        ("w_scale", PTR),
+        ("w_shared", PTR),
+        ("w_shared_scale", PTR),
+        ("y", PTR),
+        ("group", PTR),
+        ("act", PTR),
+        ("entries", PTR),
+        ("m", U32),
+        ("ntopk", U32),
+        ("n_local", U32),
+        ("inter", U32),
+        ("h", U32),
+        ("limit", F32),
+        ("shared", U32),
+    ],
+    writes=("act",),
+    pdl=True,
+)
+def MOE_GATE_UP_FP8_BATCH(
+    mem,
+    w,
+    w_scale,
+    w_shared,
+    w_shared_scale,
+    y,
+    group,
+    act,
+    entries,
+    m,
+    ntopk,
+    n_local,
+    inter,
+    h,
+    limit,
+    shared,
+):
+    """MOE_GATE_UP_BATCH's outputs with FP8 experts (w [n_local, 2 inter, h] E4M3 with w_scale
+    gate_up_scale_shape(n_local, inter, h); w_shared [1, 2 inter, h] with w_shared_scale
+    gate_up_scale_shape(1, inter, h)): act[pair] = clamped SwiGLU of block_scaled_dot over the
+    expert's gate and up rows with y[e]. The same pairs written and the same ones left alone."""
+    nslots = ntopk + (1 if shared != SHARED_NONE else 0)
+
+    def run(qb, srows, pairs) -> None:
+        for p in pairs:
+            p = int(p)
+            yv = mem.read(y.offset((p // nslots) * h * 2), BF16, h).astype(np.float32)
+            gu = block_scaled_dot(qb, srows, yv)
+            mem.write(act.offset(p * inter * 2), clamped_swiglu(gu[:inter], gu[inter:], limit).astype(BF16))
+
+    if shared == SHARED_HERE:
+        run(
+            *_gate_up_fp8(mem, w_shared, w_shared_scale, 0, inter, h),
+            [e * nslots + ntopk for e in _live(mem, entries, m)],
+        )
+    if ntopk:
+        cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for x, pairs in _items(mem, group, m, ntopk, n_local):
+            if x >= n_local:
+                continue
+            if x not in cache:
+                cache = {x: _gate_up_fp8(mem, w, w_scale, x, inter, h)}
+            run(*cache[x], pairs)
+
+
+@declare(
+    "moe",
+    "moe_down_fp8_batch",
+    [
+        ("w", PTR),
+        ("w_scale", PTR),
+        ("w_shared", PTR),
+        ("w_shared_scale", PTR),
+        ("act", PTR),
+        ("weights", PTR),
+        ("group", PTR),
+        ("parts", PTR),
+        ("entries", PTR),
+        ("m", U32),
+        ("ntopk", U32),
+        ("n_local", U32),
+        ("h", U32),
+        ("inter", U32),
+        ("shared", U32),
+    ],
+    writes=("parts",),
+    pdl=True,
+)
+def MOE_DOWN_FP8_BATCH(
+    mem,
+    w,
+    w_scale,
+    w_shared,
+    w_shared_scale,
+    act,
+    weights,
+    group,
+    parts,
+    entries,
+    m,
+    ntopk,
+    n_local,
+    h,
+    inter,
+    shared,
+):
+    """MOE_DOWN_BATCH's outputs with FP8 experts (w [n_local, h, inter] E4M3 with w_scale
+    down_scale_shape(n_local, h, inter); w_shared [1, h, inter] with down_scale_shape(1, h, inter)):
+    parts[pair] = f32(weights[pair] * block_scaled_dot(expert, act[pair])) for routed pairs, the dot
+    alone for the shared slot with SHARED_HERE, zeros for zero pairs and (SHARED_ELSEWHERE) the shared
+    slot; padding entries' rows are not written."""
+    nslots = ntopk + (1 if shared != SHARED_NONE else 0)
+
+    def dot(qb, srows, p: int) -> np.ndarray:
+        return block_scaled_dot(
+            qb, srows, mem.read(act.offset(p * inter * 2), BF16, inter).astype(np.float32)
+        )
+
+    if shared != SHARED_NONE:
+        sh = _down_fp8(mem, w_shared, w_shared_scale, 0, h, inter) if shared == SHARED_HERE else None
+        for e in _live(mem, entries, m):
+            p = e * nslots + ntopk
+            mem.write(parts.offset(p * h * 4), np.zeros(h, np.float32) if sh is None else dot(*sh, p))
+    if ntopk:
+        cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for x, pairs in _items(mem, group, m, ntopk, n_local):
+            for p in pairs:
+                p = int(p)
+                if x >= n_local:
+                    mem.write(parts.offset(p * h * 4), np.zeros(h, np.float32))
+                    continue
+                if x not in cache:
+                    cache = {x: _down_fp8(mem, w, w_scale, x, h, inter)}
+                wt = np.float32(mem.read(weights.offset(p * 4), np.float32, 1)[0])
+                mem.write(parts.offset(p * h * 4), (wt * dot(*cache[x], p)).astype(np.float32))
+
+
+def _check_fp8_launch(what: str, m: int, group, scales, inter: int, h: int) -> None:
+    _check_batch(what, m, group)
+    if inter < 1 or h < 1:
+        raise ValueError(f"{what}: inter = {inter} and h = {h} must be positive")
+    for name, p in scales.items():
+        if p is None or p.addr % 4:
+            raise ValueError(f"{what}: {name} must be a 4-byte aligned pointer to F32 block scales")
+
+
+def moe_gate_up_fp8_batch(
+    gpu,
+    *,
+    w,
+    w_scale,
+    w_shared,
+    w_shared_scale,
+    y,
+    group,
+    act,
+    entries,
+    m,
+    ntopk,
+    n_local,
+    inter,
+    h,
+    limit,
+    shared,
+    stream=None,
+):
+    """MOE_GATE_UP_FP8_BATCH. Grid (ceil(inter / 32), shared tiles + items_bound), block 128: at
+    m = 1, top-8 with a shared expert, (64, 9). ``group`` may be None when ntopk == 0 (dense MLP).
+    The scale pointers must hold the module's layouts (a wrapper cannot see their sizes:
+    check_fp8_experts is the loader's check); with SHARED_NONE / SHARED_ELSEWHERE the shared ones
+    are not read (any aligned pointer)."""
+    _check_fp8_launch(
+        "moe_gate_up_fp8_batch", m, group, {"w_scale": w_scale, "w_shared_scale": w_shared_scale}, inter, h
+    )
+    gy = _batch_grid_y(m, ntopk, n_local, shared == SHARED_HERE)
+    if gy == 0:
+        return
+    if group is None:
+        if ntopk:
+            raise ValueError("moe_gate_up_fp8_batch: routed experts need the group workspace")
+        group = entries  # never read with ntopk == 0; the launch wants a pointer
+    launch(
+        gpu,
+        gpu.kernel(*MOE_GATE_UP_FP8_BATCH.key),
+        (-(-inter // FP8_GATE_UP_PER_BLOCK), gy),
+        32 * FP8_WARPS,
+        w,
+        w_scale,
+        w_shared,
+        w_shared_scale,
+        y,
+        group,
+        act,
+        entries,
+        m,
+        ntopk,
+        n_local,
+        inter,
+        h,
+        limit,
+        shared,
+        stream=stream,
+    )
+
+
+def moe_down_fp8_batch(
+    gpu,
+    *,
+    w,
+    w_scale,
+    w_shared,
+    w_shared_scale,
+    act,
+    weights,
+    group,
+    parts,
+    entries,
+    m,
+    ntopk,
+    n_local,
+    h,
+    inter,
+    shared,
+    stream=None,
+):
+    """MOE_DOWN_FP8_BATCH. Grid (ceil(h / 64), shared tiles + items_bound), block 128: (64, 9) at
+    m = 1, top-8 with a shared slot. ``group`` / ``weights`` may be None when ntopk == 0."""
+    _check_fp8_launch(
+        "moe_down_fp8_batch", m, group, {"w_scale": w_scale, "w_shared_scale": w_shared_scale}, inter, h
+    )
+    gy = _batch_grid_y(m, ntopk, n_local, shared != SHARED_NONE)
+    if gy == 0:
+        return
+    if ntopk and (group is None or weights is None):
+        raise ValueError("moe_down_fp8_batch: routed experts need the group workspace and the weights")
+    group = entries if group is None else group
+    weights = entries if weights is None else weights
+    launch(
+        gpu,
+        gpu.kernel(*MOE_DOWN_FP8_BATCH.key),
+        (-(-h // FP8_DOWN_ROWS_PER_BLOCK), gy),
+        32 * FP8_WARPS,
+        w,
+        w_scale,
+        w_shared,
+        w_shared_scale,
         act,
         weights,
         group,

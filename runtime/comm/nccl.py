@@ -48,6 +48,21 @@ log = logging.getLogger(__name__)
 _CUDA_ERROR_NOT_READY = 600
 
 
+def missing_peers(rank: int, world_size: int) -> str:
+    """The ranks a timed-out wait of ``rank`` was waiting for, as precisely as NCCL allows: it
+    reports no per-peer progress, so with two ranks the other one is named, with more the
+    candidates (the launcher's log names a rank whose process exited)."""
+    peers = [r for r in range(world_size) if r != rank]
+    if not peers:
+        return "the communicator has no other rank: the stream's own work did not finish"
+    if len(peers) == 1:
+        return f"rank {peers[0]} did not arrive (dead, or stopped before a collective)"
+    return (
+        f"one or more of ranks {peers} did not arrive (dead, or stopped before a collective; "
+        "NCCL does not say which)"
+    )
+
+
 class NcclCommunicator:
     """One rank of an NCCL communicator of ``world_size`` ranks built from ``unique_id`` (the
     128 bytes that rank 0 got from ``ncclGetUniqueId`` and every rank received, see
@@ -183,8 +198,8 @@ class NcclCommunicator:
             self._poll_async("wait for the stream")
             if time.monotonic() > deadline:
                 reason = (
-                    f"stream 0x{s:x} did not finish within {t:g}s: a peer rank is missing "
-                    "or stalled in a collective; communicator aborted"
+                    f"stream 0x{s:x} did not finish within {t:g}s: "
+                    f"{missing_peers(self._rank, self._world)}; communicator aborted"
                 )
                 self.abort(reason)
                 raise CommError(f"rank {self._rank}: {reason}")
@@ -266,7 +281,10 @@ class NcclCommunicator:
         pause = 1e-4
         while self._poll_async(what) == NCCL_IN_PROGRESS:
             if time.monotonic() > deadline:
-                reason = f"{what} timed out waiting for {waiting_for} (rank {self._rank} of {self._world})"
+                reason = (
+                    f"{what} timed out waiting for {waiting_for} (rank {self._rank} of {self._world}): "
+                    f"{missing_peers(self._rank, self._world)}"
+                )
                 self.abort(reason)
                 raise CommError(reason)
             time.sleep(pause)

@@ -1,0 +1,369 @@
+"""The drafter's reach out to 1,048,576 tokens on the host: the selection past the one-block
+capacity (16384 pools) up to 262,144 pools through the host twin, the chunked selection's algorithm
+against the plain top-k, the wrapper's refusals, the sizing derived from the capacity, the refusal
+of a served length past the reservation, the bytes a sequence holds, and the indexer's twin and
+path choice at long contexts. tests/test_gpu_dsa_reach.py runs the same checks on the PTX."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from batch_dsa_util import ScoreShape, check_scores, entries_of, read_layout, score_world, scores_f64
+from dsa_reach_util import SelectShape, check_select_reach, chunked_select_ref, layout_rows, reach_scores
+
+from model.config import glm5_flash, tiny
+from model.dsa import DsaSizingError, check_served_context, drafter_context_rows, max_dsa_context
+from model.kernels import dsa_select
+from model.kernels.dsa_select import (
+    SELECT_MAX_TOPK,
+    TOPK_MAX_POOLS,
+    TOPK_SINGLE_BLOCK_POOLS,
+    indexer_score_bytes,
+    scores_mma_grid,
+    scores_use_mma,
+    select_chunk,
+    select_grid,
+    select_max_pools,
+    select_rows_ref,
+    select_smem,
+    select_workspace_bytes,
+    select_workspace_words,
+)
+from model.proposer_checks import ProposerError
+from model.slot_pools import SlotPools, slot_bytes_by_kind
+from runtime.device_ptr import DevicePtr
+from runtime.host_backend import HostBackend
+
+GLM_1M = 1 << 20
+KINDS = ["random", "ties", "coarse", "special"]
+
+
+# ---- the chunked selection's algorithm --------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "npools,topk,chunk",
+    [
+        (16385, 512, 8192),
+        (100_003, 512, 8192),
+        (262_144, 512, 8192),
+        (262_144, 2048, 32768),
+        (1000, 3, 16),  # many chunks, a last chunk shorter than topk
+        (777, 5, 7),
+        (40, 8, 8),  # chunk == topk: every chunk lists all its pools
+    ],
+)
+def test_chunked_selection_is_the_plain_top_k(kind, npools, topk, chunk):
+    """Each chunk's top k (ties to the lower pool), concatenated in chunk order, then their top k
+    with ties to the lower position: the global top k, ties included, for every input."""
+    scores = reach_scores(np.random.default_rng(npools + topk), 1, npools, kind)[0]
+    want = select_rows_ref(scores, npools - 1, topk, 1, tail=False)  # kpool 1: rows are pools
+    np.testing.assert_array_equal(chunked_select_ref(scores, npools, topk, chunk), want)
+
+
+# ---- the twin past the old capacity -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("tail", [True, False], ids=["tail", "no-tail"])
+def test_twin_selection_up_to_262144_pools(kind, tail):
+    """GLM-5.3-Flash's top-512 at kpool 4 over slots of 1,048,576 rows: rows at 1 (dense), 1023,
+    the one-block cap and one past it, 100,003 and 262,144 complete pools, exact; each entry alone
+    gives the same bytes; padding untouched; a row past the slot count 0; counters zero."""
+    sh = SelectShape(slot_rows=GLM_1M, kpool=4, topk=512, tail=tail)
+    rng = np.random.default_rng(7 + tail)
+    lay = layout_rows(rng, sh, [1, 1023, 16384, 16385, 100_003, 262_144], npad=2, outside=True)
+    check_select_reach(HostBackend(), reach_scores(rng, len(lay[0]), sh.pps, kind), sh, lay)
+
+
+@pytest.mark.parametrize("m_live", [1, 3, 9])
+def test_twin_selection_small_topk_past_the_cap(m_live):
+    """topk 3 at kpool 2 (a tail of at most one row) over slots of 40,000 pools: rows spread over
+    both regimes, one just past the one-block cap; cuts inside ties."""
+    sh = SelectShape(slot_rows=2 * 40_000 + 1, kpool=2, topk=3, tail=True)
+    rng = np.random.default_rng(m_live)
+    counts = [int(x) for x in rng.integers(1, sh.pps + 1, m_live)]
+    counts[0] = TOPK_SINGLE_BLOCK_POOLS + 1
+    lay = layout_rows(rng, sh, counts, npad=1, outside=m_live >= 3)
+    check_select_reach(HostBackend(), reach_scores(rng, len(lay[0]), sh.pps, "ties"), sh, lay)
+
+
+def test_twin_selection_past_sel_cap_is_count_zero():
+    """A list cap too small for topk * kpool + tail is the visible failure at any pool count."""
+    sh = SelectShape(slot_rows=4 * 20_000, kpool=4, topk=512, tail=True)
+    rng = np.random.default_rng(3)
+    ent, _ = entries_of([(0, 4 * 20_000 - 1), (1, 4 * 17_000 + 2)], 0)
+    gpu = HostBackend()
+    words = select_workspace_words(sh.pps, sh.topk)
+    p = {
+        "scores": gpu.alloc(2 * sh.pps * 4),
+        "sel": gpu.alloc(2 * 100 * 4),
+        "cnt": gpu.alloc(8),
+        "entries": gpu.alloc(ent.nbytes),
+        "ws": gpu.alloc(2 * words * 4),
+    }
+    gpu.copy_h2d(p["scores"], reach_scores(rng, 2, sh.pps, "random"))
+    gpu.copy_h2d(p["entries"], ent)
+    gpu.memset(p["cnt"], 0x07, 8)
+    gpu.memset(p["ws"], 0, 2 * words * 4)
+    dsa_select.select_topk_pools_batch(
+        gpu,
+        scores=p["scores"],
+        selected=p["sel"],
+        count=p["cnt"],
+        entries=p["entries"],
+        m=2,
+        row_add=0,
+        slot_rows=sh.slot_rows,
+        sel_cap=100,
+        topk_pools=512,
+        kpool=4,
+        tail=True,
+        workspace=p["ws"],
+    )
+    cnt = np.empty(2, np.uint32)
+    gpu.copy_d2h(cnt, p["cnt"])
+    assert list(cnt) == [0, 0]
+    for ptr in p.values():
+        gpu.free(ptr)
+
+
+# ---- the wrapper's contract -------------------------------------------------------------------
+
+
+def _select_kwargs(p: DevicePtr, **over):
+    kw = dict(
+        scores=p,
+        selected=p,
+        count=p,
+        entries=p,
+        m=1,
+        row_add=0,
+        slot_rows=4 * (TOPK_SINGLE_BLOCK_POOLS + 1),
+        sel_cap=2051,
+        topk_pools=512,
+        kpool=4,
+        tail=True,
+    )
+    kw.update(over)
+    return kw
+
+
+def test_select_wrapper_refuses_what_it_cannot_rank():
+    gpu = HostBackend()
+    p = gpu.alloc(64)
+    with pytest.raises(ValueError, match="need a workspace of select_workspace_bytes"):
+        dsa_select.select_topk_pools_batch(gpu, **_select_kwargs(p))
+    with pytest.raises(ValueError, match="past the selection's capacity of 262144 pools"):
+        dsa_select.select_topk_pools_batch(
+            gpu, **_select_kwargs(p, slot_rows=4 * TOPK_MAX_POOLS + 4, workspace=p)
+        )
+    with pytest.raises(ValueError, match="ranks at most 2048 pools"):
+        dsa_select.select_topk_pools_batch(
+            gpu, **_select_kwargs(p, topk_pools=SELECT_MAX_TOPK + 1, workspace=p)
+        )
+    for m in (0, 70000):
+        with pytest.raises(ValueError, match=f"m={m}"):
+            dsa_select.select_topk_pools_batch(gpu, **_select_kwargs(p, m=m, workspace=p))
+    gpu.free(p)
+
+
+def test_select_sizing_follows_the_kernel():
+    """Chunks of max(8192, 16 topk) pools; a merge of under 16384 + topk keys; shared memory within an
+    H200 block's 227 KiB for every topk the chunked selection takes; no workspace where one block
+    ranks every row."""
+    assert select_chunk(512) == 8192 and select_chunk(2048) == 32768 and select_chunk(1) == 8192
+    assert select_grid(5, TOPK_SINGLE_BLOCK_POOLS, 512) == (1, 5)
+    assert select_grid(5, TOPK_MAX_POOLS, 512) == (32, 5)
+    assert select_workspace_words(TOPK_SINGLE_BLOCK_POOLS, 512) == 0
+    assert select_workspace_bytes(256, 4 * TOPK_SINGLE_BLOCK_POOLS, 4, 512) == 0
+    assert select_workspace_words(TOPK_MAX_POOLS, 512) == 4 + 2 * 32 * 512
+    assert select_workspace_bytes(3, GLM_1M, 4, 512) == 3 * (4 + 2 * 32 * 512) * 4
+    assert select_smem(1024, 512) == 4096
+    assert select_smem(TOPK_MAX_POOLS, 512) == 65536
+    for topk in (1, 3, 100, 512, 1000, 1024, 1500, 2048):
+        chunks = -(-TOPK_MAX_POOLS // select_chunk(topk))
+        assert chunks * topk < 16384 + topk, topk
+        assert select_smem(TOPK_MAX_POOLS, topk) <= 227 * 1024, topk
+    assert select_max_pools(512) == TOPK_MAX_POOLS
+    assert select_max_pools(SELECT_MAX_TOPK + 1) == TOPK_SINGLE_BLOCK_POOLS
+
+
+def test_capacity_constants_match_the_kernel():
+    src = (Path(__file__).resolve().parent.parent / "ptx" / "dsa_select.cu").read_text()
+    cap = re.search(r"#define TOPK_MAX_POOLS_CUDA (\d+)u", src)
+    one = re.search(r"#define TOPK_SINGLE_BLOCK_POOLS (\d+)u", src)
+    assert cap and int(cap.group(1)) == TOPK_MAX_POOLS
+    assert one and int(one.group(1)) == TOPK_SINGLE_BLOCK_POOLS
+    words = re.search(r"return 4u \+ 2u \* \(size_t\)select_chunks\(pps, chunk\) \* topk;", src)
+    assert words, "ptx/dsa_select.cu select_ws_words no longer reads as select_workspace_words"
+
+
+# ---- sizing and the load-time refusal ---------------------------------------------------------
+
+
+def test_the_reach_is_derived_from_the_capacity():
+    """GLM-5.3-Flash's published reservation (max_position_embeddings 1,048,576) is the reach; a
+    larger one stops at the selection's 262,144 pools; a top-k past the chunked selection's stops
+    at one block's 16384 pools."""
+    d = glm5_flash(max_context=GLM_1M).dsa
+    assert max_dsa_context(d) == GLM_1M == TOPK_MAX_POOLS * d.index_kpool
+    assert drafter_context_rows(GLM_1M, d) == GLM_1M
+    assert drafter_context_rows(131_072, d) == 131_072
+    assert max_dsa_context(glm5_flash(max_context=4 * GLM_1M).dsa) == GLM_1M
+    assert max_dsa_context(glm5_flash(max_context=GLM_1M + 3).dsa) == GLM_1M
+    big_topk = dataclasses.replace(d, index_topk=4 * (SELECT_MAX_TOPK + 1))
+    assert max_dsa_context(big_topk) == TOPK_SINGLE_BLOCK_POOLS * 4
+    for kpool in (1, 2, 8):
+        dk = tiny(index_kpool=kpool, index_topk=8 * kpool, max_context=10 * GLM_1M).dsa
+        assert max_dsa_context(dk) == TOPK_MAX_POOLS * kpool
+
+
+def test_a_served_length_past_the_reservation_is_refused():
+    d = glm5_flash(max_context=GLM_1M).dsa
+    assert check_served_context(GLM_1M, d) == GLM_1M
+    assert check_served_context(4096, d) == 4096
+    with pytest.raises(DsaSizingError, match=r"served max_seq_len 1048577 is past the 1048576 rows") as err:
+        check_served_context(GLM_1M + 1, d)
+    assert isinstance(err.value, ProposerError)
+    assert "1048576 tokens" in str(err.value) and "262144" in str(err.value)
+    small = glm5_flash(max_context=65_538).dsa  # 16384 whole pools and a 2-row remainder
+    with pytest.raises(DsaSizingError, match="65538 tokens is 16384 whole pools of 4"):
+        check_served_context(65_537, small)
+    with pytest.raises(DsaSizingError, match="must be positive"):
+        check_served_context(0, d)
+
+
+# ---- memory per sequence ----------------------------------------------------------------------
+
+
+def test_bytes_per_sequence_at_1m():
+    cfg = glm5_flash(max_context=GLM_1M)
+    got = slot_bytes_by_kind(cfg.dsa, cfg.attention.kv_lora_rank, GLM_1M)
+    assert got == {
+        "latent_kv": GLM_1M * (512 + 4),
+        "block_table": 2 * (GLM_1M // 16) * 4,
+        "indexer_keys": GLM_1M * 128 * 2,
+        "indexer_gates": GLM_1M * 128 * 2,
+        "pool_keys": (GLM_1M // 4) * 128,
+        "pool_scales": (GLM_1M // 4) * 4,
+    }
+    assert sum(got.values()) == 1_113_063_424
+
+
+@pytest.mark.parametrize("slot_rows,layers", [(100, 1), (77, 2)])
+def test_bytes_per_sequence_are_what_the_pools_allocate(slot_rows, layers):
+    """slot_bytes_by_kind times the slots is SlotPools' own account, and what the device holds
+    (the claims' tables included)."""
+    cfg = tiny(max_context=256)
+    gpu = HostBackend()
+    slots = 3
+    before = gpu.stats().live_bytes
+    pools = SlotPools(gpu, cfg.dsa, cfg.attention.kv_lora_rank, slot_rows, slots, layers)
+    try:
+        per = slot_bytes_by_kind(cfg.dsa, cfg.attention.kv_lora_rank, slot_rows, layers)
+        own = pools.nbytes_by_kind
+        assert slots * (per["latent_kv"] + per["block_table"] // 2) == own["kv_pool"]
+        idx = ("indexer_keys", "indexer_gates", "pool_keys", "pool_scales")
+        assert slots * sum(per[k] for k in idx) == own["indexer_caches"]
+        assert gpu.stats().live_bytes - before >= slots * sum(per.values())
+    finally:
+        pools.free()
+
+
+# ---- the indexer at long contexts -------------------------------------------------------------
+
+
+def test_indexer_twin_past_the_old_cap():
+    """The host twin scores every complete pool of rows past 16384 pools (small dims) within the
+    f32 bound of the float64 formula, each entry alone the same."""
+    sh = ScoreShape(slots=2, slot_rows=4 * 70_000, heads=3, dim=8, kpool=4)
+    rng = np.random.default_rng(11)
+    m = 4
+    world = score_world(rng, sh, m)
+    lay = read_layout(rng, sh.slots, sh.slot_rows, m, 1, 4 * 16_385, sh.slot_rows - 1)
+    got = check_scores(HostBackend(), world, sh, lay, 1)
+    for e, slot, row in lay.live:
+        npools = (row + 1) // sh.kpool
+        assert npools > TOPK_SINGLE_BLOCK_POOLS
+        ref, mag = scores_f64(world, sh, e, slot, row)
+        bound = 8 * (sh.dim + sh.heads) * 2.0**-24 * mag + 1e-30
+        assert (np.abs(got[e, :npools].astype(np.float64) - ref) <= bound).all()
+
+
+def test_indexer_path_and_grid():
+    """GLM-5.3-Flash's indexer (32 heads of 128) takes the tensor cores; other shapes or
+    misaligned buffers the warp-per-pool path. The tensor-core grid gives an entry one wave at
+    m = 1 and shares about two waves among a batch."""
+    a16, a4 = DevicePtr(0x10000), DevicePtr(0x10004)
+    assert scores_use_mma(32, 128, a16, 4104, a16)
+    assert scores_use_mma(5, 128, a4, 4104, a16)
+    assert not scores_use_mma(33, 128, a16, 4104, a16)
+    assert not scores_use_mma(32, 64, a16, 4104, a16)
+    assert not scores_use_mma(32, 128, a16, 4105, a16)
+    assert not scores_use_mma(32, 128, DevicePtr(0x10002), 4104, a16)
+    assert not scores_use_mma(32, 128, a16, 4104, a4)
+    assert scores_mma_grid(1, TOPK_MAX_POOLS) == (132, 1)
+    assert scores_mma_grid(1, 1024) == (4, 1)
+    assert scores_mma_grid(64, TOPK_MAX_POOLS) == (5, 64)
+    assert scores_mma_grid(256, 16) == (1, 256)
+    assert indexer_score_bytes(TOPK_MAX_POOLS, 128) == TOPK_MAX_POOLS * 136
+
+
+# ---- the proposer past 16384 pools ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "per-draft"])
+def test_a_proposer_past_the_one_block_cap_selects_exactly(share):
+    """A host proposer of 16434-pool slots (tiny config, kpool 2), its context fed fast to 16433
+    complete pools: after propose(k = 3) the layer's list is the exact top-k of its own indexer
+    scores (the chunked selection through the layer's workspace), then the drafted rows when
+    drafts 2..k share draft 1's selection."""
+    from proposer_fixtures import bf16_weights, make_proposer
+
+    from bench.bench_propose import fill_context
+    from model.dsa import selection_rows
+    from runtime.dtypes import BF16
+
+    reach = 2 * 16384 + 100
+    cfg = tiny(max_context=reach, share_for_mtp_iteration=share)
+    d = cfg.dsa
+    prop = make_proposer(cfg, bf16_weights(cfg, 3), served=reach, max_draft_tokens=3, max_sequences=1)
+    try:
+        assert prop.pools.geometry.pools_per_slot > TOPK_SINGLE_BLOCK_POOLS
+        st = prop.alloc_state()
+        ctx = reach - 3
+        fill_context(prop, st, ctx, np.random.default_rng(4))
+        hid = np.random.default_rng(5).standard_normal(cfg.hidden_size).astype(np.float32).astype(BF16)
+        hidden = prop.gpu.alloc(hid.nbytes)
+        prop.gpu.copy_h2d(hidden, hid)
+        drafts = prop.propose(st, 7, hidden, ctx, 3)
+        assert len(drafts) == 3 and all(0 <= t < cfg.vocab_size for t in drafts)
+        s, gpu = prop.scratch, prop.gpu
+        pps = prop.pools.geometry.pools_per_slot
+        sel_cap = selection_rows(d, prop.rows_cap, prop.layer.selection_extra)
+        scores = np.empty(pps, np.float32)
+        gpu.copy_d2h(scores, s.iscores)
+        cnt = np.empty(1, np.uint32)
+        gpu.copy_d2h(cnt, s.count)
+        sel = np.empty(sel_cap, np.uint32)
+        gpu.copy_d2h(sel, s.selected)
+        last = ctx if share else ctx + 2  # the row whose selection the list holds
+        want = select_rows_ref(scores, last, d.topk_pools, d.index_kpool, d.always_select_tail)
+        if share:
+            want = np.concatenate([want, [ctx + 1, ctx + 2]]).astype(np.uint32)
+        assert (last + 1) // d.index_kpool > TOPK_SINGLE_BLOCK_POOLS
+        assert cnt[0] == want.size
+        np.testing.assert_array_equal(sel[: want.size], want)
+        ws = np.empty(select_workspace_bytes(1, prop.rows_cap, d.index_kpool, d.topk_pools) // 4, np.uint32)
+        gpu.copy_d2h(ws, s.select_ws)
+        assert ws[0] == 0, "the workspace counter must be left zero"
+        gpu.free(hidden)
+        prop.free_state(st)
+    finally:
+        prop.close()
