@@ -1,4 +1,4 @@
 """The drafter's kernels: one module per CUDA source in ptx/, each with its declarations, host twins
 and launch helpers. Importing the package declares them all, which is how a backend learns them."""
 
-from . import bgemv, draft_head, dsa_cache, dsa_select, moe, mtp_input, sparse_mla  # noqa: F401 - imported to declare the kernels
+from . import bgemv, bgemv_fp8, draft_head, dsa_cache, dsa_select, moe, mtp_input, sparse_mla  # noqa: F401 - imported to declare the kernels
