@@ -133,23 +133,93 @@ __device__ __forceinline__ bool seg_vec(const SegRow& sr, uint32_t k) {
     return sr.fp8 ? (k % 16u == 0 && aligned16(sr.w)) : (k % 8u == 0 && aligned16(sr.w));
 }
 
+// RmsNormToSmem into an f32 row: xf[j] = float(bf16((x_j / r) * w_j)), the same bits widened. Staged
+// (16-byte aligned, n % 8 == 0): each thread copies its chunks c = tid, tid + blockDim, ... widened to
+// their place in xf as they arrive (two loads in flight) and sums their squares in that order
+// (stage_row_sumsq's); after the block reduction it rewrites its own chunks (scale_staged_row's
+// arithmetic). Otherwise rms_divisor and rms_apply's formula. Ends with a barrier.
+__device__ __forceinline__ void rms_row_to_smem_f32(const uint16_t* __restrict__ x, const uint16_t* __restrict__ w,
+                                                    uint32_t n, float eps, float* xf, float* scratch) {
+    if (n % 8u == 0 && aligned16(x) && aligned16(w) && aligned16(xf)) {
+        const uint32_t nc = n / 8u;
+        const uint4* xv = reinterpret_cast<const uint4*>(x);
+        float4* dv = reinterpret_cast<float4*>(xf);
+        float ss = 0.0f, unused = 0.0f;
+        for (uint32_t c0 = threadIdx.x; c0 < nc; c0 += 2u * blockDim.x) {
+            const uint32_t c1 = c0 + blockDim.x;
+            const uint4 v0 = __ldg(xv + c0);
+            const uint4 v1 = c1 < nc ? __ldg(xv + c1) : make_uint4(0, 0, 0, 0);
+            dv[2u * c0] = make_float4(bf16_lo(v0.x), bf16_hi(v0.x), bf16_lo(v0.y), bf16_hi(v0.y));
+            dv[2u * c0 + 1u] = make_float4(bf16_lo(v0.z), bf16_hi(v0.z), bf16_lo(v0.w), bf16_hi(v0.w));
+            ss = sumsq8(v0, ss);
+            if (c1 < nc) {
+                dv[2u * c1] = make_float4(bf16_lo(v1.x), bf16_hi(v1.x), bf16_lo(v1.y), bf16_hi(v1.y));
+                dv[2u * c1 + 1u] = make_float4(bf16_lo(v1.z), bf16_hi(v1.z), bf16_lo(v1.w), bf16_hi(v1.w));
+                ss = sumsq8(v1, ss);
+            }
+        }
+        block_sum2(ss, unused, scratch);
+        const float d = sqrtf(ss / (float)n + eps);
+        const uint4* wv4 = reinterpret_cast<const uint4*>(w);
+        for (uint32_t c = threadIdx.x; c < nc; c += blockDim.x) {
+            const uint4 wc = __ldg(wv4 + c);
+            const float wf[8] = {bf16_lo(wc.x), bf16_hi(wc.x), bf16_lo(wc.y), bf16_hi(wc.y),
+                                 bf16_lo(wc.z), bf16_hi(wc.z), bf16_lo(wc.w), bf16_hi(wc.w)};
+            const float4 a = dv[2u * c], b = dv[2u * c + 1u];
+            float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int q = 0; q < 8; ++q) f[q] = bf16_bits_to_f32(f32_to_bf16_bits(__fmul_rn(f[q] / d, wf[q])));
+            dv[2u * c] = make_float4(f[0], f[1], f[2], f[3]);
+            dv[2u * c + 1u] = make_float4(f[4], f[5], f[6], f[7]);
+        }
+    } else {
+        const float d = rms_divisor(x, n, eps, scratch);
+        for (uint32_t i = threadIdx.x; i < n; i += blockDim.x)
+            xf[i] = bf16_bits_to_f32(f32_to_bf16_bits(__fmul_rn(bf16_bits_to_f32(x[i]) / d, bf16_bits_to_f32(w[i]))));
+    }
+    __syncthreads();
+}
+
+// dot8_bf16 with the 8 x values already f32 (xa: elements 0..3, xb: 4..7): the same products in
+// the same order, so the same bits.
+__device__ __forceinline__ float dot8_bf16_f32(uint4 w, float4 xa, float4 xb, float acc) {
+    acc = fmaf(bf16_lo(w.x), xa.x, acc);
+    acc = fmaf(bf16_hi(w.x), xa.y, acc);
+    acc = fmaf(bf16_lo(w.y), xa.z, acc);
+    acc = fmaf(bf16_hi(w.y), xa.w, acc);
+    acc = fmaf(bf16_lo(w.z), xb.x, acc);
+    acc = fmaf(bf16_hi(w.z), xb.y, acc);
+    acc = fmaf(bf16_lo(w.w), xb.z, acc);
+    acc = fmaf(bf16_hi(w.w), xb.w, acc);
+    return acc;
+}
+
+// Whether a chunk of M rows stages its normalised rows as f32 (else BF16): the one-row chunk of a
+// launch with FP8 segments, where the FP8 dot's per-element BF16 unpacking would be a quarter of its
+// instructions (model/kernels/bgemv_fp8.py rmsnorm_gemv_seg_batch_smem gives it k * 4 bytes). Eight
+// rows as f32 would double the shared-memory reads per weight byte, which bound that path already.
+template <int M, bool HAS_FP8>
+__host__ __device__ constexpr bool seg_x_f32() { return HAS_FP8 && M == 1; }
+
 // The GEMV of normalised rows for the `rows` (<= M) rows of the chunk at e0 (ptx/bgemv.cu
 // norm_gemv_rows, over the segments' rows): each warp has its first row's first U loads in flight
-// before the wait and the prologue, which normalises the chunk into xs [M][k]; then it strides over
-// the launch's rows, one at a time, and applies every chunk to the M rows. A BF16 row is that
-// kernel's loop (per lane, chunks lane, lane + 32, ... by dot8_bf16 into one accumulator per x row;
-// warp_sum); an FP8 row is fp8_rows_vec (or fp8_rows_elem where k % 16 != 0 or the segment is not
-// 16-byte aligned) with one weight row.
+// before the wait and the prologue, which normalises the chunk into xs [M][k] (BF16, or f32 where
+// seg_x_f32); then it strides over the launch's rows, one at a time, and applies every chunk to the
+// M rows. A BF16 row is that kernel's loop (per lane, chunks lane, lane + 32, ... by dot8_bf16 into
+// one accumulator per x row; warp_sum), whatever the staging; an FP8 row is fp8_rows_vec (or
+// fp8_rows_elem where k % 16 != 0 or the segment is not 16-byte aligned) with one weight row.
 template <int M, bool BESIDE, bool HAS_FP8>
 __device__ __forceinline__ void seg_gemv_rows(const Segments& a, const uint16_t* __restrict__ x, uint32_t x_stride,
                                               const uint16_t* __restrict__ norm_w, uint16_t* __restrict__ y,
                                               uint32_t y_stride, uint32_t n, uint32_t k, float eps, uint32_t e0,
                                               uint32_t rows, uint16_t* xs, float* scratch) {
     constexpr int U = seg_gemv_unroll<M>();
+    constexpr bool XF = seg_x_f32<M, HAS_FP8>();
     const uint32_t lane = threadIdx.x & 31;
     const uint32_t warps = gridDim.y * (blockDim.x >> 5);
     uint32_t row = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const Fp8RowGeom g = fp8_row_geom(k, 0u);
+    float* xsf = reinterpret_cast<float*>(xs);
     uint4 wv[1][U];
     float sl;
     {
@@ -172,29 +242,31 @@ __device__ __forceinline__ void seg_gemv_rows(const Segments& a, const uint16_t*
     }
     if (!BESIDE) grid_dependency_wait();  // the prologue reads activations (a no-op unless launched with PDL)
     const uint16_t* xr = x + (size_t)e0 * x_stride;
-    if (M == 1) RmsNormToSmem{xr, norm_w, k, eps, scratch}(xs);
+    if (XF) rms_row_to_smem_f32(xr, norm_w, k, eps, xsf, scratch);
+    else if (M == 1) RmsNormToSmem{xr, norm_w, k, eps, scratch}(xs);
     else rms_rows_to_smem<M>(xr, x_stride, rows, norm_w, k, eps, xs, scratch);
     for (bool first = true; row < n; row += warps, first = false) {
         const SegRow sr = seg_row(a, row, k);
         const bool vec = seg_vec(sr, k);
         uint16_t* yr = y + (size_t)e0 * y_stride + sr.col;
         if (HAS_FP8 && sr.fp8) {
+            constexpr int XS = XF ? FP8_X_SMEM_F32 : FP8_X_SMEM;
             const uint8_t* w1[1] = {sr.w};
-            const uint16_t* xrow[M];
+            const void* xrow[M];
 #pragma unroll
-            for (int i = 0; i < M; ++i) xrow[i] = xs + (size_t)i * k;
+            for (int i = 0; i < M; ++i) xrow[i] = XF ? (const void*)(xsf + (size_t)i * k) : (const void*)(xs + (size_t)i * k);
             if (vec) {
                 float acc[fp8_vec_outs<1, M>()];
 #pragma unroll
                 for (int j = 0; j < fp8_vec_outs<1, M>(); ++j) acc[j] = 0.0f;
-                fp8_rows_vec<1, M, U, FP8_X_SMEM>(w1, sr.s, g, xrow, wv, sl, first, acc);
+                fp8_rows_vec<1, M, U, XS>(w1, sr.s, g, xrow, wv, sl, first, acc);
                 // Lane l < 8 holds row (l * M / 8) (fp8_sum8 with N = M <= 8: one value per lane).
                 const uint32_t i = lane * (uint32_t)M / 8u;
                 if (lane < 8u && (lane * (uint32_t)M) % 8u == 0u && i < rows)
                     yr[(size_t)i * y_stride] = f32_to_bf16_bits(acc[0]);
             } else {
                 const float* s1[1] = {sr.s};
-                const float v = fp8_rows_elem<1, M, FP8_X_SMEM>(w1, s1, k, 0u, xrow);
+                const float v = fp8_rows_elem<1, M, XS>(w1, s1, k, 0u, xrow);
                 const uint32_t i = lane * (uint32_t)M / 32u;
                 if ((lane * (uint32_t)M) % 32u == 0u && i < rows) yr[(size_t)i * y_stride] = f32_to_bf16_bits(v);
             }
@@ -219,8 +291,14 @@ __device__ __forceinline__ void seg_gemv_rows(const Segments& a, const uint16_t*
                     const uint32_t c = c0 + lane + 32u * u;
                     if (c < kc) {
 #pragma unroll
-                        for (int i = 0; i < M; ++i)
-                            acc[i] = dot8_bf16(wv[0][u], reinterpret_cast<const uint4*>(xs + (size_t)i * k)[c], acc[i]);
+                        for (int i = 0; i < M; ++i) {
+                            if (XF) {
+                                const float4* xc = reinterpret_cast<const float4*>(xsf + (size_t)i * k) + 2u * c;
+                                acc[i] = dot8_bf16_f32(wv[0][u], xc[0], xc[1], acc[i]);
+                            } else {
+                                acc[i] = dot8_bf16(wv[0][u], reinterpret_cast<const uint4*>(xs + (size_t)i * k)[c], acc[i]);
+                            }
+                        }
                     }
                 }
             }
@@ -228,7 +306,10 @@ __device__ __forceinline__ void seg_gemv_rows(const Segments& a, const uint16_t*
             for (uint32_t j = lane; j < k; j += 32u) {
                 const float wj = bf16_bits_to_f32(wr[j]);
 #pragma unroll
-                for (int i = 0; i < M; ++i) acc[i] = fmaf(wj, bf16_bits_to_f32(xs[(size_t)i * k + j]), acc[i]);
+                for (int i = 0; i < M; ++i) {
+                    const float xj = XF ? xsf[(size_t)i * k + j] : bf16_bits_to_f32(xs[(size_t)i * k + j]);
+                    acc[i] = fmaf(wj, xj, acc[i]);
+                }
             }
         }
 #pragma unroll
@@ -375,10 +456,15 @@ __device__ __forceinline__ void bgemv_fp8_body(const uint8_t* __restrict__ w, co
         __syncthreads();
     }
     if (has_rows) {
-        const uint16_t* xr[M];
+        // Two sets of row pointers, so that the staged path's loads compile to shared-memory loads
+        // (a pointer that may be either is read with generic loads).
+        const void* xs_rows[M];
+        const void* xg_rows[M];
 #pragma unroll
-        for (int i = 0; i < M; ++i)
-            xr[i] = staged ? xsm + (size_t)i * k : xb + (size_t)min((uint32_t)i, rows - 1u) * x_stride;
+        for (int i = 0; i < M; ++i) {
+            xs_rows[i] = xsm + (size_t)i * k;
+            xg_rows[i] = xb + (size_t)min((uint32_t)i, rows - 1u) * x_stride;
+        }
 #pragma unroll 1
         for (uint32_t r0 = row0; r0 < min(row0 + FP8_ROWS_PER_WARP, n); r0 += RS) {
             if (r0 != row0) set_rows(r0);
@@ -388,8 +474,8 @@ __device__ __forceinline__ void bgemv_fp8_body(const uint8_t* __restrict__ w, co
                 float acc[OUTS];
 #pragma unroll
                 for (int j = 0; j < OUTS; ++j) acc[j] = 0.0f;
-                if (staged) fp8_rows_vec<RS, M, U, FP8_X_SMEM>(wr, my_s, g, xr, wv, sl, r0 == row0, acc);
-                else fp8_rows_vec<RS, M, U, XG>(wr, my_s, g, xr, wv, sl, r0 == row0, acc);
+                if (staged) fp8_rows_vec<RS, M, U, FP8_X_SMEM>(wr, my_s, g, xs_rows, wv, sl, r0 == row0, acc);
+                else fp8_rows_vec<RS, M, U, XG>(wr, my_s, g, xg_rows, wv, sl, r0 == row0, acc);
                 const uint32_t l8 = lane & 7u;
                 const bool owner = lane < 8u && (l8 * (uint32_t)(RS * M)) % 8u == 0u;
 #pragma unroll
@@ -403,7 +489,7 @@ __device__ __forceinline__ void bgemv_fp8_body(const uint8_t* __restrict__ w, co
                     }
                 }
             } else {
-                const float v = fp8_rows_elem<RS, M, XG>(wr, sr, k, base, xr);
+                const float v = fp8_rows_elem<RS, M, XG>(wr, sr, k, base, xg_rows);
                 const uint32_t idx = lane * (uint32_t)(RS * M) / 32u;
                 const uint32_t r = idx / (uint32_t)M, i = idx % (uint32_t)M;
                 if ((lane * (uint32_t)(RS * M)) % 32u == 0u && i < rows && r0 + r < n) {

@@ -35,24 +35,25 @@
 namespace {
 constexpr uint32_t FP8_FULL_MASK = 0xFFFFFFFFu;
 
-// Where the activation rows are read from: shared memory (staged by the caller), global memory
-// through L2 (written by a kernel that may have released its dependents early, ptx/common.cuh), or
-// global memory through the read-only path.
-enum Fp8XSource : int { FP8_X_SMEM = 0, FP8_X_L2 = 1, FP8_X_RO = 2 };
+// Where the activation rows are read from: shared memory as BF16 or as f32 (staged by the caller;
+// the same values), global memory through L2 (written by a kernel that may have released its
+// dependents early, ptx/common.cuh), or global memory through the read-only path.
+enum Fp8XSource : int { FP8_X_SMEM = 0, FP8_X_SMEM_F32 = 1, FP8_X_L2 = 2, FP8_X_RO = 3 };
 
+// Elements e .. e + 3 of an activation row (e % 4 == 0; the row 16-byte aligned) as f32.
 template <int XS>
-__device__ __forceinline__ uint2 fp8_x_quad(const uint16_t* p) {
-    const uint2* q = reinterpret_cast<const uint2*>(p);
-    if (XS == FP8_X_L2) return __ldcg(q);
-    if (XS == FP8_X_RO) return __ldg(q);
-    return *q;
+__device__ __forceinline__ float4 fp8_x4(const void* row, uint32_t e) {
+    if (XS == FP8_X_SMEM_F32) return *reinterpret_cast<const float4*>(static_cast<const float*>(row) + e);
+    const uint2* p = reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(row) + e);
+    const uint2 v = XS == FP8_X_L2 ? __ldcg(p) : XS == FP8_X_RO ? __ldg(p) : *p;
+    return make_float4(bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y));
 }
 
 template <int XS>
-__device__ __forceinline__ float fp8_x_elem(const uint16_t* p) {
-    if (XS == FP8_X_L2) return bf16_bits_to_f32(__ldcg(p));
-    if (XS == FP8_X_RO) return bf16_bits_to_f32(__ldg(p));
-    return bf16_bits_to_f32(*p);
+__device__ __forceinline__ float fp8_x1(const void* row, uint32_t j) {
+    if (XS == FP8_X_SMEM_F32) return static_cast<const float*>(row)[j];
+    const uint16_t* p = static_cast<const uint16_t*>(row) + j;
+    return bf16_bits_to_f32(XS == FP8_X_L2 ? __ldcg(p) : XS == FP8_X_RO ? __ldg(p) : *p);
 }
 
 __device__ __forceinline__ uint32_t fp8_word(const uint4& v, int q) {
@@ -149,13 +150,13 @@ __device__ __forceinline__ void fp8_load_step(const uint8_t* const (&w)[RS], con
 }
 
 // The vector path: RS weight rows w[r] (k FP8 values each, 16-byte aligned, k % 16 == 0) against M
-// activation rows xr[i] (k BF16 values, 16-byte aligned), srow the scales of this lane's row
+// activation rows xr[i] (k values, BF16 or f32 by XS, 16-byte aligned), srow the scales of this lane's row
 // (fp8_vec_lane_row). `wv` / `sl` hold the first step's loads when `preloaded` (issued before the
 // caller's wait). acc[j] (lanes 0..7, fp8_sum8's layout over values r * M + i) accumulates the
 // blocks in order; the caller zeroes it and stores it.
 template <int RS, int M, int U, int XS>
 __device__ __forceinline__ void fp8_rows_vec(const uint8_t* const (&w)[RS], const float* srow, const Fp8RowGeom& g,
-                                             const uint16_t* const (&xr)[M], uint4 (&wv)[RS][U], float& sl,
+                                             const void* const (&xr)[M], uint4 (&wv)[RS][U], float& sl,
                                              bool preloaded, float (&acc)[fp8_vec_outs<RS, M>()]) {
     constexpr int N = RS * M, OUTS = fp8_vec_outs<RS, M>();
     static_assert(RS <= 8 && M <= 8 && N <= 64, "fp8_rows_vec: one weight row per lane's values");
@@ -179,15 +180,14 @@ __device__ __forceinline__ void fp8_rows_vec(const uint8_t* const (&w)[RS], cons
                         for (int r = 0; r < RS; ++r) fp8x4_to_f32(fp8_word(wv[r][u], q), f[r]);
 #pragma unroll
                         for (int i = 0; i < M; ++i) {
-                            const uint2 xq = fp8_x_quad<XS>(xr[i] + e + 4u * q);
-                            const float x0 = bf16_lo(xq.x), x1 = bf16_hi(xq.x), x2 = bf16_lo(xq.y), x3 = bf16_hi(xq.y);
+                            const float4 xq = fp8_x4<XS>(xr[i], e + 4u * q);
 #pragma unroll
                             for (int r = 0; r < RS; ++r) {
                                 float& a = p[r * M + i];
-                                a = fmaf(f[r][0], x0, a);
-                                a = fmaf(f[r][1], x1, a);
-                                a = fmaf(f[r][2], x2, a);
-                                a = fmaf(f[r][3], x3, a);
+                                a = fmaf(f[r][0], xq.x, a);
+                                a = fmaf(f[r][1], xq.y, a);
+                                a = fmaf(f[r][2], xq.z, a);
+                                a = fmaf(f[r][3], xq.w, a);
                             }
                         }
                     }
@@ -213,12 +213,12 @@ __device__ __forceinline__ void fp8_rows_vec(const uint8_t* const (&w)[RS], cons
     }
 }
 
-// The element path: the same rows for any k, base and alignment (xr[i] rows of k BF16 values, w[r]
+// The element path: the same rows for any k, base and alignment (xr[i] rows of k values, w[r]
 // rows of k bytes, s[r] row r's scales indexed by block). Lane l returns in `acc` the total of value
 // l * N / 32 (N = RS * M <= 32; the lanes with l * N % 32 == 0 own it).
 template <int RS, int M, int XS>
 __device__ __forceinline__ float fp8_rows_elem(const uint8_t* const (&w)[RS], const float* const (&s)[RS], uint32_t k,
-                                               uint32_t base, const uint16_t* const (&xr)[M]) {
+                                               uint32_t base, const void* const (&xr)[M]) {
     constexpr int N = RS * M;
     static_assert(N <= 32, "fp8_rows_elem: at most one value per lane");
     const uint32_t lane = threadIdx.x & 31;
@@ -243,7 +243,7 @@ __device__ __forceinline__ float fp8_rows_elem(const uint8_t* const (&w)[RS], co
                 for (int r = 0; r < RS; ++r) f[r] = fp8_to_f32(w[r][j]);
 #pragma unroll
                 for (int i = 0; i < M; ++i) {
-                    const float xv = fp8_x_elem<XS>(xr[i] + j);
+                    const float xv = fp8_x1<XS>(xr[i], j);
 #pragma unroll
                     for (int r = 0; r < RS; ++r) p[r * M + i] = fmaf(f[r], xv, p[r * M + i]);
                 }

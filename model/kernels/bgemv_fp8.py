@@ -198,9 +198,11 @@ def chunk_rows(m: int) -> int:
     return 1 << (min(m, BATCH_ROWS) - 1).bit_length()
 
 
-def rmsnorm_gemv_seg_batch_smem(m: int, k: int) -> int:
-    """Dynamic shared memory of rmsnorm_gemv_seg_batch: the chunk's normed rows, [M][k] BF16."""
-    return chunk_rows(m) * k * 2
+def rmsnorm_gemv_seg_batch_smem(m: int, k: int, fp8: bool) -> int:
+    """Dynamic shared memory of rmsnorm_gemv_seg_batch: the chunk's normed rows, [M][k] BF16; a
+    launch of one row with FP8 segments stages its row as f32, [k] (ptx/bgemv_fp8.cu seg_x_f32).
+    Any m > 1 gives at least two BF16 rows, which hold a one-row chunk's f32 row too."""
+    return k * 4 if fp8 and m == 1 else chunk_rows(m) * k * 2
 
 
 def check_segments(what: str, segments: Sequence[GemvSegment], y_stride: int) -> None:
@@ -264,7 +266,7 @@ def rmsnorm_gemv_seg_batch(
         else:  # unused: no rows (valid pointers, never read)
             seg_args += [segments[0].w, segments[0].w, 0, 0, 0]
     kernel = gpu.kernel(*_seg_kernel(fp8_mask != 0, beside).key)
-    smem = rmsnorm_gemv_seg_batch_smem(m, k)
+    smem = rmsnorm_gemv_seg_batch_smem(m, k, fp8_mask != 0)
     grid = grid_stride_blocks(max(1, -(-n // 8)), gpu.resident_blocks(kernel, 256, smem))
     launch(
         gpu,
