@@ -68,6 +68,9 @@ def test_the_drafter_step_kernels_take_part():
         "mtp_input_gemv_batch",
         "rmsnorm_gemv_batch_beside",
         "bgemv_bf16_f32_batch_beside",
+        "rmsnorm_gemv_seg_batch_beside",
+        "rmsnorm_gemv_seg_bf16_batch_beside",
+        "bgemv_fp8_f32_batch_beside",
     }
     assert {d.function for d in RELEASING} == {
         "copy_words",
@@ -82,6 +85,8 @@ def test_the_drafter_step_kernels_take_part():
         "head_argmax_fp8_mma",
         "bgemv_bf16_f32_batch",
         "bgemv_bf16_bf16_batch",
+        "bgemv_fp8_f32_batch",
+        "bgemv_fp8_bf16_batch",
         "sum_rows_residual_rmsnorm_batch",
     }
 
@@ -156,6 +161,8 @@ _READ_ONLY_FORMS = {
 _EARLY_RELEASE_SUCCESSORS = [
     ("bgemv", "bgemv_bf16_bf16_batch", "x"),  # wv after sparse_mla_combine_batch
     ("bgemv", "bgemv_bf16_f32_batch", "x"),  # o_proj after wv
+    ("bgemv_fp8", "bgemv_fp8_f32_batch", "x"),  # the FP8 o_proj after wv
+    ("bgemv_fp8", "bgemv_fp8_bf16_batch", "x"),
     ("moe", "router_group_batch", "x"),  # after sum_rows_residual_rmsnorm_batch
     ("draft_head", "head_argmax_bf16_batch", "x"),  # after sum_rows_residual_rmsnorm_batch
     ("draft_head", "head_argmax_fp8_batch", "x"),

@@ -3,6 +3,7 @@ and launch helpers. Importing the package declares them all, which is how a back
 
 from . import (  # noqa: F401 - imported to declare the kernels
     bgemv,
+    bgemv_fp8,
     draft_head,
     draft_sample,
     draft_sample_shard,
