@@ -510,8 +510,7 @@ class DecoderLayer:
             )
         slots = ntopk + int(shared != moe.SHARED_NONE)
         common = dict(entries=entries, m=m, ntopk=ntopk, n_local=w.n_local, shared=shared, stream=stream)
-        moe.moe_gate_up_batch(
-            gpu,
+        gate_up = dict(
             w=w.gate_up,
             w_shared=w_sh_gu,
             y=s.y2,
@@ -522,8 +521,7 @@ class DecoderLayer:
             limit=mc.swiglu_limit,
             **common,
         )
-        moe.moe_down_batch(
-            gpu,
+        down = dict(
             w=w.down,
             w_shared=w_sh_down,
             act=s.act,
@@ -534,6 +532,24 @@ class DecoderLayer:
             inter=w.inter,
             **common,
         )
+        if w.fp8:
+            # The shared slot's scales follow its weights (the routed ones where it has none here).
+            here = shared == moe.SHARED_HERE and w.shared_gate_up_scales is not None
+            moe.moe_gate_up_fp8_batch(
+                gpu,
+                w_scale=w.gate_up_scales,
+                w_shared_scale=w.shared_gate_up_scales if here else w.gate_up_scales,
+                **gate_up,
+            )
+            moe.moe_down_fp8_batch(
+                gpu,
+                w_scale=w.down_scales,
+                w_shared_scale=w.shared_down_scales if here else w.down_scales,
+                **down,
+            )
+        else:
+            moe.moe_gate_up_batch(gpu, **gate_up)
+            moe.moe_down_batch(gpu, **down)
         if self.sh.world_size > 1:
             # Every pair row is non-zero on exactly one rank, so this sum is exact (x + 0 = x).
             self.comm.all_reduce(s.moe_parts, m * slots * H, CommDtype.FLOAT32, ReduceOp.SUM, stream=stream)
