@@ -19,6 +19,7 @@ from model.checkpoint import Checkpoint, CheckpointError
 from model.checkpoint.fp8 import scale_name
 from model.checkpoint.safetensors_io import DTYPES
 from model.config import ConfigError, ModelConfig
+from model.tensors import FP8_BLOCK
 from model.weights import fused_in_rows
 from model.weights_layout import (
     TensorSpec,
@@ -69,11 +70,18 @@ def _gib(n: int) -> str:
     return f"{n} B"
 
 
-def drafter_device_bytes(cfg: ModelConfig) -> tuple[int, int]:
+def drafter_device_bytes(cfg: ModelConfig, native_fp8: frozenset[str] = frozenset()) -> tuple[int, int]:
     """(weights, FP8 head copy) bytes an unsharded ``MtpProposer`` uploads for ``cfg``: every
-    tensor of the block in its loaded dtype (FP8 projections are dequantised to BF16 at load), the
+    tensor of the block in its loaded dtype (BF16, or for the names in ``native_fp8`` FP8 with its
+    128x128 F32 block scales, as the proposer keeps a checkpoint's block-scaled tensors), the
     embedding and the head, and the FP8 copy of the head it quantises on the device."""
-    block = sum(math.prod(s.shape) * DTYPES[s.dtype].itemsize for s in mtp_layout(cfg).values())
+    block = 0
+    for s in mtp_layout(cfg).values():
+        n = math.prod(s.shape)
+        if s.name in native_fp8:
+            block += n + math.prod(-(-d // b) for d, b in zip(s.shape, FP8_BLOCK)) * 4
+        else:
+            block += n * DTYPES[s.dtype].itemsize
     # kv_a_proj_with_mqa's RoPE rows are not uploaded (NoPE: there are none to drop today).
     block -= cfg.attention.qk_rope_head_dim * cfg.hidden_size * 2
     # fused_in's zero rows that align each batch row (model.weights.fused_in_rows).
@@ -145,7 +153,16 @@ def inspect(path: str | Path) -> Report:
             rep.problems.append(problem)
     rep.shards_needed = sorted(needed)
     rep.shards_absent = [f for f in rep.shards_needed if not ckpt.shard_present(f)]
-    rep.weight_bytes, rep.fp8_head_bytes = drafter_device_bytes(cfg)
+    # What a proposer with native FP8 (its default) keeps FP8: the tensors stored block-scaled in
+    # the block size its kernels apply; any other block size is refused at load (or dequantised).
+    native = frozenset(
+        n
+        for n in expected
+        if ckpt.fp8_block == FP8_BLOCK
+        and ckpt.has(ckpt.disk_name(n))
+        and ckpt.info(ckpt.disk_name(n)).dtype == "F8_E4M3"
+    )
+    rep.weight_bytes, rep.fp8_head_bytes = drafter_device_bytes(cfg, native)
     return rep
 
 
@@ -173,7 +190,7 @@ def render(rep: Report, out: TextIO) -> None:
             w(f"  {dt:<20} {n:6d} tensors  {_gib(rep.dtype_bytes[dt])}\n")
     w(
         f"device bytes the drafter would hold (one rank): {_gib(rep.weight_bytes)} of weights "
-        f"(embedding and head included, FP8 projections as BF16) + {_gib(rep.fp8_head_bytes)} for "
+        f"(embedding and head included, block-scaled FP8 tensors as FP8) + {_gib(rep.fp8_head_bytes)} for "
         "the FP8 copy of the head; per-sequence caches come on top, sized by the served context\n"
     )
     if rep.problems:

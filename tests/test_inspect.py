@@ -24,6 +24,7 @@ from model.checkpoint.safetensors_io import SafetensorsFile, write_safetensors
 from model.cli import main
 from model.config import tiny
 from model.inspect_checkpoint import OK, PROBLEMS, UNUSABLE, drafter_device_bytes, run
+from model.inspect_checkpoint import inspect as inspect_report
 from model.proposer import MtpProposer, ProposerOptions
 from model.weights_layout import mtp_prefix
 from runtime.dtypes import BF16
@@ -51,16 +52,9 @@ def no_tensor_bytes(monkeypatch):
 
 
 def published(path: Path, cfg=CFG, **kw) -> Path:
+    kw.setdefault("fp8_block", BLOCK)
     return random_checkpoint(
-        path,
-        cfg,
-        1,
-        include_target=False,
-        fp8_published=True,
-        fp8_block=BLOCK,
-        layout=PUB,
-        progress=False,
-        **kw,
+        path, cfg, 1, include_target=False, fp8_published=True, layout=PUB, progress=False, **kw
     )
 
 
@@ -82,13 +76,21 @@ def test_the_shipped_flat_and_published_checkpoints(tmp_path):
     assert code == OK and "layout: flat" in out and "model.layers.2.*" in out
 
 
-def test_device_bytes_are_what_the_proposer_uploads(tmp_path):
-    c = Checkpoint(published(tmp_path / "p"))
+@pytest.mark.parametrize("block", [BLOCK, (128, 128)], ids=["dequantised", "native-fp8"])
+def test_device_bytes_are_what_the_proposer_uploads(tmp_path, block):
+    """The figure inspect prints is what a proposer uploads: BF16 for FP8 in a block size the
+    kernels do not apply (dequantised at load), FP8 and its block scales for 128 x 128 blocks."""
+    c = Checkpoint(published(tmp_path / "p", fp8_block=block))
+    rep = inspect_report(c.path)
     gpu = HostBackend()
-    prop = MtpProposer(gpu, c.config, mtp_tensors(c), ProposerOptions(served_max_seq_len=64))
-    weights, head = drafter_device_bytes(c.config)
-    assert prop.head_fp8 is not None
-    assert prop.weights_nbytes == weights + head
+    native = block == (128, 128)
+    prop = MtpProposer(
+        gpu, c.config, mtp_tensors(c), ProposerOptions(served_max_seq_len=64, native_fp8=native)
+    )
+    assert prop.head_fp8 is not None and prop.layer.mlp.fp8 == native
+    assert prop.weights_nbytes == rep.weight_bytes + rep.fp8_head_bytes
+    weights, _ = drafter_device_bytes(c.config)
+    assert (rep.weight_bytes < weights) == native
     prop.close()
 
 

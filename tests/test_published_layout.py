@@ -30,7 +30,9 @@ from runtime.host_backend import HostBackend
 from tests.proposer_fixtures import upload_rows
 
 CFG = tiny(index_topk=8, index_kpool=2, max_context=64)
-BLOCK = (16, 16)  # several scale blocks per projection at tiny shapes
+# Several scale blocks per projection at tiny shapes: a block size the FP8 kernels do not apply, so
+# these proposers dequantise (native_fp8=False); tests/test_native_fp8.py covers native FP8.
+BLOCK = (16, 16)
 PUB = NameLayout.PUBLISHED
 P = mtp_prefix(CFG)  # logical
 DP = disk_name(P, PUB)  # as stored
@@ -63,7 +65,7 @@ def write_published(path: Path, tensors: dict[str, np.ndarray]) -> Checkpoint:
 def drafts_of(tensors, cfg=CFG) -> list[list[int]]:
     """Drafts of a host proposer over fixed inputs: three proposes after a 23-row prefill."""
     gpu = HostBackend()
-    prop = MtpProposer(gpu, cfg, tensors, ProposerOptions(served_max_seq_len=64))
+    prop = MtpProposer(gpu, cfg, tensors, ProposerOptions(served_max_seq_len=64, native_fp8=False))
     rng = np.random.default_rng(11)
     tokens = rng.integers(0, cfg.vocab_size, 24)
     hid = rng.standard_normal((26, cfg.hidden_size)).astype(BF16)
@@ -212,7 +214,7 @@ def test_bad_tensor_is_named_before_device_memory(tmp_path, case):
     c = _bad(tmp_path, edit)
     gpu = HostBackend()
     with pytest.raises(CheckpointError, match=message):
-        MtpProposer(gpu, c.config, mtp_tensors(c), ProposerOptions(served_max_seq_len=64))
+        MtpProposer(gpu, c.config, mtp_tensors(c), ProposerOptions(served_max_seq_len=64, native_fp8=False))
     assert gpu.stats().live_allocations == 0 and gpu.stats().peak_bytes == 0
 
 
