@@ -57,6 +57,7 @@ class Seg:
     col: int
     scales: np.ndarray | None = None
     row0: int = 0
+    mis: int = 0  # bytes the device copy of w is misaligned by (the element paths)
 
     @property
     def rows(self) -> int:
@@ -92,7 +93,7 @@ def seg_gemv(
         px, pn, py = b.put(x, mis), b.put(nw), b.poison(m * y_stride * 2)
         dev = []
         for sg in segs:
-            pw = b.put(sg.w.view(np.uint8) if sg.scales is not None else sg.w)
+            pw = b.put(sg.w.view(np.uint8) if sg.scales is not None else sg.w, sg.mis)
             ps = b.put(sg.scales) if sg.scales is not None else None
             dev.append(bf.GemvSegment(w=pw, scales=ps, rows=sg.rows, col=sg.col, row0=sg.row0))
         for grp in groups:
