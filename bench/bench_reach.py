@@ -215,18 +215,20 @@ def propose_rows(
     rng: np.random.Generator,
     cfg: Any = None,
     contexts: tuple[int, ...] = CONTEXTS,
+    fp8_weights: bool = True,
 ) -> list[dict[str, Any]]:
     """Part 2: propose(k = 3) of one sequence at each context, against its floor (``cfg``: GLM-5.3-Flash
-    with the full reservation; a tiny config runs the same code on the host backend)."""
+    with the full reservation; a tiny config runs the same code on the host backend), with the
+    published checkpoint's FP8 tensors native (``fp8_weights``) or all BF16."""
     from bench.bench_propose import Arm, ArmProposer, draft_bytes, fill_context, time_graph, time_propose
-    from model.checkpoint.random_init import tiled_mtp_weights
+    from model.checkpoint.random_init import tiled_fp8_weights, tiled_mtp_weights
     from model.proposer import ProposerOptions
 
     cfg = cfg or glm5_flash(max_context=REACH)
     d = cfg.dsa
     reach = cfg.dsa.max_context
     t0 = time.time()
-    weights = tiled_mtp_weights(cfg)
+    weights = (tiled_fp8_weights if fp8_weights else tiled_mtp_weights)(cfg)
     opt = ProposerOptions(served_max_seq_len=reach, max_draft_tokens=K, max_sequences=1, fp8_head=True)
     prop = ArmProposer(gpu, cfg, weights, opt)
     del weights
@@ -285,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=30, help="timed replays per point (median)")
     ap.add_argument("--json", type=Path, help="write the raw results here")
     ap.add_argument("--no-propose", dest="propose", action="store_false", help="the kernels only")
+    ap.add_argument("--bf16-weights", dest="fp8", action="store_false", help="propose with all weights BF16")
     args = ap.parse_args(argv)
     from bench.bench_propose import copy_bandwidth
     from runtime.cuda_backend import CudaBackend
@@ -300,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         res: dict[str, Any] = {"device": getattr(gpu, "device_name", gpu.name), "copy_bw_GBps": bw / 1e9}
         res["kernels"] = kernel_rows(gpu, bw, args.iters, rng)
         if args.propose:
-            res["propose"] = propose_rows(gpu, bw, args.iters, rng)
+            res["propose"] = propose_rows(gpu, bw, args.iters, rng, fp8_weights=args.fp8)
     finally:
         gpu.close()
     if args.json:
