@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Time the FP8 block-scaled projections (model/kernels/bgemv_fp8.py) against the BF16 kernels they
-replace, at GLM-5.3-Flash's shapes, on a GPU:
+"""Time the FP8 block-scaled projections (model/kernels/bgemv_fp8.py) against their BF16 forms, at
+GLM-5.3-Flash's shapes, on a GPU:
 
-- fused_in, k = 4096, 2336 rows: rmsnorm_gemv_batch (BF16) against rmsnorm_gemv_seg_batch with the
-  same BF16 matrix as one segment and as its four parts, with the checkpoint's dtypes (kv_a 512 of
-  576 rows and q_a 1536 rows FP8, wk + compress_gate 256 and weights_proj 32 rows BF16), and all FP8;
+- fused_in, k = 4096, 2336 rows: rmsnorm_gemv_seg_batch with the BF16 matrix as one segment and as
+  its four parts, with the checkpoint's dtypes (kv_a 512 of 576 rows and q_a 1536 rows FP8, wk +
+  compress_gate 256 and weights_proj 32 rows BF16), and all FP8;
 - the q projection, k = 1536 read from inside the 2336-wide fused row, 64 * 256 + 32 * 128 rows:
-  the same, with q_b FP8 and wq_b BF16;
+  the BF16 matrix as one segment, and q_b FP8 with wq_b BF16;
 - o_proj in 8 head groups of 2048 columns (model/proposer.py o_proj_groups) x H 4096, f32 out:
   bgemv_batch (BF16) against bgemv_fp8_batch;
 
@@ -122,9 +122,9 @@ def time_graph(gpu, launch: Callable[[int, int], None], copies: int, reps: int) 
     return statistics.median(times)
 
 
-def seg_runner(gpu, parts: list[Part], k: int, x_stride: int, x_off: int, y_stride: int, m: int, old: bool):
-    """(launch(copy, stream), copies, weight bytes, check()) for one rmsnorm_gemv configuration;
-    ``old``: parts is one BF16 matrix launched through rmsnorm_gemv_batch."""
+def seg_runner(gpu, parts: list[Part], k: int, x_stride: int, x_off: int, y_stride: int, m: int):
+    """(launch(copy, stream), copies, weight bytes, check(), free()) for one rmsnorm_gemv_seg_batch
+    configuration."""
     rng = np.random.default_rng(0)
     nbytes = sum(p.nbytes for p in parts)
     arrays = []
@@ -151,16 +151,10 @@ def seg_runner(gpu, parts: list[Part], k: int, x_stride: int, x_off: int, y_stri
     xa = px.offset(x_off * 2)
 
     def launch(c: int, stream) -> None:
-        if old:
-            bg.rmsnorm_gemv_batch(
-                gpu, x=xa, x_stride=x_stride, norm_w=pn, w=cp.ptrs[c][0], y=py, m=m, n=y_stride, k=k,
-                eps=EPS, stream=stream,
-            )  # fmt: skip
-        else:
-            bf.rmsnorm_gemv_seg_batch(
-                gpu, x=xa, x_stride=x_stride, norm_w=pn, segments=segs[c], y=py, y_stride=y_stride, m=m,
-                k=k, eps=EPS, stream=stream,
-            )  # fmt: skip
+        bf.rmsnorm_gemv_seg_batch(
+            gpu, x=xa, x_stride=x_stride, norm_w=pn, segments=segs[c], y=py, y_stride=y_stride, m=m,
+            k=k, eps=EPS, stream=stream,
+        )  # fmt: skip
 
     def check() -> float:
         """Largest |GPU - twin| / max |twin| at this m."""
@@ -264,29 +258,23 @@ def main() -> int:
     qa, qas = fp8_weights(rng, 1536, H)
     fused_fp8, fused_fp8_s = fp8_weights(rng, FUSED, H)
     fused_cases = {
-        "BF16 rmsnorm_gemv_batch": ([Part(fused_bf16, 0)], True),
-        "BF16 one segment": ([Part(fused_bf16, 0)], False),
-        "BF16 four segments": (
-            [Part(fused_bf16[a:b], a) for a, b in ((0, 512), (512, 768), (768, 2304), (2304, FUSED))],
-            False,
-        ),
-        "checkpoint dtypes": (
-            [
-                Part(kv[:512], 0, kvs),
-                Part(fused_bf16[512:768], 512),
-                Part(qa, 768, qas),
-                Part(fused_bf16[2304:], 2304),
-            ],
-            False,
-        ),
-        "all FP8": ([Part(fused_fp8, 0, fused_fp8_s)], False),
+        "BF16 one segment": [Part(fused_bf16, 0)],
+        "BF16 four segments": [
+            Part(fused_bf16[a:b], a) for a, b in ((0, 512), (512, 768), (768, 2304), (2304, FUSED))
+        ],
+        "checkpoint dtypes": [
+            Part(kv[:512], 0, kvs),
+            Part(fused_bf16[512:768], 512),
+            Part(qa, 768, qas),
+            Part(fused_bf16[2304:], 2304),
+        ],
+        "all FP8": [Part(fused_fp8, 0, fused_fp8_s)],
     }
     q_bf16 = bf16_weights(rng, (Q_B + WQ_B, K_Q))
     qb, qbs = fp8_weights(rng, Q_B, K_Q)
     q_cases = {
-        "BF16 rmsnorm_gemv_batch": ([Part(q_bf16, 0)], True),
-        "BF16 one segment": ([Part(q_bf16, 0)], False),
-        "checkpoint dtypes": ([Part(qb, 0, qbs), Part(q_bf16[Q_B:], Q_B)], False),
+        "BF16 one segment": [Part(q_bf16, 0)],
+        "checkpoint dtypes": [Part(qb, 0, qbs), Part(q_bf16[Q_B:], Q_B)],
     }
     print(
         f"\n{'projection':12s} {'weights':26s} {'m':>3s} {'us':>9s} {'TB/s':>7s} {'MB':>7s}  rel err vs twin (m=1)"
@@ -295,9 +283,9 @@ def main() -> int:
         ("fused_in", fused_cases, H, H, 0, FUSED),
         ("q_proj", q_cases, K_Q, FUSED, CTX_ROWS, Q_B + WQ_B),
     ):
-        for name, (parts, old) in cases.items():
+        for name, parts in cases.items():
             for m in ms:
-                launch, copies, nbytes, check, free = seg_runner(gpu, parts, k, x_stride, x_off, ys, m, old)
+                launch, copies, nbytes, check, free = seg_runner(gpu, parts, k, x_stride, x_off, ys, m)
                 err = check() if m == 1 else float("nan")
                 t = time_graph(gpu, launch, copies, args.reps)
                 print(

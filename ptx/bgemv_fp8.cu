@@ -3,9 +3,9 @@
 // - rmsnorm_gemv_seg_batch: y[e][col + r] = W_seg[r] . (rmsnorm(x_e) * norm_w) for up to four
 //   weight segments in one launch, each BF16 or FP8 with 128 x 128 block scales (the fused input
 //   projection [kv_a ; wk ; compress_gate ; q_a ; weights_proj] and the q projection [q_b ; wq_b],
-//   whose parts differ in dtype on disk). A BF16 segment's rows get exactly the arithmetic of
-//   ptx/bgemv.cu rmsnorm_gemv_batch (the same norm prologue, the same per-lane chunk order, the same
-//   warp_sum), so their bits are that kernel's.
+//   whose parts differ in dtype on disk). A BF16 segment's row is the normed rows' f32 dot: each
+//   lane's 16-byte chunks lane, lane + 32, ... in that order (dot8_bf16), then warp_sum, the same
+//   order at every M, so its bits do not depend on m.
 // - bgemv_fp8_{f32,bf16}_batch(_beside): the per-head GEMV of ptx/bgemv.cu bgemv_bf16_*_batch with
 //   FP8 weights (o_proj's head groups), scales indexed by the columns of the full matrix.
 // The FP8 arithmetic of one output, and why it is the same for every m: ptx/fp8_block.cuh.
@@ -22,7 +22,7 @@ __device__ __forceinline__ uint32_t dynamic_smem_size() {
     return r;
 }
 
-// ---- the norm prologue for M rows (ptx/bgemv.cu's, bit for bit) ------------------------------------
+// ---- the norm prologue for M rows (each row bit for bit RmsNormToSmem alone) -----------------------
 
 // Sums of M values over the block at once, each by block_sum's tree (warp_sum, then warp_sum of the
 // warps' sums), so each is bit for bit what block_sum / block_sum2 give it alone. `scratch` holds
@@ -85,7 +85,7 @@ __device__ __forceinline__ void rms_rows_to_smem(const uint16_t* __restrict__ x,
     __syncthreads();
 }
 
-// Weight loads in flight per lane by rows per block (ptx/bgemv.cu norm_gemv_unroll): 8 at M = 1,
+// Weight loads in flight per lane by rows per block: 8 at M = 1,
 // fewer as more rows share each load, within the 64 registers of __launch_bounds__(256, 4).
 template <int M>
 __host__ __device__ constexpr int seg_gemv_unroll() { return M == 1 ? 8 : (M == 2 ? 4 : 2); }
@@ -201,12 +201,12 @@ __device__ __forceinline__ float dot8_bf16_f32(uint4 w, float4 xa, float4 xb, fl
 template <int M, bool HAS_FP8>
 __host__ __device__ constexpr bool seg_x_f32() { return HAS_FP8 && M == 1; }
 
-// The GEMV of normalised rows for the `rows` (<= M) rows of the chunk at e0 (ptx/bgemv.cu
-// norm_gemv_rows, over the segments' rows): each warp has its first row's first U loads in flight
-// before the wait and the prologue, which normalises the chunk into xs [M][k] (BF16, or f32 where
-// seg_x_f32); then it strides over the launch's rows, one at a time, and applies every chunk to the
-// M rows. A BF16 row is that kernel's loop (per lane, chunks lane, lane + 32, ... by dot8_bf16 into
-// one accumulator per x row; warp_sum), whatever the staging; an FP8 row is fp8_rows_vec (or
+// The GEMV of normalised rows for the `rows` (<= M) rows of the chunk at e0, over the segments'
+// rows: each warp has its first row's first U loads in flight before the wait and the prologue,
+// which normalises the chunk into xs [M][k] (BF16, or f32 where seg_x_f32); then it strides over
+// the launch's rows, one at a time, and applies every chunk to the M rows. A BF16 row takes the
+// BF16 rows' per-lane chunk order (chunks lane, lane + 32, ... by dot8_bf16 into one accumulator per
+// x row; warp_sum), whatever the staging; an FP8 row is fp8_rows_vec (or
 // fp8_rows_elem where k % 16 != 0 or the segment is not 16-byte aligned) with one weight row.
 template <int M, bool BESIDE, bool HAS_FP8>
 __device__ __forceinline__ void seg_gemv_rows(const Segments& a, const uint16_t* __restrict__ x, uint32_t x_stride,
@@ -224,7 +224,7 @@ __device__ __forceinline__ void seg_gemv_rows(const Segments& a, const uint16_t*
     float sl;
     {
         // The first row's segment again after the prologue (a few selects on the parameters), so
-        // that only `row` stays live through the prologue, as in ptx/bgemv.cu's loop.
+        // that only `row` stays live through the prologue (fewer registers held across it).
         const SegRow sr = seg_row(a, row < n ? row : 0u, k);
         const bool live = row < n && seg_vec(sr, k);
         if (HAS_FP8 && sr.fp8) {
@@ -356,8 +356,8 @@ __device__ __forceinline__ void seg_gemv_batch(const Segments& a, const uint16_t
 // Grid (ceil(m / 8), the blocks resident at once), block 256, dynamic smem M * k * 2 bytes (M the
 // next power of two of min(m, 8)); Pdl.WAIT (it releases at exit). The norm is every block's
 // prologue. The _bf16 kernels are the same for launches whose segments are all BF16 (fp8_mask 0):
-// without the FP8 path the compiler gives the BF16 loop the registers of ptx/bgemv.cu's
-// rmsnorm_gemv_batch (the FP8 path at M = 1, 8 loads in flight, spills a few words at its stores).
+// without the FP8 path the compiler gives the BF16 loop the registers it needs (with the FP8 path
+// at M = 1, 8 loads in flight, it spills a few words at its stores).
 extern "C" __global__ void __launch_bounds__(256, 4) rmsnorm_gemv_seg_batch(SEG_PARAMS) {
     extern __shared__ __align__(16) uint16_t xs[];
     __shared__ float scratch[32 * BATCH_ROWS];

@@ -206,31 +206,6 @@ def mtp_embed_norm(gpu, c: MtpCase, *, single: bool = False, mis: int = 0) -> np
 # ---- bgemv.py's batched kernels ----------------------------------------------------------------------
 
 
-def rmsnorm_gemv(
-    gpu, x: np.ndarray, k: int, nw, w, *, x_off: int = 0, beside=False, single=False, mis=0
-) -> np.ndarray:
-    """y [m, n]: row e from x[e, x_off : x_off + k] (x [m, x_stride], so x_stride = x.shape[1])."""
-    m, x_stride = x.shape
-    n = w.shape[0]
-    with Bufs(gpu) as b:
-        px, pn, pw, py = b.put(x, mis), b.put(nw), b.put(w), b.poison(m * n * 2)
-        for e, mm in [(e, 1) for e in range(m)] if single else [(0, m)]:
-            bg.rmsnorm_gemv_batch(
-                gpu,
-                x=px.offset((e * x_stride + x_off) * 2),
-                x_stride=x_stride,
-                norm_w=pn,
-                w=pw,
-                y=py.offset(e * n * 2),
-                m=mm,
-                n=n,
-                k=k,
-                eps=EPS,
-                beside=beside,
-            )
-        return bf16_rows(b.get(py), m)
-
-
 def bgemv(
     gpu, w: np.ndarray, x: np.ndarray, *, out_f32: bool, beside=False, single=False, mis=0
 ) -> np.ndarray:

@@ -1,5 +1,5 @@
 """Host twins of the batched projection kernels (gemv_bf16_batch, mtp_input_gemv_batch,
-mtp_embed_norm_batch, rmsnorm_gemv_batch, bgemv_batch, sum_rows_residual(_rmsnorm)_batch), on the
+mtp_embed_norm_batch, bgemv_batch, sum_rows_residual(_rmsnorm)_batch), on the
 host backend at awkward sizes:
 
 - at m = 1 against direct NumPy float64 math and the kernels' flag and NaN rules;
@@ -27,7 +27,6 @@ from batch_proj_util import (
     gemv_single,
     mtp_embed_norm,
     mtp_input,
-    rmsnorm_gemv,
     sum_rows,
 )
 from kernel_util import abs_dot, assert_dot_close, dot_bound, download, poisoned, random_bf16, upload
@@ -196,65 +195,6 @@ def test_mtp_embed_norm_batch(host, m):
     assert np.isnan(out[live & (tokens >= vocab), :h].astype(np.float32)).all()
 
 
-# ---- rmsnorm_gemv_batch -------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("n,k,x_stride,x_off", [(37, 29, 29, 0), (20, 48, 100, 52), (9, 4096, 4096, 0)])
-@pytest.mark.parametrize("beside", [False, True])
-def test_rmsnorm_gemv_batch_at_m1_matches_float64(host, n, k, x_stride, x_off, beside):
-    """One row: within the bound of float64 math, and the beside variant's bits are the waiting one's."""
-    rng = np.random.default_rng(n + k)
-    x, nw, w = (
-        random_bf16(rng, (1, x_stride)),
-        random_bf16(rng, k, exp_lo=-1),
-        random_bf16(rng, (n, k), exp_lo=-8),
-    )
-    y = rmsnorm_gemv(host, x, k, nw, w, x_off=x_off, beside=beside)
-    same_bits(y, rmsnorm_gemv(host, x, k, nw, w, x_off=x_off, beside=not beside), "beside vs wait")
-    xn = rms64(x[:, x_off : x_off + k], nw)
-    ref = xn.astype(np.float64) @ w.astype(np.float64).T
-    assert_dot_close(y, ref, norm_bound(xn, w, ref, k), f"rmsnorm_gemv_batch m=1 n={n} k={k}")
-
-
-@pytest.mark.parametrize("m", M_AWKWARD)
-def test_rmsnorm_gemv_batch_is_batch_invariant_and_exact(host, m):
-    """The q projection's form: each row's input is a slice of a wider fused row (x_stride > k)."""
-    rng = np.random.default_rng(m)
-    n, k, x_stride, x_off = 19, 40, 66, 18
-    x, nw, w = (
-        random_bf16(rng, (m, x_stride)),
-        random_bf16(rng, k, exp_lo=-1),
-        random_bf16(rng, (n, k), exp_lo=-8),
-    )
-    y = rmsnorm_gemv(host, x, k, nw, w, x_off=x_off)
-    same_bits(y, rmsnorm_gemv(host, x, k, nw, w, x_off=x_off, single=True), f"rmsnorm_gemv_batch m={m}")
-    perm = rng.permutation(m)
-    same_bits(
-        rmsnorm_gemv(host, x[perm], k, nw, w, x_off=x_off), y[perm], f"rmsnorm_gemv_batch m={m} shuffled"
-    )
-    xn = rms64(x[:, x_off : x_off + k], nw)
-    ref = xn.astype(np.float64) @ w.astype(np.float64).T
-    assert_dot_close(y, ref, norm_bound(xn, w, ref, k), f"rmsnorm_gemv_batch m={m}")
-
-
-def test_rmsnorm_gemv_batch_long_rows_are_batch_invariant(host):
-    """Rows past NumPy's 8192-element reduction buffer: the twin's norm still sums each row alone."""
-    rng = np.random.default_rng(9)
-    n, k = 3, 9000
-    x, nw, w = random_bf16(rng, (5, k)), random_bf16(rng, k, exp_lo=-1), random_bf16(rng, (n, k), exp_lo=-8)
-    same_bits(rmsnorm_gemv(host, x, k, nw, w), rmsnorm_gemv(host, x, k, nw, w, single=True), "rmsnorm k=9000")
-
-
-def test_rmsnorm_gemv_batch_refuses_bad_shapes(host):
-    p = host.alloc(64)
-    kw = dict(x=p, norm_w=p, w=p, y=p, n=1, eps=EPS)
-    with pytest.raises(ValueError, match="m=0"):
-        bg.rmsnorm_gemv_batch(host, x_stride=8, m=0, k=8, **kw)
-    with pytest.raises(ValueError, match="x_stride"):
-        bg.rmsnorm_gemv_batch(host, x_stride=7, m=1, k=8, **kw)
-    host.free(p)
-
-
 # ---- bgemv_batch ---------------------------------------------------------------------------------------
 
 
@@ -330,8 +270,6 @@ _CONTRACT = [
     (gv.GEMV_BF16_BATCH, Pdl.NONE, False, ("y",)),
     (mi.MTP_INPUT_GEMV_BATCH, Pdl.BESIDE, False, ("y", "flags")),
     (mi.MTP_EMBED_NORM_BATCH, Pdl.NONE, False, ("out",)),
-    (bg.RMSNORM_GEMV_BATCH, Pdl.WAIT, False, ("y",)),
-    (bg.RMSNORM_GEMV_BATCH_BESIDE, Pdl.BESIDE, False, ("y",)),
     (bg.BGEMV_F32_BATCH, Pdl.WAIT, True, ("y",)),
     (bg.BGEMV_F32_BATCH_BESIDE, Pdl.BESIDE, False, ("y",)),
     (bg.BGEMV_BF16_BATCH, Pdl.WAIT, True, ("y",)),

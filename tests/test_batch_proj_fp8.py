@@ -8,7 +8,8 @@ bgemv_fp8_batch) on the host backend, at awkward shapes:
 - the twin's formula itself: block partials in float32, times the block scale, added in block order;
 - mixed BF16 / FP8 segments in one launch equal to separate launches, bit for bit, with the columns
   no segment covers left untouched;
-- BF16 segments only: bit for bit the existing rmsnorm_gemv_batch twin;
+- BF16 segments only: bit for bit gemv_bf16_ref of the rmsnorm_ref rows (f32 accumulation of the
+  BF16 products), and batch-invariant for rows past NumPy's reduction buffer;
 - batch invariance, exactly: every row of an m-row launch is the row launched alone, at m in 1, 3,
   17, 64, 200 and shuffled;
 - the refusals (a clear ValueError before anything is launched);
@@ -33,12 +34,14 @@ from batch_proj_fp8_util import (
     seg_gemv,
     seg_gemv_bound,
 )
-from batch_proj_util import EPS, rmsnorm_gemv
+from batch_proj_util import EPS
 from kernel_util import abs_dot, assert_dot_close, download, random_bf16
 
 from model.kernels import bgemv_fp8 as bf
 from runtime.dtypes import BF16
 from runtime.kernel import Pdl
+from runtime.kernels.gemv_bf16 import gemv_bf16_ref
+from runtime.kernels.rmsnorm import rmsnorm_ref
 
 M_AWKWARD = (1, 3, 17, 64, 200)
 
@@ -185,19 +188,29 @@ def test_mixed_segments_in_one_launch_are_separate_launches(host, m):
 
 @pytest.mark.parametrize("n,k,x_stride,x_off", [(37, 29, 29, 0), (20, 48, 100, 52), (9, 4096, 4096, 0)])
 @pytest.mark.parametrize("beside", [False, True])
-def test_bf16_segments_are_rmsnorm_gemv_batch(host, n, k, x_stride, x_off, beside):
+def test_bf16_segments_are_the_bf16_formula(host, n, k, x_stride, x_off, beside):
     """One segment of all the rows, and the rows cut into three segments in another order: bit for
-    bit the existing twin (model.kernels.bgemv.rmsnorm_gemv_batch)."""
+    bit gemv_bf16_ref (f32 accumulation of the BF16 products, one rounding) of the rmsnorm_ref rows."""
     rng = np.random.default_rng(n + k)
     w, nw = random_bf16(rng, (n, k), exp_lo=-8), random_bf16(rng, k, exp_lo=-1)
     for m in (1, 3, 17):
         x = random_bf16(rng, (m, x_stride))
-        old = rmsnorm_gemv(host, x, k, nw, w, x_off=x_off, beside=beside)
+        ref = gemv_bf16_ref(w, rmsnorm_ref(x[:, x_off : x_off + k], nw, EPS))
         whole = seg_gemv(host, x, k, nw, [Seg(w, 0)], n, x_off=x_off, beside=beside)
-        same_bits(whole, old, f"one BF16 segment vs rmsnorm_gemv_batch m={m}")
+        same_bits(whole, ref, f"one BF16 segment vs the formula m={m}")
         a, b = n // 3, 2 * n // 3
         cut = [Seg(w[b:], b), Seg(w[:a], 0), Seg(w[a:b], a)]
-        same_bits(seg_gemv(host, x, k, nw, cut, n, x_off=x_off, beside=beside), old, f"three segments m={m}")
+        same_bits(seg_gemv(host, x, k, nw, cut, n, x_off=x_off, beside=beside), ref, f"three segments m={m}")
+
+
+def test_bf16_segment_long_rows_are_batch_invariant(host):
+    """Rows past NumPy's 8192-element reduction buffer: the twin's norm still sums each row alone."""
+    rng = np.random.default_rng(9)
+    n, k = 3, 9000
+    x, nw = random_bf16(rng, (5, k)), random_bf16(rng, k, exp_lo=-1)
+    segs = [Seg(random_bf16(rng, (n, k), exp_lo=-8), 0)]
+    y = seg_gemv(host, x, k, nw, segs, n)
+    same_bits(y, seg_gemv(host, x, k, nw, segs, n, single=True), "one BF16 segment k=9000 vs alone")
 
 
 @pytest.mark.parametrize("m", M_AWKWARD)

@@ -1,7 +1,6 @@
 """The batched projection kernels' PTX (gemv_bf16_batch, mtp_input_gemv_batch, mtp_embed_norm_batch,
-rmsnorm_gemv_batch(_beside), bgemv_bf16_{f32,bf16}_batch(_beside), sum_rows_residual(_rmsnorm)_batch)
-on the device, at the GLM-5.3-Flash shapes (eh_proj 4096 x 8192, fused_in 2336 x 4096, the q
-projection 20480 x 1536 read from inside the fused row, wk_t 64 x 512 x 256, wv 64 x 256 x 512,
+bgemv_bf16_{f32,bf16}_batch(_beside), sum_rows_residual(_rmsnorm)_batch) on the device, at the
+GLM-5.3-Flash shapes (eh_proj 4096 x 8192, wk_t 64 x 512 x 256, wv 64 x 256 x 512,
 o_proj 8 x 4096 x 2048, hidden 4096) and at awkward ones (k = 72, k % 8 != 0, misaligned rows,
 strides that misalign every other row, n not a multiple of a warp's rows).
 
@@ -35,7 +34,6 @@ from batch_proj_util import (
     mtp_embed_norm,
     mtp_input,
     norm_gemv_bound,
-    rmsnorm_gemv,
     sum_rows,
 )
 from kernel_util import abs_dot, assert_dot_close, dot_bound, random_bf16
@@ -239,69 +237,6 @@ def test_mtp_embed_norm_batch(cuda, h, mis):
         rows_close_bf16(g[ok], hh[ok], f"mtp_embed_norm_batch m={m}")
         rows_close_bf16(g[live, h:], hh[live, h:], f"mtp_embed_norm_batch hidden halves m={m}")
         assert np.isnan(g[live & ~ok, :h].astype(np.float32)).all()
-
-
-# ---- rmsnorm_gemv_batch ------------------------------------------------------------------------------
-
-# (n, k, x_stride, x_off): fused_in (x = the block's input rows), the q projection (q_a at 768 (ctx_rows) in a
-# 2336-wide fused row), short rows, and x_stride % 8 != 0 (every other row misaligned).
-_NORM_SHAPES = [(2336, HIDDEN, HIDDEN, 0), (20480, 1536, 2336, 768), (37, 29, 29, 0), (100, 48, 52, 2)]
-
-
-@pytest.mark.parametrize("beside", [False, True], ids=["wait", "beside"])
-@pytest.mark.parametrize("n,k,x_stride,x_off", _NORM_SHAPES)
-def test_rmsnorm_gemv_batch_against_twin(cuda, n, k, x_stride, x_off, beside):
-    rng = np.random.default_rng()
-    for m in (3, 17):
-        x = random_bf16(rng, (m, x_stride))
-        nw, w = random_bf16(rng, k, exp_lo=-1), random_bf16(rng, (n, k), exp_lo=-8)
-        g = rmsnorm_gemv(cuda, x, k, nw, w, x_off=x_off, beside=beside)
-        hy = rmsnorm_gemv(HostBackend(), x, k, nw, w, x_off=x_off, beside=beside)
-        xn = rmsnorm_ref(x[:, x_off : x_off + k], nw, EPS)
-        ref = hy.astype(np.float64)
-        assert_dot_close(g, ref, norm_gemv_bound(xn, w, ref, k), f"rmsnorm_gemv_batch m={m} n={n} k={k}")
-
-
-@pytest.mark.parametrize("beside", [False, True], ids=["wait", "beside"])
-@pytest.mark.parametrize(
-    "n,k,x_stride,x_off,mis,ms",
-    [
-        (300, 520, 600, 24, 0, M_AWKWARD),
-        (50, 48, 52, 4, 0, M_AWKWARD),  # rows alternately aligned: the batch's norm fallback
-        (40, 72, 72, 0, 2, (3, 17)),  # misaligned x
-        (20480, 1536, 2336, 768, 0, (17, 64)),
-        (2336, HIDDEN, HIDDEN, 0, 0, (3,)),
-    ],
-)
-def test_rmsnorm_gemv_batch_rows_are_bit_identical_alone(cuda, n, k, x_stride, x_off, mis, ms, beside):
-    rng = np.random.default_rng()
-    nw, w = random_bf16(rng, k, exp_lo=-1), random_bf16(rng, (n, k), exp_lo=-8)
-    for m in ms:
-        x = random_bf16(rng, (m, x_stride))
-        got = rmsnorm_gemv(cuda, x, k, nw, w, x_off=x_off, beside=beside, mis=mis)
-        no_poison(got, f"rmsnorm_gemv_batch m={m}")
-        alone = rmsnorm_gemv(cuda, x, k, nw, w, x_off=x_off, beside=beside, single=True, mis=mis)
-        same_bits(got, alone, f"rmsnorm_gemv_batch m={m} n={n} k={k}")
-        perm = rng.permutation(m)
-        same_bits(
-            rmsnorm_gemv(cuda, x[perm], k, nw, w, x_off=x_off, beside=beside, mis=mis),
-            alone[perm],
-            "shuffled",
-        )
-
-
-@pytest.mark.parametrize("n,k,x_stride,x_off", _NORM_SHAPES)
-def test_rmsnorm_gemv_batch_nine_rows_are_the_rows_alone(cuda, n, k, x_stride, x_off):
-    rng = np.random.default_rng()
-    m = 9
-    x, nw, w = (
-        random_bf16(rng, (m, x_stride)),
-        random_bf16(rng, k, exp_lo=-1),
-        random_bf16(rng, (n, k), exp_lo=-8),
-    )
-    got = rmsnorm_gemv(cuda, x, k, nw, w, x_off=x_off)
-    alone = rmsnorm_gemv(cuda, x, k, nw, w, x_off=x_off, single=True)
-    same_bits(got, alone, "rmsnorm_gemv_batch vs its rows alone")
 
 
 # ---- bgemv_batch ---------------------------------------------------------------------------------------

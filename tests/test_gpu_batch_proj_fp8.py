@@ -17,7 +17,8 @@ guard. Each test checks:
   (the device sums the squares in another order); f32 outputs the accumulation bound alone;
 - batch invariance: every row of an m-row launch is bit-identical to a launch of that row alone
   (m = 1, pointers at the row), at m in 1, 3, 17, 64, 200 and in a shuffled order;
-- BF16 segments: bit for bit ptx/bgemv.cu rmsnorm_gemv_batch's output, alone and among FP8 segments;
+- BF16 segments: one segment and the same rows cut into three segments give the same bits, and a
+  BF16 segment among FP8 ones (the general kernel) the bits of that matrix through the BF16 kernel;
 - mixed segments in one launch: bit for bit the same segments in separate launches.
 """
 
@@ -35,7 +36,7 @@ from batch_proj_fp8_util import (
     seg_gemv,
     seg_gemv_bound,
 )
-from batch_proj_util import EPS, rmsnorm_gemv
+from batch_proj_util import EPS
 from kernel_util import assert_dot_close, random_bf16
 
 from runtime.host_backend import HostBackend
@@ -220,28 +221,40 @@ _BF16_SHAPES = [
 
 @pytest.mark.parametrize("beside", [False, True], ids=["wait", "beside"])
 @pytest.mark.parametrize("n,k,x_stride,x_off,mis", _BF16_SHAPES)
-def test_bf16_segments_are_rmsnorm_gemv_batch(cuda, n, k, x_stride, x_off, mis, beside):
-    """BF16 segments only (the BF16 kernel): one segment of all the rows, and the rows cut into three
-    segments launched in another order, bit for bit ptx/bgemv.cu rmsnorm_gemv_batch's output."""
+def test_bf16_segments_against_twin_and_alone(cuda, n, k, x_stride, x_off, mis, beside):
+    """BF16 segments only (the BF16 kernel): one segment of all the rows within the twin's bound
+    (at m = 1 and 17), every row of it bit for bit that row launched alone and in a shuffled order,
+    and the rows cut into three segments launched in another order bit for bit the one segment."""
     rng = np.random.default_rng()
     w, nw = random_bf16(rng, (n, k), exp_lo=-8), random_bf16(rng, k, exp_lo=-1)
+    whole_seg = [Seg(w, 0)]
     a, b = n // 3, 2 * n // 3
     cut = [Seg(w[b:], b), Seg(w[:a], 0), Seg(w[a:b], a)]
     for m in M_AWKWARD if n < 10000 else (1, 17):
         x = random_bf16(rng, (m, x_stride))
-        old = rmsnorm_gemv(cuda, x, k, nw, w, x_off=x_off, beside=beside, mis=mis)
-        no_poison(old, f"rmsnorm_gemv_batch m={m}")
-        whole = seg_gemv(cuda, x, k, nw, [Seg(w, 0)], n, x_off=x_off, beside=beside, mis=mis)
-        same_bits(whole, old, f"one BF16 segment vs rmsnorm_gemv_batch m={m} n={n} k={k}")
+        whole = seg_gemv(cuda, x, k, nw, whole_seg, n, x_off=x_off, beside=beside, mis=mis)
+        no_poison(whole, f"one BF16 segment m={m} n={n} k={k}")
+        if m in (1, 17):
+            h = seg_gemv(HostBackend(), x, k, nw, whole_seg, n, x_off=x_off, beside=beside, mis=mis)
+            ref = h.astype(np.float64)
+            bound = seg_gemv_bound(
+                rmsnorm_ref(x[:, x_off : x_off + k], nw, EPS), w.astype(np.float64), ref, k
+            )
+            assert_dot_close(whole, ref, bound, f"one BF16 segment vs twin m={m} n={n} k={k}")
+        alone = seg_gemv(cuda, x, k, nw, whole_seg, n, x_off=x_off, beside=beside, mis=mis, single=True)
+        same_bits(whole, alone, f"one BF16 segment m={m} n={n} k={k} vs its rows alone")
+        perm = rng.permutation(m)
+        shuffled = seg_gemv(cuda, x[perm], k, nw, whole_seg, n, x_off=x_off, beside=beside, mis=mis)
+        same_bits(shuffled, alone[perm], f"one BF16 segment m={m} n={n} k={k} shuffled")
         parts = seg_gemv(cuda, x, k, nw, cut, n, x_off=x_off, beside=beside, mis=mis)
-        same_bits(parts, old, f"three BF16 segments vs rmsnorm_gemv_batch m={m} n={n} k={k}")
+        same_bits(parts, whole, f"three BF16 segments vs one m={m} n={n} k={k}")
 
 
 @pytest.mark.parametrize("beside", [False, True], ids=["wait", "beside"])
 @pytest.mark.parametrize("case", ["fused_in", "q_proj", "k1040", "k130", "k72"])
-def test_bf16_rows_among_fp8_segments_are_rmsnorm_gemv_batch(cuda, case, beside):
+def test_bf16_rows_among_fp8_segments_are_the_bf16_kernels(cuda, case, beside):
     """The general kernel (one row: its f32-staged input) gives each BF16 segment's rows the bits
-    rmsnorm_gemv_batch gives that matrix alone."""
+    the BF16 kernel gives that matrix launched alone."""
     rng = np.random.default_rng()
     segs, ys, k, x_stride, x_off = build_case(rng, case)
     nw = random_bf16(rng, k, exp_lo=-1)
@@ -250,8 +263,9 @@ def test_bf16_rows_among_fp8_segments_are_rmsnorm_gemv_batch(cuda, case, beside)
         y = seg_gemv(cuda, x, k, nw, segs, ys, x_off=x_off, beside=beside)
         for i, sg in enumerate(segs):
             if sg.scales is None and not sg.mis:
-                old = rmsnorm_gemv(cuda, x, k, nw, sg.w, x_off=x_off, beside=beside)
-                same_bits(y[:, sg.col : sg.col + sg.rows], old, f"{case} m={m} BF16 segment {i}")
+                alone = seg_gemv(cuda, x, k, nw, [Seg(sg.w, 0)], sg.rows, x_off=x_off, beside=beside)
+                no_poison(alone, f"{case} m={m} BF16 segment {i} alone")
+                same_bits(y[:, sg.col : sg.col + sg.rows], alone, f"{case} m={m} BF16 segment {i}")
 
 
 # ---- bgemv_fp8_batch ---------------------------------------------------------------------------------

@@ -51,7 +51,8 @@ def test_the_drafter_step_kernels_take_part():
     costs the overlap, not correctness)."""
     modes = {d.function: d.pdl for d in PDL_DECLS}
     assert {
-        "rmsnorm_gemv_batch",
+        "rmsnorm_gemv_seg_batch",
+        "rmsnorm_gemv_seg_bf16_batch",
         "dsa_cache_write_batch",
         "select_topk_pools_batch",
         "bgemv_bf16_f32_batch",
@@ -66,7 +67,6 @@ def test_the_drafter_step_kernels_take_part():
     } <= {f for f, m in modes.items() if m is Pdl.WAIT}
     assert {f for f, m in modes.items() if m is Pdl.BESIDE} == {
         "mtp_input_gemv_batch",
-        "rmsnorm_gemv_batch_beside",
         "bgemv_bf16_f32_batch_beside",
         "rmsnorm_gemv_seg_batch_beside",
         "rmsnorm_gemv_seg_bf16_batch_beside",

@@ -19,6 +19,7 @@ from hypothesis import strategies as st_
 from kernel_util import random_bf16
 
 from model.kernels import bgemv as bg
+from model.kernels import bgemv_fp8 as bf
 from model.kernels import draft_head, sparse_mla
 from model.kernels.batch import pack_entries
 from runtime import host_math
@@ -252,8 +253,9 @@ def test_gpu_bgemv_of_a_ranks_entries_is_those_entries_of_the_whole(cuda, batch,
 
 
 def gemv_rows(gpu, kind: str, w, scale, x, norm_w, n: int, k: int) -> bytes:
-    """The n outputs of one row x through ``kind``: gemv_bf16, gemv_fp8w, rmsnorm_gemv_batch (the q
-    projection) or the single-rank fused head (head_bf16, head_fp8: head_argmax_batch at m = 1)."""
+    """The n outputs of one row x through ``kind``: gemv_bf16, gemv_fp8w, rmsnorm_gemv_seg_batch with
+    one BF16 segment (the q projection in BF16) or the single-rank fused head (head_bf16, head_fp8:
+    head_argmax_batch at m = 1)."""
     inputs = {"w": w, "scale": scale, "x": x, "norm_w": norm_w}
     outs = {"y": n * 2}
     if kind.startswith("head"):
@@ -268,7 +270,10 @@ def gemv_rows(gpu, kind: str, w, scale, x, norm_w, n: int, k: int) -> bytes:
         elif kind == "fp8":
             gemv_fp8w(gpu, w, scale, x, y, 1, n, k)
         elif kind == "rmsnorm":
-            bg.rmsnorm_gemv_batch(gpu, x=x, x_stride=k, norm_w=norm_w, w=w, y=y, m=1, n=n, k=k, eps=1e-5)
+            seg = [bf.GemvSegment(w=w, scales=None, rows=n, col=0)]
+            bf.rmsnorm_gemv_seg_batch(
+                gpu, x=x, x_stride=k, norm_w=norm_w, segments=seg, y=y, y_stride=n, m=1, k=k, eps=1e-5
+            )
         else:
             draft_head.head_argmax_batch(
                 gpu,

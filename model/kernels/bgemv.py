@@ -4,8 +4,8 @@
 query (``kv_b``'s key half, stored transposed per head), the per-head value projection, and
 ``o_proj`` split into fixed head groups (see ``model.weights``). ``sum_rows_residual*_batch``: the
 ordered row sums that follow the o_proj head groups and the MoE slots (with the next layer's
-RMSNorm). ``rmsnorm_gemv_batch``: a projection of RMSNorm'd rows. Each weight matrix is read once
-for all m rows; a row's bits do not depend on m or on the other rows. CUDA: ptx/bgemv.cu.
+RMSNorm). Each weight matrix is read once for all m rows; a row's bits do not depend on m or on the
+other rows. CUDA: ptx/bgemv.cu.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ import numpy as np
 from runtime.dtypes import BF16
 from runtime.host_math import dot_rows
 from runtime.kernel import F32, PTR, U32, Pdl, declare
-from runtime.kernels.gemv_bf16 import gemv_bf16_ref
 from runtime.kernels.rmsnorm import rmsnorm_ref
-from runtime.launch import grid_stride_blocks, launch
+from runtime.launch import launch
 
 from .batch import check_rows
 
@@ -242,69 +241,5 @@ def sum_rows_residual_rmsnorm_batch(
         rows,
         n,
         eps,
-        stream=stream,
-    )
-
-
-_NORM_GEMV_BATCH_ARGS = [
-    ("x", PTR),
-    ("x_stride", U32),
-    ("norm_w", PTR),
-    ("w", PTR),
-    ("y", PTR),
-    ("m", U32),
-    ("n", U32),
-    ("k", U32),
-    ("eps", F32),
-]
-
-
-@declare("bgemv", "rmsnorm_gemv_batch", list(_NORM_GEMV_BATCH_ARGS), writes=("y",), pdl=True)
-def RMSNORM_GEMV_BATCH(mem, x, x_stride, norm_w, w, y, m, n, k, eps):
-    """y_e = W @ (rmsnorm(x_e) * norm_w) for each row e < m: x_e at ``x + e * x_stride * 2`` bytes (x_stride in
-    elements), y dense [m, n] BF16. Row by row the rmsnorm and gemv_bf16 twins (both depend on the
-    row alone)."""
-    xs = np.stack([mem.read(x.offset(e * x_stride * 2), BF16, k) for e in range(m)])
-    xn = rmsnorm_ref(xs, mem.read(norm_w, BF16, k), eps)
-    mem.write(y, gemv_bf16_ref(mem.view(w, BF16, (n, k)), xn))
-
-
-@declare("bgemv", "rmsnorm_gemv_batch_beside", list(_NORM_GEMV_BATCH_ARGS), writes=("y",), pdl=Pdl.BESIDE)
-def RMSNORM_GEMV_BATCH_BESIDE(mem, x, x_stride, norm_w, w, y, m, n, k, eps):
-    """rmsnorm_gemv_batch that may run beside the kernel launched before it (x is older)."""
-    RMSNORM_GEMV_BATCH.host(mem, x, x_stride, norm_w, w, y, m, n, k, eps)
-
-
-def rmsnorm_gemv_batch_smem(m: int, k: int) -> int:
-    """Dynamic shared memory of rmsnorm_gemv_batch: the chunk's normed rows, [M][k] BF16."""
-    return _pow2_rows(m) * k * 2
-
-
-def rmsnorm_gemv_batch(gpu, *, x, x_stride, norm_w, w, y, m, n, k, eps, beside: bool = False, stream=None):
-    """y [m, n] BF16, row e = W @ (rmsnorm(x_e) * norm_w) with x_e at x + e * x_stride elements (the
-    q projection's q_a sits inside the wider fused row). One grid over W's rows (the blocks resident at
-    once), times the chunks of m. ``beside``: x was produced before the previous launch on the stream,
-    so the projection may run beside that launch (runtime.kernel.Pdl.BESIDE)."""
-    check_rows("rmsnorm_gemv_batch", m)
-    if x_stride < k:
-        raise ValueError(f"rmsnorm_gemv_batch: x_stride={x_stride} is shorter than a row (k={k})")
-    kernel = gpu.kernel(*(RMSNORM_GEMV_BATCH_BESIDE if beside else RMSNORM_GEMV_BATCH).key)
-    smem = rmsnorm_gemv_batch_smem(m, k)
-    grid = grid_stride_blocks(max(1, -(-n // 8)), gpu.resident_blocks(kernel, 256, smem))
-    launch(
-        gpu,
-        kernel,
-        (-(-m // BATCH_ROWS), grid),
-        256,
-        x,
-        x_stride,
-        norm_w,
-        w,
-        y,
-        m,
-        n,
-        k,
-        eps,
-        smem=smem,
         stream=stream,
     )

@@ -9,7 +9,8 @@ dequantisation; every weight byte is read once per launch for all m rows.
 - ``rmsnorm_gemv_seg_batch``: ``y[e, col + r] = W_seg[r] . (rmsnorm(x_e) * norm_w)`` for up to four
   weight segments of one launch, each BF16 or FP8 (the fused input projection stacks kv_a, wk,
   compress_gate, q_a and weights_proj, which differ in dtype on disk; the q projection q_b and wq_b).
-  With BF16 segments only it is ``model.kernels.bgemv.rmsnorm_gemv_batch`` bit for bit (twin and PTX).
+  A BF16 segment's output is ``gemv_bf16_ref`` of the ``rmsnorm_ref`` rows bit for bit (twin; the PTX
+  sums each row in its own fixed per-lane chunk order, the same for every m).
 - ``bgemv_fp8_batch``: per head, ``y[e, h] = W8[h] @ x[e, h]`` (o_proj in its head groups), the
   FP8 twin of ``model.kernels.bgemv.bgemv_batch``.
 
@@ -141,9 +142,9 @@ _SEG_ARGS = [
 
 
 def _seg_gemv(mem, x, x_stride, norm_w, y, y_stride, m, n, k, eps, fp8_mask, *segs) -> None:
-    """Row by row the rmsnorm twin, then per segment the BF16 dot_rows (model.kernels.bgemv's
-    rmsnorm_gemv_batch twin, element for element) or fp8_block_dot, written to its columns of each
-    y row; y's other columns are left as they were."""
+    """Row by row the rmsnorm twin, then per segment the BF16 dot_rows (gemv_bf16_ref of the normed
+    rows, element for element) or fp8_block_dot, written to its columns of each y row; y's other
+    columns are left as they were."""
     xs = np.stack([mem.read(x.offset(e * x_stride * 2), BF16, k) for e in range(m)])
     xn = rmsnorm_ref(xs, mem.read(norm_w, BF16, k), eps)
     kb = -(-k // FP8_BLOCK[1])
@@ -240,10 +241,10 @@ def rmsnorm_gemv_seg_batch(
     """For each row e < m: ``xn_e = rmsnorm(x_e) * norm_w`` (x_e: k BF16 at ``x + e * x_stride``
     elements) and, for every segment, ``y[e, col + r] = bf16(W_seg[r] . xn_e)`` for r < rows (y BF16,
     row e at ``y + e * y_stride`` elements; y's other columns untouched). BF16 segments: f32
-    accumulation, the arithmetic of ``model.kernels.bgemv.rmsnorm_gemv_batch`` (the same bits); FP8
-    segments: the module's block-scaled arithmetic. One launch: the grid strides over all segments'
-    rows (the blocks resident at once) times the chunks of 8 rows of m, each weight byte read once
-    per launch. ``beside``: x was produced before the previous launch on the stream, so the
+    accumulation of the BF16 products, each lane's 16-byte chunks in a fixed order, then the lanes'
+    warp_sum (the same bits for every m); FP8 segments: the module's block-scaled arithmetic. One
+    launch: the grid strides over all segments' rows (the blocks resident at once) times the chunks
+    of 8 rows of m, each weight byte read once per launch. ``beside``: x was produced before the previous launch on the stream, so the
     projection may run beside that launch (runtime.kernel.Pdl.BESIDE)."""
     what = "rmsnorm_gemv_seg_batch"
     check_rows(what, m)
