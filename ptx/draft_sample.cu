@@ -144,6 +144,14 @@ __device__ __forceinline__ bool sampled_entry(const uint32_t* entries, const uin
     t = __uint_as_float(__ldcg(sampling + (size_t)e * SAMPLE_WORDS));
     return t > 0.0f;
 }
+
+// A sampled record that restricts nothing (top-k 0 or >= n, no top-p: draft_sample.keeps_all): its
+// kept set is the whole row, so it needs no histogram, only the largest key and the total mass.
+__device__ __forceinline__ bool keeps_all(const uint32_t* sampling, uint32_t e, uint32_t n) {
+    const uint32_t* rec = sampling + (size_t)e * SAMPLE_WORDS;
+    const uint32_t top_k = __ldcg(rec + 2);
+    return !(__uint_as_float(__ldcg(rec + 1)) < 1.0f) && (top_k == 0u || top_k >= n);
+}
 }  // namespace
 
 // ---- 1. the histogram --------------------------------------------------------------------------------
@@ -152,18 +160,12 @@ __device__ __forceinline__ bool sampled_entry(const uint32_t* entries, const uin
 // elements, eight elements a thread (strided: coalesced). Any split gives the same histogram (integer
 // sums), so the launch helper picks one wave of blocks for the batch. Equal keys within a warp are
 // counted by one atomic (match.any), which keeps a run of equal logits from serialising on one L2
-// address. The row's largest key goes to state word 0 (atomicMax).
-extern "C" __global__ void __launch_bounds__(HIST_THREADS) sample_hist_batch(const uint16_t* logits,
-                                                                             const uint32_t* sampling,
-                                                                             const uint32_t* entries, uint8_t* ws,
-                                                                             uint32_t m, uint32_t n) {
-    grid_dependency_wait();
-    const uint32_t e = blockIdx.y;
-    float t;
-    if (e >= m || !sampled_entry(entries, sampling, e, t)) return;
-    uint32_t* hist = row_hist(ws, e);
-    const uint16_t* row = logits + (size_t)e * n;
-    const uint32_t lane = threadIdx.x & 31u, chunks = (n + HIST_CHUNK - 1u) / HIST_CHUNK;
+// address. The row's largest key goes to state word 0 (atomicMax). A row that keeps every element
+// (keeps_all) gets its largest key only: its histogram stays zero, sample_index_batch sums its mass.
+namespace {
+// This thread's elements of the row's chunks counted into hist; their largest key.
+__device__ __forceinline__ uint32_t count_keys(const uint16_t* row, uint32_t* hist, uint32_t n, uint32_t chunks) {
+    const uint32_t lane = threadIdx.x & 31u;
     uint32_t top = 0;
     for (uint32_t c = blockIdx.x; c < chunks; c += gridDim.x) {  // block-uniform
         uint32_t u[HIST_CHUNK / HIST_THREADS];
@@ -181,9 +183,37 @@ extern "C" __global__ void __launch_bounds__(HIST_THREADS) sample_hist_batch(con
             }
         }
     }
+    return top;
+}
+
+// The largest key of this thread's elements of the row's chunks.
+__device__ __forceinline__ uint32_t max_key(const uint16_t* row, uint32_t n, uint32_t chunks) {
+    uint32_t top = 0;
+    for (uint32_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+#pragma unroll
+        for (uint32_t k = 0; k < HIST_CHUNK / HIST_THREADS; ++k) {
+            const uint32_t i = c * HIST_CHUNK + k * HIST_THREADS + threadIdx.x;
+            if (i < n) top = max(top, key16(canon_bf16(__ldcg(row + i))));
+        }
+    }
+    return top;
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(HIST_THREADS) sample_hist_batch(const uint16_t* logits,
+                                                                             const uint32_t* sampling,
+                                                                             const uint32_t* entries, uint8_t* ws,
+                                                                             uint32_t m, uint32_t n) {
+    grid_dependency_wait();
+    const uint32_t e = blockIdx.y;
+    float t;
+    if (e >= m || !sampled_entry(entries, sampling, e, t)) return;
+    const uint16_t* row = logits + (size_t)e * n;
+    const uint32_t chunks = (n + HIST_CHUNK - 1u) / HIST_CHUNK;
+    uint32_t top = keeps_all(sampling, e, n) ? max_key(row, n, chunks) : count_keys(row, row_hist(ws, e), n, chunks);
     __shared__ uint32_t wtop[HIST_THREADS / 32];
     top = __reduce_max_sync(FULL, top);
-    if (lane == 0) wtop[threadIdx.x >> 5] = top;
+    if ((threadIdx.x & 31u) == 0) wtop[threadIdx.x >> 5] = top;
     __syncthreads();
     if (threadIdx.x == 0) {
         for (uint32_t w = 1; w < HIST_THREADS / 32; ++w) top = max(top, wtop[w]);
@@ -211,6 +241,24 @@ struct SelectSmem {
     uint32_t pa_c;
     unsigned long long pa_m;
 };
+
+// 2^40 / total: q_i = f32(f64(e_i) * inv).
+__device__ __forceinline__ double inv_of(unsigned long long total) {
+    return __ddiv_rn(1099511627776.0, __ull2double_rn(total));
+}
+
+// A sampled row's state words (mode 1; istar unresolved).
+__device__ __forceinline__ void write_state(uint32_t* st, float zmax, uint32_t lo, uint32_t hi, uint32_t jstar,
+                                            double inv, unsigned long long total) {
+    st[W_ZMAX] = __float_as_uint(zmax);
+    st[W_LO] = lo;
+    st[W_HI] = hi;
+    st[W_JSTAR] = jstar;
+    st[W_ISTAR] = NO_KEY;
+    *reinterpret_cast<double*>(st + W_INV) = inv;
+    *reinterpret_cast<unsigned long long*>(st + W_TOTAL) = total;
+    st[W_MODE] = 1u;
+}
 
 // Count and mass of bins b0 .. b0 + 3 (counts v), those above `above` only (NO_KEY: all).
 __device__ __forceinline__ void word_sums(uint4 v, uint32_t b0, uint32_t above, float t, float zmax, uint32_t& c,
@@ -443,6 +491,10 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS, 1) sample_select_ba
         if (threadIdx.x == 0) st[W_MODE] = 0u;
         return;
     }
+    if (keeps_all(sampling, e, n)) {  // S is the row: its total mass (and inv) is sample_index_batch's
+        if (threadIdx.x == 0) write_state(st, zmax, 0u, 0u, 0u, 0.0, 0ull);
+        return;
+    }
 
     // Segment sums.
     const uint32_t lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
@@ -502,16 +554,9 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS, 1) sample_select_ba
     }
     const unsigned long long total = all ? total_m : r.m_above + j * r.mass1;
     if (!all && r.above + j == n) all = true;
-    if (threadIdx.x == 0) {
-        st[W_ZMAX] = __float_as_uint(zmax);
-        st[W_LO] = all ? 0u : r.lo;
-        st[W_HI] = all ? 0u : r.hi;
-        st[W_JSTAR] = (all || j >= r.size) ? 0u : (uint32_t)j;
-        st[W_ISTAR] = NO_KEY;
-        *reinterpret_cast<double*>(st + W_INV) = __ddiv_rn(1099511627776.0, __ull2double_rn(total));
-        *reinterpret_cast<unsigned long long*>(st + W_TOTAL) = total;
-        st[W_MODE] = 1u;
-    }
+    if (threadIdx.x == 0)
+        write_state(st, zmax, all ? 0u : r.lo, all ? 0u : r.hi, (all || j >= r.size) ? 0u : (uint32_t)j, inv_of(total),
+                    total);
 }
 
 // ---- 3. the index of the boundary --------------------------------------------------------------------
@@ -519,7 +564,35 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS, 1) sample_select_ba
 // Grid (blocks per row, m), 256 threads, the blocks striding over the row's chunks of INDEX_CHUNK.
 // Rows with jstar > 0 only: each chunk's count of the elements of the run [lo, hi]; the row's last
 // block finds the chunk of the jstar-th and in it (16 consecutive elements a thread, then a scan)
-// the element: istar.
+// the element: istar. Rows that keep every element (keeps_all) instead: each block's sum of its
+// elements' masses into the state's total (an integer sum: any order, the same bits), and the row's
+// last block derives inv from it, which sample_draw_batch needs before it writes any q.
+namespace {
+// Every thread's elements of the row's chunks: their summed mass added to st's total.
+__device__ void add_row_mass(const uint16_t* row, uint32_t* st, uint32_t n, float t, float zmax) {
+    const uint32_t chunks = (n + INDEX_CHUNK - 1u) / INDEX_CHUNK;
+    unsigned long long mass = 0;
+    for (uint32_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+#pragma unroll 4
+        for (uint32_t k = 0; k < INDEX_CHUNK / INDEX_THREADS; ++k) {
+            const uint32_t i = c * INDEX_CHUNK + k * INDEX_THREADS + threadIdx.x;
+            if (i < n) {
+                const float z = __fdiv_rn(bf16_bits_to_f32(canon_bf16(__ldcg(row + i))), t);
+                mass += fixed_mass(sample_exp(__fsub_rn(z, zmax)));
+            }
+        }
+    }
+    __shared__ unsigned long long wmass[INDEX_THREADS / 32];
+    mass = warp_sum_u64(mass);
+    if ((threadIdx.x & 31u) == 0) wmass[threadIdx.x >> 5] = mass;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (uint32_t w = 1; w < INDEX_THREADS / 32; ++w) mass += wmass[w];
+        if (mass) atomicAdd(reinterpret_cast<unsigned long long*>(st + W_TOTAL), mass);
+    }
+}
+}  // namespace
+
 extern "C" __global__ void __launch_bounds__(INDEX_THREADS) sample_index_batch(const uint16_t* logits,
                                                                                const uint32_t* sampling,
                                                                                const uint32_t* entries, uint8_t* ws,
@@ -530,6 +603,15 @@ extern "C" __global__ void __launch_bounds__(INDEX_THREADS) sample_index_batch(c
     if (e >= m || !sampled_entry(entries, sampling, e, t)) return;
     uint32_t* st = row_state(ws, m, e);
     if (__ldcg(st + W_MODE) == 0u) return;
+    if (keeps_all(sampling, e, n)) {
+        add_row_mass(logits + (size_t)e * n, st, n, t, __uint_as_float(__ldcg(st + W_ZMAX)));
+        if (row_last_block(st + W_CNT_INDEX, gridDim.x) && tid == 0) {
+            // Every block's add is in (row_last_block's fences); the atomic reads it from L2.
+            const unsigned long long total = atomicAdd(reinterpret_cast<unsigned long long*>(st + W_TOTAL), 0ull);
+            *reinterpret_cast<double*>(st + W_INV) = inv_of(total);
+        }
+        return;
+    }
     const uint32_t jstar = __ldcg(st + W_JSTAR);
     if (jstar == 0u) return;
     const uint32_t lo = __ldcg(st + W_LO), hi = __ldcg(st + W_HI);
@@ -597,7 +679,8 @@ extern "C" __global__ void __launch_bounds__(INDEX_THREADS) sample_index_batch(c
 // the dist row one-hot at the head's token (entries[e].token), block 0 commits q = 1. A sampled row:
 // each block's best key (ordered f32 score << 32 | ~index: the larger score, then the lower index)
 // into state words 4-5 by atomicMax (order-free), the dist row q_i = f32(f64(e_i) * inv) on the kept
-// set; the row's last block commits. Every block of a sampled row zeroes its share of the histogram.
+// set; the row's last block commits. Every block of a sampled row zeroes its share of the histogram
+// (not where the row keeps every element: sample_hist_batch left that one zero).
 namespace {
 __device__ __forceinline__ void commit_row(uint32_t* entries, uint32_t* drafts, float* probs, uint32_t* host_drafts,
                                            float* host_probs, uint32_t e, uint32_t di, uint32_t kmax,
@@ -642,7 +725,7 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS) sample_draw_batch(
     const uint16_t* row = logits + (size_t)e * n;
     const uint32_t chunks = (n + DRAW_CHUNK - 1u) / DRAW_CHUNK;
     const bool sampled = t > 0.0f;
-    if (sampled) zero_hist_share(row_hist(ws, e), blockIdx.x, gridDim.x);
+    if (sampled && !keeps_all(sampling, e, n)) zero_hist_share(row_hist(ws, e), blockIdx.x, gridDim.x);
     if (!sampled || __ldcg(st + W_MODE) == 0u) {
         const uint32_t tok = __ldcg(entries + (size_t)e * ENTRY_WORDS + 2u);
         if (dist) {
