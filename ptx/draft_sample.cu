@@ -21,6 +21,11 @@ constexpr uint32_t HIST_BINS = 65536;
 constexpr size_t HIST_BYTES = 4u * HIST_BINS;
 constexpr uint32_t ROW_STATE_BYTES = 64;
 constexpr uint32_t HIST_CHUNK = 2048, HIST_THREADS = 256;
+// sample_hist_batch's dynamic shared memory: a 16-bit count per key (two to a word), flushed to the
+// row's global histogram at least every FLUSH_CHUNKS chunks, so no count reaches 2^16.
+constexpr uint32_t HIST_SMEM = 2u * HIST_BINS;
+constexpr uint32_t FLUSH_CHUNKS = 65535u / HIST_CHUNK;
+static_assert(FLUSH_CHUNKS * HIST_CHUNK <= 0xFFFFu && HIST_SMEM == 2u * HIST_BINS, "16-bit shared counts");
 constexpr uint32_t INDEX_CHUNK = 4096, INDEX_THREADS = 256;
 constexpr uint32_t DRAW_CHUNK = 1024, DRAW_THREADS = 256;
 constexpr uint32_t SELECT_THREADS = 1024;
@@ -156,18 +161,46 @@ __device__ __forceinline__ bool keeps_all(const uint32_t* sampling, uint32_t e, 
 
 // ---- 1. the histogram --------------------------------------------------------------------------------
 //
-// Grid (blocks per row, m), 256 threads; the blocks of a row stride over its chunks of HIST_CHUNK
-// elements, eight elements a thread (strided: coalesced). Any split gives the same histogram (integer
-// sums), so the launch helper picks one wave of blocks for the batch. Equal keys within a warp are
-// counted by one atomic (match.any), which keeps a run of equal logits from serialising on one L2
-// address. The row's largest key goes to state word 0 (atomicMax). A row that keeps every element
-// (keeps_all) gets its largest key only: its histogram stays zero, sample_index_batch sums its mass.
+// Grid (blocks per row, m), 256 threads, HIST_SMEM bytes of dynamic shared memory; the blocks of a row
+// stride over its chunks of HIST_CHUNK elements, eight elements a thread (strided: coalesced). Each
+// block counts its elements' keys in shared memory (16-bit counts, two keys a word) and adds its
+// nonzero counts to the row's global histogram (one atomic per key the block saw, not one per
+// element), at the end and after every FLUSH_CHUNKS of its chunks. Any split gives the same
+// histogram (integer sums), so the launch helper picks one wave of blocks for the batch. The row's
+// largest key goes to state word 0 (atomicMax). A row that keeps every element (keeps_all) gets its
+// largest key only: its histogram stays zero, sample_index_batch sums its mass.
 namespace {
-// This thread's elements of the row's chunks counted into hist; their largest key.
-__device__ __forceinline__ uint32_t count_keys(const uint16_t* row, uint32_t* hist, uint32_t n, uint32_t chunks) {
-    const uint32_t lane = threadIdx.x & 31u;
-    uint32_t top = 0;
+// The block's shared counts added to hist and zeroed again. Every thread calls it.
+__device__ void flush_counts(uint32_t* counts, uint32_t* hist) {
+    __syncthreads();  // every shared add is in
+    uint4* c4 = reinterpret_cast<uint4*>(counts);
+    for (uint32_t w = threadIdx.x; w < HIST_BINS / 8u; w += HIST_THREADS) {
+        const uint4 v = c4[w];
+        if ((v.x | v.y | v.z | v.w) == 0u) continue;
+        const uint32_t word[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (uint32_t k = 0; k < 4u; ++k) {
+            const uint32_t bin = 8u * w + 2u * k;
+            if (word[k] & 0xFFFFu) atomicAdd(hist + bin, word[k] & 0xFFFFu);
+            if (word[k] >> 16) atomicAdd(hist + bin + 1u, word[k] >> 16);
+        }
+        c4[w] = make_uint4(0u, 0u, 0u, 0u);
+    }
+    __syncthreads();  // the counts are zero again before the next chunk's adds
+}
+
+// This block's elements of the row's chunks counted into hist; this thread's largest key.
+__device__ uint32_t count_keys(const uint16_t* row, uint32_t* hist, uint32_t n, uint32_t chunks) {
+    extern __shared__ uint4 hist_smem[];
+    uint32_t* counts = reinterpret_cast<uint32_t*>(hist_smem);
+    for (uint32_t w = threadIdx.x; w < HIST_BINS / 8u; w += HIST_THREADS) hist_smem[w] = make_uint4(0u, 0u, 0u, 0u);
+    __syncthreads();
+    uint32_t top = 0, pending = 0;
     for (uint32_t c = blockIdx.x; c < chunks; c += gridDim.x) {  // block-uniform
+        if (pending == FLUSH_CHUNKS) {
+            flush_counts(counts, hist);
+            pending = 0;
+        }
         uint32_t u[HIST_CHUNK / HIST_THREADS];
 #pragma unroll
         for (uint32_t k = 0; k < HIST_CHUNK / HIST_THREADS; ++k) {
@@ -176,13 +209,14 @@ __device__ __forceinline__ uint32_t count_keys(const uint16_t* row, uint32_t* hi
         }
 #pragma unroll
         for (uint32_t k = 0; k < HIST_CHUNK / HIST_THREADS; ++k) {
-            const uint32_t same = __match_any_sync(FULL, u[k]);
             if (u[k] != NO_KEY) {
                 top = max(top, u[k]);
-                if (lane == (uint32_t)(__ffs(same) - 1)) atomicAdd(hist + u[k], (uint32_t)__popc(same));
+                atomicAdd(counts + (u[k] >> 1), 1u << ((u[k] & 1u) << 4));
             }
         }
+        ++pending;
     }
+    flush_counts(counts, hist);
     return top;
 }
 
