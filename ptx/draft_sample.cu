@@ -654,7 +654,7 @@ extern "C" __global__ void __launch_bounds__(INDEX_THREADS) sample_index_batch(c
     uint32_t* counts = row_counts(ws, m, e, chunks);
     for (uint32_t c = blockIdx.x; c < chunks; c += gridDim.x) {  // block-uniform
         uint32_t cnt = 0;
-#pragma unroll 4
+#pragma unroll  // sixteen independent loads in flight
         for (uint32_t k = 0; k < INDEX_CHUNK / INDEX_THREADS; ++k) {
             const uint32_t i = c * INDEX_CHUNK + k * INDEX_THREADS + tid;
             if (i < n) {
@@ -682,27 +682,24 @@ extern "C" __global__ void __launch_bounds__(INDEX_THREADS) sample_index_batch(c
     }
     __syncthreads();
     const uint32_t rank = sh_rank, s0 = sh_chunk * INDEX_CHUNK + tid * (INDEX_CHUNK / INDEX_THREADS);
-    uint32_t mine = 0;
+    static_assert(INDEX_CHUNK / INDEX_THREADS <= 32, "one bit of `in_run` per element of a thread");
+    uint32_t in_run = 0;  // bit k: element s0 + k is of the run (read once, all loads in flight)
+#pragma unroll
     for (uint32_t k = 0; k < INDEX_CHUNK / INDEX_THREADS; ++k) {
         const uint32_t i = s0 + k;
         if (i < n) {
             const uint32_t u = key16(canon_bf16(__ldcg(row + i)));
-            mine += (u >= lo && u <= hi) ? 1u : 0u;
+            in_run |= (u >= lo && u <= hi) ? 1u << k : 0u;
         }
     }
+    const uint32_t mine = __popc(in_run);
     uint32_t sum;
-    uint32_t ex = block_exclusive_scan(mine, scratch, &sum);
+    const uint32_t ex = block_exclusive_scan(mine, scratch, &sum);
     if (ex < rank && rank <= ex + mine) {
-        for (uint32_t k = 0; k < INDEX_CHUNK / INDEX_THREADS; ++k) {
-            const uint32_t i = s0 + k;
-            if (i < n) {
-                const uint32_t u = key16(canon_bf16(__ldcg(row + i)));
-                if (u >= lo && u <= hi && ++ex == rank) {
-                    st[W_ISTAR] = i;
-                    break;
-                }
-            }
-        }
+        // The (rank - ex)-th set bit, lowest first: drop the rank - ex - 1 lower ones.
+        uint32_t b = in_run;
+        for (uint32_t j = ex + 1u; j < rank; ++j) b &= b - 1u;
+        st[W_ISTAR] = s0 + (uint32_t)(__ffs(b) - 1);
     }
 }
 
