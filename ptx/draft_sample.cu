@@ -20,7 +20,9 @@ constexpr uint32_t SAMPLE_WORDS = 8;
 constexpr uint32_t HIST_BINS = 65536;
 constexpr size_t HIST_BYTES = 4u * HIST_BINS;
 constexpr uint32_t ROW_STATE_BYTES = 64;
-constexpr uint32_t HIST_CHUNK = 2048, HIST_THREADS = 256;
+// 1024 threads a block for the histogram: its 128 KB of shared counts allow one block per SM, and
+// 32 warps of loads in flight hide L2 latency where 8 could not.
+constexpr uint32_t HIST_CHUNK = 8192, HIST_THREADS = 1024;
 // sample_hist_batch's dynamic shared memory: a 16-bit count per key (two to a word), flushed to the
 // row's global histogram at least every FLUSH_CHUNKS chunks, so no count reaches 2^16.
 constexpr uint32_t HIST_SMEM = 2u * HIST_BINS;
@@ -161,7 +163,7 @@ __device__ __forceinline__ bool keeps_all(const uint32_t* sampling, uint32_t e, 
 
 // ---- 1. the histogram --------------------------------------------------------------------------------
 //
-// Grid (blocks per row, m), 256 threads, HIST_SMEM bytes of dynamic shared memory; the blocks of a row
+// Grid (blocks per row, m), 1024 threads, HIST_SMEM bytes of dynamic shared memory; the blocks of a row
 // stride over its chunks of HIST_CHUNK elements, eight elements a thread (strided: coalesced). Each
 // block counts its elements' keys in shared memory (16-bit counts, two keys a word) and adds its
 // nonzero counts to the row's global histogram (one atomic per key the block saw, not one per

@@ -58,11 +58,11 @@ entry's blocks return at once except in the last. A sampled row whose record res
 (an integer sum: the same total as the histogram's, in any order) and its last block derives inv,
 4 has no histogram to zero. Its state words and outputs are the same bits as through the histogram.
 
-1. ``sample_hist_batch`` (256 threads, chunks of HIST_CHUNK elements, HIST_SMEM bytes of dynamic
+1. ``sample_hist_batch`` (1024 threads, chunks of HIST_CHUNK elements, HIST_SMEM bytes of dynamic
    shared memory): a 65,536-bin histogram per sampled row of the elements' 16-bit order keys (the
    BF16 bits made monotone: z is a non-decreasing function of the key, so a bin is one value of z
    and a run of equal z is an interval of keys), and the row's largest key; each block counts in
-   shared memory (16-bit counts, flushed at least every 31 chunks so none overflows) and adds
+   shared memory (16-bit counts, flushed at least every 7 chunks so none overflows) and adds
    only its nonzero counts to the row's histogram in global memory;
 2. ``sample_select_batch`` (one block of 1024 threads per row): scans the histogram (a bin's mass
    is its count times the mass of its key) and resolves the kept set to "every key above hi, and
@@ -103,7 +103,8 @@ SAMPLE_WORDS = 8
 HIST_BINS = 65536
 HIST_BYTES = 4 * HIST_BINS
 ROW_STATE_BYTES = 64
-HIST_CHUNK = 2048  # elements per block: sample_hist_batch (256 threads, eight each)
+HIST_CHUNK = 8192  # elements per block: sample_hist_batch (HIST_THREADS, eight each)
+HIST_THREADS = 1024
 HIST_SMEM = 2 * HIST_BINS  # sample_hist_batch's dynamic shared memory: a 16-bit count per key
 INDEX_CHUNK = 4096  # sample_index_batch (256 threads)
 DRAW_CHUNK = 1024  # sample_draw_batch (256 threads, four each)
@@ -567,12 +568,12 @@ def row_blocks(gpu, m: int, n: int) -> tuple[int, int, int]:
     block per chunk; grid_stride_blocks evens out the rounds). The split cannot change a result:
     every combination across blocks is an integer sum or a max of unique keys."""
     out = []
-    for decl, chunk, smem in (
-        (SAMPLE_HIST_BATCH, HIST_CHUNK, HIST_SMEM),
-        (SAMPLE_INDEX_BATCH, INDEX_CHUNK, 0),
-        (SAMPLE_DRAW_BATCH, DRAW_CHUNK, 0),
+    for decl, chunk, threads, smem in (
+        (SAMPLE_HIST_BATCH, HIST_CHUNK, HIST_THREADS, HIST_SMEM),
+        (SAMPLE_INDEX_BATCH, INDEX_CHUNK, 256, 0),
+        (SAMPLE_DRAW_BATCH, DRAW_CHUNK, 256, 0),
     ):
-        per_row = max(1, gpu.resident_blocks(gpu.kernel(*decl.key), 256, smem) // m)
+        per_row = max(1, gpu.resident_blocks(gpu.kernel(*decl.key), threads, smem) // m)
         out.append(grid_stride_blocks(-(-n // chunk), per_row))
     return out[0], out[1], out[2]
 
@@ -617,7 +618,7 @@ def draft_sample_batch(
     front = (logits, sampling, entries, workspace, m, n)
     hist, index, draw = row_blocks(gpu, m, n)
     k = gpu.kernel
-    launch(gpu, k(*SAMPLE_HIST_BATCH.key), (hist, m), 256, *front, smem=HIST_SMEM, stream=stream)
+    launch(gpu, k(*SAMPLE_HIST_BATCH.key), (hist, m), HIST_THREADS, *front, smem=HIST_SMEM, stream=stream)
     launch(gpu, k(*SAMPLE_SELECT_BATCH.key), (1, m), 1024, *front, stream=stream)
     launch(gpu, k(*SAMPLE_INDEX_BATCH.key), (index, m), 256, *front, stream=stream)
     launch(
