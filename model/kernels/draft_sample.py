@@ -72,8 +72,9 @@ entry's blocks return at once except in the last. A sampled row whose record res
    every element, the total mass (u64 atomics, one a block) and inv (the row's last block);
 4. ``sample_draw_batch`` (chunks of DRAW_CHUNK): the Gumbel-max over the kept set (noise only where
    it can still win: an element whose ``z + 17`` is below a score already reached, or below
-   ``z_max - 3``, cannot), the dist rows, then the commit and publish by the row's last block; it
-   zeroes the histograms again.
+   ``z_max - 3``, cannot; nor one whose ``z`` plus a bound of its noise from its uniform, 0.5, 2 or
+   6 below u = 0.5, 0.87 or 0.997, is: then its logarithms are skipped), the dist rows, then the
+   commit and publish by the row's last block; it zeroes the histograms again.
 
 In 1, 3 and 4 the blocks of a row stride over its chunks, ``row_blocks`` per row: one wave for the
 whole batch (152 draw blocks for one row of 154,880, 16 a row at m = 64).
