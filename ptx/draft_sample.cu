@@ -20,7 +20,14 @@ constexpr uint32_t SAMPLE_WORDS = 8;
 constexpr uint32_t HIST_BINS = 65536;
 constexpr size_t HIST_BYTES = 4u * HIST_BINS;
 constexpr uint32_t ROW_STATE_BYTES = 64;
-constexpr uint32_t HIST_CHUNK = 2048, HIST_THREADS = 256;
+// 1024 threads a block for the histogram: its 128 KB of shared counts allow one block per SM, and
+// 32 warps of loads in flight hide L2 latency where 8 could not.
+constexpr uint32_t HIST_CHUNK = 8192, HIST_THREADS = 1024;
+// sample_hist_batch's dynamic shared memory: a 16-bit count per key (two to a word), flushed to the
+// row's global histogram at least every FLUSH_CHUNKS chunks, so no count reaches 2^16.
+constexpr uint32_t HIST_SMEM = 2u * HIST_BINS;
+constexpr uint32_t FLUSH_CHUNKS = 65535u / HIST_CHUNK;
+static_assert(FLUSH_CHUNKS * HIST_CHUNK <= 0xFFFFu && HIST_SMEM == 2u * HIST_BINS, "16-bit shared counts");
 constexpr uint32_t INDEX_CHUNK = 4096, INDEX_THREADS = 256;
 constexpr uint32_t DRAW_CHUNK = 1024, DRAW_THREADS = 256;
 constexpr uint32_t SELECT_THREADS = 1024;
@@ -36,6 +43,13 @@ constexpr uint32_t W_INV = 12, W_TOTAL = 14;  // f64, u64
 // Bounds of keyed_gumbel over its uniforms' range [2^-24, 1 - 2^-24]: -2.81 .. 16.64, with margin
 // for logf's ulp. An element whose z + G_MAX is below a score some kept element reached cannot win.
 constexpr float G_MAX = 17.0f, G_MIN = -3.0f;
+
+// An upper bound of keyed_gumbel's -logf(-logf(u)) from its uniform u (the noise increases with u:
+// at 0.5f, 0.87f and 0.997f it is 0.3666, 1.9714 and 5.8077; the bounds leave far more than logf's
+// ulp of margin), so the draw skips the two logarithms of an element that cannot reach a score.
+__device__ __forceinline__ float gumbel_below(float u) {
+    return u < 0.5f ? 0.5f : u < 0.87f ? 2.0f : u < 0.997f ? 6.0f : G_MAX;
+}
 
 __device__ __forceinline__ uint32_t* row_hist(uint8_t* ws, uint32_t e) {
     return reinterpret_cast<uint32_t*>(ws + (size_t)e * HIST_BYTES);
@@ -144,28 +158,58 @@ __device__ __forceinline__ bool sampled_entry(const uint32_t* entries, const uin
     t = __uint_as_float(__ldcg(sampling + (size_t)e * SAMPLE_WORDS));
     return t > 0.0f;
 }
+
+// A sampled record that restricts nothing (top-k 0 or >= n, no top-p: draft_sample.keeps_all): its
+// kept set is the whole row, so it needs no histogram, only the largest key and the total mass.
+__device__ __forceinline__ bool keeps_all(const uint32_t* sampling, uint32_t e, uint32_t n) {
+    const uint32_t* rec = sampling + (size_t)e * SAMPLE_WORDS;
+    const uint32_t top_k = __ldcg(rec + 2);
+    return !(__uint_as_float(__ldcg(rec + 1)) < 1.0f) && (top_k == 0u || top_k >= n);
+}
 }  // namespace
 
 // ---- 1. the histogram --------------------------------------------------------------------------------
 //
-// Grid (blocks per row, m), 256 threads; the blocks of a row stride over its chunks of HIST_CHUNK
-// elements, eight elements a thread (strided: coalesced). Any split gives the same histogram (integer
-// sums), so the launch helper picks one wave of blocks for the batch. Equal keys within a warp are
-// counted by one atomic (match.any), which keeps a run of equal logits from serialising on one L2
-// address. The row's largest key goes to state word 0 (atomicMax).
-extern "C" __global__ void __launch_bounds__(HIST_THREADS) sample_hist_batch(const uint16_t* logits,
-                                                                             const uint32_t* sampling,
-                                                                             const uint32_t* entries, uint8_t* ws,
-                                                                             uint32_t m, uint32_t n) {
-    grid_dependency_wait();
-    const uint32_t e = blockIdx.y;
-    float t;
-    if (e >= m || !sampled_entry(entries, sampling, e, t)) return;
-    uint32_t* hist = row_hist(ws, e);
-    const uint16_t* row = logits + (size_t)e * n;
-    const uint32_t lane = threadIdx.x & 31u, chunks = (n + HIST_CHUNK - 1u) / HIST_CHUNK;
-    uint32_t top = 0;
+// Grid (blocks per row, m), 1024 threads, HIST_SMEM bytes of dynamic shared memory; the blocks of a row
+// stride over its chunks of HIST_CHUNK elements, eight elements a thread (strided: coalesced). Each
+// block counts its elements' keys in shared memory (16-bit counts, two keys a word) and adds its
+// nonzero counts to the row's global histogram (one atomic per key the block saw, not one per
+// element), at the end and after every FLUSH_CHUNKS of its chunks. Any split gives the same
+// histogram (integer sums), so the launch helper picks one wave of blocks for the batch. The row's
+// largest key goes to state word 0 (atomicMax). A row that keeps every element (keeps_all) gets its
+// largest key only: its histogram stays zero, sample_index_batch sums its mass.
+namespace {
+// The block's shared counts added to hist and zeroed again. Every thread calls it.
+__device__ void flush_counts(uint32_t* counts, uint32_t* hist) {
+    __syncthreads();  // every shared add is in
+    uint4* c4 = reinterpret_cast<uint4*>(counts);
+    for (uint32_t w = threadIdx.x; w < HIST_BINS / 8u; w += HIST_THREADS) {
+        const uint4 v = c4[w];
+        if ((v.x | v.y | v.z | v.w) == 0u) continue;
+        const uint32_t word[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (uint32_t k = 0; k < 4u; ++k) {
+            const uint32_t bin = 8u * w + 2u * k;
+            if (word[k] & 0xFFFFu) atomicAdd(hist + bin, word[k] & 0xFFFFu);
+            if (word[k] >> 16) atomicAdd(hist + bin + 1u, word[k] >> 16);
+        }
+        c4[w] = make_uint4(0u, 0u, 0u, 0u);
+    }
+    __syncthreads();  // the counts are zero again before the next chunk's adds
+}
+
+// This block's elements of the row's chunks counted into hist; this thread's largest key.
+__device__ uint32_t count_keys(const uint16_t* row, uint32_t* hist, uint32_t n, uint32_t chunks) {
+    extern __shared__ uint4 hist_smem[];
+    uint32_t* counts = reinterpret_cast<uint32_t*>(hist_smem);
+    for (uint32_t w = threadIdx.x; w < HIST_BINS / 8u; w += HIST_THREADS) hist_smem[w] = make_uint4(0u, 0u, 0u, 0u);
+    __syncthreads();
+    uint32_t top = 0, pending = 0;
     for (uint32_t c = blockIdx.x; c < chunks; c += gridDim.x) {  // block-uniform
+        if (pending == FLUSH_CHUNKS) {
+            flush_counts(counts, hist);
+            pending = 0;
+        }
         uint32_t u[HIST_CHUNK / HIST_THREADS];
 #pragma unroll
         for (uint32_t k = 0; k < HIST_CHUNK / HIST_THREADS; ++k) {
@@ -174,16 +218,45 @@ extern "C" __global__ void __launch_bounds__(HIST_THREADS) sample_hist_batch(con
         }
 #pragma unroll
         for (uint32_t k = 0; k < HIST_CHUNK / HIST_THREADS; ++k) {
-            const uint32_t same = __match_any_sync(FULL, u[k]);
             if (u[k] != NO_KEY) {
                 top = max(top, u[k]);
-                if (lane == (uint32_t)(__ffs(same) - 1)) atomicAdd(hist + u[k], (uint32_t)__popc(same));
+                atomicAdd(counts + (u[k] >> 1), 1u << ((u[k] & 1u) << 4));
             }
         }
+        ++pending;
     }
+    flush_counts(counts, hist);
+    return top;
+}
+
+// The largest key of this thread's elements of the row's chunks.
+__device__ __forceinline__ uint32_t max_key(const uint16_t* row, uint32_t n, uint32_t chunks) {
+    uint32_t top = 0;
+    for (uint32_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+#pragma unroll
+        for (uint32_t k = 0; k < HIST_CHUNK / HIST_THREADS; ++k) {
+            const uint32_t i = c * HIST_CHUNK + k * HIST_THREADS + threadIdx.x;
+            if (i < n) top = max(top, key16(canon_bf16(__ldcg(row + i))));
+        }
+    }
+    return top;
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(HIST_THREADS) sample_hist_batch(const uint16_t* logits,
+                                                                             const uint32_t* sampling,
+                                                                             const uint32_t* entries, uint8_t* ws,
+                                                                             uint32_t m, uint32_t n) {
+    grid_dependency_wait();
+    const uint32_t e = blockIdx.y;
+    float t;
+    if (e >= m || !sampled_entry(entries, sampling, e, t)) return;
+    const uint16_t* row = logits + (size_t)e * n;
+    const uint32_t chunks = (n + HIST_CHUNK - 1u) / HIST_CHUNK;
+    uint32_t top = keeps_all(sampling, e, n) ? max_key(row, n, chunks) : count_keys(row, row_hist(ws, e), n, chunks);
     __shared__ uint32_t wtop[HIST_THREADS / 32];
     top = __reduce_max_sync(FULL, top);
-    if (lane == 0) wtop[threadIdx.x >> 5] = top;
+    if ((threadIdx.x & 31u) == 0) wtop[threadIdx.x >> 5] = top;
     __syncthreads();
     if (threadIdx.x == 0) {
         for (uint32_t w = 1; w < HIST_THREADS / 32; ++w) top = max(top, wtop[w]);
@@ -211,6 +284,24 @@ struct SelectSmem {
     uint32_t pa_c;
     unsigned long long pa_m;
 };
+
+// 2^40 / total: q_i = f32(f64(e_i) * inv).
+__device__ __forceinline__ double inv_of(unsigned long long total) {
+    return __ddiv_rn(1099511627776.0, __ull2double_rn(total));
+}
+
+// A sampled row's state words (mode 1; istar unresolved).
+__device__ __forceinline__ void write_state(uint32_t* st, float zmax, uint32_t lo, uint32_t hi, uint32_t jstar,
+                                            double inv, unsigned long long total) {
+    st[W_ZMAX] = __float_as_uint(zmax);
+    st[W_LO] = lo;
+    st[W_HI] = hi;
+    st[W_JSTAR] = jstar;
+    st[W_ISTAR] = NO_KEY;
+    *reinterpret_cast<double*>(st + W_INV) = inv;
+    *reinterpret_cast<unsigned long long*>(st + W_TOTAL) = total;
+    st[W_MODE] = 1u;
+}
 
 // Count and mass of bins b0 .. b0 + 3 (counts v), those above `above` only (NO_KEY: all).
 __device__ __forceinline__ void word_sums(uint4 v, uint32_t b0, uint32_t above, float t, float zmax, uint32_t& c,
@@ -443,6 +534,10 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS, 1) sample_select_ba
         if (threadIdx.x == 0) st[W_MODE] = 0u;
         return;
     }
+    if (keeps_all(sampling, e, n)) {  // S is the row: its total mass (and inv) is sample_index_batch's
+        if (threadIdx.x == 0) write_state(st, zmax, 0u, 0u, 0u, 0.0, 0ull);
+        return;
+    }
 
     // Segment sums.
     const uint32_t lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
@@ -502,16 +597,9 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS, 1) sample_select_ba
     }
     const unsigned long long total = all ? total_m : r.m_above + j * r.mass1;
     if (!all && r.above + j == n) all = true;
-    if (threadIdx.x == 0) {
-        st[W_ZMAX] = __float_as_uint(zmax);
-        st[W_LO] = all ? 0u : r.lo;
-        st[W_HI] = all ? 0u : r.hi;
-        st[W_JSTAR] = (all || j >= r.size) ? 0u : (uint32_t)j;
-        st[W_ISTAR] = NO_KEY;
-        *reinterpret_cast<double*>(st + W_INV) = __ddiv_rn(1099511627776.0, __ull2double_rn(total));
-        *reinterpret_cast<unsigned long long*>(st + W_TOTAL) = total;
-        st[W_MODE] = 1u;
-    }
+    if (threadIdx.x == 0)
+        write_state(st, zmax, all ? 0u : r.lo, all ? 0u : r.hi, (all || j >= r.size) ? 0u : (uint32_t)j, inv_of(total),
+                    total);
 }
 
 // ---- 3. the index of the boundary --------------------------------------------------------------------
@@ -519,7 +607,35 @@ extern "C" __global__ void __launch_bounds__(SELECT_THREADS, 1) sample_select_ba
 // Grid (blocks per row, m), 256 threads, the blocks striding over the row's chunks of INDEX_CHUNK.
 // Rows with jstar > 0 only: each chunk's count of the elements of the run [lo, hi]; the row's last
 // block finds the chunk of the jstar-th and in it (16 consecutive elements a thread, then a scan)
-// the element: istar.
+// the element: istar. Rows that keep every element (keeps_all) instead: each block's sum of its
+// elements' masses into the state's total (an integer sum: any order, the same bits), and the row's
+// last block derives inv from it, which sample_draw_batch needs before it writes any q.
+namespace {
+// Every thread's elements of the row's chunks: their summed mass added to st's total.
+__device__ void add_row_mass(const uint16_t* row, uint32_t* st, uint32_t n, float t, float zmax) {
+    const uint32_t chunks = (n + INDEX_CHUNK - 1u) / INDEX_CHUNK;
+    unsigned long long mass = 0;
+    for (uint32_t c = blockIdx.x; c < chunks; c += gridDim.x) {
+#pragma unroll 4
+        for (uint32_t k = 0; k < INDEX_CHUNK / INDEX_THREADS; ++k) {
+            const uint32_t i = c * INDEX_CHUNK + k * INDEX_THREADS + threadIdx.x;
+            if (i < n) {
+                const float z = __fdiv_rn(bf16_bits_to_f32(canon_bf16(__ldcg(row + i))), t);
+                mass += fixed_mass(sample_exp(__fsub_rn(z, zmax)));
+            }
+        }
+    }
+    __shared__ unsigned long long wmass[INDEX_THREADS / 32];
+    mass = warp_sum_u64(mass);
+    if ((threadIdx.x & 31u) == 0) wmass[threadIdx.x >> 5] = mass;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (uint32_t w = 1; w < INDEX_THREADS / 32; ++w) mass += wmass[w];
+        if (mass) atomicAdd(reinterpret_cast<unsigned long long*>(st + W_TOTAL), mass);
+    }
+}
+}  // namespace
+
 extern "C" __global__ void __launch_bounds__(INDEX_THREADS) sample_index_batch(const uint16_t* logits,
                                                                                const uint32_t* sampling,
                                                                                const uint32_t* entries, uint8_t* ws,
@@ -530,6 +646,15 @@ extern "C" __global__ void __launch_bounds__(INDEX_THREADS) sample_index_batch(c
     if (e >= m || !sampled_entry(entries, sampling, e, t)) return;
     uint32_t* st = row_state(ws, m, e);
     if (__ldcg(st + W_MODE) == 0u) return;
+    if (keeps_all(sampling, e, n)) {
+        add_row_mass(logits + (size_t)e * n, st, n, t, __uint_as_float(__ldcg(st + W_ZMAX)));
+        if (row_last_block(st + W_CNT_INDEX, gridDim.x) && tid == 0) {
+            // Every block's add is in (row_last_block's fences); the atomic reads it from L2.
+            const unsigned long long total = atomicAdd(reinterpret_cast<unsigned long long*>(st + W_TOTAL), 0ull);
+            *reinterpret_cast<double*>(st + W_INV) = inv_of(total);
+        }
+        return;
+    }
     const uint32_t jstar = __ldcg(st + W_JSTAR);
     if (jstar == 0u) return;
     const uint32_t lo = __ldcg(st + W_LO), hi = __ldcg(st + W_HI);
@@ -538,7 +663,7 @@ extern "C" __global__ void __launch_bounds__(INDEX_THREADS) sample_index_batch(c
     uint32_t* counts = row_counts(ws, m, e, chunks);
     for (uint32_t c = blockIdx.x; c < chunks; c += gridDim.x) {  // block-uniform
         uint32_t cnt = 0;
-#pragma unroll 4
+#pragma unroll  // sixteen independent loads in flight
         for (uint32_t k = 0; k < INDEX_CHUNK / INDEX_THREADS; ++k) {
             const uint32_t i = c * INDEX_CHUNK + k * INDEX_THREADS + tid;
             if (i < n) {
@@ -566,27 +691,24 @@ extern "C" __global__ void __launch_bounds__(INDEX_THREADS) sample_index_batch(c
     }
     __syncthreads();
     const uint32_t rank = sh_rank, s0 = sh_chunk * INDEX_CHUNK + tid * (INDEX_CHUNK / INDEX_THREADS);
-    uint32_t mine = 0;
+    static_assert(INDEX_CHUNK / INDEX_THREADS <= 32, "one bit of `in_run` per element of a thread");
+    uint32_t in_run = 0;  // bit k: element s0 + k is of the run (read once, all loads in flight)
+#pragma unroll
     for (uint32_t k = 0; k < INDEX_CHUNK / INDEX_THREADS; ++k) {
         const uint32_t i = s0 + k;
         if (i < n) {
             const uint32_t u = key16(canon_bf16(__ldcg(row + i)));
-            mine += (u >= lo && u <= hi) ? 1u : 0u;
+            in_run |= (u >= lo && u <= hi) ? 1u << k : 0u;
         }
     }
+    const uint32_t mine = __popc(in_run);
     uint32_t sum;
-    uint32_t ex = block_exclusive_scan(mine, scratch, &sum);
+    const uint32_t ex = block_exclusive_scan(mine, scratch, &sum);
     if (ex < rank && rank <= ex + mine) {
-        for (uint32_t k = 0; k < INDEX_CHUNK / INDEX_THREADS; ++k) {
-            const uint32_t i = s0 + k;
-            if (i < n) {
-                const uint32_t u = key16(canon_bf16(__ldcg(row + i)));
-                if (u >= lo && u <= hi && ++ex == rank) {
-                    st[W_ISTAR] = i;
-                    break;
-                }
-            }
-        }
+        // The (rank - ex)-th set bit, lowest first: drop the rank - ex - 1 lower ones.
+        uint32_t b = in_run;
+        for (uint32_t j = ex + 1u; j < rank; ++j) b &= b - 1u;
+        st[W_ISTAR] = s0 + (uint32_t)(__ffs(b) - 1);
     }
 }
 
@@ -597,7 +719,8 @@ extern "C" __global__ void __launch_bounds__(INDEX_THREADS) sample_index_batch(c
 // the dist row one-hot at the head's token (entries[e].token), block 0 commits q = 1. A sampled row:
 // each block's best key (ordered f32 score << 32 | ~index: the larger score, then the lower index)
 // into state words 4-5 by atomicMax (order-free), the dist row q_i = f32(f64(e_i) * inv) on the kept
-// set; the row's last block commits. Every block of a sampled row zeroes its share of the histogram.
+// set; the row's last block commits. Every block of a sampled row zeroes its share of the histogram
+// (not where the row keeps every element: sample_hist_batch left that one zero).
 namespace {
 __device__ __forceinline__ void commit_row(uint32_t* entries, uint32_t* drafts, float* probs, uint32_t* host_drafts,
                                            float* host_probs, uint32_t e, uint32_t di, uint32_t kmax,
@@ -642,7 +765,7 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS) sample_draw_batch(
     const uint16_t* row = logits + (size_t)e * n;
     const uint32_t chunks = (n + DRAW_CHUNK - 1u) / DRAW_CHUNK;
     const bool sampled = t > 0.0f;
-    if (sampled) zero_hist_share(row_hist(ws, e), blockIdx.x, gridDim.x);
+    if (sampled && !keeps_all(sampling, e, n)) zero_hist_share(row_hist(ws, e), blockIdx.x, gridDim.x);
     if (!sampled || __ldcg(st + W_MODE) == 0u) {
         const uint32_t tok = __ldcg(entries + (size_t)e * ENTRY_WORDS + 2u);
         if (dist) {
@@ -674,13 +797,15 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS) sample_draw_batch(
             const float z = __fdiv_rn(bf16_bits_to_f32(cb), t);
             const bool kept = u > hi || (u >= lo && i <= istar);
             if (dist) dist[i] = kept ? prob_of(z, zmax, inv) : 0.0f;
-            if (kept && !(__fadd_rn(z, G_MAX) < fmaxf(floor_s, best_s))) {
-                const float s = __fadd_rn(z, keyed_gumbel(seed, position, draft_index, 0u, i));
-                const unsigned long long key = ((unsigned long long)ordered_key(s) << 32) | (0xFFFFFFFFu - i);
-                if (key > best) {
-                    best = key;
-                    best_s = s;
-                }
+            const float bound = fmaxf(floor_s, best_s);
+            if (!kept || __fadd_rn(z, G_MAX) < bound) continue;
+            const float uni = keyed_uniform(seed, position, draft_index, 0u, i);
+            if (__fadd_rn(z, gumbel_below(uni)) < bound) continue;  // the logarithms only where it can win
+            const float s = __fadd_rn(z, -logf(-logf(uni)));  // keyed_gumbel of this element
+            const unsigned long long key = ((unsigned long long)ordered_key(s) << 32) | (0xFFFFFFFFu - i);
+            if (key > best) {
+                best = key;
+                best_s = s;
             }
         }
     }

@@ -2,7 +2,8 @@
 of ptx/draft_sample.cu, and the arithmetic they share with the device.
 
 - the arithmetic: sample_exp within 1.5 ulp of e^x (and e^0 = 1, 0 below -86), the order keys
-  monotone with NaN as -inf and -0 as +0, the record's layout and refusals;
+  monotone with NaN as -inf and -0 as +0, the record's layout and refusals, the draw's bounds of
+  the noise below its uniform thresholds;
 - against model/sampling.py (float64): the kept set equal (a top-p prefix sum within 1e-6 of top_p
   excepted), the token equal to sampling.draw's, q(token) and every q_i within
   4e-7 + 1.2e-7 |z_i - z_max| relative (plus 1e-30), the dist summing to 1 within 1e-6;
@@ -24,6 +25,7 @@ of ptx/draft_sample.cu, and the arithmetic they share with the device.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +69,24 @@ def test_sample_exp_is_within_an_ulp_and_a_half_of_exp():
     assert (ds.sample_exp(np.float32([-86.0001, -1000, -np.inf, np.nan])) == 0).all()
     assert (y <= 1.0).all()
     assert int(ds.fixed_mass(ds.sample_exp(np.float32(0.0)))) == 2**40
+
+
+def test_the_draws_noise_bounds_hold_below_their_uniforms():
+    """ptx/draft_sample.cu gumbel_below: below each uniform threshold the noise -log(-log u) stays
+    under its bound by far more than an f32 logarithm's ulp (the draw skips the logarithms of an
+    element that cannot reach a score by that bound), and the thresholds and bounds increase."""
+    src = (Path(__file__).resolve().parent.parent / "ptx" / "draft_sample.cu").read_text()
+    body = src[src.index("float gumbel_below(float u)") :]
+    body = body[: body.index("}")]
+    pairs = [(float(a), float(b)) for a, b in re.findall(r"u < ([0-9.]+)f \? ([0-9.]+)f", body)]
+    assert len(pairs) == 3 and "G_MAX" in body
+    assert all(a1 < a2 and b1 < b2 for (a1, b1), (a2, b2) in zip(pairs, pairs[1:]))
+    for thr, bound in pairs:
+        below = np.nextafter(np.float32(thr), np.float32(0.0))
+        g = -math.log(-math.log(float(below)))
+        assert g < bound - 1e-3, (thr, bound, g)
+        g32 = -np.log(-np.log(np.float32(below)))
+        assert g32 < np.float32(bound - 1e-3), (thr, bound, g32)
 
 
 def test_order_keys_are_monotone_with_nan_as_minus_inf():

@@ -52,21 +52,29 @@ lies within that of top_p.
 
 Four launches (graph-capturable, fixed grids for given m and n, no host synchronisation), each
 declared Pdl.WAIT (it waits at its top and releases its dependents at exit); a greedy or padding
-entry's blocks return at once except in the last:
+entry's blocks return at once except in the last. A sampled row whose record restricts nothing
+(``Record.keeps_all``: top-k 0 or >= n, top-p not below 1; S is the whole row) needs no histogram:
+1 finds only its largest key, 2 writes its state without the total, 3 sums its elements' masses
+(an integer sum: the same total as the histogram's, in any order) and its last block derives inv,
+4 has no histogram to zero. Its state words and outputs are the same bits as through the histogram.
 
-1. ``sample_hist_batch`` (256 threads, chunks of HIST_CHUNK elements): a 65,536-bin histogram per
-   sampled row of the elements' 16-bit order keys (the BF16 bits made monotone: z is a
-   non-decreasing function of the key, so a bin is one value of z and a run of equal z is an
-   interval of keys), and the row's largest key;
+1. ``sample_hist_batch`` (1024 threads, chunks of HIST_CHUNK elements, HIST_SMEM bytes of dynamic
+   shared memory): a 65,536-bin histogram per sampled row of the elements' 16-bit order keys (the
+   BF16 bits made monotone: z is a non-decreasing function of the key, so a bin is one value of z
+   and a run of equal z is an interval of keys), and the row's largest key; each block counts in
+   shared memory (16-bit counts, flushed at least every 7 chunks so none overflows) and adds
+   only its nonzero counts to the row's histogram in global memory;
 2. ``sample_select_batch`` (one block of 1024 threads per row): scans the histogram (a bin's mass
    is its count times the mass of its key) and resolves the kept set to "every key above hi, and
    of the keys in [lo, hi] (one value of z) the jstar lowest indices" (jstar 0: all of them);
 3. ``sample_index_batch`` (chunks of INDEX_CHUNK): where jstar > 0, the chunks count the run's
-   elements and the row's last block finds the index of the jstar-th (istar);
+   elements and the row's last block finds the index of the jstar-th (istar); where the row keeps
+   every element, the total mass (u64 atomics, one a block) and inv (the row's last block);
 4. ``sample_draw_batch`` (chunks of DRAW_CHUNK): the Gumbel-max over the kept set (noise only where
    it can still win: an element whose ``z + 17`` is below a score already reached, or below
-   ``z_max - 3``, cannot), the dist rows, then the commit and publish by the row's last block; it
-   zeroes the histograms again.
+   ``z_max - 3``, cannot; nor one whose ``z`` plus a bound of its noise from its uniform, 0.5, 2 or
+   6 below u = 0.5, 0.87 or 0.997, is: then its logarithms are skipped), the dist rows, then the
+   commit and publish by the row's last block; it zeroes the histograms again.
 
 In 1, 3 and 4 the blocks of a row stride over its chunks, ``row_blocks`` per row: one wave for the
 whole batch (152 draw blocks for one row of 154,880, 16 a row at m = 64).
@@ -96,7 +104,9 @@ SAMPLE_WORDS = 8
 HIST_BINS = 65536
 HIST_BYTES = 4 * HIST_BINS
 ROW_STATE_BYTES = 64
-HIST_CHUNK = 2048  # elements per block: sample_hist_batch (256 threads, eight each)
+HIST_CHUNK = 8192  # elements per block: sample_hist_batch (HIST_THREADS, eight each)
+HIST_THREADS = 1024
+HIST_SMEM = 2 * HIST_BINS  # sample_hist_batch's dynamic shared memory: a 16-bit count per key
 INDEX_CHUNK = 4096  # sample_index_batch (256 threads)
 DRAW_CHUNK = 1024  # sample_draw_batch (256 threads, four each)
 # Masses are u64 sums of up to n terms of at most 2**40: n < 2**24 keeps every sum below 2**64.
@@ -237,6 +247,11 @@ class Record:
     @property
     def sampled(self) -> bool:
         return bool(self.temperature > 0)
+
+    def keeps_all(self, n: int) -> bool:
+        """A record that restricts nothing (top-k 0 or >= n, top-p not below 1): a sampled row's
+        kept set is the whole row, so the kernels skip its histogram (the module docstring)."""
+        return not self.top_p < np.float32(1.0) and (self.top_k == 0 or self.top_k >= n)
 
 
 def index_blocks(n: int) -> int:
@@ -428,13 +443,15 @@ _FRONT = [("logits", PTR), ("sampling", PTR), ("entries", PTR), ("workspace", PT
 
 @declare("draft_sample", "sample_hist_batch", _FRONT, writes=("workspace",), pdl=True)
 def SAMPLE_HIST_BATCH(mem, logits, sampling, entries, workspace, m, n):
-    """Every live sampled row: its keys counted into its histogram, its largest key (state word 0)."""
+    """Every live sampled row: its keys counted into its histogram (not where the row keeps every
+    element), its largest key (state word 0)."""
     for e, rec in _live_records(mem, sampling, entries, m):
         if not rec.sampled:
             continue
         keys, _ = order_keys(_row_bits(mem, logits, e, n))
-        hist = mem.view(workspace.offset(e * HIST_BYTES), np.uint32, HIST_BINS)
-        hist += np.bincount(keys, minlength=HIST_BINS).astype(np.uint32)
+        if not rec.keeps_all(n):
+            hist = mem.view(workspace.offset(e * HIST_BYTES), np.uint32, HIST_BINS)
+            hist += np.bincount(keys, minlength=HIST_BINS).astype(np.uint32)
         top = mem.view(_state_ptr(workspace, m, e), np.uint32, 1)
         top[0] = max(int(top[0]), int(keys.max()))
 
@@ -442,22 +459,30 @@ def SAMPLE_HIST_BATCH(mem, logits, sampling, entries, workspace, m, n):
 @declare("draft_sample", "sample_select_batch", _FRONT, writes=("workspace",), pdl=True)
 def SAMPLE_SELECT_BATCH(mem, logits, sampling, entries, workspace, m, n):
     """Every live sampled row's state (from a sort; the kernel scans the histogram), and its
-    largest key back to zero."""
+    largest key back to zero. A row that keeps every element gets its state without the total mass
+    and inv (0 both: sample_index_batch's)."""
     for e, rec in _live_records(mem, sampling, entries, m):
         if rec.sampled:
-            _write_state(mem, workspace, m, e, select_state(_row_bits(mem, logits, e, n), rec))
+            st = select_state(_row_bits(mem, logits, e, n), rec)
+            if st.mode and rec.keeps_all(n):
+                st.inv, st.total = 0.0, 0
+            _write_state(mem, workspace, m, e, st)
             mem.write(_state_ptr(workspace, m, e), np.zeros(1, np.uint32))
 
 
 @declare("draft_sample", "sample_index_batch", _FRONT, writes=("workspace",), pdl=True)
 def SAMPLE_INDEX_BATCH(mem, logits, sampling, entries, workspace, m, n):
     """Every live sampled row whose boundary cuts its run of equal z (jstar > 0): the run's count
-    per INDEX_CHUNK chunk, and istar."""
+    per INDEX_CHUNK chunk, and istar; every live sampled row that keeps every element: its total
+    mass and inv."""
     chunks = index_blocks(n)
     for e, rec in _live_records(mem, sampling, entries, m):
         if not rec.sampled:
             continue
         st = _read_state(mem, workspace, m, e)
+        if st.mode and rec.keeps_all(n):
+            _write_state(mem, workspace, m, e, select_state(_row_bits(mem, logits, e, n), rec))
+            continue
         if not (st.mode and st.jstar):
             continue
         bits = _row_bits(mem, logits, e, n)
@@ -509,13 +534,15 @@ def SAMPLE_DRAW_BATCH(
     workspace,
 ):
     """The draw, the dist rows (at the records' addresses), the commit and publish of every live
-    entry (the module docstring's rules); a sampled row's histogram zeroed again."""
+    entry (the module docstring's rules); a sampled row's histogram zeroed again (one that keeps
+    every element was never counted into)."""
     ent = read_entries(mem, entries, m)
     for e, rec in _live_records(mem, sampling, entries, m):
         st = _State(0)
         if rec.sampled:
             st = _read_state(mem, workspace, m, e)
-            mem.write(workspace.offset(e * HIST_BYTES), np.zeros(HIST_BINS, np.uint32))
+            if not rec.keeps_all(n):
+                mem.write(workspace.offset(e * HIST_BYTES), np.zeros(HIST_BINS, np.uint32))
         if st.mode == 0:
             t = int(ent[e, 2])
             q = np.float32(1.0)
@@ -542,12 +569,12 @@ def row_blocks(gpu, m: int, n: int) -> tuple[int, int, int]:
     block per chunk; grid_stride_blocks evens out the rounds). The split cannot change a result:
     every combination across blocks is an integer sum or a max of unique keys."""
     out = []
-    for decl, chunk in (
-        (SAMPLE_HIST_BATCH, HIST_CHUNK),
-        (SAMPLE_INDEX_BATCH, INDEX_CHUNK),
-        (SAMPLE_DRAW_BATCH, DRAW_CHUNK),
+    for decl, chunk, threads, smem in (
+        (SAMPLE_HIST_BATCH, HIST_CHUNK, HIST_THREADS, HIST_SMEM),
+        (SAMPLE_INDEX_BATCH, INDEX_CHUNK, 256, 0),
+        (SAMPLE_DRAW_BATCH, DRAW_CHUNK, 256, 0),
     ):
-        per_row = max(1, gpu.resident_blocks(gpu.kernel(*decl.key), 256) // m)
+        per_row = max(1, gpu.resident_blocks(gpu.kernel(*decl.key), threads, smem) // m)
         out.append(grid_stride_blocks(-(-n // chunk), per_row))
     return out[0], out[1], out[2]
 
@@ -592,7 +619,7 @@ def draft_sample_batch(
     front = (logits, sampling, entries, workspace, m, n)
     hist, index, draw = row_blocks(gpu, m, n)
     k = gpu.kernel
-    launch(gpu, k(*SAMPLE_HIST_BATCH.key), (hist, m), 256, *front, stream=stream)
+    launch(gpu, k(*SAMPLE_HIST_BATCH.key), (hist, m), HIST_THREADS, *front, smem=HIST_SMEM, stream=stream)
     launch(gpu, k(*SAMPLE_SELECT_BATCH.key), (1, m), 1024, *front, stream=stream)
     launch(gpu, k(*SAMPLE_INDEX_BATCH.key), (index, m), 256, *front, stream=stream)
     launch(
