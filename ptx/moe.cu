@@ -733,7 +733,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_down_batch(
 // columns of column g's pair; MMA j (0..3) of the superblock takes the lane's elements 4j .. 4j + 3
 // (logical k pairs (2t, 2t + 1) and (2t + 8, 2t + 9) are physical (4j, 4j + 1) and (4j + 2, 4j + 3)
 // for A and B alike), as head_argmax_fp8_mma does. A weight chunk is widened once for all 8
-// columns; FP8_U superblocks (128 bytes a lane) are in flight, the next batch prefetched to L2.
+// columns; FP8_U superblocks (128 bytes a lane) are in flight, the batch FP8_AHEAD ahead prefetched
+// to L2 (one prefetch per 128-byte line).
 //
 // Widening: cvt.rn.f16x2.e4m3x2 makes each pair of E4M3 bytes an exact f16x2 (every E4M3 value is an
 // f16 normal or zero, with its 7 low mantissa bits zero); moving each half's bits 14..3 down by 3
@@ -745,6 +746,7 @@ namespace {
 constexpr uint32_t FP8_BLOCK = 128;     // the scales' block, both dimensions (moe.py FP8_BLOCK)
 constexpr uint32_t FP8_WARPS = 4;       // warps per block of the FP8 expert kernels (moe.py FP8_WARPS)
 constexpr int FP8_U = 4;                // superblocks per batch: 2 x 64 weight bytes per lane in flight
+constexpr uint32_t FP8_AHEAD = 2;       // batches the L2 prefetch runs ahead of the loads
 constexpr uint32_t BF16X2_2POW112 = 0x77807780u;
 
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
@@ -825,15 +827,30 @@ struct Fp8Tile {
     bool ok0, ok1, okx;
 };
 
-// Rows g and g + 8 of the tile's first two batches towards L2 (weights only: a PDL kernel may do
-// this before its wait); whole superblocks only, so no address lies past a row.
+// Lane t's share of the 128-byte lines of the batch at superblock sb of the tile's rows, towards
+// L2: a batch is FP8_U / 2 lines of each of rows g and g + 8, FP8_U lines per lane quad, one
+// prefetch per line (per-lane 16-byte prefetches asked for each line four times). Whole batches
+// inside the row only, so no address lies past it.
+__device__ __forceinline__ void fp8_batch_prefetch(const Fp8Tile& f, uint32_t sb, uint32_t t) {
+    constexpr uint32_t LINES = FP8_U / 2;  // per row and batch
+#pragma unroll
+    for (uint32_t j = 0; j < (FP8_U + 3u) / 4u; ++j) {
+        const uint32_t l = t + 4u * j;
+        if (l < (uint32_t)FP8_U) {
+            const uint8_t* row = l < LINES ? f.w0 : f.w1;
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(row + 64u * sb + 128u * (l % LINES)) : "memory");
+        }
+    }
+}
+
+// The tile's first FP8_AHEAD batches towards L2 (weights only: a PDL kernel may do this before its
+// wait).
 __device__ __forceinline__ void fp8_tile_prefetch(const Fp8Tile& f, uint32_t k, bool vec) {
     if (!vec) return;
-    const uint32_t t = threadIdx.x & 3u;
-    for (uint32_t sb = 0; sb < min(k / 64u, 2u * FP8_U); ++sb) {
-        if (f.ok0) asm volatile("prefetch.global.L2 [%0];" ::"l"(f.w0 + 64u * sb + 16u * t));
-        if (f.ok1) asm volatile("prefetch.global.L2 [%0];" ::"l"(f.w1 + 64u * sb + 16u * t));
-    }
+    const uint32_t t = threadIdx.x & 3u, nfull = (k / 64u) / FP8_U * FP8_U;
+#pragma unroll
+    for (uint32_t d = 0; d < FP8_AHEAD; ++d)
+        if ((d + 1u) * FP8_U <= nfull) fp8_batch_prefetch(f, d * FP8_U, t);
 }
 
 // One superblock's four MMAs into part: A from the lane's 16 weight bytes of rows g (wa) and g + 8
@@ -885,21 +902,22 @@ __device__ __forceinline__ void fp8_tile_dots_k(const Fp8Tile& f, uint32_t k, fl
         const uint16_t* px = f.x + 16u * t;
         const float* q0 = f.s0;
         const float* q1 = f.s1;
+        // Batches 1 .. FP8_AHEAD - 1 towards L2 (the shared tiles did 0 .. FP8_AHEAD - 1 before
+        // their wait; batch 0's own loads follow at once).
+#pragma unroll
+        for (uint32_t d = 1; d < FP8_AHEAD; ++d)
+            if ((d + 1u) * FP8_U <= nfull) fp8_batch_prefetch(f, d * FP8_U, t);
         for (; sb0 < nfull; sb0 += FP8_U) {
+            // The batch FP8_AHEAD ahead towards L2 before this one's loads, so the HBM reads run a
+            // whole widen-and-multiply ahead of the loads that wait on them (issued after the
+            // loads, the compiler sank it behind the MMAs, next to the loads it was for). Unpredicated:
+            // past the row's end it asks for the last batch again, which is in L2.
+            fp8_batch_prefetch(f, min(sb0 + FP8_AHEAD * FP8_U, nfull - FP8_U), t);
             uint4 wa[FP8_U], wb[FP8_U];
 #pragma unroll
             for (int u = 0; u < FP8_U; ++u) {
                 wa[u] = ld_stream16(p0 + 64 * u);
                 wb[u] = ld_stream16(p1 + 64 * u);
-            }
-            if (sb0 + FP8_U < nfull) {
-                // The next batch towards L2 while this one is widened and multiplied: its loads then
-                // wait on L2, not HBM.
-#pragma unroll
-                for (int u = FP8_U; u < 2 * FP8_U; ++u) {
-                    asm volatile("prefetch.global.L2 [%0];" ::"l"(p0 + 64 * u));
-                    asm volatile("prefetch.global.L2 [%0];" ::"l"(p1 + 64 * u));
-                }
             }
             float sa[FP8_U / 2], sc[FP8_U / 2];  // the batch's blocks' scales: FP8_U is even, sb0 too
 #pragma unroll
