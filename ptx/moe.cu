@@ -907,18 +907,25 @@ __device__ __forceinline__ void fp8_tile_dots_k(const Fp8Tile& f, uint32_t k, fl
 #pragma unroll
         for (uint32_t d = 1; d < FP8_AHEAD; ++d)
             if ((d + 1u) * FP8_U <= nfull) fp8_batch_prefetch(f, d * FP8_U, t);
-        for (; sb0 < nfull; sb0 += FP8_U) {
-            // The batch FP8_AHEAD ahead towards L2 before this one's loads, so the HBM reads run a
-            // whole widen-and-multiply ahead of the loads that wait on them (issued after the
-            // loads, the compiler sank it behind the MMAs, next to the loads it was for). Unpredicated:
-            // past the row's end it asks for the last batch again, which is in L2.
-            fp8_batch_prefetch(f, min(sb0 + FP8_AHEAD * FP8_U, nfull - FP8_U), t);
-            uint4 wa[FP8_U], wb[FP8_U];
+        // The next batch's loads are written after each superblock's MMAs (its registers are free
+        // then); ptxas issues all 2 x FP8_U of them together at the bottom of the trip, ahead of
+        // the x loads and MMAs that follow. Loaded at the top of the trip, it let the last
+        // superblocks' loads wait behind the first MMAs (one more round trip per batch) and
+        // spilled; this way neither kernel spills (ptxas -v, nvcc 13.0: 96 registers, 0 bytes).
+        uint4 wa[FP8_U], wb[FP8_U];
+        if (nfull > 0u) {
 #pragma unroll
             for (int u = 0; u < FP8_U; ++u) {
                 wa[u] = ld_stream16(p0 + 64 * u);
                 wb[u] = ld_stream16(p1 + 64 * u);
             }
+        }
+        for (; sb0 < nfull; sb0 += FP8_U) {
+            // The batch FP8_AHEAD ahead towards L2, so the HBM reads run ahead of the loads that
+            // wait on them. Unpredicated: past the row's end it asks for the last batch again,
+            // which is in L2.
+            fp8_batch_prefetch(f, min(sb0 + FP8_AHEAD * FP8_U, nfull - FP8_U), t);
+            const bool more = sb0 + FP8_U < nfull;  // warp-uniform: a next batch to load
             float sa[FP8_U / 2], sc[FP8_U / 2];  // the batch's blocks' scales: FP8_U is even, sb0 too
 #pragma unroll
             for (int v = 0; v < FP8_U / 2; ++v) {
@@ -930,6 +937,10 @@ __device__ __forceinline__ void fp8_tile_dots_k(const Fp8Tile& f, uint32_t k, fl
                 const uint4* xq = reinterpret_cast<const uint4*>(px + 64 * u);
                 fp8_superblock(part, wa[u], wb[u], __ldg(xq), __ldg(xq + 1));
                 if (u & 1) fp8_block_done(acc, part, sa[u / 2], sc[u / 2]);
+                if (more) {
+                    wa[u] = ld_stream16(p0 + 64 * (FP8_U + u));
+                    wb[u] = ld_stream16(p1 + 64 * (FP8_U + u));
+                }
             }
             p0 += 64 * FP8_U;
             p1 += 64 * FP8_U;
