@@ -736,18 +736,19 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_down_batch(
 // columns; FP8_U superblocks (128 bytes a lane) are in flight, the batch FP8_AHEAD ahead prefetched
 // to L2 (one prefetch per 128-byte line).
 //
-// Widening: cvt.rn.f16x2.e4m3x2 makes each pair of E4M3 bytes an exact f16x2 (every E4M3 value is an
-// f16 normal or zero, with its 7 low mantissa bits zero); moving each half's bits 14..3 down by 3
-// gives the BF16 of the value times 2^-112 (a BF16 normal or zero), and one BF16x2 multiply by
-// 2^112 restores it exactly. Per 4 weights: 2 conversions, 6 integer operations, 2 multiplies;
-// no BF16 subnormal is ever an input. The NaN codes 0x7F / 0xFF do not come out NaN (an E4M3
-// weight is never NaN: quantize saturates).
+// Widening: a byte permute with sign replication gives each E4M3 byte b the 16 bits sext(b):b; shifted
+// left by 4 and masked to 0x87F0, that is sign << 15 | (b & 0x7F) << 4, the BF16 of the value
+// times 2^-120 (exponent field 0..15, a BF16 normal, or subnormal for the E4M3 subnormals), and one
+// BF16x2 multiply by 2^120 (which takes subnormal inputs: no .ftz exists for BF16) restores it
+// exactly. Per 4 weights: 2 permutes, 2 shifts, 2 masks, 2 multiplies (the f16 route through
+// cvt.rn.f16x2.e4m3x2 took 10: ptxas split its sign merge into two LOP3s). The NaN codes 0x7F /
+// 0xFF come out 480 / -480, not NaN (an E4M3 weight is never NaN: quantize saturates).
 namespace {
 constexpr uint32_t FP8_BLOCK = 128;     // the scales' block, both dimensions (moe.py FP8_BLOCK)
 constexpr uint32_t FP8_WARPS = 4;       // warps per block of the FP8 expert kernels (moe.py FP8_WARPS)
 constexpr int FP8_U = 4;                // superblocks per batch: 2 x 64 weight bytes per lane in flight
 constexpr uint32_t FP8_AHEAD = 2;       // batches the L2 prefetch runs ahead of the loads
-constexpr uint32_t BF16X2_2POW112 = 0x77807780u;
+constexpr uint32_t BF16X2_2POW120 = 0x7B807B80u;
 
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
     uint32_t d;
@@ -755,20 +756,14 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
     return d;
 }
 
-// An f16x2 of two E4M3 values -> their BF16x2, exact (the module comment above).
-__device__ __forceinline__ uint32_t e4m3_f16x2_to_bf16x2(uint32_t h) {
-    return bf16x2_mul((h & 0x80008000u) | ((h >> 3) & 0x0FFF0FFFu), BF16X2_2POW112);
-}
-
-// Four E4M3 bytes (element 0 in the low byte) -> BF16 pairs (elements 0, 1) and (2, 3), exact.
+// Four E4M3 bytes (element 0 in the low byte) -> BF16 pairs (elements 0, 1) and (2, 3), exact (the
+// module comment above). prmt selector nibbles 8 + i replicate byte i's sign over a byte.
 __device__ __forceinline__ void e4m3x4_to_bf16x2(uint32_t q, uint32_t& lo, uint32_t& hi) {
-    uint32_t h01, h23;
-    asm("{\n\t.reg .b16 l, u;\n\tmov.b32 {l, u}, %2;\n\t"
-        "cvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, u;\n\t}"
-        : "=r"(h01), "=r"(h23)
-        : "r"(q));
-    lo = e4m3_f16x2_to_bf16x2(h01);
-    hi = e4m3_f16x2_to_bf16x2(h23);
+    uint32_t p01, p23;
+    asm("prmt.b32 %0, %1, %1, 0x9180;" : "=r"(p01) : "r"(q));  // sext(b1):b1 | sext(b0):b0
+    asm("prmt.b32 %0, %1, %1, 0xB3A2;" : "=r"(p23) : "r"(q));  // sext(b3):b3 | sext(b2):b2
+    lo = bf16x2_mul((p01 << 4) & 0x87F087F0u, BF16X2_2POW120);
+    hi = bf16x2_mul((p23 << 4) & 0x87F087F0u, BF16X2_2POW120);
 }
 
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
