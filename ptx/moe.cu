@@ -905,8 +905,7 @@ __device__ __forceinline__ void fp8_tile_dots_k(const Fp8Tile& f, uint32_t k, fl
         // The next batch's loads are written after each superblock's MMAs (its registers are free
         // then); ptxas issues all 2 x FP8_U of them together at the bottom of the trip, ahead of
         // the x loads and MMAs that follow. Loaded at the top of the trip, it let the last
-        // superblocks' loads wait behind the first MMAs (one more round trip per batch) and
-        // spilled; this way neither kernel spills (ptxas -v, nvcc 13.0: 96 registers, 0 bytes).
+        // superblocks' loads wait behind the first MMAs (one more round trip per batch).
         uint4 wa[FP8_U], wb[FP8_U];
         if (nfull > 0u) {
 #pragma unroll
