@@ -733,19 +733,22 @@ extern "C" __global__ void __launch_bounds__(256, 2) moe_down_batch(
 // columns of column g's pair; MMA j (0..3) of the superblock takes the lane's elements 4j .. 4j + 3
 // (logical k pairs (2t, 2t + 1) and (2t + 8, 2t + 9) are physical (4j, 4j + 1) and (4j + 2, 4j + 3)
 // for A and B alike), as head_argmax_fp8_mma does. A weight chunk is widened once for all 8
-// columns; FP8_U superblocks (128 bytes a lane) are in flight, the next batch prefetched to L2.
+// columns; FP8_U superblocks (128 bytes a lane) are in flight, the batch FP8_AHEAD ahead prefetched
+// to L2 (one prefetch per 128-byte line).
 //
-// Widening: cvt.rn.f16x2.e4m3x2 makes each pair of E4M3 bytes an exact f16x2 (every E4M3 value is an
-// f16 normal or zero, with its 7 low mantissa bits zero); moving each half's bits 14..3 down by 3
-// gives the BF16 of the value times 2^-112 (a BF16 normal or zero), and one BF16x2 multiply by
-// 2^112 restores it exactly. Per 4 weights: 2 conversions, 6 integer operations, 2 multiplies;
-// no BF16 subnormal is ever an input. The NaN codes 0x7F / 0xFF do not come out NaN (an E4M3
-// weight is never NaN: quantize saturates).
+// Widening: a byte permute with sign replication gives each E4M3 byte b the 16 bits sext(b):b; shifted
+// left by 4 and masked to 0x87F0, that is sign << 15 | (b & 0x7F) << 4, the BF16 of the value
+// times 2^-120 (exponent field 0..15, a BF16 normal, or subnormal for the E4M3 subnormals), and one
+// BF16x2 multiply by 2^120 (which takes subnormal inputs: no .ftz exists for BF16) restores it
+// exactly. Per 4 weights: 2 permutes, 2 shifts, 2 masks, 2 multiplies (the f16 route through
+// cvt.rn.f16x2.e4m3x2 took 10: ptxas split its sign merge into two LOP3s). The NaN codes 0x7F /
+// 0xFF come out 480 / -480, not NaN (an E4M3 weight is never NaN: quantize saturates).
 namespace {
 constexpr uint32_t FP8_BLOCK = 128;     // the scales' block, both dimensions (moe.py FP8_BLOCK)
 constexpr uint32_t FP8_WARPS = 4;       // warps per block of the FP8 expert kernels (moe.py FP8_WARPS)
 constexpr int FP8_U = 4;                // superblocks per batch: 2 x 64 weight bytes per lane in flight
-constexpr uint32_t BF16X2_2POW112 = 0x77807780u;
+constexpr uint32_t FP8_AHEAD = 2;       // batches the L2 prefetch runs ahead of the loads
+constexpr uint32_t BF16X2_2POW120 = 0x7B807B80u;
 
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
     uint32_t d;
@@ -753,20 +756,14 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
     return d;
 }
 
-// An f16x2 of two E4M3 values -> their BF16x2, exact (the module comment above).
-__device__ __forceinline__ uint32_t e4m3_f16x2_to_bf16x2(uint32_t h) {
-    return bf16x2_mul((h & 0x80008000u) | ((h >> 3) & 0x0FFF0FFFu), BF16X2_2POW112);
-}
-
-// Four E4M3 bytes (element 0 in the low byte) -> BF16 pairs (elements 0, 1) and (2, 3), exact.
+// Four E4M3 bytes (element 0 in the low byte) -> BF16 pairs (elements 0, 1) and (2, 3), exact (the
+// module comment above). prmt selector nibbles 8 + i replicate byte i's sign over a byte.
 __device__ __forceinline__ void e4m3x4_to_bf16x2(uint32_t q, uint32_t& lo, uint32_t& hi) {
-    uint32_t h01, h23;
-    asm("{\n\t.reg .b16 l, u;\n\tmov.b32 {l, u}, %2;\n\t"
-        "cvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, u;\n\t}"
-        : "=r"(h01), "=r"(h23)
-        : "r"(q));
-    lo = e4m3_f16x2_to_bf16x2(h01);
-    hi = e4m3_f16x2_to_bf16x2(h23);
+    uint32_t p01, p23;
+    asm("prmt.b32 %0, %1, %1, 0x9180;" : "=r"(p01) : "r"(q));  // sext(b1):b1 | sext(b0):b0
+    asm("prmt.b32 %0, %1, %1, 0xB3A2;" : "=r"(p23) : "r"(q));  // sext(b3):b3 | sext(b2):b2
+    lo = bf16x2_mul((p01 << 4) & 0x87F087F0u, BF16X2_2POW120);
+    hi = bf16x2_mul((p23 << 4) & 0x87F087F0u, BF16X2_2POW120);
 }
 
 __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -825,15 +822,30 @@ struct Fp8Tile {
     bool ok0, ok1, okx;
 };
 
-// Rows g and g + 8 of the tile's first two batches towards L2 (weights only: a PDL kernel may do
-// this before its wait); whole superblocks only, so no address lies past a row.
+// Lane t's share of the 128-byte lines of the batch at superblock sb of the tile's rows, towards
+// L2: a batch is FP8_U / 2 lines of each of rows g and g + 8, FP8_U lines per lane quad, one
+// prefetch per line (per-lane 16-byte prefetches asked for each line four times). Whole batches
+// inside the row only, so no address lies past it.
+__device__ __forceinline__ void fp8_batch_prefetch(const Fp8Tile& f, uint32_t sb, uint32_t t) {
+    constexpr uint32_t LINES = FP8_U / 2;  // per row and batch
+#pragma unroll
+    for (uint32_t j = 0; j < (FP8_U + 3u) / 4u; ++j) {
+        const uint32_t l = t + 4u * j;
+        if (l < (uint32_t)FP8_U) {
+            const uint8_t* row = l < LINES ? f.w0 : f.w1;
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(row + 64u * sb + 128u * (l % LINES)) : "memory");
+        }
+    }
+}
+
+// The tile's first FP8_AHEAD batches towards L2 (weights only: a PDL kernel may do this before its
+// wait).
 __device__ __forceinline__ void fp8_tile_prefetch(const Fp8Tile& f, uint32_t k, bool vec) {
     if (!vec) return;
-    const uint32_t t = threadIdx.x & 3u;
-    for (uint32_t sb = 0; sb < min(k / 64u, 2u * FP8_U); ++sb) {
-        if (f.ok0) asm volatile("prefetch.global.L2 [%0];" ::"l"(f.w0 + 64u * sb + 16u * t));
-        if (f.ok1) asm volatile("prefetch.global.L2 [%0];" ::"l"(f.w1 + 64u * sb + 16u * t));
-    }
+    const uint32_t t = threadIdx.x & 3u, nfull = (k / 64u) / FP8_U * FP8_U;
+#pragma unroll
+    for (uint32_t d = 0; d < FP8_AHEAD; ++d)
+        if ((d + 1u) * FP8_U <= nfull) fp8_batch_prefetch(f, d * FP8_U, t);
 }
 
 // One superblock's four MMAs into part: A from the lane's 16 weight bytes of rows g (wa) and g + 8
@@ -885,22 +897,29 @@ __device__ __forceinline__ void fp8_tile_dots_k(const Fp8Tile& f, uint32_t k, fl
         const uint16_t* px = f.x + 16u * t;
         const float* q0 = f.s0;
         const float* q1 = f.s1;
-        for (; sb0 < nfull; sb0 += FP8_U) {
-            uint4 wa[FP8_U], wb[FP8_U];
+        // Batches 1 .. FP8_AHEAD - 1 towards L2 (the shared tiles did 0 .. FP8_AHEAD - 1 before
+        // their wait; batch 0's own loads follow at once).
+#pragma unroll
+        for (uint32_t d = 1; d < FP8_AHEAD; ++d)
+            if ((d + 1u) * FP8_U <= nfull) fp8_batch_prefetch(f, d * FP8_U, t);
+        // The next batch's loads are written after each superblock's MMAs (its registers are free
+        // then); ptxas issues all 2 x FP8_U of them together at the bottom of the trip, ahead of
+        // the x loads and MMAs that follow. Loaded at the top of the trip, it let the last
+        // superblocks' loads wait behind the first MMAs (one more round trip per batch).
+        uint4 wa[FP8_U], wb[FP8_U];
+        if (nfull > 0u) {
 #pragma unroll
             for (int u = 0; u < FP8_U; ++u) {
                 wa[u] = ld_stream16(p0 + 64 * u);
                 wb[u] = ld_stream16(p1 + 64 * u);
             }
-            if (sb0 + FP8_U < nfull) {
-                // The next batch towards L2 while this one is widened and multiplied: its loads then
-                // wait on L2, not HBM.
-#pragma unroll
-                for (int u = FP8_U; u < 2 * FP8_U; ++u) {
-                    asm volatile("prefetch.global.L2 [%0];" ::"l"(p0 + 64 * u));
-                    asm volatile("prefetch.global.L2 [%0];" ::"l"(p1 + 64 * u));
-                }
-            }
+        }
+        for (; sb0 < nfull; sb0 += FP8_U) {
+            // The batch FP8_AHEAD ahead towards L2, so the HBM reads run ahead of the loads that
+            // wait on them. Unpredicated: past the row's end it asks for the last batch again,
+            // which is in L2.
+            fp8_batch_prefetch(f, min(sb0 + FP8_AHEAD * FP8_U, nfull - FP8_U), t);
+            const bool more = sb0 + FP8_U < nfull;  // warp-uniform: a next batch to load
             float sa[FP8_U / 2], sc[FP8_U / 2];  // the batch's blocks' scales: FP8_U is even, sb0 too
 #pragma unroll
             for (int v = 0; v < FP8_U / 2; ++v) {
@@ -912,6 +931,10 @@ __device__ __forceinline__ void fp8_tile_dots_k(const Fp8Tile& f, uint32_t k, fl
                 const uint4* xq = reinterpret_cast<const uint4*>(px + 64 * u);
                 fp8_superblock(part, wa[u], wb[u], __ldg(xq), __ldg(xq + 1));
                 if (u & 1) fp8_block_done(acc, part, sa[u / 2], sc[u / 2]);
+                if (more) {
+                    wa[u] = ld_stream16(p0 + 64 * (FP8_U + u));
+                    wb[u] = ld_stream16(p1 + 64 * (FP8_U + u));
+                }
             }
             p0 += 64 * FP8_U;
             p1 += 64 * FP8_U;

@@ -624,8 +624,8 @@ def moe_down_batch(
 #
 # Device design (ptx/moe.cu): a warp multiplies 16 weight rows by the up to 8 pairs of its work item
 # with mma.sync m16n8k16 (BF16 in, f32 accumulate): each FP8 weight chunk is read once per launch
-# for all its pairs and widened to BF16 once (the E4M3 -> f16x2 conversion, a shift and masks, one
-# BF16x2 multiply by 2^112; exact); a block of 4 warps covers 32 act elements (gate_up) or 64 output
+# for all its pairs and widened to BF16 once (a sign-replicating byte permute, a shift and a mask,
+# one BF16x2 multiply by 2^120; exact); a block of 4 warps covers 32 act elements (gate_up) or 64 output
 # rows (down). The E4M3 NaN codes (0x7F, 0xFF) are not weights (quantize saturates): the device does
 # not read them as NaN.
 
