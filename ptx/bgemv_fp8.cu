@@ -133,7 +133,11 @@ __device__ __forceinline__ bool seg_vec(const SegRow& sr, uint32_t k) {
     return sr.fp8 ? (k % 16u == 0 && aligned16(sr.w)) : (k % 8u == 0 && aligned16(sr.w));
 }
 
-// RmsNormToSmem into an f32 row: xf[j] = float(bf16((x_j / r) * w_j)), the same bits widened. Staged
+// Float4 j4 of an f32 staged row (elements 4 * j4 .. 4 * j4 + 3) at its place, fp8_xf32_pos's.
+__device__ __forceinline__ uint32_t xf32_f4(uint32_t j4) { return fp8_xf32_pos(4u * j4) >> 2; }
+
+// RmsNormToSmem into an f32 row: element j = float(bf16((x_j / r) * w_j)), the same bits widened,
+// stored at xf[fp8_xf32_pos(j)] (ptx/fp8_block.cuh: ceil(n / 16) * 16 floats). Staged
 // (16-byte aligned, n % 8 == 0): each thread copies its chunks c = tid, tid + blockDim, ... widened to
 // their place in xf as they arrive (two loads in flight) and sums their squares in that order
 // (stage_row_sumsq's); after the block reduction it rewrites its own chunks (scale_staged_row's
@@ -149,12 +153,12 @@ __device__ __forceinline__ void rms_row_to_smem_f32(const uint16_t* __restrict__
             const uint32_t c1 = c0 + blockDim.x;
             const uint4 v0 = __ldg(xv + c0);
             const uint4 v1 = c1 < nc ? __ldg(xv + c1) : make_uint4(0, 0, 0, 0);
-            dv[2u * c0] = make_float4(bf16_lo(v0.x), bf16_hi(v0.x), bf16_lo(v0.y), bf16_hi(v0.y));
-            dv[2u * c0 + 1u] = make_float4(bf16_lo(v0.z), bf16_hi(v0.z), bf16_lo(v0.w), bf16_hi(v0.w));
+            dv[xf32_f4(2u * c0)] = make_float4(bf16_lo(v0.x), bf16_hi(v0.x), bf16_lo(v0.y), bf16_hi(v0.y));
+            dv[xf32_f4(2u * c0 + 1u)] = make_float4(bf16_lo(v0.z), bf16_hi(v0.z), bf16_lo(v0.w), bf16_hi(v0.w));
             ss = sumsq8(v0, ss);
             if (c1 < nc) {
-                dv[2u * c1] = make_float4(bf16_lo(v1.x), bf16_hi(v1.x), bf16_lo(v1.y), bf16_hi(v1.y));
-                dv[2u * c1 + 1u] = make_float4(bf16_lo(v1.z), bf16_hi(v1.z), bf16_lo(v1.w), bf16_hi(v1.w));
+                dv[xf32_f4(2u * c1)] = make_float4(bf16_lo(v1.x), bf16_hi(v1.x), bf16_lo(v1.y), bf16_hi(v1.y));
+                dv[xf32_f4(2u * c1 + 1u)] = make_float4(bf16_lo(v1.z), bf16_hi(v1.z), bf16_lo(v1.w), bf16_hi(v1.w));
                 ss = sumsq8(v1, ss);
             }
         }
@@ -165,17 +169,17 @@ __device__ __forceinline__ void rms_row_to_smem_f32(const uint16_t* __restrict__
             const uint4 wc = __ldg(wv4 + c);
             const float wf[8] = {bf16_lo(wc.x), bf16_hi(wc.x), bf16_lo(wc.y), bf16_hi(wc.y),
                                  bf16_lo(wc.z), bf16_hi(wc.z), bf16_lo(wc.w), bf16_hi(wc.w)};
-            const float4 a = dv[2u * c], b = dv[2u * c + 1u];
+            const float4 a = dv[xf32_f4(2u * c)], b = dv[xf32_f4(2u * c + 1u)];
             float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
             for (int q = 0; q < 8; ++q) f[q] = bf16_bits_to_f32(f32_to_bf16_bits(__fmul_rn(f[q] / d, wf[q])));
-            dv[2u * c] = make_float4(f[0], f[1], f[2], f[3]);
-            dv[2u * c + 1u] = make_float4(f[4], f[5], f[6], f[7]);
+            dv[xf32_f4(2u * c)] = make_float4(f[0], f[1], f[2], f[3]);
+            dv[xf32_f4(2u * c + 1u)] = make_float4(f[4], f[5], f[6], f[7]);
         }
     } else {
         const float d = rms_divisor(x, n, eps, scratch);
         for (uint32_t i = threadIdx.x; i < n; i += blockDim.x)
-            xf[i] = bf16_bits_to_f32(f32_to_bf16_bits(__fmul_rn(bf16_bits_to_f32(x[i]) / d, bf16_bits_to_f32(w[i]))));
+            xf[fp8_xf32_pos(i)] = bf16_bits_to_f32(f32_to_bf16_bits(__fmul_rn(bf16_bits_to_f32(x[i]) / d, bf16_bits_to_f32(w[i]))));
     }
     __syncthreads();
 }
@@ -293,8 +297,8 @@ __device__ __forceinline__ void seg_gemv_rows(const Segments& a, const uint16_t*
 #pragma unroll
                         for (int i = 0; i < M; ++i) {
                             if (XF) {
-                                const float4* xc = reinterpret_cast<const float4*>(xsf + (size_t)i * k) + 2u * c;
-                                acc[i] = dot8_bf16_f32(wv[0][u], xc[0], xc[1], acc[i]);
+                                const float4* xc = reinterpret_cast<const float4*>(xsf + (size_t)i * k);
+                                acc[i] = dot8_bf16_f32(wv[0][u], xc[xf32_f4(2u * c)], xc[xf32_f4(2u * c + 1u)], acc[i]);
                             } else {
                                 acc[i] = dot8_bf16(wv[0][u], reinterpret_cast<const uint4*>(xs + (size_t)i * k)[c], acc[i]);
                             }
@@ -307,7 +311,7 @@ __device__ __forceinline__ void seg_gemv_rows(const Segments& a, const uint16_t*
                 const float wj = bf16_bits_to_f32(wr[j]);
 #pragma unroll
                 for (int i = 0; i < M; ++i) {
-                    const float xj = XF ? xsf[(size_t)i * k + j] : bf16_bits_to_f32(xs[(size_t)i * k + j]);
+                    const float xj = XF ? xsf[(size_t)i * k + fp8_xf32_pos(j)] : bf16_bits_to_f32(xs[(size_t)i * k + j]);
                     acc[i] = fmaf(wj, xj, acc[i]);
                 }
             }
@@ -403,8 +407,11 @@ __host__ __device__ constexpr int fp8_rs() { return M == 8 ? 2 : 4; }
 // The chunk's `rows` (<= M) rows of x against the warp's FP8_ROWS_PER_WARP rows of W[b]: the first
 // weight batch (4 rows x U 16-byte loads per lane: the whole row at o_proj's k = 2048 when M = 1)
 // and its scales issued, then the wait (WAIT_FIRST, releasing), then the block stages the chunk's x
-// rows in shared memory once when M > 1 and the launch gave it M * k * 2 bytes (read per warp they
-// would cost the L2 eight times the x bytes), else the rows are read from global memory. Element
+// rows in shared memory once when the launch gave it M * k * 2 bytes, else the rows are read from
+// global memory. Staged at M = 1 too: read per warp, each lane's 8-byte loads of its 32-byte piece
+// of x fetch a whole L2 sector four times (ld.cg skips L1), per 4 weight rows, so the L2 would
+// deliver twice the weight bytes in x and each of a row's chunk groups would wait on its own L2
+// round trip after the weights arrived; staged, the block reads x once, in one round trip. Element
 // (r, c) of head b has scale s[r / 128][(col0 + b * k + c) / 128] (s_cols a scale row).
 template <bool OUT_F32, int M, PdlMode MODE>
 __device__ __forceinline__ void bgemv_fp8_body(const uint8_t* __restrict__ w, const float* __restrict__ s,
@@ -421,7 +428,7 @@ __device__ __forceinline__ void bgemv_fp8_body(const uint8_t* __restrict__ w, co
     const uint32_t base = col0 + b * k;
     const uint16_t* xb = x + (size_t)e0 * x_stride + (size_t)b * k;
     const bool vec = (k % 16u == 0) && (base % 16u == 0) && (x_stride % 8u == 0) && aligned16(w) && aligned16(xb);
-    const bool staged = M > 1 && vec && (uint32_t)M * k * 2u <= dynamic_smem_size();  // the same in the block
+    const bool staged = active && vec && (uint32_t)M * k * 2u <= dynamic_smem_size();  // the same in the block
     const Fp8RowGeom g = fp8_row_geom(k, base);
     const uint8_t* wr[RS];
     const float* sr[RS];
@@ -534,8 +541,8 @@ __device__ __forceinline__ void bgemv_fp8_dispatch(const uint8_t* w, const float
 // c being its column col0 + h * k + c; row e's heads x[e] at x + e * x_stride ([heads][k] BF16), y[e]
 // at y + e * y_stride ([heads][n]: a rank's o_proj groups land in its columns of the all-groups
 // rows). Grid (ceil(m / 8), ceil(n / (8 * 4)), heads), block 256, dynamic smem M * k * 2 bytes for M
-// the next power of two of min(m, 8) when m > 1, or none (the rows are then read from global
-// memory); PDL WAIT_FIRST (releasing after the wait, x through L2).
+// the next power of two of min(m, 8), or none (the rows are then read from global memory; the
+// same bits); PDL WAIT_FIRST (releasing after the wait, x through L2).
 extern "C" __global__ void __launch_bounds__(256, 2) bgemv_fp8_f32_batch(FP8_BGEMV_PARAMS(float)) {
     extern __shared__ __align__(16) uint16_t xsm[];
     bgemv_fp8_dispatch<true, WAIT_FIRST>(w, s, s_cols, col0, x, y, m, x_stride, y_stride, n, k, xsm);

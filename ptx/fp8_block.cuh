@@ -40,10 +40,20 @@ constexpr uint32_t FP8_FULL_MASK = 0xFFFFFFFFu;
 // dependents early, ptx/common.cuh), or global memory through the read-only path.
 enum Fp8XSource : int { FP8_X_SMEM = 0, FP8_X_SMEM_F32 = 1, FP8_X_L2 = 2, FP8_X_RO = 3 };
 
+// Where element j of an f32 staged row (FP8_X_SMEM_F32) lives: its float4s are permuted within
+// each 16-element chunk, float4 q of chunk c at 4c + (q ^ ((c >> 1) & 3)). The vector path's lanes
+// read float4 q of 32 consecutive chunks at once; in element order, lanes 64 bytes apart would hit
+// 8 of the 32 banks (four times the shared-memory wavefronts of a conflict-free 16-byte load, which
+// bounded the one-row FP8 launch near 8 weight bytes per clock and SM); permuted, any 8 consecutive
+// chunks cover every bank. The writer (ptx/bgemv_fp8.cu rms_row_to_smem_f32) and every reader go
+// through this map, so the values, and every product and sum, are those of the unpermuted row. A
+// position stays inside its chunk: the row takes ceil(k / 16) * 16 floats.
+__host__ __device__ constexpr uint32_t fp8_xf32_pos(uint32_t j) { return j ^ (((j >> 5) & 3u) << 2); }
+
 // Elements e .. e + 3 of an activation row (e % 4 == 0; the row 16-byte aligned) as f32.
 template <int XS>
 __device__ __forceinline__ float4 fp8_x4(const void* row, uint32_t e) {
-    if (XS == FP8_X_SMEM_F32) return *reinterpret_cast<const float4*>(static_cast<const float*>(row) + e);
+    if (XS == FP8_X_SMEM_F32) return *reinterpret_cast<const float4*>(static_cast<const float*>(row) + fp8_xf32_pos(e));
     const uint2* p = reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(row) + e);
     const uint2 v = XS == FP8_X_L2 ? __ldcg(p) : XS == FP8_X_RO ? __ldg(p) : *p;
     return make_float4(bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y));
@@ -51,7 +61,7 @@ __device__ __forceinline__ float4 fp8_x4(const void* row, uint32_t e) {
 
 template <int XS>
 __device__ __forceinline__ float fp8_x1(const void* row, uint32_t j) {
-    if (XS == FP8_X_SMEM_F32) return static_cast<const float*>(row)[j];
+    if (XS == FP8_X_SMEM_F32) return static_cast<const float*>(row)[fp8_xf32_pos(j)];
     const uint16_t* p = static_cast<const uint16_t*>(row) + j;
     return bf16_bits_to_f32(XS == FP8_X_L2 ? __ldcg(p) : XS == FP8_X_RO ? __ldg(p) : *p);
 }

@@ -44,7 +44,7 @@ from runtime.kernels.rmsnorm import rmsnorm_ref
 from runtime.launch import grid_stride_blocks, launch
 
 from .batch import check_rows
-from .bgemv import BATCH_ROWS, bgemv_batch_smem
+from .bgemv import BATCH_ROWS, BGEMV_STAGE_MAX
 
 FP8_BLOCK = (128, 128)  # the only block the kernels take (model/checkpoint/fp8.py DEFAULT_BLOCK)
 MAX_SEGMENTS = 4
@@ -200,9 +200,20 @@ def chunk_rows(m: int) -> int:
 
 def rmsnorm_gemv_seg_batch_smem(m: int, k: int, fp8: bool) -> int:
     """Dynamic shared memory of rmsnorm_gemv_seg_batch: the chunk's normed rows, [M][k] BF16; a
-    launch of one row with FP8 segments stages its row as f32, [k] (ptx/bgemv_fp8.cu seg_x_f32).
-    Any m > 1 gives at least two BF16 rows, which hold a one-row chunk's f32 row too."""
-    return k * 4 if fp8 and m == 1 else chunk_rows(m) * k * 2
+    launch of one row with FP8 segments stages its row as f32 with its float4s permuted within each
+    16-element chunk (ptx/bgemv_fp8.cu seg_x_f32, ptx/fp8_block.cuh fp8_xf32_pos), so k rounded up
+    to 16 floats. A one-row chunk of any m > 1 is a chunk of m >= 9, whose eight BF16 rows (16 k
+    bytes) hold that too: positions past k occur only for k > 32."""
+    return -(-k // 16) * 16 * 4 if fp8 and m == 1 else chunk_rows(m) * k * 2
+
+
+def bgemv_fp8_batch_smem(m: int, k: int) -> int:
+    """Dynamic shared memory of bgemv_fp8_batch: the chunk's x rows [M][k] BF16, at m = 1 too (read
+    per warp through L2, one row's x would cost the L2 twice the weight bytes; ptx/bgemv_fp8.cu
+    bgemv_fp8_body), or none where that exceeds BGEMV_STAGE_MAX (the rows are then read from
+    global memory, with the same bits)."""
+    nbytes = chunk_rows(m) * k * 2
+    return nbytes if nbytes <= BGEMV_STAGE_MAX else 0
 
 
 def check_segments(what: str, segments: Sequence[GemvSegment], y_stride: int) -> None:
@@ -405,6 +416,6 @@ def bgemv_fp8_batch(
         y_stride,
         n,
         k,
-        smem=bgemv_batch_smem(m, k),
+        smem=bgemv_fp8_batch_smem(m, k),
         stream=stream,
     )
