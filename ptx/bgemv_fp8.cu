@@ -198,6 +198,14 @@ __device__ __forceinline__ float dot8_bf16_f32(uint4 w, float4 xa, float4 xb, fl
     return acc;
 }
 
+// Whether rows `row` (ra) and row + warps (rb) of a one-row chunk run as a pair (fp8_pair_load /
+// fp8_pair_vec): both exist, both FP8 in 16-byte chunks, and a row is one step of 4 load groups
+// (k <= 2048: the q projection's k = 1536; fused_in's k = 4096 has at most one row per warp).
+__device__ __forceinline__ bool seg_pair(const SegRow& ra, const SegRow& rb, uint32_t row, uint32_t warps,
+                                         uint32_t n, uint32_t k) {
+    return row + warps < n && ra.fp8 && rb.fp8 && seg_vec(ra, k) && seg_vec(rb, k) && (k >> 4) <= 128u;
+}
+
 // Whether a chunk of M rows stages its normalised rows as f32 (else BF16): the one-row chunk of a
 // launch with FP8 segments, where the FP8 dot's per-element BF16 unpacking would be a quarter of its
 // instructions (model/kernels/bgemv_fp8.py rmsnorm_gemv_seg_batch_smem gives it k * 4 bytes). Eight
@@ -211,7 +219,9 @@ __host__ __device__ constexpr bool seg_x_f32() { return HAS_FP8 && M == 1; }
 // seg_x_f32); then it strides over the launch's rows, one at a time, and applies every chunk to the
 // M rows. A BF16 row is that kernel's loop (per lane, chunks lane, lane + 32, ... by dot8_bf16 into
 // one accumulator per x row; warp_sum), whatever the staging; an FP8 row is fp8_rows_vec (or
-// fp8_rows_elem where k % 16 != 0 or the segment is not 16-byte aligned) with one weight row.
+// fp8_rows_elem where k % 16 != 0 or the segment is not 16-byte aligned) with one weight row. A
+// one-row chunk with FP8 segments takes rows row and row + warps together where seg_pair allows
+// (fp8_pair_vec: the same bits as each row alone), so a warp keeps two FP8 rows' bytes in flight.
 template <int M, bool BESIDE, bool HAS_FP8>
 __device__ __forceinline__ void seg_gemv_rows(const Segments& a, const uint16_t* __restrict__ x, uint32_t x_stride,
                                               const uint16_t* __restrict__ norm_w, uint16_t* __restrict__ y,
@@ -219,6 +229,8 @@ __device__ __forceinline__ void seg_gemv_rows(const Segments& a, const uint16_t*
                                               uint32_t rows, uint16_t* xs, float* scratch) {
     constexpr int U = seg_gemv_unroll<M>();
     constexpr bool XF = seg_x_f32<M, HAS_FP8>();
+    constexpr bool PAIRS = M == 1 && HAS_FP8;
+    static_assert(!PAIRS || (XF && U == 8), "seg_gemv_rows: a pair is one step of 8 loads, x staged as f32");
     const uint32_t lane = threadIdx.x & 31;
     const uint32_t warps = gridDim.y * (blockDim.x >> 5);
     uint32_t row = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -231,7 +243,14 @@ __device__ __forceinline__ void seg_gemv_rows(const Segments& a, const uint16_t*
         // that only `row` stays live through the prologue, as in ptx/bgemv.cu's loop.
         const SegRow sr = seg_row(a, row < n ? row : 0u, k);
         const bool live = row < n && seg_vec(sr, k);
-        if (HAS_FP8 && sr.fp8) {
+        bool paired = false;
+        if constexpr (PAIRS) {
+            const SegRow sb = seg_row(a, row + warps < n ? row + warps : 0u, k);
+            paired = seg_pair(sr, sb, row, warps, n, k);
+            if (paired) fp8_pair_load(sr.w, sb.w, sr.s, sb.s, g, true, wv, sl);
+        }
+        if (paired) {
+        } else if (HAS_FP8 && sr.fp8) {
             const uint8_t* w1[1] = {sr.w};
             fp8_load_step<1, U>(w1, sr.s, g, 0u, live, wv, sl);
         } else {
@@ -251,6 +270,21 @@ __device__ __forceinline__ void seg_gemv_rows(const Segments& a, const uint16_t*
     else rms_rows_to_smem<M>(xr, x_stride, rows, norm_w, k, eps, xs, scratch);
     for (bool first = true; row < n; row += warps, first = false) {
         const SegRow sr = seg_row(a, row, k);
+        if constexpr (PAIRS) {
+            const uint32_t rb = row + warps;
+            const SegRow sb = seg_row(a, rb < n ? rb : 0u, k);
+            if (seg_pair(sr, sb, row, warps, n, k)) {
+                if (!first) fp8_pair_load(sr.w, sb.w, sr.s, sb.s, g, true, wv, sl);
+                float ya, yb;
+                fp8_pair_vec<FP8_X_SMEM_F32>(g, xsf, wv, sl, ya, yb);
+                if (lane == 0u) {
+                    y[(size_t)e0 * y_stride + sr.col] = f32_to_bf16_bits(ya);
+                    y[(size_t)e0 * y_stride + sb.col] = f32_to_bf16_bits(yb);
+                }
+                row = rb;  // and the loop's step: the pair took rows row and row + warps
+                continue;
+            }
+        }
         const bool vec = seg_vec(sr, k);
         uint16_t* yr = y + (size_t)e0 * y_stride + sr.col;
         if (HAS_FP8 && sr.fp8) {
