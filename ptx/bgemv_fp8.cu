@@ -201,9 +201,10 @@ __device__ __forceinline__ float dot8_bf16_f32(uint4 w, float4 xa, float4 xb, fl
 // Whether rows `row` (ra) and row + warps (rb) of a one-row chunk run as a pair (fp8_pair_load /
 // fp8_pair_vec): both exist, both FP8 in 16-byte chunks, and a row is one step of 4 load groups
 // (k <= 2048: the q projection's k = 1536; fused_in's k = 4096 has at most one row per warp).
+// `room`: the staged row has the 2048 floats fp8_pair_vec may read (rmsnorm_gemv_seg_batch_smem).
 __device__ __forceinline__ bool seg_pair(const SegRow& ra, const SegRow& rb, uint32_t row, uint32_t warps,
-                                         uint32_t n, uint32_t k) {
-    return row + warps < n && ra.fp8 && rb.fp8 && seg_vec(ra, k) && seg_vec(rb, k) && (k >> 4) <= 128u;
+                                         uint32_t n, uint32_t k, bool room) {
+    return room && row + warps < n && ra.fp8 && rb.fp8 && seg_vec(ra, k) && seg_vec(rb, k) && (k >> 4) <= 128u;
 }
 
 // Whether a chunk of M rows stages its normalised rows as f32 (else BF16): the one-row chunk of a
@@ -231,6 +232,7 @@ __device__ __forceinline__ void seg_gemv_rows(const Segments& a, const uint16_t*
     constexpr bool XF = seg_x_f32<M, HAS_FP8>();
     constexpr bool PAIRS = M == 1 && HAS_FP8;
     static_assert(!PAIRS || (XF && U == 8), "seg_gemv_rows: a pair is one step of 8 loads, x staged as f32");
+    const bool room = PAIRS && dynamic_smem_size() >= 2048u * 4u;  // the same in the block
     const uint32_t lane = threadIdx.x & 31;
     const uint32_t warps = gridDim.y * (blockDim.x >> 5);
     uint32_t row = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -246,7 +248,7 @@ __device__ __forceinline__ void seg_gemv_rows(const Segments& a, const uint16_t*
         bool paired = false;
         if constexpr (PAIRS) {
             const SegRow sb = seg_row(a, row + warps < n ? row + warps : 0u, k);
-            paired = seg_pair(sr, sb, row, warps, n, k);
+            paired = seg_pair(sr, sb, row, warps, n, k, room);
             if (paired) fp8_pair_load(sr.w, sb.w, sr.s, sb.s, g, true, wv, sl);
         }
         if (paired) {
@@ -273,7 +275,7 @@ __device__ __forceinline__ void seg_gemv_rows(const Segments& a, const uint16_t*
         if constexpr (PAIRS) {
             const uint32_t rb = row + warps;
             const SegRow sb = seg_row(a, rb < n ? rb : 0u, k);
-            if (seg_pair(sr, sb, row, warps, n, k)) {
+            if (seg_pair(sr, sb, row, warps, n, k, room)) {
                 if (!first) fp8_pair_load(sr.w, sb.w, sr.s, sb.s, g, true, wv, sl);
                 float ya, yb;
                 fp8_pair_vec<FP8_X_SMEM_F32>(g, xsf, wv, sl, ya, yb);

@@ -224,7 +224,7 @@ __device__ __forceinline__ void fp8_rows_vec(const uint8_t* const (&w)[RS], cons
 }
 
 // Two weight rows (A and B, each with its own scale row sa / sb) against one activation row, for
-// rows of at most 4 x 32 virtual chunks (k <= 2048 at base 0): the rows' 4 groups each are one load
+// rows of at most 4 x 32 chunks at base 0 (k <= 2048, g.off == 0): the rows' 4 groups each are one load
 // step, wv[0][u] row A's group u and wv[0][4 + u] row B's, so a warp has both rows' bytes in flight
 // at once (an FP8 row is half a BF16 row's bytes; one FP8 row per warp at a time kept half the
 // bytes of the BF16 loop in flight). `sl`: lanes 0..15 hold row A's block scales, lanes 16..31
@@ -245,7 +245,8 @@ __device__ __forceinline__ void fp8_pair_load(const uint8_t* wa, const uint8_t* 
 
 // fp8_rows_vec's arithmetic for the two rows of fp8_pair_load (which issued `wv` / `sl`), so each
 // row's bits are those of the row alone: each chunk's 16 fmaf's from 0 (+0 for a chunk outside the
-// row; such a lane reads the row's first elements and discards the result), each block's butterfly
+// row; such a lane reads x past the row, inside the 2048 elements that xr must hold, and discards
+// the result: one address per q for all 8 loads, where clamping kept 16 live), each block's butterfly
 // (fp8_sum8 over the lane's 8 partials at once: lane l ends with the total of row (l % 8) / 4's
 // group l % 4, i.e. its block 4 * (l % 4) + l / 8), each block times its scale, and each row's
 // blocks added from 0 in increasing b (block j of row r fetched from lane 8 * (j % 4) + 4 r + j / 4).
@@ -260,7 +261,7 @@ __device__ __forceinline__ void fp8_pair_vec(const Fp8RowGeom& g, const void* xr
     for (int i = 0; i < 8; ++i) {
         const uint32_t v = 32u * (uint32_t)(i & 3) + lane;
         const bool in = v >= g.off && v < g.end;
-        const uint32_t e = in ? 16u * (v - g.off) : 0u;
+        const uint32_t e = 16u * v;  // past the row: inside the 128 chunks the launch gave, discarded
         float a = 0.0f;
 #pragma unroll
         for (int q = 0; q < 4; ++q) {

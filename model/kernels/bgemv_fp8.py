@@ -48,6 +48,8 @@ from .bgemv import BATCH_ROWS, BGEMV_STAGE_MAX
 
 FP8_BLOCK = (128, 128)  # the only block the kernels take (model/checkpoint/fp8.py DEFAULT_BLOCK)
 MAX_SEGMENTS = 4
+# rmsnorm_gemv_seg_batch: the least shared memory of a launch with FP8 segments, 2048 f32 (ptx/bgemv_fp8.cu seg_pair).
+FP8_PAIR_SMEM = 2048 * 4
 # bgemv_fp8_batch: weight rows per warp (ptx/bgemv_fp8.cu FP8_ROWS_PER_WARP), 8 warps per block.
 ROWS_PER_WARP = 4
 _U32_MAX = 2**32 - 1
@@ -202,9 +204,14 @@ def rmsnorm_gemv_seg_batch_smem(m: int, k: int, fp8: bool) -> int:
     """Dynamic shared memory of rmsnorm_gemv_seg_batch: the chunk's normed rows, [M][k] BF16; a
     launch of one row with FP8 segments stages its row as f32 with its float4s permuted within each
     16-element chunk (ptx/bgemv_fp8.cu seg_x_f32, ptx/fp8_block.cuh fp8_xf32_pos), so k rounded up
-    to 16 floats. A one-row chunk of any m > 1 is a chunk of m >= 9, whose eight BF16 rows (16 k
-    bytes) hold that too: positions past k occur only for k > 32."""
-    return -(-k // 16) * 16 * 4 if fp8 and m == 1 else chunk_rows(m) * k * 2
+    to 16 floats. With FP8 segments at least FP8_PAIR_SMEM: a one-row chunk (m = 1, or the last of
+    m = 8j + 1) runs two FP8 rows of k <= 2048 at once, reading 2048 floats of its row whatever k
+    (ptx/fp8_block.cuh fp8_pair_vec); without that room it runs them one at a time. Eight BF16 rows
+    (16 k bytes) hold a one-row chunk's f32 row: positions past k occur only for k > 32."""
+    if not fp8:
+        return chunk_rows(m) * k * 2
+    rows = -(-k // 16) * 16 * 4 if m == 1 else chunk_rows(m) * k * 2
+    return max(rows, FP8_PAIR_SMEM)
 
 
 def bgemv_fp8_batch_smem(m: int, k: int) -> int:
