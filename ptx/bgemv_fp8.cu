@@ -133,7 +133,11 @@ __device__ __forceinline__ bool seg_vec(const SegRow& sr, uint32_t k) {
     return sr.fp8 ? (k % 16u == 0 && aligned16(sr.w)) : (k % 8u == 0 && aligned16(sr.w));
 }
 
-// RmsNormToSmem into an f32 row: xf[j] = float(bf16((x_j / r) * w_j)), the same bits widened. Staged
+// Float4 j4 of an f32 staged row (elements 4 * j4 .. 4 * j4 + 3) at its place, fp8_xf32_pos's.
+__device__ __forceinline__ uint32_t xf32_f4(uint32_t j4) { return fp8_xf32_pos(4u * j4) >> 2; }
+
+// RmsNormToSmem into an f32 row: element j = float(bf16((x_j / r) * w_j)), the same bits widened,
+// stored at xf[fp8_xf32_pos(j)] (ptx/fp8_block.cuh: ceil(n / 16) * 16 floats). Staged
 // (16-byte aligned, n % 8 == 0): each thread copies its chunks c = tid, tid + blockDim, ... widened to
 // their place in xf as they arrive (two loads in flight) and sums their squares in that order
 // (stage_row_sumsq's); after the block reduction it rewrites its own chunks (scale_staged_row's
@@ -149,12 +153,12 @@ __device__ __forceinline__ void rms_row_to_smem_f32(const uint16_t* __restrict__
             const uint32_t c1 = c0 + blockDim.x;
             const uint4 v0 = __ldg(xv + c0);
             const uint4 v1 = c1 < nc ? __ldg(xv + c1) : make_uint4(0, 0, 0, 0);
-            dv[2u * c0] = make_float4(bf16_lo(v0.x), bf16_hi(v0.x), bf16_lo(v0.y), bf16_hi(v0.y));
-            dv[2u * c0 + 1u] = make_float4(bf16_lo(v0.z), bf16_hi(v0.z), bf16_lo(v0.w), bf16_hi(v0.w));
+            dv[xf32_f4(2u * c0)] = make_float4(bf16_lo(v0.x), bf16_hi(v0.x), bf16_lo(v0.y), bf16_hi(v0.y));
+            dv[xf32_f4(2u * c0 + 1u)] = make_float4(bf16_lo(v0.z), bf16_hi(v0.z), bf16_lo(v0.w), bf16_hi(v0.w));
             ss = sumsq8(v0, ss);
             if (c1 < nc) {
-                dv[2u * c1] = make_float4(bf16_lo(v1.x), bf16_hi(v1.x), bf16_lo(v1.y), bf16_hi(v1.y));
-                dv[2u * c1 + 1u] = make_float4(bf16_lo(v1.z), bf16_hi(v1.z), bf16_lo(v1.w), bf16_hi(v1.w));
+                dv[xf32_f4(2u * c1)] = make_float4(bf16_lo(v1.x), bf16_hi(v1.x), bf16_lo(v1.y), bf16_hi(v1.y));
+                dv[xf32_f4(2u * c1 + 1u)] = make_float4(bf16_lo(v1.z), bf16_hi(v1.z), bf16_lo(v1.w), bf16_hi(v1.w));
                 ss = sumsq8(v1, ss);
             }
         }
@@ -165,17 +169,17 @@ __device__ __forceinline__ void rms_row_to_smem_f32(const uint16_t* __restrict__
             const uint4 wc = __ldg(wv4 + c);
             const float wf[8] = {bf16_lo(wc.x), bf16_hi(wc.x), bf16_lo(wc.y), bf16_hi(wc.y),
                                  bf16_lo(wc.z), bf16_hi(wc.z), bf16_lo(wc.w), bf16_hi(wc.w)};
-            const float4 a = dv[2u * c], b = dv[2u * c + 1u];
+            const float4 a = dv[xf32_f4(2u * c)], b = dv[xf32_f4(2u * c + 1u)];
             float f[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
             for (int q = 0; q < 8; ++q) f[q] = bf16_bits_to_f32(f32_to_bf16_bits(__fmul_rn(f[q] / d, wf[q])));
-            dv[2u * c] = make_float4(f[0], f[1], f[2], f[3]);
-            dv[2u * c + 1u] = make_float4(f[4], f[5], f[6], f[7]);
+            dv[xf32_f4(2u * c)] = make_float4(f[0], f[1], f[2], f[3]);
+            dv[xf32_f4(2u * c + 1u)] = make_float4(f[4], f[5], f[6], f[7]);
         }
     } else {
         const float d = rms_divisor(x, n, eps, scratch);
         for (uint32_t i = threadIdx.x; i < n; i += blockDim.x)
-            xf[i] = bf16_bits_to_f32(f32_to_bf16_bits(__fmul_rn(bf16_bits_to_f32(x[i]) / d, bf16_bits_to_f32(w[i]))));
+            xf[fp8_xf32_pos(i)] = bf16_bits_to_f32(f32_to_bf16_bits(__fmul_rn(bf16_bits_to_f32(x[i]) / d, bf16_bits_to_f32(w[i]))));
     }
     __syncthreads();
 }
@@ -194,6 +198,15 @@ __device__ __forceinline__ float dot8_bf16_f32(uint4 w, float4 xa, float4 xb, fl
     return acc;
 }
 
+// Whether rows `row` (ra) and row + warps (rb) of a one-row chunk run as a pair (fp8_pair_load /
+// fp8_pair_vec): both exist, both FP8 in 16-byte chunks, and a row is one step of 4 load groups
+// (k <= 2048: the q projection's k = 1536; fused_in's k = 4096 has at most one row per warp).
+// `room`: the staged row has the 2048 floats fp8_pair_vec may read (rmsnorm_gemv_seg_batch_smem).
+__device__ __forceinline__ bool seg_pair(const SegRow& ra, const SegRow& rb, uint32_t row, uint32_t warps,
+                                         uint32_t n, uint32_t k, bool room) {
+    return room && row + warps < n && ra.fp8 && rb.fp8 && seg_vec(ra, k) && seg_vec(rb, k) && (k >> 4) <= 128u;
+}
+
 // Whether a chunk of M rows stages its normalised rows as f32 (else BF16): the one-row chunk of a
 // launch with FP8 segments, where the FP8 dot's per-element BF16 unpacking would be a quarter of its
 // instructions (model/kernels/bgemv_fp8.py rmsnorm_gemv_seg_batch_smem gives it k * 4 bytes). Eight
@@ -207,7 +220,9 @@ __host__ __device__ constexpr bool seg_x_f32() { return HAS_FP8 && M == 1; }
 // the launch's rows, one at a time, and applies every chunk to the M rows. A BF16 row takes the
 // BF16 rows' per-lane chunk order (chunks lane, lane + 32, ... by dot8_bf16 into one accumulator per
 // x row; warp_sum), whatever the staging; an FP8 row is fp8_rows_vec (or
-// fp8_rows_elem where k % 16 != 0 or the segment is not 16-byte aligned) with one weight row.
+// fp8_rows_elem where k % 16 != 0 or the segment is not 16-byte aligned) with one weight row. A
+// one-row chunk with FP8 segments takes rows row and row + warps together where seg_pair allows
+// (fp8_pair_vec: the same bits as each row alone), so a warp keeps two FP8 rows' bytes in flight.
 template <int M, bool BESIDE, bool HAS_FP8>
 __device__ __forceinline__ void seg_gemv_rows(const Segments& a, const uint16_t* __restrict__ x, uint32_t x_stride,
                                               const uint16_t* __restrict__ norm_w, uint16_t* __restrict__ y,
@@ -215,6 +230,9 @@ __device__ __forceinline__ void seg_gemv_rows(const Segments& a, const uint16_t*
                                               uint32_t rows, uint16_t* xs, float* scratch) {
     constexpr int U = seg_gemv_unroll<M>();
     constexpr bool XF = seg_x_f32<M, HAS_FP8>();
+    constexpr bool PAIRS = M == 1 && HAS_FP8;
+    static_assert(!PAIRS || (XF && U == 8), "seg_gemv_rows: a pair is one step of 8 loads, x staged as f32");
+    const bool room = PAIRS && dynamic_smem_size() >= 2048u * 4u;  // the same in the block
     const uint32_t lane = threadIdx.x & 31;
     const uint32_t warps = gridDim.y * (blockDim.x >> 5);
     uint32_t row = blockIdx.y * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -227,7 +245,14 @@ __device__ __forceinline__ void seg_gemv_rows(const Segments& a, const uint16_t*
         // that only `row` stays live through the prologue (fewer registers held across it).
         const SegRow sr = seg_row(a, row < n ? row : 0u, k);
         const bool live = row < n && seg_vec(sr, k);
-        if (HAS_FP8 && sr.fp8) {
+        bool paired = false;
+        if constexpr (PAIRS) {
+            const SegRow sb = seg_row(a, row + warps < n ? row + warps : 0u, k);
+            paired = seg_pair(sr, sb, row, warps, n, k, room);
+            if (paired) fp8_pair_load(sr.w, sb.w, sr.s, sb.s, g, true, wv, sl);
+        }
+        if (paired) {
+        } else if (HAS_FP8 && sr.fp8) {
             const uint8_t* w1[1] = {sr.w};
             fp8_load_step<1, U>(w1, sr.s, g, 0u, live, wv, sl);
         } else {
@@ -247,6 +272,21 @@ __device__ __forceinline__ void seg_gemv_rows(const Segments& a, const uint16_t*
     else rms_rows_to_smem<M>(xr, x_stride, rows, norm_w, k, eps, xs, scratch);
     for (bool first = true; row < n; row += warps, first = false) {
         const SegRow sr = seg_row(a, row, k);
+        if constexpr (PAIRS) {
+            const uint32_t rb = row + warps;
+            const SegRow sb = seg_row(a, rb < n ? rb : 0u, k);
+            if (seg_pair(sr, sb, row, warps, n, k, room)) {
+                if (!first) fp8_pair_load(sr.w, sb.w, sr.s, sb.s, g, true, wv, sl);
+                float ya, yb;
+                fp8_pair_vec<FP8_X_SMEM_F32>(g, xsf, wv, sl, ya, yb);
+                if (lane == 0u) {
+                    y[(size_t)e0 * y_stride + sr.col] = f32_to_bf16_bits(ya);
+                    y[(size_t)e0 * y_stride + sb.col] = f32_to_bf16_bits(yb);
+                }
+                row = rb;  // and the loop's step: the pair took rows row and row + warps
+                continue;
+            }
+        }
         const bool vec = seg_vec(sr, k);
         uint16_t* yr = y + (size_t)e0 * y_stride + sr.col;
         if (HAS_FP8 && sr.fp8) {
@@ -293,8 +333,8 @@ __device__ __forceinline__ void seg_gemv_rows(const Segments& a, const uint16_t*
 #pragma unroll
                         for (int i = 0; i < M; ++i) {
                             if (XF) {
-                                const float4* xc = reinterpret_cast<const float4*>(xsf + (size_t)i * k) + 2u * c;
-                                acc[i] = dot8_bf16_f32(wv[0][u], xc[0], xc[1], acc[i]);
+                                const float4* xc = reinterpret_cast<const float4*>(xsf + (size_t)i * k);
+                                acc[i] = dot8_bf16_f32(wv[0][u], xc[xf32_f4(2u * c)], xc[xf32_f4(2u * c + 1u)], acc[i]);
                             } else {
                                 acc[i] = dot8_bf16(wv[0][u], reinterpret_cast<const uint4*>(xs + (size_t)i * k)[c], acc[i]);
                             }
@@ -307,7 +347,7 @@ __device__ __forceinline__ void seg_gemv_rows(const Segments& a, const uint16_t*
                 const float wj = bf16_bits_to_f32(wr[j]);
 #pragma unroll
                 for (int i = 0; i < M; ++i) {
-                    const float xj = XF ? xsf[(size_t)i * k + j] : bf16_bits_to_f32(xs[(size_t)i * k + j]);
+                    const float xj = XF ? xsf[(size_t)i * k + fp8_xf32_pos(j)] : bf16_bits_to_f32(xs[(size_t)i * k + j]);
                     acc[i] = fmaf(wj, xj, acc[i]);
                 }
             }
@@ -403,8 +443,11 @@ __host__ __device__ constexpr int fp8_rs() { return M == 8 ? 2 : 4; }
 // The chunk's `rows` (<= M) rows of x against the warp's FP8_ROWS_PER_WARP rows of W[b]: the first
 // weight batch (4 rows x U 16-byte loads per lane: the whole row at o_proj's k = 2048 when M = 1)
 // and its scales issued, then the wait (WAIT_FIRST, releasing), then the block stages the chunk's x
-// rows in shared memory once when M > 1 and the launch gave it M * k * 2 bytes (read per warp they
-// would cost the L2 eight times the x bytes), else the rows are read from global memory. Element
+// rows in shared memory once when the launch gave it M * k * 2 bytes, else the rows are read from
+// global memory. Staged at M = 1 too: read per warp, each lane's 8-byte loads of its 32-byte piece
+// of x fetch a whole L2 sector four times (ld.cg skips L1), per 4 weight rows, so the L2 would
+// deliver twice the weight bytes in x and each of a row's chunk groups would wait on its own L2
+// round trip after the weights arrived; staged, the block reads x once, in one round trip. Element
 // (r, c) of head b has scale s[r / 128][(col0 + b * k + c) / 128] (s_cols a scale row).
 template <bool OUT_F32, int M, PdlMode MODE>
 __device__ __forceinline__ void bgemv_fp8_body(const uint8_t* __restrict__ w, const float* __restrict__ s,
@@ -421,7 +464,7 @@ __device__ __forceinline__ void bgemv_fp8_body(const uint8_t* __restrict__ w, co
     const uint32_t base = col0 + b * k;
     const uint16_t* xb = x + (size_t)e0 * x_stride + (size_t)b * k;
     const bool vec = (k % 16u == 0) && (base % 16u == 0) && (x_stride % 8u == 0) && aligned16(w) && aligned16(xb);
-    const bool staged = M > 1 && vec && (uint32_t)M * k * 2u <= dynamic_smem_size();  // the same in the block
+    const bool staged = active && vec && (uint32_t)M * k * 2u <= dynamic_smem_size();  // the same in the block
     const Fp8RowGeom g = fp8_row_geom(k, base);
     const uint8_t* wr[RS];
     const float* sr[RS];
@@ -534,8 +577,8 @@ __device__ __forceinline__ void bgemv_fp8_dispatch(const uint8_t* w, const float
 // c being its column col0 + h * k + c; row e's heads x[e] at x + e * x_stride ([heads][k] BF16), y[e]
 // at y + e * y_stride ([heads][n]: a rank's o_proj groups land in its columns of the all-groups
 // rows). Grid (ceil(m / 8), ceil(n / (8 * 4)), heads), block 256, dynamic smem M * k * 2 bytes for M
-// the next power of two of min(m, 8) when m > 1, or none (the rows are then read from global
-// memory); PDL WAIT_FIRST (releasing after the wait, x through L2).
+// the next power of two of min(m, 8), or none (the rows are then read from global memory; the
+// same bits); PDL WAIT_FIRST (releasing after the wait, x through L2).
 extern "C" __global__ void __launch_bounds__(256, 2) bgemv_fp8_f32_batch(FP8_BGEMV_PARAMS(float)) {
     extern __shared__ __align__(16) uint16_t xsm[];
     bgemv_fp8_dispatch<true, WAIT_FIRST>(w, s, s_cols, col0, x, y, m, x_stride, y_stride, n, k, xsm);

@@ -40,10 +40,20 @@ constexpr uint32_t FP8_FULL_MASK = 0xFFFFFFFFu;
 // dependents early, ptx/common.cuh), or global memory through the read-only path.
 enum Fp8XSource : int { FP8_X_SMEM = 0, FP8_X_SMEM_F32 = 1, FP8_X_L2 = 2, FP8_X_RO = 3 };
 
+// Where element j of an f32 staged row (FP8_X_SMEM_F32) lives: its float4s are permuted within
+// each 16-element chunk, float4 q of chunk c at 4c + (q ^ ((c >> 1) & 3)). The vector path's lanes
+// read float4 q of 32 consecutive chunks at once; in element order, lanes 64 bytes apart would hit
+// 8 of the 32 banks (four times the shared-memory wavefronts of a conflict-free 16-byte load, which
+// bounded the one-row FP8 launch near 8 weight bytes per clock and SM); permuted, any 8 consecutive
+// chunks cover every bank. The writer (ptx/bgemv_fp8.cu rms_row_to_smem_f32) and every reader go
+// through this map, so the values, and every product and sum, are those of the unpermuted row. A
+// position stays inside its chunk: the row takes ceil(k / 16) * 16 floats.
+__host__ __device__ constexpr uint32_t fp8_xf32_pos(uint32_t j) { return j ^ (((j >> 5) & 3u) << 2); }
+
 // Elements e .. e + 3 of an activation row (e % 4 == 0; the row 16-byte aligned) as f32.
 template <int XS>
 __device__ __forceinline__ float4 fp8_x4(const void* row, uint32_t e) {
-    if (XS == FP8_X_SMEM_F32) return *reinterpret_cast<const float4*>(static_cast<const float*>(row) + e);
+    if (XS == FP8_X_SMEM_F32) return *reinterpret_cast<const float4*>(static_cast<const float*>(row) + fp8_xf32_pos(e));
     const uint2* p = reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(row) + e);
     const uint2 v = XS == FP8_X_L2 ? __ldcg(p) : XS == FP8_X_RO ? __ldg(p) : *p;
     return make_float4(bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y));
@@ -51,7 +61,7 @@ __device__ __forceinline__ float4 fp8_x4(const void* row, uint32_t e) {
 
 template <int XS>
 __device__ __forceinline__ float fp8_x1(const void* row, uint32_t j) {
-    if (XS == FP8_X_SMEM_F32) return static_cast<const float*>(row)[j];
+    if (XS == FP8_X_SMEM_F32) return static_cast<const float*>(row)[fp8_xf32_pos(j)];
     const uint16_t* p = static_cast<const uint16_t*>(row) + j;
     return bf16_bits_to_f32(XS == FP8_X_L2 ? __ldcg(p) : XS == FP8_X_RO ? __ldg(p) : *p);
 }
@@ -211,6 +221,73 @@ __device__ __forceinline__ void fp8_rows_vec(const uint8_t* const (&w)[RS], cons
             }
         }
     }
+}
+
+// Two weight rows (A and B, each with its own scale row sa / sb) against one activation row, for
+// rows of at most 4 x 32 chunks at base 0 (k <= 2048, g.off == 0): the rows' 4 groups each are one load
+// step, wv[0][u] row A's group u and wv[0][4 + u] row B's, so a warp has both rows' bytes in flight
+// at once (an FP8 row is half a BF16 row's bytes; one FP8 row per warp at a time kept half the
+// bytes of the BF16 loop in flight). `sl`: lanes 0..15 hold row A's block scales, lanes 16..31
+// row B's (at most 16 blocks a row).
+__device__ __forceinline__ void fp8_pair_load(const uint8_t* wa, const uint8_t* wb, const float* sa, const float* sb,
+                                              const Fp8RowGeom& g, bool active, uint4 (&wv)[1][8], float& sl) {
+    const uint32_t lane = threadIdx.x & 31;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        const uint32_t v = 32u * u + lane;
+        const bool in = active && v >= g.off && v < g.end;
+        wv[0][u] = in ? ld_stream16(wa + 16u * (v - g.off)) : make_uint4(0, 0, 0, 0);
+        wv[0][4 + u] = in ? ld_stream16(wb + 16u * (v - g.off)) : make_uint4(0, 0, 0, 0);
+    }
+    const uint32_t blk = lane & 15u;
+    sl = active && blk < g.nblk ? __ldg((lane < 16u ? sa : sb) + g.b0 + blk) : 0.0f;
+}
+
+// fp8_rows_vec's arithmetic for the two rows of fp8_pair_load (which issued `wv` / `sl`), so each
+// row's bits are those of the row alone: each chunk's 16 fmaf's from 0 (+0 for a chunk outside the
+// row; such a lane reads x past the row, inside the 2048 elements that xr must hold, and discards
+// the result: one address per q for all 8 loads, where clamping kept 16 live), each block's butterfly
+// (fp8_sum8 over the lane's 8 partials at once: lane l ends with the total of row (l % 8) / 4's
+// group l % 4, i.e. its block 4 * (l % 4) + l / 8), each block times its scale, and each row's
+// blocks added from 0 in increasing b (block j of row r fetched from lane 8 * (j % 4) + 4 r + j / 4).
+// The 8 dot products are straight-line code; the pair costs 7 + 1 + 2 x (blocks) shuffles. y on
+// every lane.
+template <int XS>
+__device__ __forceinline__ void fp8_pair_vec(const Fp8RowGeom& g, const void* xr, const uint4 (&wv)[1][8], float sl,
+                                             float& ya, float& yb) {
+    const uint32_t lane = threadIdx.x & 31;
+    float p[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const uint32_t v = 32u * (uint32_t)(i & 3) + lane;
+        const bool in = v >= g.off && v < g.end;
+        const uint32_t e = 16u * v;  // past the row: inside the 128 chunks the launch gave, discarded
+        float a = 0.0f;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            float f[4];
+            fp8x4_to_f32(fp8_word(wv[0][i], q), f);
+            const float4 xq = fp8_x4<XS>(xr, e + 4u * q);
+            a = fmaf(f[0], xq.x, a);
+            a = fmaf(f[1], xq.y, a);
+            a = fmaf(f[2], xq.z, a);
+            a = fmaf(f[3], xq.w, a);
+        }
+        p[i] = in ? a : 0.0f;
+    }
+    fp8_sum8<8>(p, lane);
+    const uint32_t l8 = lane & 7u;
+    const uint32_t src = 16u * (l8 >> 2) + 4u * (l8 & 3u) + (lane >> 3);  // this lane's block's scale
+    const float t = __fmul_rn(p[0], __shfl_sync(FP8_FULL_MASK, sl, (int)src));
+    float a = 0.0f, b = 0.0f;
+#pragma unroll 4
+    for (uint32_t j = 0; j < g.nblk; ++j) {
+        const uint32_t at = 8u * (j & 3u) + (j >> 2);
+        a = __fadd_rn(a, __shfl_sync(FP8_FULL_MASK, t, (int)at));
+        b = __fadd_rn(b, __shfl_sync(FP8_FULL_MASK, t, (int)(at + 4u)));
+    }
+    ya = a;
+    yb = b;
 }
 
 // The element path: the same rows for any k, base and alignment (xr[i] rows of k values, w[r]

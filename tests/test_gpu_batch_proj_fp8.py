@@ -127,6 +127,15 @@ def awkward_case(rng, k: int, mis: int = 0) -> tuple[list[Seg], int]:
     ], 160
 
 
+def tall_case(rng, k: int) -> tuple[list[Seg], int]:
+    """More FP8 rows than a one-row launch has warps on the H200 (132 x 4 blocks of 8), so its warps
+    take rows row and row + warps as a pair, each with its own scale row (rows 50 .. 6049 of a
+    6100-row tensor), at k = 1040 (a partial last column block), then BF16 rows, which a warp's
+    last FP8 rows do not pair with."""
+    q, s = fp8_tensor(rng, 6100, k)
+    return [Seg(q[50:6050], 0, s, 50), Seg(random_bf16(rng, (40, k), exp_lo=-8), 6000)], 6040
+
+
 def build_case(rng, name: str):
     """(segments, y_stride, k, x_stride, x_off) of a named case."""
     if name == "fused_in":
@@ -138,12 +147,15 @@ def build_case(rng, name: str):
     if name == "q_proj_rank1":
         segs, ys = q_proj_case(rng, ranks=2)
         return segs, ys, 1536, 2336, 768
+    if name == "k1040_tall":
+        segs, ys = tall_case(rng, 1040)
+        return segs, ys, 1040, 1048, 8
     k, mis = {"k1040": (1040, 0), "k130": (130, 0), "k72": (72, 0), "k256_mis": (256, 1)}[name]
     segs, ys = awkward_case(rng, k, mis)
     return segs, ys, k, k + 8, 8
 
 
-_CASES = ["fused_in", "q_proj", "q_proj_rank1", "k1040", "k130", "k72", "k256_mis"]
+_CASES = ["fused_in", "q_proj", "q_proj_rank1", "k1040", "k1040_tall", "k130", "k72", "k256_mis"]
 
 
 # ---- rmsnorm_gemv_seg_batch ----------------------------------------------------------------------------
@@ -174,6 +186,7 @@ def test_rmsnorm_gemv_seg_against_twin(cuda, case, beside):
         ("k130", M_AWKWARD),
         ("k256_mis", (3, 17)),
         ("q_proj", (17, 64)),
+        ("k1040_tall", (9, 17)),
         ("fused_in", (3, 17)),
     ],
 )

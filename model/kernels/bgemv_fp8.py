@@ -45,10 +45,12 @@ from runtime.kernels.rmsnorm import rmsnorm_ref
 from runtime.launch import grid_stride_blocks, launch
 
 from .batch import check_rows
-from .bgemv import BATCH_ROWS, bgemv_batch_smem
+from .bgemv import BATCH_ROWS, BGEMV_STAGE_MAX
 
 FP8_BLOCK = (128, 128)  # the only block the kernels take (model/checkpoint/fp8.py DEFAULT_BLOCK)
 MAX_SEGMENTS = 4
+# rmsnorm_gemv_seg_batch: the least shared memory of a launch with FP8 segments, 2048 f32 (ptx/bgemv_fp8.cu seg_pair).
+FP8_PAIR_SMEM = 2048 * 4
 # bgemv_fp8_batch: weight rows per warp (ptx/bgemv_fp8.cu FP8_ROWS_PER_WARP), 8 warps per block.
 ROWS_PER_WARP = 4
 _U32_MAX = 2**32 - 1
@@ -201,9 +203,25 @@ def chunk_rows(m: int) -> int:
 
 def rmsnorm_gemv_seg_batch_smem(m: int, k: int, fp8: bool) -> int:
     """Dynamic shared memory of rmsnorm_gemv_seg_batch: the chunk's normed rows, [M][k] BF16; a
-    launch of one row with FP8 segments stages its row as f32, [k] (ptx/bgemv_fp8.cu seg_x_f32).
-    Any m > 1 gives at least two BF16 rows, which hold a one-row chunk's f32 row too."""
-    return k * 4 if fp8 and m == 1 else chunk_rows(m) * k * 2
+    launch of one row with FP8 segments stages its row as f32 with its float4s permuted within each
+    16-element chunk (ptx/bgemv_fp8.cu seg_x_f32, ptx/fp8_block.cuh fp8_xf32_pos), so k rounded up
+    to 16 floats. With FP8 segments at least FP8_PAIR_SMEM: a one-row chunk (m = 1, or the last of
+    m = 8j + 1) runs two FP8 rows of k <= 2048 at once, reading 2048 floats of its row whatever k
+    (ptx/fp8_block.cuh fp8_pair_vec); without that room it runs them one at a time. Eight BF16 rows
+    (16 k bytes) hold a one-row chunk's f32 row: positions past k occur only for k > 32."""
+    if not fp8:
+        return chunk_rows(m) * k * 2
+    rows = -(-k // 16) * 16 * 4 if m == 1 else chunk_rows(m) * k * 2
+    return max(rows, FP8_PAIR_SMEM)
+
+
+def bgemv_fp8_batch_smem(m: int, k: int) -> int:
+    """Dynamic shared memory of bgemv_fp8_batch: the chunk's x rows [M][k] BF16, at m = 1 too (read
+    per warp through L2, one row's x would cost the L2 twice the weight bytes; ptx/bgemv_fp8.cu
+    bgemv_fp8_body), or none where that exceeds BGEMV_STAGE_MAX (the rows are then read from
+    global memory, with the same bits)."""
+    nbytes = chunk_rows(m) * k * 2
+    return nbytes if nbytes <= BGEMV_STAGE_MAX else 0
 
 
 def check_segments(what: str, segments: Sequence[GemvSegment], y_stride: int) -> None:
@@ -406,6 +424,6 @@ def bgemv_fp8_batch(
         y_stride,
         n,
         k,
-        smem=bgemv_batch_smem(m, k),
+        smem=bgemv_fp8_batch_smem(m, k),
         stream=stream,
     )
