@@ -65,7 +65,7 @@ __device__ __forceinline__ void grid_dependency_wait() {
 // Unconditional release, for a kernel whose successor is built to run beside it: the successor's
 // input comes from the kernel before this one, so it works without waiting and waits only before
 // it exits or before it reads this kernel's output (select_topk_pools_batch ->
-// bgemv_bf16_f32_batch_beside, dsa_cache_write_batch -> rmsnorm_gemv_batch_beside, the heads
+// bgemv_bf16_f32_batch_beside, dsa_cache_write_batch -> rmsnorm_gemv_seg_batch_beside, the heads
 // head_argmax_{bf16,fp8}_batch -> the next draft's mtp_input_gemv_batch, whose tokens are the
 // head's output).
 // Called once everything before this kernel has completed: right after its own wait (these are
