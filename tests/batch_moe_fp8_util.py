@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from batch_moe_util import GUARD, MoeCase, Outputs, get, group_words, poisoned, put
+from kernel_util import same_bits
 
 from model.kernels import moe
 from model.kernels.batch import pack_entries
@@ -145,15 +146,6 @@ def run_row_alone_fp8(gpu, wp, case: MoeCase, y_row, ids_row, wts_row) -> tuple[
 def poison_rows(a: np.ndarray) -> np.ndarray:
     """Rows that are all 0xFF bytes."""
     return (a.view(np.uint8).reshape(a.shape[0], -1) == 0xFF).all(axis=1)
-
-
-def same_bits(a: np.ndarray, b: np.ndarray, what: str) -> None:
-    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-    assert a.shape == b.shape, f"{what}: shapes {a.shape} and {b.shape}"
-    diff = a.view(np.uint8).reshape(a.shape[0], -1) != b.view(np.uint8).reshape(b.shape[0], -1)
-    if diff.any():
-        rows = np.nonzero(diff.any(axis=1))[0]
-        raise AssertionError(f"{what}: {len(rows)} rows differ in their bits, first {rows[:8].tolist()}")
 
 
 def block_dot_bound(absd: np.ndarray, k: int) -> np.ndarray:

@@ -161,3 +161,26 @@ def check_copy_words_from_mapped_memory(gpu) -> None:
             gpu.destroy_stream(s)
             gpu.free(dst)
             gpu.free_mapped(src)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray, what: str) -> None:
+    """Bit-for-bit equality of two arrays (NaN-safe), naming the first rows that differ."""
+    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
+    assert a.shape == b.shape, f"{what}: shapes {a.shape} and {b.shape}"
+    diff = a.view(np.uint8).reshape(max(a.shape[0], 1) if a.ndim else 1, -1) != b.view(np.uint8).reshape(
+        max(b.shape[0], 1) if b.ndim else 1, -1
+    )
+    if diff.any():
+        rows = np.nonzero(diff.any(axis=1))[0]
+        raise AssertionError(
+            f"{what}: {int(diff.sum())} bytes differ, in {len(rows)} rows, first {rows[:10].tolist()}"
+        )
+
+
+def no_poison(y: np.ndarray, what: str) -> None:
+    """Finite inputs give finite outputs: a NaN is an element the kernel did not write (outputs are
+    poisoned with 0xFF before the launch)."""
+    bad = np.isnan(np.asarray(y, np.float32))
+    assert not bad.any(), (
+        f"{what}: {int(bad.sum())} NaN (unwritten) elements, rows {np.unique(np.nonzero(bad)[0])[:10]}"
+    )

@@ -31,21 +31,12 @@ from batch_moe_util import (
     run_row_alone,
     upload_weights,
 )
-from kernel_util import random_bf16
+from kernel_util import random_bf16, same_bits
 
 from model.kernels import moe
 from model.kernels.batch import MAX_ROWS, pack_entries
 from runtime.dtypes import BF16
 from runtime.host_backend import HostBackend
-
-
-def same_bits(a: np.ndarray, b: np.ndarray, what: str) -> None:
-    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-    assert a.shape == b.shape, f"{what}: shapes {a.shape} and {b.shape}"
-    diff = a.view(np.uint8).reshape(a.shape[0], -1) != b.view(np.uint8).reshape(b.shape[0], -1)
-    if diff.any():
-        rows = np.nonzero(diff.any(axis=1))[0]
-        raise AssertionError(f"{what}: rows {rows[:10].tolist()} differ in their bits")
 
 
 def poison_rows(a: np.ndarray) -> np.ndarray:

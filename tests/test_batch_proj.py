@@ -29,7 +29,16 @@ from batch_proj_util import (
     mtp_input,
     sum_rows,
 )
-from kernel_util import abs_dot, assert_dot_close, dot_bound, download, poisoned, random_bf16, upload
+from kernel_util import (
+    abs_dot,
+    assert_dot_close,
+    dot_bound,
+    download,
+    poisoned,
+    random_bf16,
+    same_bits,
+    upload,
+)
 
 from model.kernels import bgemv as bg
 from model.kernels import mtp_input as mi
@@ -40,13 +49,6 @@ from runtime.kernels import gemv_bf16 as gv
 from runtime.kernels.rmsnorm import rmsnorm_ref
 
 M_AWKWARD = (1, 3, 17, 64, 200)
-
-
-def same_bits(a: np.ndarray, b: np.ndarray, what: str) -> None:
-    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-    assert a.shape == b.shape, f"{what}: shapes {a.shape} and {b.shape}"
-    diff = a.view(np.uint8) != b.view(np.uint8)
-    assert not diff.any(), f"{what}: {int(diff.sum())} bytes differ"
 
 
 def rms64(x: np.ndarray, w: np.ndarray) -> np.ndarray:

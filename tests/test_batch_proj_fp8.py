@@ -35,7 +35,7 @@ from batch_proj_fp8_util import (
     seg_gemv_bound,
 )
 from batch_proj_util import EPS
-from kernel_util import abs_dot, assert_dot_close, download, random_bf16
+from kernel_util import abs_dot, assert_dot_close, download, random_bf16, same_bits
 
 from model.kernels import bgemv_fp8 as bf
 from runtime.dtypes import BF16
@@ -44,13 +44,6 @@ from runtime.kernels.gemv_bf16 import gemv_bf16_ref
 from runtime.kernels.rmsnorm import rmsnorm_ref
 
 M_AWKWARD = (1, 3, 17, 64, 200)
-
-
-def same_bits(a: np.ndarray, b: np.ndarray, what: str) -> None:
-    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-    assert a.shape == b.shape, f"{what}: shapes {a.shape} and {b.shape}"
-    diff = a.view(np.uint8) != b.view(np.uint8)
-    assert not diff.any(), f"{what}: {int(diff.sum())} bytes differ"
 
 
 def rms64(x: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -37,7 +37,7 @@ from batch_moe_util import (
     run_row_alone,
     upload_weights,
 )
-from kernel_util import abs_dot, random_bf16
+from kernel_util import abs_dot, random_bf16, same_bits
 
 from model.kernels import moe
 from model.kernels.batch import pack_entries
@@ -60,15 +60,6 @@ def cuda():
     leaked = gpu.stats().live_allocations
     gpu.close()
     assert leaked == 0, f"{leaked} device allocations leaked by test_gpu_batch_moe"
-
-
-def same_bits(a: np.ndarray, b: np.ndarray, what: str) -> None:
-    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-    assert a.shape == b.shape, f"{what}: shapes {a.shape} and {b.shape}"
-    diff = a.view(np.uint8).reshape(a.shape[0], -1) != b.view(np.uint8).reshape(b.shape[0], -1)
-    if diff.any():
-        rows = np.nonzero(diff.any(axis=1))[0]
-        raise AssertionError(f"{what}: {len(rows)} rows differ in their bits, first {rows[:8].tolist()}")
 
 
 def poison_rows(a: np.ndarray) -> np.ndarray:

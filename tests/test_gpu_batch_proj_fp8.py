@@ -37,7 +37,7 @@ from batch_proj_fp8_util import (
     seg_gemv_bound,
 )
 from batch_proj_util import EPS
-from kernel_util import assert_dot_close, random_bf16
+from kernel_util import assert_dot_close, no_poison, random_bf16, same_bits
 
 from runtime.host_backend import HostBackend
 from runtime.kernels.rmsnorm import rmsnorm_ref
@@ -57,22 +57,6 @@ def cuda():
     leaked = gpu.stats().live_allocations
     gpu.close()
     assert leaked == 0, f"{leaked} device allocations leaked by test_gpu_batch_proj_fp8"
-
-
-def same_bits(a: np.ndarray, b: np.ndarray, what: str) -> None:
-    a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
-    assert a.shape == b.shape, f"{what}: shapes {a.shape} and {b.shape}"
-    diff = a.view(np.uint8) != b.view(np.uint8)
-    if diff.any():
-        rows = np.unique(np.nonzero(diff.reshape(a.shape[0], -1))[0])
-        raise AssertionError(f"{what}: {int(diff.sum())} bytes differ, in rows {rows[:10].tolist()}")
-
-
-def no_poison(y: np.ndarray, what: str) -> None:
-    bad = np.isnan(np.asarray(y, np.float32))
-    assert not bad.any(), (
-        f"{what}: {int(bad.sum())} NaN (unwritten) elements, rows {np.unique(np.nonzero(bad)[0])[:10]}"
-    )
 
 
 def covered(segs: list[Seg], y_stride: int) -> np.ndarray:
