@@ -29,6 +29,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import numbers
 import threading
 import time
@@ -1249,7 +1250,7 @@ class MtpProposer:
         bufs += [(obj, tuple(shape), F32_TYPESTRS, 4, what) for obj, shape, what in f32]
 
         def nbytes(shape, itemsize) -> int:
-            return itemsize * int(np.prod(shape))
+            return itemsize * math.prod(shape)
 
         def skip(obj, shape, itemsize) -> bool:
             return obj is None or (nbytes(shape, itemsize) == 0 and not isinstance(obj, DevicePtr))
@@ -1258,7 +1259,7 @@ class MtpProposer:
             # The common case, without a context stack: this backend's own pointers, checked.
             out = []
             for obj, shape, _, isz, what in bufs:
-                if skip(obj, shape, isz) or (nbytes(shape, isz) == 0 and obj is None):
+                if skip(obj, shape, isz):
                     out.append(None)
                     continue
                 if nbytes(shape, isz) or obj:
