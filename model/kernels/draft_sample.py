@@ -551,16 +551,39 @@ def SAMPLE_DRAW_BATCH(
         else:
             t, dist = draw_row(_row_bits(mem, logits, e, n), rec, st, draft_index)
             q = dist[t]
-            tok = np.array([t], np.uint32)
-            mem.write(entries.offset(e * ENTRY_BYTES + 8), tok)
-            mem.write(drafts.offset((e * kmax + draft_index) * 4), tok)
         if rec.dist:
             mem.write(DevicePtr(rec.dist + draft_index * n * 4), dist)
-        mem.write(probs.offset((e * kmax + draft_index) * 4), np.array([q], np.float32))
-        if publish:
-            row = (e * kmax) * 4
-            mem.write(host_drafts.offset(row), mem.read(drafts.offset(row), np.uint32, draft_index + 1))
-            mem.write(host_probs.offset(row), mem.read(probs.offset(row), np.float32, draft_index + 1))
+        commit_draft(
+            mem,
+            entries=entries,
+            drafts=drafts,
+            probs=probs,
+            host_drafts=host_drafts,
+            host_probs=host_probs,
+            e=e,
+            kmax=kmax,
+            draft_index=draft_index,
+            token=None if st.mode == 0 else t,
+            q=q,
+            publish=publish,
+        )
+
+
+def commit_draft(
+    mem, *, entries, drafts, probs, host_drafts, host_probs, e, kmax, draft_index, token, q, publish
+) -> None:
+    """The twins' commit of entry e's draft (both samplers, ptx/draft_sample*.cu): ``token`` into
+    entries[e].token and drafts[e * kmax + draft_index] (None: the head's token stays), q into
+    probs; with ``publish`` the entry's drafts and probs 0..draft_index into the host copies."""
+    if token is not None:
+        tok = np.array([token], np.uint32)
+        mem.write(entries.offset(e * ENTRY_BYTES + 8), tok)
+        mem.write(drafts.offset((e * kmax + draft_index) * 4), tok)
+    mem.write(probs.offset((e * kmax + draft_index) * 4), np.array([q], np.float32))
+    if publish:
+        row = e * kmax * 4
+        mem.write(host_drafts.offset(row), mem.read(drafts.offset(row), np.uint32, draft_index + 1))
+        mem.write(host_probs.offset(row), mem.read(probs.offset(row), np.float32, draft_index + 1))
 
 
 def row_blocks(gpu, m: int, n: int) -> tuple[int, int, int]:

@@ -71,9 +71,9 @@ from runtime.kernel import PTR, U32, declare
 from runtime.launch import launch
 
 from ..sampling import SamplingParams
-from .batch import ENTRY_BYTES, MAX_ROWS, check_rows, is_pad, read_entries
+from .batch import MAX_ROWS, check_rows, is_pad, read_entries
 from .draft_head import key_nonfinite
-from .draft_sample import SAMPLE_WORDS, pack_sampling
+from .draft_sample import SAMPLE_WORDS, commit_draft, pack_sampling
 from .keyed_rng import Stream, uniforms
 
 SHARD_TOP_K_MAX = 256  # the largest top-k a sharded head samples (one candidate per commit thread)
@@ -490,14 +490,20 @@ def SAMPLE_SHARD_COMMIT_BATCH(  # noqa: N802
             code = key_nonfinite(d.top_hi << 32)
             if code:
                 mem.write(flags.offset(e * 4 + flag_byte), np.array([code], np.uint8))
-        tok = np.array([d.token], np.uint32)
-        mem.write(entries.offset(e * ENTRY_BYTES + 8), tok)
-        drow, prow = drafts.offset(e * kmax * 4), probs.offset(e * kmax * 4)
-        mem.write(drow.offset(draft_index * 4), tok)
-        mem.write(prow.offset(draft_index * 4), np.array([d.q], np.float32))
-        if publish:
-            mem.write(host_drafts.offset(e * kmax * 4), mem.read(drow, np.uint32, draft_index + 1))
-            mem.write(host_probs.offset(e * kmax * 4), mem.read(prow, np.float32, draft_index + 1))
+        commit_draft(
+            mem,
+            entries=entries,
+            drafts=drafts,
+            probs=probs,
+            host_drafts=host_drafts,
+            host_probs=host_probs,
+            e=e,
+            kmax=kmax,
+            draft_index=draft_index,
+            token=d.token,
+            q=d.q,
+            publish=publish,
+        )
 
 
 def _check_shape(what: str, m: int, v0: int, n_local: int, vocab: int, top_k_cap: int) -> None:
