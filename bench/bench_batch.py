@@ -712,6 +712,7 @@ def _measure_weights(
         use_graphs=True,
         context_chunk=256,
         tensor_core_head={"auto": None, "tensor-core": True, "cuda-core": False}[args.head],
+        tensor_core_projections={"auto": None, "tensor-core": True, "cuda-core": False}[args.projections],
     )
     prop = ArmProposer(gpu, cfg, weights, opt)
     del weights
@@ -729,6 +730,7 @@ def _measure_weights(
             gpu.free(hid)
 
     res["tensor_core_head"] = prop.tensor_core_head
+    res["tensor_core_projections"] = prop.tensor_core_projections
     rng = np.random.default_rng(1)
     try:
         for kind in args.kinds:
@@ -854,6 +856,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=("auto", "tensor-core", "cuda-core"),
         default="auto",
         help="ProposerOptions.tensor_core_head (auto: tensor cores for 4 or more sequences)",
+    )
+    ap.add_argument(
+        "--projections",
+        choices=("auto", "tensor-core", "cuda-core"),
+        default="auto",
+        help="ProposerOptions.tensor_core_projections (auto: tensor cores for 4 or more sequences)",
     )
     ap.add_argument(
         "--profile", type=int, default=0, help="per-kernel device time of one eager propose at this B"

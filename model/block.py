@@ -27,6 +27,8 @@ from .dsa import selection_rows
 from .kernels import bgemv as bg
 from .kernels import bgemv_fp8 as bg8
 from .kernels import dsa_cache, dsa_select, moe, sparse_mla
+from .kernels import proj_mma as pm
+from .kernels.bgemv_fp8 import GemvSegment
 from .slot_pools import SlotPools
 from .weights import AttentionWeights, DeviceArena, MlpWeights, Sharding
 
@@ -42,6 +44,7 @@ class BatchScratch:
     graphs bake it without baking any sequence."""
 
     rows: int
+    xn: DevicePtr  # a normed projection input per row (tensor-core projections), xn_stride elements
     fused: DevicePtr
     q_fused: DevicePtr
     q_abs: DevicePtr
@@ -86,6 +89,7 @@ class BatchScratch:
         hl = sh.local_heads
         return cls(
             rows=rows,
+            xn=b(rows * xn_stride(cfg) * 2),
             fused=b(rows * fused_rows * 2),
             q_fused=b(rows * (hl * a.qk_head_dim + d.index_n_heads * d.index_head_dim) * 2),
             q_abs=b(rows * hl * a.kv_lora_rank * 4),
@@ -114,6 +118,12 @@ class BatchScratch:
         )
 
 
+def xn_stride(cfg: ModelConfig) -> int:
+    """Elements per row of ``BatchScratch.xn``: the longer of the two normed projection inputs (the
+    layer input and the q latent), 16-byte aligned rows."""
+    return -(-max(cfg.hidden_size, cfg.attention.q_lora_rank) // 8) * 8
+
+
 class DecoderLayer:
     """A layer's weights and its launch sequence. ``comm`` is required when the layer is sharded:
     a sharded layer without one would draft from a partial sum, so construction refuses it.
@@ -121,7 +131,9 @@ class DecoderLayer:
     ``selection_extra``: rows a selection may gain after it is made, when rows drafted later
     reuse it (``attention(reuse_selection=True)``); the selection buffers and the attention
     launches are sized for it. ``kv_layer``: the layer's index in the pools' latent cache and
-    indexer pools."""
+    indexer pools. ``tensor_core``: the projections on tensor cores (``model.kernels.proj_mma``) where
+    their shapes allow, else (and without it) the CUDA-core GEMVs; the two are not bit-identical,
+    so one layer uses one form for every launch."""
 
     def __init__(
         self,
@@ -133,6 +145,7 @@ class DecoderLayer:
         comm=None,
         kv_layer: int = 0,
         selection_extra: int = 0,
+        tensor_core: bool = False,
     ) -> None:
         if sh.world_size > 1 and comm is None:
             raise ValueError(
@@ -148,6 +161,137 @@ class DecoderLayer:
         self.selection_extra = selection_extra
         a, d = cfg.attention, cfg.dsa
         self.ctx_rows = a.kv_lora_rank + 2 * d.index_head_dim  # rows of fused_in a context row needs
+        # Which projections run on tensor cores: by shape alone (never by m), fixed for the layer.
+        hl, xs = sh.local_heads, xn_stride(cfg)
+        nq = hl * a.qk_head_dim + d.index_n_heads * d.index_head_dim
+        tc = tensor_core
+        self.tc_fused = tc and pm.proj_mma_supported(cfg.hidden_size, xs)
+        self.tc_q = tc and pm.proj_mma_supported(a.q_lora_rank, xs)
+        self.tc_wk = tc and pm.proj_mma_supported(a.qk_nope_head_dim, nq, a.qk_nope_head_dim)
+        self.tc_wv = tc and pm.proj_mma_supported(a.kv_lora_rank, hl * a.kv_lora_rank, a.kv_lora_rank)
+        gw = sh.group_heads * a.v_head_dim
+        self.tc_o = tc and pm.proj_mma_supported(gw, hl * a.v_head_dim, gw, attn.o_col0)
+
+    def _normed_projection(
+        self,
+        *,
+        x: DevicePtr,
+        x_stride: int,
+        norm_w: DevicePtr,
+        segments,
+        y: DevicePtr,
+        y_stride: int,
+        m: int,
+        k: int,
+        xn: DevicePtr | None,
+        tc: bool,
+        beside: bool = False,
+        stream=None,
+    ) -> None:
+        """y[e, segments' columns] = W_seg . (rmsnorm(x_e) * norm_w): on tensor cores through the
+        normed rows ``xn`` (two launches), else in one CUDA-core launch with the norm as prologue."""
+        eps = self.cfg.rms_norm_eps
+        if not tc:
+            bg8.rmsnorm_gemv_seg_batch(
+                self.gpu,
+                x=x,
+                x_stride=x_stride,
+                norm_w=norm_w,
+                segments=segments,
+                y=y,
+                y_stride=y_stride,
+                m=m,
+                k=k,
+                eps=eps,
+                beside=beside,
+                stream=stream,
+            )
+            return
+        xs = xn_stride(self.cfg)
+        pm.rmsnorm_rows_batch(
+            self.gpu,
+            x=x,
+            x_stride=x_stride,
+            norm_w=norm_w,
+            out=xn,
+            out_stride=xs,
+            m=m,
+            k=k,
+            eps=eps,
+            stream=stream,
+        )
+        pm.proj_mma_batch(
+            self.gpu,
+            x=xn,
+            x_stride=xs,
+            segments=segments,
+            y=y,
+            y_stride=y_stride,
+            m=m,
+            k=k,
+            out_f32=False,
+            stream=stream,
+        )
+
+    def _head_projection(
+        self,
+        *,
+        tc: bool,
+        w: DevicePtr,
+        x: DevicePtr,
+        x_stride: int,
+        y: DevicePtr,
+        y_stride: int,
+        m: int,
+        heads: int,
+        n: int,
+        k: int,
+        out_f32: bool,
+        scales: DevicePtr | None = None,
+        scale_cols: int = 0,
+        col0: int = 0,
+        beside: bool = False,
+        stream=None,
+    ) -> None:
+        """Per head h: y[e, h * n : + n] = W[h] (n x k) @ x[e, h * k : + k]; W BF16, or FP8 with
+        block scales (o_proj). Tensor cores with ``tc``, else the CUDA-core GEMVs."""
+        if tc:
+            pm.proj_mma_batch(
+                self.gpu,
+                x=x,
+                x_stride=x_stride,
+                x_head=k,
+                segments=(GemvSegment(w=w, scales=scales, rows=n, col=0),),
+                y=y,
+                y_stride=y_stride,
+                y_head=n,
+                heads=heads,
+                m=m,
+                k=k,
+                out_f32=out_f32,
+                s_cols=scale_cols if scales is not None else None,
+                s_col0=col0,
+                stream=stream,
+            )
+            return
+        common = dict(
+            x=x,
+            x_stride=x_stride,
+            y=y,
+            y_stride=y_stride,
+            m=m,
+            heads=heads,
+            n=n,
+            k=k,
+            out_f32=out_f32,
+            stream=stream,
+        )
+        if scales is not None:
+            bg8.bgemv_fp8_batch(
+                self.gpu, w=w, scales=scales, scale_cols=scale_cols, col0=col0, beside=beside, **common
+            )
+        else:
+            bg.bgemv_batch(self.gpu, w=w, beside=beside, **common)
 
     # ---- caches ---------------------------------------------------------------------------------
 
@@ -193,15 +337,21 @@ class DecoderLayer:
         )
 
     def context_rows(
-        self, x: DevicePtr, fused: DevicePtr, pools: SlotPools, entries: DevicePtr, m: int, stream=None
+        self,
+        x: DevicePtr,
+        fused: DevicePtr,
+        pools: SlotPools,
+        entries: DevicePtr,
+        m: int,
+        stream=None,
+        xn: DevicePtr | None = None,
     ) -> None:
         """Cache rows for the m inputs ``x[m, H]`` of entries ``entries[0..m)`` (a sequence's rows
-        consecutive and ascending), through ``fused [m, ctx_rows]``. The projection is the full
-        row's, cut to the rows a cache needs, so a context row writes exactly the bytes its full
-        row would."""
-        H, eps = self.cfg.hidden_size, self.cfg.rms_norm_eps
-        bg8.rmsnorm_gemv_seg_batch(
-            self.gpu,
+        consecutive and ascending), through ``fused [m, ctx_rows]`` (and, with tensor-core
+        projections, the normed rows ``xn [m, xn_stride]``). The projection is the full row's, cut
+        to the rows a cache needs, so a context row writes exactly the bytes its full row would."""
+        H = self.cfg.hidden_size
+        self._normed_projection(
             x=x,
             x_stride=H,
             norm_w=self.attn.input_norm,
@@ -210,7 +360,8 @@ class DecoderLayer:
             y_stride=self.ctx_rows,
             m=m,
             k=H,
-            eps=eps,
+            xn=xn,
+            tc=self.tc_fused,
             stream=stream,
         )
         self._write_caches(fused, self.ctx_rows, pools, entries, m, 0, stream)
@@ -254,9 +405,8 @@ class DecoderLayer:
         hl, g = sh.local_heads, pools.geometry
         lp, kv = pools.layers[self.kv_layer], pools.kv
         fr = w.fused_rows
-        # The input norm is every block's prologue of the fused projection (no rmsnorm launch).
-        bg8.rmsnorm_gemv_seg_batch(
-            gpu,
+        # The input norm is every block's prologue of the CUDA-core fused projection.
+        self._normed_projection(
             x=x,
             x_stride=H,
             norm_w=w.input_norm,
@@ -265,15 +415,16 @@ class DecoderLayer:
             y_stride=fr,
             m=m,
             k=H,
-            eps=eps,
+            xn=s.xn,
+            tc=self.tc_fused,
             stream=stream,
         )
         self._write_caches(s.fused, fr, pools, entries, m, row_add, stream)
         q_a = s.fused.offset(self.ctx_rows * 2)
         nq = hl * a.qk_head_dim + ih * idim
-        # The q projection reads the same fused rows as the cache write, so it runs beside it.
-        bg8.rmsnorm_gemv_seg_batch(
-            gpu,
+        # The q projection reads the same fused rows as the cache write, so the CUDA-core one runs
+        # beside it.
+        self._normed_projection(
             x=q_a,
             x_stride=fr,
             norm_w=w.q_a_norm,
@@ -282,7 +433,8 @@ class DecoderLayer:
             y_stride=nq,
             m=m,
             k=a.q_lora_rank,
-            eps=eps,
+            xn=s.xn,
+            tc=self.tc_q,
             beside=True,
             stream=stream,
         )
@@ -334,9 +486,10 @@ class DecoderLayer:
                 sel_cap=sel_cap,
                 stream=stream,
             )
-        # The absorbed query needs only the q projection, so it streams wk_t beside the selection.
-        bg.bgemv_batch(
-            gpu,
+        # The absorbed query needs only the q projection, so the CUDA-core one streams wk_t beside
+        # the selection.
+        self._head_projection(
+            tc=self.tc_wk,
             w=w.wk_t,
             x=s.q_fused,
             x_stride=nq,
@@ -373,8 +526,8 @@ class DecoderLayer:
         else:
             sparse_mla.sparse_mla_attend_batch(gpu, **attend)
         gw = sh.group_heads * a.v_head_dim
-        bg.bgemv_batch(
-            gpu,
+        self._head_projection(
+            tc=self.tc_wv,
             w=w.wv,
             x=s.o_lat,
             x_stride=hl * C,
@@ -395,7 +548,8 @@ class DecoderLayer:
             # The all-reduce below leaves every rank's groups in place; they must be zero again
             # before this rank's contribution (else the next draft adds the last one's back in).
             gpu.memset(s.attn_parts, 0, m * sh.groups * H * 4, stream)
-        o_proj = dict(
+        self._head_projection(
+            tc=self.tc_o,
             w=w.o_proj,
             x=s.o,
             x_stride=hl * a.v_head_dim,
@@ -406,12 +560,11 @@ class DecoderLayer:
             n=H,
             k=gw,
             out_f32=True,
+            scales=w.o_scales,
+            scale_cols=w.o_scale_cols,
+            col0=w.o_col0,
             stream=stream,
         )
-        if w.o_scales is not None:
-            bg8.bgemv_fp8_batch(gpu, scales=w.o_scales, scale_cols=w.o_scale_cols, col0=w.o_col0, **o_proj)
-        else:
-            bg.bgemv_batch(gpu, **o_proj)
         if sh.world_size > 1:
             self.comm.all_reduce(
                 s.attn_parts, m * sh.groups * H, CommDtype.FLOAT32, ReduceOp.SUM, stream=stream

@@ -60,7 +60,7 @@ from runtime.kernels.gemv_bf16 import gemv_bf16_batch
 from runtime.kernels.gemv_fp8w import gemv_fp8w_batch
 from runtime.kernels.quantize_fp8 import quantize_fp8
 
-from .block import BatchScratch, DecoderLayer
+from .block import BatchScratch, DecoderLayer, xn_stride
 from .config import ModelConfig
 from .dsa import DsaState, check_served_context, shared_selection_extra
 from .kernels import draft_head, draft_sample, draft_sample_shard
@@ -110,6 +110,12 @@ class ProposerOptions:
     # a proposer of 4 or more sequences where it can run (the two cross near 3 sequences), off
     # for one that drafts alone.
     tensor_core_head: bool | None = None
+    # The block's projections (fused input, q, absorbed query, value, o_proj) on tensor cores
+    # (model/kernels/proj_mma.py) instead of the CUDA-core GEMVs, which are bound by their FMAs
+    # past a few rows (BENCHMARKS.md). The two forms are not bit-identical, so a proposer uses one
+    # for every batch; each is batch-invariant. None: on for a proposer of 4 or more sequences
+    # (as tensor_core_head), off for one that drafts alone, whose GEMVs are tuned for one row.
+    tensor_core_projections: bool | None = None
     # Context rows one launch feeds (all sequences of a catch-up together): weights are read once
     # per chunk.
     context_chunk: int = 32
@@ -266,6 +272,7 @@ class ContextBuffers:
     concat: DevicePtr  # BF16 [rows, 2H]
     x: DevicePtr  # BF16 [rows, H]
     fused: DevicePtr  # BF16 [rows, ctx_rows]
+    xn: DevicePtr  # BF16 [rows, xn_stride]: the normed rows of tensor-core projections
     finite_row: DevicePtr  # u32 [max_sequences]: all_finite_bf16's answer per sequence of a catch-up
 
 
@@ -360,6 +367,8 @@ class MtpProposer:
                 native_fp8=options.native_fp8,
                 quantize_experts=options.quantize_experts,
             )
+            want_tcp = options.tensor_core_projections
+            self.tensor_core_projections = options.max_sequences >= 4 if want_tcp is None else bool(want_tcp)
             self.layer = DecoderLayer(
                 gpu,
                 cfg,
@@ -368,6 +377,7 @@ class MtpProposer:
                 mlp,
                 comm,
                 selection_extra=shared_selection_extra(cfg.dsa, options.max_draft_tokens),
+                tensor_core=self.tensor_core_projections,
             )
             if tables is None:
                 emb = (
@@ -476,6 +486,7 @@ class MtpProposer:
             concat=z(rows * 2 * H * 2),
             x=z(rows * H * 2),
             fused=z(rows * self.layer.ctx_rows * 2),
+            xn=z(rows * xn_stride(self.cfg) * 2),
             finite_row=z(4 * self.opt.max_sequences),
         )
 
@@ -514,6 +525,7 @@ class MtpProposer:
             "fp8_head": options.fp8_head,
             "native_fp8": options.native_fp8,
             "quantize_experts": options.quantize_experts,
+            "tensor_core_projections": options.tensor_core_projections,
         }
         fp = int.from_bytes(hashlib.sha256(json.dumps(what, sort_keys=True).encode()).digest()[:8], "little")
         W, gpu = self.cfg.parallel.world_size, self.gpu
@@ -769,7 +781,9 @@ class MtpProposer:
     def _context_rows(self, n: int, s) -> None:
         """The caches of the chunk's ``n`` rows ``ctx.x[n, H]``: the layer's cache-only path (a
         context row's attention and MoE output is never read)."""
-        self.layer.context_rows(self.ctx.x, self.ctx.fused, self.pools, self.ctx.entries, n, s)
+        self.layer.context_rows(
+            self.ctx.x, self.ctx.fused, self.pools, self.ctx.entries, n, s, xn=self.ctx.xn
+        )
 
     @exclusive()
     def rewind_to(self, st: ProposerState, n: int) -> None:

@@ -4,12 +4,14 @@ and the refusals of bad batches (nothing of any sequence changed)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st_
 
-from model.config import tiny
+from model.config import AttentionConfig, tiny
 from model.proposer import ProposerError
 from model.sampling import SamplingParams
 from runtime.host_backend import HostBackend
@@ -350,3 +352,56 @@ def test_the_tensor_core_head_keeps_batches_invariant():
     pair.close()
     with pytest.raises(ProposerError, match="tensor_core_head needs the FP8 head"):
         make_proposer(CFG, WEIGHTS, gpu=gpu, fp8_head=False, tensor_core_head=True)
+
+
+def test_tensor_core_projections_keep_the_host_bits():
+    """The tensor-core projections' twins are the CUDA-core kernels' arithmetic, so on the host a
+    proposer with them drafts and caches exactly what one without them does, batch against alone,
+    at shapes where every projection takes the tensor-core form (k a multiple of 64); the default
+    follows the proposer's size."""
+    cfg = dataclasses.replace(
+        tiny(heads=2, index_topk=8, index_kpool=2, max_context=96),
+        attention=AttentionConfig(2, 64, 64, 64, 0, 64),
+    )
+    weights = bf16_weights(cfg, seed=11)
+    gpu = HostBackend()
+    mk = dict(gpu=gpu, max_sequences=4, max_draft_tokens=KMAX, o_proj_groups=1)
+    batched = make_proposer(
+        cfg, weights, use_graphs=True, batch_buckets=(1, 4), tensor_core_projections=True, **mk
+    )
+    lay = batched.layer
+    assert (lay.tc_fused, lay.tc_q, lay.tc_wk, lay.tc_wv, lay.tc_o) == (True,) * 5
+    alone = make_proposer(cfg, weights, tensor_core_projections=False, **mk)
+    assert not alone.layer.tc_fused and not alone.layer.tc_o
+    rng = np.random.default_rng(4)
+    n = cfg.dsa.max_context + 2
+    seqs = [(batched.alloc_state(), alone.alloc_state()) for _ in range(3)]
+    toks = [rng.integers(0, cfg.vocab_size, n + 1) for _ in seqs]
+    hids = [rng.standard_normal((n + 1, cfg.hidden_size)).astype(np.float32) for _ in seqs]
+    for step, counts in enumerate([[9, 20, 13], [3, 1, 4]]):
+        bases = [alone.drafter_rows(b) for _, b in seqs]
+        ptrs = [upload_rows(gpu, h[base : base + c]) for h, base, c in zip(hids, bases, counts)]
+        tk = [t[base : base + c + 1] for t, base, c in zip(toks, bases, counts)]
+        batched.catchup_batch([a for a, _ in seqs], tk, ptrs, bases)
+        for (_, b), t, p, base in zip(seqs, tk, ptrs, bases):
+            alone.catchup_drafter(b, t, p, base)
+        pos = [alone.drafter_rows(b) - back for (_, b), back in zip(seqs, [0, 1, 2])]
+        hid = upload_rows(gpu, np.stack([h[p] for h, p in zip(hids, pos)]))
+        last = [int(t[p + 1]) for t, p in zip(toks, pos)]
+        got = batched.propose_batch([a for a, _ in seqs], last, hid, pos, KMAX)
+        for i, (_, b) in enumerate(seqs):
+            one = upload_rows(gpu, hids[i][pos[i] : pos[i] + 1])
+            assert list(got[i]) == alone.propose(b, last[i], one, pos[i], KMAX), f"step {step} sequence {i}"
+            gpu.free(one)
+            assert_same_caches(cache_snapshot(batched, seqs[i][0]), cache_snapshot(alone, b))
+        batched.after_verify_batch([a for a, _ in seqs], [0, 1, 2])
+        for (_, b), acc in zip(seqs, [0, 1, 2]):
+            alone.after_verify(b, acc)
+        for p in ptrs + [hid]:
+            gpu.free(p)
+    batched.close()
+    alone.close()
+    for n, want in ((1, False), (4, True)):
+        prop = make_proposer(CFG, WEIGHTS, gpu=gpu, max_sequences=n)
+        assert prop.tensor_core_projections is want
+        prop.close()

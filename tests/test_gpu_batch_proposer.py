@@ -5,10 +5,12 @@ graphs back at their baseline; and a PyTorch tensor and stream as the target's h
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
-from model.config import tiny
+from model.config import AttentionConfig, tiny
 from tests.proposer_fixtures import (
     assert_same_caches,
     bf16_weights,
@@ -34,25 +36,37 @@ def cuda():
     gpu.close()
 
 
-def _world(seed: int, n: int):
+def _world(seed: int, n: int, cfg=CFG):
     rng = np.random.default_rng(seed)
-    return rng.integers(0, CFG.vocab_size, n + 2), rng.standard_normal((n + 2, H)).astype(np.float32)
+    return rng.integers(0, cfg.vocab_size, n + 2), rng.standard_normal((n + 2, cfg.hidden_size)).astype(
+        np.float32
+    )
+
+
+# Every projection of the block in the tensor-core form (every k a multiple of 64).
+CFG_TC = dataclasses.replace(CFG, attention=AttentionConfig(2, 64, 64, 64, 0, 64))
+W_TC = bf16_weights(CFG_TC, 22)
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graph", "eager"])
-@pytest.mark.parametrize("head", [None, False], ids=["auto-head", "cuda-core-head"])
-def test_batches_draft_what_each_sequence_drafts_alone(cuda, graphs, head):
+@pytest.mark.parametrize(
+    "head,shapes",
+    [(None, "tiny"), (False, "tiny"), (None, "tensor-core-shapes")],
+    ids=["auto-head", "cuda-core-head", "tensor-core-projections"],
+)
+def test_batches_draft_what_each_sequence_drafts_alone(cuda, graphs, head, shapes):
     n_seq = 200
-    batched = make_proposer(
-        CFG, W, gpu=cuda, max_sequences=n_seq, max_draft_tokens=K, use_graphs=graphs, tensor_core_head=head
-    )
-    alone = make_proposer(
-        CFG, W, gpu=cuda, max_sequences=n_seq, max_draft_tokens=K, use_graphs=False, tensor_core_head=head
-    )
+    cfg, w = (CFG_TC, W_TC) if shapes == "tensor-core-shapes" else (CFG, W)
+    mk = dict(gpu=cuda, max_sequences=n_seq, max_draft_tokens=K, tensor_core_head=head)
+    batched = make_proposer(cfg, w, use_graphs=graphs, **mk)
+    alone = make_proposer(cfg, w, use_graphs=False, **mk)
     assert batched.tensor_core_head == alone.tensor_core_head
+    if shapes == "tensor-core-shapes":
+        lay = batched.layer
+        assert (lay.tc_fused, lay.tc_q, lay.tc_wk, lay.tc_wv, lay.tc_o) == (True,) * 5
     rng = np.random.default_rng(5)
     ctx = [int(c) for c in rng.integers(3, 200, n_seq)]  # ragged, pools complete and not
-    worlds = [_world(100 + i, ctx[i] + K) for i in range(n_seq)]
+    worlds = [_world(100 + i, ctx[i] + K, cfg) for i in range(n_seq)]
     a = [batched.alloc_state() for _ in range(n_seq)]
     b = [alone.alloc_state() for _ in range(n_seq)]
     ptrs = [upload_rows(cuda, worlds[i][1][: ctx[i]]) for i in range(n_seq)]
