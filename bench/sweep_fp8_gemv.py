@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 from model.checkpoint.fp8 import quantize  # noqa: E402 - after the sys.path insert
 from model.kernels import bgemv as bg  # noqa: E402
 from model.kernels import bgemv_fp8 as bf  # noqa: E402
+from model.kernels import proj_mma as pm  # noqa: E402
 from runtime.dtypes import BF16  # noqa: E402
 from runtime.host_backend import HostBackend  # noqa: E402
 
@@ -122,9 +123,11 @@ def time_graph(gpu, launch: Callable[[int, int], None], copies: int, reps: int) 
     return statistics.median(times)
 
 
-def seg_runner(gpu, parts: list[Part], k: int, x_stride: int, x_off: int, y_stride: int, m: int):
+def seg_runner(
+    gpu, parts: list[Part], k: int, x_stride: int, x_off: int, y_stride: int, m: int, tc: bool = False
+):
     """(launch(copy, stream), copies, weight bytes, check(), free()) for one rmsnorm_gemv_seg_batch
-    configuration."""
+    configuration; ``tc``: its tensor-core form (rmsnorm_rows_batch, then proj_mma_batch)."""
     rng = np.random.default_rng(0)
     nbytes = sum(p.nbytes for p in parts)
     arrays = []
@@ -136,6 +139,7 @@ def seg_runner(gpu, parts: list[Part], k: int, x_stride: int, x_off: int, y_stri
     x = bf16_weights(rng, (m, x_stride))
     nw = bf16_weights(rng, (k,))
     px, pn, py = gpu.alloc(x.nbytes), gpu.alloc(nw.nbytes), gpu.alloc(m * y_stride * 2)
+    pxn = gpu.alloc(m * k * 2)
     gpu.copy_h2d(px, x)
     gpu.copy_h2d(pn, nw)
 
@@ -151,6 +155,24 @@ def seg_runner(gpu, parts: list[Part], k: int, x_stride: int, x_off: int, y_stri
     xa = px.offset(x_off * 2)
 
     def launch(c: int, stream) -> None:
+        if tc:
+            pm.rmsnorm_rows_batch(
+                gpu,
+                x=xa,
+                x_stride=x_stride,
+                norm_w=pn,
+                out=pxn,
+                out_stride=k,
+                m=m,
+                k=k,
+                eps=EPS,
+                stream=stream,
+            )
+            pm.proj_mma_batch(
+                gpu, x=pxn, x_stride=k, segments=segs[c], y=py, y_stride=y_stride, m=m, k=k, out_f32=False,
+                stream=stream,
+            )  # fmt: skip
+            return
         bf.rmsnorm_gemv_seg_batch(
             gpu, x=xa, x_stride=x_stride, norm_w=pn, segments=segs[c], y=py, y_stride=y_stride, m=m,
             k=k, eps=EPS, stream=stream,
@@ -188,13 +210,13 @@ def seg_runner(gpu, parts: list[Part], k: int, x_stride: int, x_off: int, y_stri
 
     def free() -> None:
         cp.free()
-        for p in (px, pn, py):
+        for p in (px, pn, py, pxn):
             gpu.free(p)
 
     return launch, cp.n, nbytes, check, free
 
 
-def oproj_runner(gpu, m: int, fp8: bool, rng: np.random.Generator):
+def oproj_runner(gpu, m: int, fp8: bool, rng: np.random.Generator, tc: bool = False):
     heads, n, k = GROUPS, H, GROUP_W
     if fp8:
         q, s = fp8_weights(rng, n, heads * k)
@@ -210,7 +232,15 @@ def oproj_runner(gpu, m: int, fp8: bool, rng: np.random.Generator):
 
     def launch(c: int, stream) -> None:
         common = dict(x=px, x_stride=heads * k, y=py, y_stride=heads * n, m=m, heads=heads, n=n, k=k)
-        if fp8:
+        if tc:
+            w0 = cp.ptrs[c][0]
+            sc = cp.ptrs[c][1] if fp8 else None
+            pm.proj_mma_batch(
+                gpu, x=px, x_stride=heads * k, x_head=k, segments=[bf.GemvSegment(w=w0, scales=sc, rows=n, col=0)],
+                y=py, y_stride=heads * n, y_head=n, heads=heads, m=m, k=k, out_f32=True,
+                s_cols=s.shape[1] if fp8 else None, stream=stream,
+            )  # fmt: skip
+        elif fp8:
             wq, sc = cp.ptrs[c]
             bf.bgemv_fp8_batch(
                 gpu, w=wq, scales=sc, scale_cols=s.shape[1], col0=0, out_f32=True, stream=stream, **common
@@ -245,7 +275,13 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--ms", default="1,4,16,64")
     ap.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
+    ap.add_argument(
+        "--forms",
+        default="cuda-core,tensor-core",
+        help="the projections' forms to time (model/kernels/proj_mma.py)",
+    )
     args = ap.parse_args()
+    forms = [f == "tensor-core" for f in args.forms.split(",")]
     from runtime.cuda_backend import CudaBackend
 
     gpu = CudaBackend(pdl=not args.no_pdl)
@@ -284,27 +320,33 @@ def main() -> int:
         ("q_proj", q_cases, K_Q, FUSED, CTX_ROWS, Q_B + WQ_B),
     ):
         for name, parts in cases.items():
+            for tc in forms:
+                label = ("TC " if tc else "") + name
+                for m in ms:
+                    launch, copies, nbytes, check, free = seg_runner(
+                        gpu, parts, k, x_stride, x_off, ys, m, tc
+                    )
+                    err = check() if m in (1, 17) else float("nan")
+                    t = time_graph(gpu, launch, copies, args.reps)
+                    print(
+                        f"{title:12s} {label:26s} {m:3d} {t:9.2f} {nbytes / (t * 1e-6) / 1e12:7.3f} "
+                        f"{nbytes / 1e6:7.2f}  {err:.2e}",
+                        flush=True,
+                    )
+                    free()
+    for name, fp8 in (("BF16 bgemv_batch", False), ("FP8 bgemv_fp8_batch", True)):
+        for tc in forms:
+            label = ("TC " + name.split()[0]) if tc else name
             for m in ms:
-                launch, copies, nbytes, check, free = seg_runner(gpu, parts, k, x_stride, x_off, ys, m)
-                err = check() if m == 1 else float("nan")
+                launch, copies, nbytes, check, free = oproj_runner(gpu, m, fp8, rng, tc)
+                err = check() if m in (1, 17) else float("nan")
                 t = time_graph(gpu, launch, copies, args.reps)
                 print(
-                    f"{title:12s} {name:26s} {m:3d} {t:9.2f} {nbytes / (t * 1e-6) / 1e12:7.3f} "
+                    f"{'o_proj':12s} {label:26s} {m:3d} {t:9.2f} {nbytes / (t * 1e-6) / 1e12:7.3f} "
                     f"{nbytes / 1e6:7.2f}  {err:.2e}",
                     flush=True,
                 )
                 free()
-    for name, fp8 in (("BF16 bgemv_batch", False), ("FP8 bgemv_fp8_batch", True)):
-        for m in ms:
-            launch, copies, nbytes, check, free = oproj_runner(gpu, m, fp8, rng)
-            err = check() if m == 1 else float("nan")
-            t = time_graph(gpu, launch, copies, args.reps)
-            print(
-                f"{'o_proj':12s} {name:26s} {m:3d} {t:9.2f} {nbytes / (t * 1e-6) / 1e12:7.3f} "
-                f"{nbytes / 1e6:7.2f}  {err:.2e}",
-                flush=True,
-            )
-            free()
     gpu.close()
     return 0
 

@@ -45,6 +45,7 @@ class BatchScratch:
 
     rows: int
     xn: DevicePtr  # a normed projection input per row (tensor-core projections), xn_stride elements
+    proj_part: DevicePtr | None  # split-k partials of tensor-core projections (DecoderLayer.part_row_bytes)
     fused: DevicePtr
     q_fused: DevicePtr
     q_abs: DevicePtr
@@ -77,9 +78,11 @@ class BatchScratch:
         slot_rows: int,
         fused_rows: int,
         selection_extra: int = 0,
+        part_row_bytes: int = 0,
     ) -> BatchScratch:
         """``selection_extra``: rows a shared selection gains after it was made
-        (``DecoderLayer.selection_extra``)."""
+        (``DecoderLayer.selection_extra``); ``part_row_bytes``: the layer's split-k workspace per row
+        (``DecoderLayer.part_row_bytes``)."""
         a, d, m, H = cfg.attention, cfg.dsa, cfg.moe, cfg.hidden_size
         slots = m.num_experts_per_tok + 1
         inter = max(m.moe_intermediate_size, cfg.intermediate_size)
@@ -90,6 +93,7 @@ class BatchScratch:
         return cls(
             rows=rows,
             xn=b(rows * xn_stride(cfg) * 2),
+            proj_part=b(rows * part_row_bytes) if part_row_bytes else None,
             fused=b(rows * fused_rows * 2),
             q_fused=b(rows * (hl * a.qk_head_dim + d.index_n_heads * d.index_head_dim) * 2),
             q_abs=b(rows * hl * a.kv_lora_rank * 4),
@@ -171,6 +175,23 @@ class DecoderLayer:
         self.tc_wv = tc and pm.proj_mma_supported(a.kv_lora_rank, hl * a.kv_lora_rank, a.kv_lora_rank)
         gw = sh.group_heads * a.v_head_dim
         self.tc_o = tc and pm.proj_mma_supported(gw, hl * a.v_head_dim, gw, attn.o_col0)
+        # The split-k workspace a row of each tensor-core launch needs (k split by shape alone).
+        H, C = cfg.hidden_size, a.kv_lora_rank
+
+        def one(w: DevicePtr, rows: int) -> tuple[GemvSegment, ...]:
+            return (GemvSegment(w=w, scales=None, rows=rows, col=0),)
+
+        sites = [
+            (self.tc_fused, attn.fused_full, 1, H, attn.fused_rows),
+            (self.tc_fused, attn.fused_ctx, 1, H, self.ctx_rows),
+            (self.tc_q, attn.q_segments, 1, a.q_lora_rank, nq),
+            (self.tc_wk, one(attn.wk_t, C), hl, a.qk_nope_head_dim, hl * C),
+            (self.tc_wv, one(attn.wv, a.v_head_dim), hl, C, hl * a.v_head_dim),
+            (self.tc_o, one(attn.o_proj, H), sh.local_groups, gw, sh.groups * H),
+        ]
+        self.part_row_bytes = max(
+            (pm.proj_workspace_bytes(sg, heads, k, 1, ys) for on, sg, heads, k, ys in sites if on), default=0
+        )
 
     def _normed_projection(
         self,
@@ -185,6 +206,7 @@ class DecoderLayer:
         k: int,
         xn: DevicePtr | None,
         tc: bool,
+        part: DevicePtr | None = None,
         beside: bool = False,
         stream=None,
     ) -> None:
@@ -230,6 +252,7 @@ class DecoderLayer:
             m=m,
             k=k,
             out_f32=False,
+            part=part,
             stream=stream,
         )
 
@@ -250,11 +273,13 @@ class DecoderLayer:
         scales: DevicePtr | None = None,
         scale_cols: int = 0,
         col0: int = 0,
+        part: DevicePtr | None = None,
         beside: bool = False,
         stream=None,
     ) -> None:
         """Per head h: y[e, h * n : + n] = W[h] (n x k) @ x[e, h * k : + k]; W BF16, or FP8 with
-        block scales (o_proj). Tensor cores with ``tc``, else the CUDA-core GEMVs."""
+        block scales (o_proj). Tensor cores with ``tc`` (``part``: the split-k workspace), else the
+        CUDA-core GEMVs."""
         if tc:
             pm.proj_mma_batch(
                 self.gpu,
@@ -271,6 +296,7 @@ class DecoderLayer:
                 out_f32=out_f32,
                 s_cols=scale_cols if scales is not None else None,
                 s_col0=col0,
+                part=part,
                 stream=stream,
             )
             return
@@ -345,6 +371,7 @@ class DecoderLayer:
         m: int,
         stream=None,
         xn: DevicePtr | None = None,
+        part: DevicePtr | None = None,
     ) -> None:
         """Cache rows for the m inputs ``x[m, H]`` of entries ``entries[0..m)`` (a sequence's rows
         consecutive and ascending), through ``fused [m, ctx_rows]`` (and, with tensor-core
@@ -362,6 +389,7 @@ class DecoderLayer:
             k=H,
             xn=xn,
             tc=self.tc_fused,
+            part=part,
             stream=stream,
         )
         self._write_caches(fused, self.ctx_rows, pools, entries, m, 0, stream)
@@ -417,6 +445,7 @@ class DecoderLayer:
             k=H,
             xn=s.xn,
             tc=self.tc_fused,
+            part=s.proj_part,
             stream=stream,
         )
         self._write_caches(s.fused, fr, pools, entries, m, row_add, stream)
@@ -435,6 +464,7 @@ class DecoderLayer:
             k=a.q_lora_rank,
             xn=s.xn,
             tc=self.tc_q,
+            part=s.proj_part,
             beside=True,
             stream=stream,
         )
@@ -490,6 +520,7 @@ class DecoderLayer:
         # the selection.
         self._head_projection(
             tc=self.tc_wk,
+            part=s.proj_part,
             w=w.wk_t,
             x=s.q_fused,
             x_stride=nq,
@@ -528,6 +559,7 @@ class DecoderLayer:
         gw = sh.group_heads * a.v_head_dim
         self._head_projection(
             tc=self.tc_wv,
+            part=s.proj_part,
             w=w.wv,
             x=s.o_lat,
             x_stride=hl * C,
@@ -550,6 +582,7 @@ class DecoderLayer:
             gpu.memset(s.attn_parts, 0, m * sh.groups * H * 4, stream)
         self._head_projection(
             tc=self.tc_o,
+            part=s.proj_part,
             w=w.o_proj,
             x=s.o,
             x_stride=hl * a.v_head_dim,

@@ -64,10 +64,12 @@ from .block import BatchScratch, DecoderLayer, xn_stride
 from .config import ModelConfig
 from .dsa import DsaState, check_served_context, shared_selection_extra
 from .kernels import draft_head, draft_sample, draft_sample_shard
+from .kernels import proj_mma as pm
 from .kernels.batch import ENTRY_BYTES, ENTRY_WORDS, MAX_ROWS, PAD_SLOT
+from .kernels.bgemv_fp8 import GemvSegment
 from .kernels.draft_sample import SAMPLE_WORDS, pack_sampling, sample_workspace_bytes
 from .kernels.draft_sample_shard import SHARD_TOP_K_MAX
-from .kernels.mtp_input import mtp_embed_norm_batch, mtp_input_gemv_batch
+from .kernels.mtp_input import mtp_embed_norm_batch, mtp_embed_norm_flags_batch, mtp_input_gemv_batch
 from .proposer_checks import (
     FLAG_BYTES,
     FLAG_LOGITS,
@@ -211,6 +213,7 @@ class StepBuffers:
     hidden_in: DevicePtr  # BF16 [rows, H]: the target's hidden rows
     x: DevicePtr  # BF16 [rows, H]
     xn: DevicePtr  # BF16 [rows, H]: the head's input; drafts 2..k read it as their hidden
+    concat: DevicePtr | None  # BF16 [rows, 2H]: eh_proj's input rows, for eh_proj on tensor cores
     logits: DevicePtr
     keys: DevicePtr  # u64 [rows], zero between launches (the head's packed argmax)
     am_idx: DevicePtr  # sharded head: per-row argmax of this rank's logits
@@ -273,6 +276,7 @@ class ContextBuffers:
     x: DevicePtr  # BF16 [rows, H]
     fused: DevicePtr  # BF16 [rows, ctx_rows]
     xn: DevicePtr  # BF16 [rows, xn_stride]: the normed rows of tensor-core projections
+    proj_part: DevicePtr | None  # their split-k partials (DecoderLayer.part_row_bytes a row)
     finite_row: DevicePtr  # u32 [max_sequences]: all_finite_bf16's answer per sequence of a catch-up
 
 
@@ -421,9 +425,21 @@ class MtpProposer:
             self.pools = SlotPools(
                 gpu, cfg.dsa, cfg.attention.kv_lora_rank, self.rows_cap, options.max_sequences
             )
+            # eh_proj on tensor cores too (its input rows staged by mtp_embed_norm_flags_batch).
+            self.eh_segments = (GemvSegment(w=self.eh_proj, scales=None, rows=H, col=0),)
+            self.tc_eh = self.tensor_core_projections and pm.proj_mma_supported(2 * H, 2 * H)
+            eh_part = pm.proj_workspace_bytes(self.eh_segments, 1, 2 * H, 1, H) if self.tc_eh else 0
+            self.part_row_bytes = max(self.layer.part_row_bytes, eh_part)
             m = self.buckets[-1]
             self.scratch = BatchScratch.alloc(
-                arena, cfg, sh, m, self.rows_cap, attn.fused_rows, self.layer.selection_extra
+                arena,
+                cfg,
+                sh,
+                m,
+                self.rows_cap,
+                attn.fused_rows,
+                self.layer.selection_extra,
+                part_row_bytes=self.part_row_bytes,
             )
             self.step = self._alloc_step(m)
             self.ctx = self._alloc_context(options.context_chunk)
@@ -456,6 +472,7 @@ class MtpProposer:
             hidden_in=z(m * H * 2),
             x=z(m * H * 2),
             xn=z(m * H * 2),
+            concat=z(m * 2 * H * 2) if self.tc_eh else None,
             logits=z(m * self.head_n * 2),
             keys=z(m * 8),
             am_idx=z(m * 4),
@@ -487,6 +504,7 @@ class MtpProposer:
             x=z(rows * H * 2),
             fused=z(rows * self.layer.ctx_rows * 2),
             xn=z(rows * xn_stride(self.cfg) * 2),
+            proj_part=z(rows * self.part_row_bytes) if self.part_row_bytes else None,
             finite_row=z(4 * self.opt.max_sequences),
         )
 
@@ -775,14 +793,21 @@ class MtpProposer:
             eps=cfg.rms_norm_eps,
             stream=s,
         )
-        gemv_bf16_batch(gpu, self.eh_proj, cb.concat, cb.x, n, H, 2 * H, s)
+        self._eh_proj(cb.concat, cb.x, n, cb.proj_part, s)
         self._context_rows(n, s)
 
     def _context_rows(self, n: int, s) -> None:
         """The caches of the chunk's ``n`` rows ``ctx.x[n, H]``: the layer's cache-only path (a
         context row's attention and MoE output is never read)."""
         self.layer.context_rows(
-            self.ctx.x, self.ctx.fused, self.pools, self.ctx.entries, n, s, xn=self.ctx.xn
+            self.ctx.x,
+            self.ctx.fused,
+            self.pools,
+            self.ctx.entries,
+            n,
+            s,
+            xn=self.ctx.xn,
+            part=self.ctx.proj_part,
         )
 
     @exclusive()
@@ -1038,6 +1063,53 @@ class MtpProposer:
         it also copies drafts 0..i to ``step.drafts_out``."""
         cfg, st = self.cfg, self.step
         H = cfg.hidden_size
+        if self.tc_eh:
+            # The input rows, then eh_proj on tensor cores (model/kernels/proj_mma.py).
+            mtp_embed_norm_flags_batch(
+                self.gpu,
+                table=self.tables.embed,
+                entries=st.entries,
+                enorm=self.enorm,
+                hidden=st.hidden_in if i == 0 else st.xn,
+                hnorm=self.hnorm,
+                out=st.concat,
+                m=m,
+                vocab=cfg.vocab_size,
+                h=H,
+                eps=cfg.rms_norm_eps,
+                flags=st.flags,
+                flag_byte=FLAG_TARGET_HIDDEN if i == 0 else FLAG_OWN_HIDDEN,
+                stream=s,
+            )
+            self._eh_proj(st.concat, st.x, m, self.scratch.proj_part, s)
+        else:
+            self._mtp_input(m, i, s)
+        self._block(m, i, s)
+        self._draft_tail(m, i, publish, s, sampled)
+
+    def _eh_proj(self, concat: DevicePtr, x: DevicePtr, n: int, part: DevicePtr | None, s) -> None:
+        """x[n, H] = eh_proj . concat[n, 2H]: on tensor cores with tc_eh, else the CUDA-core GEMV."""
+        H = self.cfg.hidden_size
+        if not self.tc_eh:
+            gemv_bf16_batch(self.gpu, self.eh_proj, concat, x, n, H, 2 * H, s)
+            return
+        pm.proj_mma_batch(
+            self.gpu,
+            x=concat,
+            x_stride=2 * H,
+            segments=self.eh_segments,
+            y=x,
+            y_stride=H,
+            m=n,
+            k=2 * H,
+            out_f32=False,
+            part=part,
+            stream=s,
+        )
+
+    def _mtp_input(self, m: int, i: int, s: int) -> None:
+        cfg, st = self.cfg, self.step
+        H = cfg.hidden_size
         # Both input norms are every block's prologue of eh_proj (one launch, no concat round trip).
         mtp_input_gemv_batch(
             self.gpu,
@@ -1057,7 +1129,9 @@ class MtpProposer:
             flag_byte=FLAG_TARGET_HIDDEN if i == 0 else FLAG_OWN_HIDDEN,
             stream=s,
         )
-        self._block(m, i, s)
+
+    def _draft_tail(self, m: int, i: int, publish: bool, s: int, sampled: bool) -> None:
+        """Draft i's head (and sampler) after its block."""
         # A sampled step's head commits the argmax without publishing; the sampler then draws
         # each sampled row's token (a greedy row keeps the argmax) and publishes drafts and probs.
         if sampled and self.head_sharded:

@@ -48,6 +48,37 @@ extern "C" __global__ void __launch_bounds__(256) mtp_embed_norm_batch(
     rms_apply(x, w, o, h, d);
 }
 
+// mtp_embed_norm_batch that also checks each live entry's inputs as mtp_input_gemv_batch does: the
+// hidden half's block stores HIDDEN_NONFINITE (1: the hidden row's RMS divisor is not finite) |
+// TOKEN_OUTSIDE (2: the token is not in the vocabulary) into flags[4 e + flag_byte] when either
+// holds (one writer a byte: the flags live in mapped host memory, where atomics are not assured).
+// The input of eh_proj on tensor cores (model/kernels/proj_mma.py). No PDL.
+extern "C" __global__ void __launch_bounds__(256) mtp_embed_norm_flags_batch(
+    const uint16_t* __restrict__ table, const uint32_t* __restrict__ entries, const uint16_t* __restrict__ enorm,
+    const uint16_t* __restrict__ hidden, const uint16_t* __restrict__ hnorm, uint16_t* __restrict__ out,
+    uint32_t m, uint32_t vocab, uint32_t h, float eps, uint8_t* __restrict__ flags, uint32_t flag_byte) {
+    __shared__ float scratch[32];
+    const uint32_t e = blockIdx.x;
+    if (e >= m) return;
+    const BatchEntry b = load_entry(entries, e);
+    if (entry_is_pad(b)) return;
+    uint16_t* o = out + (size_t)e * 2u * h + (blockIdx.y ? h : 0u);
+    if (blockIdx.y == 0) {
+        if (b.token >= vocab) {
+            for (uint32_t i = threadIdx.x; i < h; i += blockDim.x) o[i] = (uint16_t)BF16_QNAN_BITS;
+            return;
+        }
+        const uint16_t* x = table + (size_t)b.token * h;
+        rms_apply(x, enorm, o, h, rms_divisor(x, h, eps, scratch));
+        return;
+    }
+    const uint16_t* x = hidden + (size_t)e * h;
+    const float d = rms_divisor(x, h, eps, scratch);
+    const uint32_t bad = (isfinite(d) ? 0u : 1u) | (b.token >= vocab ? 2u : 0u);
+    if (threadIdx.x == 0 && bad) flags[(size_t)e * 4u + flag_byte] = (uint8_t)bad;
+    rms_apply(x, hnorm, o, h, d);
+}
+
 namespace {
 constexpr uint32_t EH_BATCH_ROWS = 8;  // entries per block; model/kernels/mtp_input.py MTP_INPUT_BATCH_ROWS
 

@@ -50,7 +50,6 @@ namespace {
 constexpr uint32_t PM_ROWS = 16;   // weight rows per warp tile: the MMA's M
 constexpr uint32_t PM_N = 8;       // x rows per column group: the MMA's N
 constexpr int PM_NG = 8;           // column groups per tile
-constexpr uint32_t PM_TILE = 64;   // x rows per tile (model/kernels/proj_mma.py TILE_ROWS)
 constexpr int PM_U8 = 4;           // FP8: superblocks per load batch (4 x 16 bytes a row per lane)
 constexpr int PM_U16 = 2;          // BF16: superblocks per load batch (2 x 32 bytes a row per lane)
 constexpr uint32_t PM_BLOCK = 128;  // FP8 scale block, both dimensions
@@ -204,7 +203,8 @@ __device__ __forceinline__ void slice_bf16(const WarpTile& wt, uint32_t sb0, uin
 }
 
 // The FP8 twin of slice_bf16: per 128-column block of the full matrix (columns from cbase) the
-// partial sums `part`, folded into acc with the rows' block scales where a block ends.
+// partial sums `part`, folded into acc with the rows' block scales where a block or the block's
+// split of k (at superblock nsb) ends.
 __device__ __forceinline__ void slice_fp8(const WarpTile& wt, uint32_t sb0, uint32_t sb1, uint32_t nsb, uint32_t cbase,
                                           const uint4* xs, const uint32_t (&xrow)[PM_NG], uint32_t ngc,
                                           float (&part)[PM_NG][4], float (&acc)[PM_NG][4]) {
@@ -260,18 +260,21 @@ template <bool OUT_F32>
 __device__ __forceinline__ void proj_mma_body(const uint16_t* __restrict__ x, uint32_t x_stride, uint32_t x_head,
                                               void* __restrict__ y, uint32_t y_stride, uint32_t y_head, uint32_t m,
                                               uint32_t k, uint32_t tiles, uint32_t heads, uint32_t s_cols,
-                                              uint32_t s_col0, const ProjSegs& segs) {
+                                              uint32_t s_col0, uint32_t ksplit, float* __restrict__ part_out,
+                                              const ProjSegs& segs) {
     const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
     const uint32_t g = lane >> 2, t = lane & 3;
-    const uint32_t h = blockIdx.y, rg = blockIdx.x / tiles, tile = blockIdx.x % tiles;
+    const uint32_t h = blockIdx.y, tile = blockIdx.x % tiles, rk = blockIdx.x / tiles;
+    const uint32_t rg = rk / ksplit, ks = rk % ksplit;
     const WarpTile wt = warp_tile(segs, rg * nwarps + warp, h, k, s_cols, g, t);
-    const uint32_t nsb = k / 64u;
+    // This block's split of k: superblocks [sb_lo, sb_lo + nsb) of the row (ksplit divides k / 64).
+    const uint32_t nsb = k / 64u / ksplit, sb_lo = ks * nsb;
     {
         // The tile's first weight batches towards L2 before the wait (weights only: no kernel of
         // the step writes them).
         const uint32_t stride = wt.fp8 ? 64u : 128u;
         if (wt.live)
-            for (uint32_t sb = 0; sb < min(nsb, 2u * PM_U8); ++sb) {
+            for (uint32_t sb = sb_lo; sb < sb_lo + min(nsb, 2u * PM_U8); ++sb) {
                 asm volatile("prefetch.global.L2 [%0];" ::"l"(wt.w0 + stride * sb));
                 asm volatile("prefetch.global.L2 [%0];" ::"l"(wt.w1 + stride * sb));
             }
@@ -297,22 +300,22 @@ __device__ __forceinline__ void proj_mma_body(const uint16_t* __restrict__ x, ui
     for (int c = 0; c < PM_NG; ++c)
 #pragma unroll
         for (int q = 0; q < 4; ++q) acc[c][q] = part[c][q] = 0.0f;
-    const uint32_t cbase = s_col0 + h * k;
-    stage_slice(xt, x_stride, rows, 0u, min(S, nsb), S, 0u);
+    const uint32_t cbase = s_col0 + h * k, sb_hi = sb_lo + nsb;
+    stage_slice(xt, x_stride, rows, sb_lo, min(S, nsb), S, 0u);
     for (uint32_t sl = 0; sl < nslices; ++sl) {
         if (sl + 1u < nslices) {
             const uint32_t nx = sl + 1u;
-            stage_slice(xt, x_stride, rows, nx * S, min(S, nsb - nx * S), S, (nx & 1u) * bufsize);
+            stage_slice(xt, x_stride, rows, sb_lo + nx * S, min(S, nsb - nx * S), S, (nx & 1u) * bufsize);
             pm_cp_async_wait<1>();
         } else {
             pm_cp_async_wait<0>();
         }
         __syncthreads();
-        const uint32_t s0 = sl * S, s1 = min(nsb, s0 + S);
+        const uint32_t s0 = sb_lo + sl * S, s1 = min(sb_hi, s0 + S);
         const uint4* xs = pm_smem + (sl & 1u) * bufsize;
         if (wt.live) {
-            if (wt.fp8) slice_fp8(wt, s0, s1, nsb, cbase, xs, xrow, ngc, part, acc);
-            else slice_bf16(wt, s0, s1, nsb, xs, xrow, ngc, acc);
+            if (wt.fp8) slice_fp8(wt, s0, s1, sb_hi, cbase, xs, xrow, ngc, part, acc);
+            else slice_bf16(wt, s0, s1, sb_hi, xs, xrow, ngc, acc);
         }
         __syncthreads();  // every warp is done with this buffer before it is refilled
     }
@@ -325,8 +328,10 @@ __device__ __forceinline__ void proj_mma_body(const uint16_t* __restrict__ x, ui
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
                 const uint32_t r = q < 2 ? ra : rb, i = i0 + (uint32_t)(q & 1);
-                if (r < wt.rows && i < rows)
-                    store_out<OUT_F32>(y, (size_t)(e0 + i) * y_stride + (size_t)h * y_head + wt.col + r, acc[c][q]);
+                if (r >= wt.rows || i >= rows) continue;
+                const size_t at = (size_t)(e0 + i) * y_stride + (size_t)h * y_head + wt.col + r;
+                if (ksplit == 1u) store_out<OUT_F32>(y, at, acc[c][q]);
+                else part_out[(size_t)ks * m * y_stride + at] = acc[c][q];
             }
         }
     }
@@ -336,8 +341,8 @@ __device__ __forceinline__ void proj_mma_body(const uint16_t* __restrict__ x, ui
 #define PM_PARAMS                                                                                              \
     const uint16_t *__restrict__ x, uint32_t x_stride, uint32_t x_head, void *__restrict__ y, uint32_t y_stride, \
         uint32_t y_head, uint32_t m, uint32_t k, uint32_t tiles, uint32_t heads, uint32_t s_cols,             \
-        uint32_t s_col0,                                                                                      \
-        uint32_t fp8_mask, const void *w0, const float *s0, uint32_t rows0, uint32_t col0, uint32_t row0_0,    \
+        uint32_t s_col0, uint32_t ksplit, float *__restrict__ part, uint32_t fp8_mask,                         \
+        const void *w0, const float *s0, uint32_t rows0, uint32_t col0, uint32_t row0_0,    \
         const void *w1, const float *s1, uint32_t rows1, uint32_t col1, uint32_t row0_1, const void *w2,       \
         const float *s2, uint32_t rows2, uint32_t col2, uint32_t row0_2, const void *w3, const float *s3,      \
         uint32_t rows3, uint32_t col3, uint32_t row0_3
@@ -353,12 +358,14 @@ __device__ __forceinline__ void proj_mma_body(const uint16_t* __restrict__ x, ui
 // heads), block 256 (8 warps of 16 weight rows), dynamic shared memory: the x staging (file
 // comment). Pdl.WAIT, releasing at exit.
 extern "C" __global__ void __launch_bounds__(256, 1) proj_mma_bf16(PM_PARAMS) {
-    proj_mma_body<false>(x, x_stride, x_head, y, y_stride, y_head, m, k, tiles, heads, s_cols, s_col0, PM_SEGS);
+    proj_mma_body<false>(x, x_stride, x_head, y, y_stride, y_head, m, k, tiles, heads, s_cols, s_col0, ksplit, part,
+                         PM_SEGS);
 }
 
 // proj_mma_bf16 with y f32.
 extern "C" __global__ void __launch_bounds__(256, 1) proj_mma_f32(PM_PARAMS) {
-    proj_mma_body<true>(x, x_stride, x_head, y, y_stride, y_head, m, k, tiles, heads, s_cols, s_col0, PM_SEGS);
+    proj_mma_body<true>(x, x_stride, x_head, y, y_stride, y_head, m, k, tiles, heads, s_cols, s_col0, ksplit, part,
+                        PM_SEGS);
 }
 
 // out[e][0..k) = bf16((x_e / r) * w), r = sqrt(sum(x_e^2) / k + eps) (ptx/common.cuh rms_divisor's
@@ -413,4 +420,41 @@ extern "C" __global__ void __launch_bounds__(256) rmsnorm_rows_batch(const uint1
         for (uint32_t i = threadIdx.x; i < k; i += blockDim.x)
             orow[i] = f32_to_bf16_bits(__fmul_rn(bf16_bits_to_f32(__ldcg(xr + i)) / d, bf16_bits_to_f32(w[i])));
     }
+}
+
+// The split-k sum of proj_mma_{bf16,f32} launched with ksplit > 1: y[e][h * y_head + col_i + r] =
+// (((part[0] + part[1]) + part[2]) + ...) of the splits' f32 partials (laid out as y, f32, split s
+// at part + s * m * y_stride), the splits in increasing order, for the segments' columns only.
+// Grid (m, heads), block 256. Pdl.WAIT, releasing at exit.
+template <bool OUT_F32>
+__device__ __forceinline__ void proj_reduce_body(const float* __restrict__ part, void* __restrict__ y, uint32_t y_stride,
+                                                 uint32_t y_head, uint32_t m, uint32_t ksplit, uint32_t heads,
+                                                 const uint32_t (&rows)[4],
+                                                 const uint32_t (&col)[4]) {
+    grid_dependency_wait();
+    const uint32_t e = blockIdx.x, h = blockIdx.y;
+    if (e >= m || h >= heads) return;  // the launch helper makes none
+    const uint32_t e1 = rows[0], e2 = e1 + rows[1], e3 = e2 + rows[2], n = e3 + rows[3];
+    for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) {
+        const uint32_t i = (uint32_t)(j >= e1) + (uint32_t)(j >= e2) + (uint32_t)(j >= e3);
+        const uint32_t start = i == 0 ? 0u : i == 1 ? e1 : i == 2 ? e2 : e3;
+        const uint32_t c = (i == 0 ? col[0] : i == 1 ? col[1] : i == 2 ? col[2] : col[3]) + (j - start);
+        const size_t at = (size_t)e * y_stride + (size_t)h * y_head + c;
+        float v = __ldcg(part + at);
+        for (uint32_t s = 1; s < ksplit; ++s) v = __fadd_rn(v, __ldcg(part + (size_t)s * m * y_stride + at));
+        store_out<OUT_F32>(y, at, v);
+    }
+}
+
+#define PR_PARAMS                                                                                              \
+    const float *__restrict__ part, void *__restrict__ y, uint32_t y_stride, uint32_t y_head, uint32_t m,       \
+        uint32_t ksplit, uint32_t heads, uint32_t rows0, uint32_t col0, uint32_t rows1, uint32_t col1, uint32_t rows2,         \
+        uint32_t col2, uint32_t rows3, uint32_t col3
+
+extern "C" __global__ void __launch_bounds__(256) proj_reduce_bf16(PR_PARAMS) {
+    proj_reduce_body<false>(part, y, y_stride, y_head, m, ksplit, heads, {rows0, rows1, rows2, rows3}, {col0, col1, col2, col3});
+}
+
+extern "C" __global__ void __launch_bounds__(256) proj_reduce_f32(PR_PARAMS) {
+    proj_reduce_body<true>(part, y, y_stride, y_head, m, ksplit, heads, {rows0, rows1, rows2, rows3}, {col0, col1, col2, col3});
 }

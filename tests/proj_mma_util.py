@@ -39,6 +39,8 @@ def proj_seg(
             pw = b.put(sg.w.view(np.uint8) if sg.scales is not None else sg.w)
             ps = b.put(sg.scales) if sg.scales is not None else None
             dev.append(bf.GemvSegment(w=pw, scales=ps, rows=sg.rows, col=sg.col, row0=sg.row0))
+        wsb = pm.proj_workspace_bytes(dev, 1, k, m, y_stride)
+        part = b.poison(wsb) if wsb else None  # the split-k partials, where the shape splits k
         for e, mm in [(e, 1) for e in range(m)] if single else [(0, m)]:
             pm.rmsnorm_rows_batch(
                 gpu,
@@ -61,6 +63,7 @@ def proj_seg(
                 m=mm,
                 k=k,
                 out_f32=False,
+                part=part,
             )
         normed = b.get(pxn).view(BF16).reshape(m, xs)
         assert (normed[:, k:].view(np.uint16) == 0xFFFF).all(), "rmsnorm_rows_batch wrote past k"
@@ -93,6 +96,8 @@ def proj_heads(
         ps = b.put(scales) if scales is not None else None
         px, py = b.put(xr), b.poison(m * ys * isz)
         seg = bf.GemvSegment(w=pw, scales=ps, rows=n, col=0)
+        wsb = pm.proj_workspace_bytes([seg], heads, k, m, ys)
+        part = b.poison(wsb) if wsb else None
         for e, mm in [(e, 1) for e in range(m)] if single else [(0, m)]:
             pm.proj_mma_batch(
                 gpu,
@@ -109,6 +114,7 @@ def proj_heads(
                 out_f32=out_f32,
                 s_cols=scales.shape[1] if scales is not None else None,
                 s_col0=col0,
+                part=part,
             )
         raw = b.get(py)
     y = raw.view(np.float32 if out_f32 else BF16).reshape(m, ys)

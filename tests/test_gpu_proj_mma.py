@@ -3,8 +3,9 @@ the device, at the GLM-5.3-Flash shapes (fused_in 2336 x 4096 as [kv_a FP8 512 o
 compress_gate BF16 256 ; q_a FP8 1536 ; weights_proj BF16 32], the q projection [q_b FP8 ; wq_b
 BF16] read from inside the fused row, o_proj 8 x 4096 x 2048 FP8 and a second rank's 4 groups by
 col0, the absorbed query 64 x 512 x 256 and the value projection 64 x 256 x 512 in BF16) and at
-awkward ones (k = 1088: a partial last column block; k = 64: one superblock; rows that fill no
-warp tile nor block, placed by row0; several tiles and slices).
+awkward ones (k = 1088: a partial last column block; k = 64: one superblock; k = 1024 with few rows:
+k split four ways and the splits summed by proj_reduce, as fused_in's eight; rows that fill no warp
+tile nor block, placed by row0; several tiles and slices).
 
 Every buffer is poisoned with a guard after it (tests/batch_proj_util.py Bufs). Each test checks:
 - the PTX against the host twin on the same inputs: ``dot_bound(..., roundings=2)`` (two f32
@@ -61,7 +62,7 @@ def build_case(rng, name: str):
         qb, qbs = fp8_tensor(rng, 16384, 1536)
         segs = [Seg(qb[8192:], 0, qbs, 8192), Seg(random_bf16(rng, (4096, 1536), exp_lo=-8), 8192)]
         return segs, 8192 + 4096, 1536, 2336, 768
-    k = {"k1088": 1088, "k64": 64}[name]
+    k = {"k1088": 1088, "k64": 64, "k1024_split": 1024}[name]
     q1, s1 = fp8_tensor(rng, 8, k)
     q2, s2 = fp8_tensor(rng, 300, k)
     segs = [
@@ -81,7 +82,7 @@ def check_launch(y: np.ndarray, segs: list[Seg], y_stride: int, what: str) -> No
     assert (y[:, ~c].view(np.uint16) == 0xFFFF).all(), f"{what}: a column no segment covers was written"
 
 
-@pytest.mark.parametrize("case", ["fused_in", "q_proj", "k1088", "k64"])
+@pytest.mark.parametrize("case", ["fused_in", "q_proj", "k1088", "k64", "k1024_split"])
 def test_segments_against_twin(cuda, case):
     rng = np.random.default_rng()
     segs, ys, k, x_stride, x_off = build_case(rng, case)
@@ -98,7 +99,16 @@ def test_segments_against_twin(cuda, case):
             )
 
 
-@pytest.mark.parametrize("case,ms", [("k1088", M_AWKWARD), ("k64", M_AWKWARD), ("q_proj", (17, 64, 200))])
+@pytest.mark.parametrize(
+    "case,ms",
+    [
+        ("k1088", M_AWKWARD),
+        ("k64", M_AWKWARD),
+        ("k1024_split", M_AWKWARD),
+        ("fused_in", (3, 64)),
+        ("q_proj", (17, 200)),
+    ],
+)
 def test_segment_rows_are_bit_identical_alone(cuda, case, ms):
     rng = np.random.default_rng()
     segs, ys, k, x_stride, x_off = build_case(rng, case)

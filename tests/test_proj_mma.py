@@ -36,11 +36,14 @@ def mixed_segments(rng, k: int) -> tuple[list[Seg], int]:
     ], 80
 
 
-@pytest.mark.parametrize("k,x_off", [(192, 8), (64, 0), (320, 16)])
+@pytest.mark.parametrize("k,x_off", [(192, 8), (64, 0), (320, 16), (1024, 8)])
 def test_segments_are_the_cuda_core_launch(k, x_off):
+    """k = 1024 splits k (a few row groups: proj_ksplit) and sums the splits in a second launch."""
     rng = np.random.default_rng(k)
     segs, ys = mixed_segments(rng, k)
     host = HostBackend()
+    dummy = [bf.GemvSegment(w=host.alloc(16), scales=None, rows=sg.rows, col=sg.col) for sg in segs]
+    assert (pm.proj_ksplit(dummy, 1, k) > 1) == (k == 1024)
     for m in (1, 5):
         x = random_bf16(rng, (m, k + x_off + 8))
         nw = random_bf16(rng, k, exp_lo=-1)

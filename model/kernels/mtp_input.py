@@ -261,3 +261,71 @@ def mtp_embed_norm_batch(gpu, *, table, entries, enorm, hidden, hnorm, out, m, v
         eps,
         stream=stream,
     )
+
+
+@declare(
+    "mtp_input",
+    "mtp_embed_norm_flags_batch",
+    [
+        ("table", PTR),
+        ("entries", PTR),
+        ("enorm", PTR),
+        ("hidden", PTR),
+        ("hnorm", PTR),
+        ("out", PTR),
+        ("m", U32),
+        ("vocab", U32),
+        ("h", U32),
+        ("eps", F32),
+        ("flags", PTR),
+        ("flag_byte", U32),
+    ],
+    writes=("out", "flags"),
+)
+def MTP_EMBED_NORM_FLAGS_BATCH(
+    mem, table, entries, enorm, hidden, hnorm, out, m, vocab, h, eps, flags, flag_byte
+):
+    """MTP_EMBED_NORM_BATCH, and each live entry's flag byte set as mtp_input_gemv_batch sets it
+    (HIDDEN_NONFINITE | TOKEN_OUTSIDE where either holds): the input of eh_proj on tensor cores."""
+    MTP_EMBED_NORM_BATCH.host(mem, table, entries, enorm, hidden, hnorm, out, m, vocab, h, eps)
+    ents = read_entries(mem, entries, m)
+    for e in range(m):
+        if is_pad(ents[e]):
+            continue
+        hf = mem.read(hidden.offset(e * h * 2), BF16, h).astype(np.float32)
+        with np.errstate(over="ignore", invalid="ignore"):
+            divisor = np.sqrt(np.mean(hf * hf, dtype=np.float32) + np.float32(eps))  # rmsnorm_ref's
+        bad = (0 if np.isfinite(divisor) else HIDDEN_NONFINITE) | (
+            0 if int(ents[e][2]) < vocab else TOKEN_OUTSIDE
+        )
+        if bad:
+            mem.write(flags.offset(e * 4 + flag_byte), np.array([bad], np.uint8))
+
+
+def mtp_embed_norm_flags_batch(
+    gpu, *, table, entries, enorm, hidden, hnorm, out, m, vocab, h, eps, flags, flag_byte, stream=None
+):
+    """mtp_embed_norm_batch for a draft's entries, setting their flag bytes as mtp_input_gemv_batch
+    does (flags + 4 e + flag_byte)."""
+    check_rows("mtp_embed_norm_flags_batch", m)
+    if not 0 <= flag_byte < 4:
+        raise ValueError(f"mtp_embed_norm_flags_batch: flag_byte={flag_byte}")
+    launch(
+        gpu,
+        gpu.kernel(*MTP_EMBED_NORM_FLAGS_BATCH.key),
+        (m, 2),
+        256,
+        table,
+        entries,
+        enorm,
+        hidden,
+        hnorm,
+        out,
+        m,
+        vocab,
+        h,
+        eps,
+        flags,
+        flag_byte,
+        stream=stream,
+    )

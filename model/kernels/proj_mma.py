@@ -41,8 +41,9 @@ TILE_ROWS = 64  # x rows per tile (ptx/proj_mma.cu PM_TILE)
 WARP_ROWS = 16  # weight rows per warp tile (PM_ROWS)
 WARPS = 8
 # Dynamic shared memory of a launch at most: a tile's x rows for all of k when they fit, else two
-# slices (ptx/proj_mma.cu). 96 KB leaves the SM room for a second block of another kernel.
-SMEM_MAX = 96 * 1024
+# slices (ptx/proj_mma.cu). The kernel's 160 registers a thread keep one block on an SM anyway;
+# long slices mean fewer barriers and whole weight batches (4 superblocks) a slice.
+SMEM_MAX = 160 * 1024
 _U32_MAX = 2**32 - 1
 
 
@@ -53,21 +54,48 @@ def proj_mma_supported(k: int, *strides: int) -> bool:
     return k >= 64 and k % 64 == 0 and all(s % 8 == 0 for s in strides)
 
 
+# Blocks a launch should have before its k is split (about one per SM of an H200: 132). Splitting is
+# chosen from the shape alone, never from m, so it cannot break batch invariance.
+SPLIT_TARGET = 128
+SPLIT_MIN_SUPERBLOCKS = 4  # a split keeps at least this many 64-column superblocks
+
+
+def proj_ksplit(segments: Sequence[GemvSegment], heads: int, k: int) -> int:
+    """Splits of k for a launch whose row groups and heads give few blocks (fused_in: 19 row
+    groups at GLM-5.3-Flash's shapes): each split's f32 partials go to a workspace and
+    proj_reduce sums them in order. A power of two dividing k / 64."""
+    groups = -(-sum(-(-sg.rows // WARP_ROWS) for sg in segments) // WARPS)
+    nsb, s = k // 64, 1
+    while (
+        groups * heads * s < SPLIT_TARGET and nsb % (2 * s) == 0 and nsb // (2 * s) >= SPLIT_MIN_SUPERBLOCKS
+    ):
+        s *= 2
+    return s
+
+
+def proj_workspace_bytes(segments: Sequence[GemvSegment], heads: int, k: int, m: int, y_stride: int) -> int:
+    """Bytes of the f32 split partials a launch of m rows needs (0 when k is not split)."""
+    s = proj_ksplit(segments, heads, k)
+    return 0 if s == 1 else s * m * y_stride * 4
+
+
 def proj_tiles(m: int) -> int:
     return -(-m // TILE_ROWS)
 
 
-def proj_mma_smem(m: int, k: int) -> int:
+def proj_mma_smem(m: int, k: int, ksplit: int = 1) -> int:
     """Bytes of x staging (ptx/proj_mma.cu): each tile row ``128 S + 16`` bytes a slice of S
-    superblocks; all of k in one slice when the largest tile fits in SMEM_MAX, else two buffers of
-    the largest S that fit."""
+    superblocks of its split of k; the whole split in one slice when the largest tile fits in
+    SMEM_MAX, else two buffers of the largest S that fit (a multiple of 4 where that is at least 4:
+    whole weight batches)."""
     tiles = proj_tiles(m)
     tmax = -(-m // tiles)
-    nsb = k // 64
+    nsb = k // 64 // ksplit
     whole = tmax * (128 * nsb + 16)
     if whole <= SMEM_MAX:
         return whole
     s = min(nsb, (SMEM_MAX // tmax // 2 - 16) // 128)
+    s = s // 4 * 4 if s >= 4 else s
     return tmax * 2 * (128 * s + 16)
 
 
@@ -86,6 +114,8 @@ _PM_ARGS = [
     ("heads", U32),
     ("s_cols", U32),
     ("s_col0", U32),
+    ("ksplit", U32),
+    ("part", PTR),
     ("fp8_mask", U32),
 ] + [
     (f"{name}{i}", typ)
@@ -94,10 +124,58 @@ _PM_ARGS = [
 ]
 
 
-def _proj(mem, x, x_stride, x_head, y, y_stride, y_head, m, k, heads, s_cols, s_col0, fp8_mask, segs, dtype):
+def _proj(
+    mem,
+    x,
+    x_stride,
+    x_head,
+    y,
+    y_stride,
+    y_head,
+    m,
+    k,
+    heads,
+    s_cols,
+    s_col0,
+    ksplit,
+    part,
+    fp8_mask,
+    segs,
+    dtype,
+):
     """Per head and segment the CUDA-core twins' arithmetic (dot_rows; fp8_block_dot with the
     head's columns from s_col0 + h * k), written to the segment's columns of each y row; y's other
-    columns are left as they were."""
+    columns are left as they were. With ksplit > 1 the f32 result goes to split 0 of ``part`` and
+    zeros to the others, so that proj_reduce's ordered sum gives those bits exactly (x + 0 = x)."""
+    if ksplit > 1:
+        _proj(
+            mem,
+            x,
+            x_stride,
+            x_head,
+            part,
+            y_stride,
+            y_head,
+            m,
+            k,
+            heads,
+            s_cols,
+            s_col0,
+            1,
+            part,
+            fp8_mask,
+            segs,
+            np.float32,
+        )
+        for sp in range(1, ksplit):
+            for h in range(heads):
+                for i in range(MAX_SEGMENTS):
+                    rows, col = segs[5 * i + 2], segs[5 * i + 3]
+                    if rows:
+                        for e in range(m):
+                            at = (sp * m + e) * y_stride + h * y_head + col
+                            mem.write(part.offset(at * 4), np.zeros(rows, np.float32))
+        return
     isz = np.dtype(dtype).itemsize
     for h in range(heads):
         xs = np.stack([mem.read(x.offset((e * x_stride + h * x_head) * 2), BF16, k) for e in range(m)])
@@ -116,22 +194,127 @@ def _proj(mem, x, x_stride, x_head, y, y_stride, y_head, m, k, heads, s_cols, s_
                 mem.write(y.offset((e * y_stride + h * y_head + col) * isz), out[e])
 
 
-@declare("proj_mma", "proj_mma_bf16", list(_PM_ARGS), writes=("y",), pdl=True)
+@declare("proj_mma", "proj_mma_bf16", list(_PM_ARGS), writes=("y", "part"), pdl=True)
 def PROJ_MMA_BF16(
-    mem, x, x_stride, x_head, y, y_stride, y_head, m, k, tiles, heads, s_cols, s_col0, fp8_mask, *segs
+    mem,
+    x,
+    x_stride,
+    x_head,
+    y,
+    y_stride,
+    y_head,
+    m,
+    k,
+    tiles,
+    heads,
+    s_cols,
+    s_col0,
+    ksplit,
+    part,
+    fp8_mask,
+    *segs,
 ):
-    """y[e, h * y_head + col_i + r] = W_i[h][r] . x[e, h * x_head ..] for h < heads, y BF16."""
-    _proj(mem, x, x_stride, x_head, y, y_stride, y_head, m, k, heads, s_cols, s_col0, fp8_mask, segs, BF16)
+    """y[e, h * y_head + col_i + r] = W_i[h][r] . x[e, h * x_head ..] for h < heads, y BF16 (with
+    ksplit > 1: each split's f32 partials into part, laid out as y; proj_reduce_bf16 sums them)."""
+    _proj(
+        mem,
+        x,
+        x_stride,
+        x_head,
+        y,
+        y_stride,
+        y_head,
+        m,
+        k,
+        heads,
+        s_cols,
+        s_col0,
+        ksplit,
+        part,
+        fp8_mask,
+        segs,
+        BF16,
+    )
 
 
-@declare("proj_mma", "proj_mma_f32", list(_PM_ARGS), writes=("y",), pdl=True)
+@declare("proj_mma", "proj_mma_f32", list(_PM_ARGS), writes=("y", "part"), pdl=True)
 def PROJ_MMA_F32(
-    mem, x, x_stride, x_head, y, y_stride, y_head, m, k, tiles, heads, s_cols, s_col0, fp8_mask, *segs
+    mem,
+    x,
+    x_stride,
+    x_head,
+    y,
+    y_stride,
+    y_head,
+    m,
+    k,
+    tiles,
+    heads,
+    s_cols,
+    s_col0,
+    ksplit,
+    part,
+    fp8_mask,
+    *segs,
 ):
     """proj_mma_bf16 with y f32."""
     _proj(
-        mem, x, x_stride, x_head, y, y_stride, y_head, m, k, heads, s_cols, s_col0, fp8_mask, segs, np.float32
+        mem,
+        x,
+        x_stride,
+        x_head,
+        y,
+        y_stride,
+        y_head,
+        m,
+        k,
+        heads,
+        s_cols,
+        s_col0,
+        ksplit,
+        part,
+        fp8_mask,
+        segs,
+        np.float32,
     )
+
+
+_PR_ARGS = [
+    ("part", PTR),
+    ("y", PTR),
+    ("y_stride", U32),
+    ("y_head", U32),
+    ("m", U32),
+    ("ksplit", U32),
+    ("heads", U32),
+] + [(f"{name}{i}", U32) for i in range(MAX_SEGMENTS) for name in ("rows", "col")]
+
+
+def _reduce(mem, part, y, y_stride, y_head, m, ksplit, heads, segs, dtype):
+    isz = np.dtype(dtype).itemsize
+    for h in range(heads):
+        for i in range(MAX_SEGMENTS):
+            rows, col = segs[2 * i], segs[2 * i + 1]
+            if not rows:
+                continue
+            for e in range(m):
+                at = e * y_stride + h * y_head + col
+                v = mem.read(part.offset(at * 4), np.float32, rows).copy()
+                for sp in range(1, ksplit):
+                    v = v + mem.read(part.offset((sp * m * y_stride + at) * 4), np.float32, rows)
+                mem.write(y.offset(at * isz), v.astype(dtype))
+
+
+@declare("proj_mma", "proj_reduce_bf16", list(_PR_ARGS), writes=("y",), pdl=True)
+def PROJ_REDUCE_BF16(mem, part, y, y_stride, y_head, m, ksplit, heads, *segs):
+    """y = the ordered f32 sum of the ksplit partials of proj_mma_bf16, at the segments' columns."""
+    _reduce(mem, part, y, y_stride, y_head, m, ksplit, heads, segs, BF16)
+
+
+@declare("proj_mma", "proj_reduce_f32", list(_PR_ARGS), writes=("y",), pdl=True)
+def PROJ_REDUCE_F32(mem, part, y, y_stride, y_head, m, ksplit, heads, *segs):
+    """proj_reduce_bf16 with y f32."""
+    _reduce(mem, part, y, y_stride, y_head, m, ksplit, heads, segs, np.float32)
 
 
 @declare(
@@ -201,6 +384,7 @@ def proj_mma_batch(
     y_head: int = 0,
     s_cols: int | None = None,
     s_col0: int = 0,
+    part=None,
     stream=None,
 ) -> None:
     """For each row e < m, head h < heads and segment i: ``y[e, h * y_head + col_i + r] =
@@ -208,7 +392,9 @@ def proj_mma_batch(
     BF16; y's other columns untouched). With several heads there is one segment and head h's matrix
     is at ``w + h * rows * k`` elements. An FP8 segment's element (r, c) of head h has the scale
     ``s[(row0 + r) // 128][(s_col0 + h * k + c) // 128]`` of scales with ``s_cols`` columns
-    (default: ceil(k / 128)). Each weight byte is read from HBM once per launch for all m rows."""
+    (default: ceil(k / 128)). Each weight byte is read from HBM once per launch for all m rows.
+    ``part``: an f32 workspace of ``proj_workspace_bytes`` for the shapes whose k is split
+    (``proj_ksplit``; then a second launch sums the splits); without it k is never split."""
     what = "proj_mma_batch"
     check_rows(what, m)
     if not proj_mma_supported(k, x_stride, x_head, s_col0) or x.addr % 16:
@@ -242,11 +428,12 @@ def proj_mma_batch(
     tiles = proj_tiles(m)
     warp_tiles = sum(-(-sg.rows // WARP_ROWS) for sg in segments)
     groups = -(-warp_tiles // WARPS)
+    ksplit = proj_ksplit(segments, heads, k) if part is not None else 1
     decl = PROJ_MMA_F32 if out_f32 else PROJ_MMA_BF16
     launch(
         gpu,
         gpu.kernel(*decl.key),
-        (groups * tiles, heads),
+        (groups * ksplit * tiles, heads),
         WARPS * 32,
         x,
         x_stride,
@@ -260,8 +447,30 @@ def proj_mma_batch(
         heads,
         s_cols,
         s_col0,
+        ksplit,
+        part if ksplit > 1 else y,
         fp8_mask,
         *seg_args,
-        smem=proj_mma_smem(m, k),
+        smem=proj_mma_smem(m, k, ksplit),
         stream=stream,
     )
+    if ksplit > 1:
+        red = PROJ_REDUCE_F32 if out_f32 else PROJ_REDUCE_BF16
+        cols: list[int] = []
+        for i in range(MAX_SEGMENTS):
+            cols += [segments[i].rows, segments[i].col] if i < len(segments) else [0, 0]
+        launch(
+            gpu,
+            gpu.kernel(*red.key),
+            (m, heads),
+            256,
+            part,
+            y,
+            y_stride,
+            y_head,
+            m,
+            ksplit,
+            heads,
+            *cols,
+            stream=stream,
+        )
