@@ -302,6 +302,37 @@ def test_bad_catchup_and_verify_batches_change_nothing(filled):
     gpu.free(nan)
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_flagged_batch_rewinds_only_the_sequences_ahead_of_their_position(graphs):
+    """Sequence 0 proposes behind its two unverified drafts, sequence 1 at its rows after two of
+    its own, with a NaN in its hidden row: the refused step leaves sequence 0 rewound to its
+    position with nothing to trim, and sequence 1 as it was (rows, drafts to verify, caches)."""
+    gpu = HostBackend()
+    prop = make_proposer(CFG, WEIGHTS, gpu=gpu, max_sequences=2, max_draft_tokens=KMAX, use_graphs=graphs)
+    seqs = [Seq(90 + i, prop.alloc_state(), None) for i in range(2)]
+    for q in seqs:
+        p = _rows(gpu, q, 0, 12)
+        prop.catchup_drafter(q.a, q.tokens[:13], p, 0)
+        gpu.free(p)
+        p = _rows(gpu, q, 12, 1)
+        prop.propose(q.a, int(q.tokens[13]), p, 12, 2)
+        gpu.free(p)
+    a, c = seqs[0].a, seqs[1].a
+    below = cache_snapshot(prop, a)
+    before = _snapshots(prop, seqs[1:])
+    hid = upload_rows(gpu, np.stack([seqs[0].hiddens[12], np.full(H, np.nan)]))
+    with pytest.raises(ProposerError, match="entry 1 of 2: slot .* at position 14: target_hidden is not"):
+        prop.propose_batch([a, c], [int(seqs[0].tokens[13]), 5], hid, [12, 14], 2)
+    assert (a.rows, a.last_drafted, c.rows, c.last_drafted) == (12, 0, 14, 2)
+    now = cache_snapshot(prop, a)
+    for name in now:
+        np.testing.assert_array_equal(now[name], below[name][: len(now[name])], err_msg=name)
+    _unchanged(prop, seqs[1:], before)
+    prop.after_verify(c, 2)  # its drafts are still there to verify
+    gpu.free(hid)
+    prop.close()
+
+
 class FakeTensor:
     """A stand-in for a PyTorch tensor on the host backend: only its __cuda_array_interface__."""
 
