@@ -179,3 +179,18 @@ def test_rmsnorm_rows_batch_against_twin(cuda):
         got = out[:, :k].astype(np.float64)
         # One BF16 ulp: the device sums the squares in another order than NumPy's mean.
         assert (np.abs(got - ref) <= 2.0**-7 * np.abs(ref) + 1e-30).all(), f"rmsnorm_rows_batch k={k}"
+
+
+def test_embed_norm_flags_against_twin(cuda):
+    from embed_flags_util import embed_flags_case
+
+    for flag_byte in (0, 3):
+        g_out, g_flags = embed_flags_case(cuda, 2, flag_byte)
+        h_out, h_flags = embed_flags_case(HostBackend(), 2, flag_byte)
+        np.testing.assert_array_equal(g_flags, h_flags)
+        assert (g_out[3].view(np.uint16) == 0xFFFF).all(), "a padding entry's row was written"
+        live = np.isfinite(h_out.astype(np.float32))
+        assert (np.isfinite(g_out.astype(np.float32)) == live).all()
+        ref = h_out.astype(np.float64)[live]
+        # One BF16 ulp: the device sums the squares in another order than NumPy's mean.
+        assert (np.abs(g_out.astype(np.float64)[live] - ref) <= 2.0**-7 * np.abs(ref) + 1e-30).all()

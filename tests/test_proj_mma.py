@@ -17,6 +17,7 @@ from proj_mma_util import proj_heads, proj_seg
 
 from model.kernels import bgemv as bg
 from model.kernels import bgemv_fp8 as bf
+from model.kernels import mtp_input as mi
 from model.kernels import proj_mma as pm
 from runtime.dtypes import BF16
 from runtime.host_backend import HostBackend
@@ -153,3 +154,16 @@ def test_refusals_name_the_problem():
             pm.proj_mma_batch(host, **{**ok, "heads": 2, "x_head": 128, "y_head": 16, "y_stride": 32})
         with pytest.raises(ValueError, match="entries"):
             pm.proj_mma_batch(host, **{**ok, "m": 0})
+
+
+def test_embed_norm_flags_rows_and_flags():
+    """The tensor-core eh_proj's input: mtp_embed_norm_batch's rows, and mtp_input_gemv_batch's flag
+    bits for a token outside the vocabulary and a hidden row with a NaN; a padding entry untouched."""
+    from embed_flags_util import H, embed_flags_case
+
+    out, flags = embed_flags_case(HostBackend(), 1, flag_byte=2)
+    assert flags[:, [0, 1, 3]].sum() == 0
+    assert list(flags[:, 2]) == [0, mi.TOKEN_OUTSIDE, mi.HIDDEN_NONFINITE, 0]
+    assert np.isfinite(out[0].astype(np.float32)).all()
+    assert np.isnan(out[1, :H].astype(np.float32)).all()
+    assert (out[3].view(np.uint16) == 0xFFFF).all(), "a padding entry's row was written"
