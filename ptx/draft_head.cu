@@ -671,12 +671,42 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// One superblock's MMAs for column groups 0 .. NG - 1 (off: its uint4 offset in the slice), four
+// groups at a time: their x first, then MMA j of each before MMA j + 1 of any, so that consecutive
+// MMAs go to independent accumulators (with a branch per group, ptxas issued each group's four
+// dependent MMAs back to back behind its loads). Each accumulator still takes MMAs j = 0..3 in
+// order, so the bits are those of one group at a time.
+template <int NG>
+__device__ __forceinline__ void mma_groups(const uint32_t (&a)[4][4], const uint4* xs, const uint32_t (&xrow)[MMA_NG],
+                                           uint32_t off, float (&acc)[MMA_NG][4]) {
+    constexpr int Q = NG < 4 ? NG : 4;
+#pragma unroll
+    for (int c0 = 0; c0 < NG; c0 += Q) {
+        uint4 x0[Q], x1[Q];
+#pragma unroll
+        for (int q = 0; q < Q; ++q) {
+            x0[q] = xs[xrow[c0 + q] + off];
+            x1[q] = xs[xrow[c0 + q] + off + 1u];
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int q = 0; q < Q; ++q) {
+                const uint4& xh = j < 2 ? x0[q] : x1[q];
+                mma_16816_bf16(acc[c0 + q], a[j][0], a[j][1], a[j][2], a[j][3], word_of(xh, 2 * (j & 1)),
+                               word_of(xh, 2 * (j & 1) + 1));
+            }
+    }
+}
+
 // acc[c] += the MMAs of superblocks [sb0, sb1) of weight rows w0 / w1 (lane pointers at offset 16t,
-// superblock sb at + 64 sb) with column groups c < ngc, x of the slice (superblock sb0 on) staged
-// from uint4 `buf` on. xrow[c]: the uint4 offset in a slice of column group c's row of x for this
-// lane (g's row, 2t's chunk).
+// superblock sb at + 64 sb) with column groups c < NG (those past the tile's groups read its last
+// row; their results are dropped), x of the slice (superblock sb0 on) staged from uint4 `buf` on.
+// xrow[c]: the uint4 offset in a slice of column group c's row of x for this lane (g's row, 2t's
+// chunk).
+template <int NG>
 __device__ __forceinline__ void mma_slice(const uint8_t* __restrict__ w0, const uint8_t* __restrict__ w1,
-                                          uint32_t sb0, uint32_t sb1, uint32_t nsb, uint32_t buf, uint32_t ngc,
+                                          uint32_t sb0, uint32_t sb1, uint32_t nsb, uint32_t buf,
                                           const uint32_t (&xrow)[MMA_NG], float (&acc)[MMA_NG][4]) {
     const uint4* xs = reinterpret_cast<const uint4*>(x_smem) + buf;
     for (uint32_t b0 = sb0; b0 < sb1; b0 += MMA_U) {
@@ -712,18 +742,7 @@ __device__ __forceinline__ void mma_slice(const uint8_t* __restrict__ w0, const 
                     a[j][3] = e4m3x2_to_bf16x2(q >> 16);
                 }
                 const uint32_t off = 8u * (sb - sb0);
-#pragma unroll
-                for (int c = 0; c < MMA_NG; ++c) {
-                    if ((uint32_t)c < ngc) {
-                        const uint4 x0 = xs[xrow[c] + off], x1 = xs[xrow[c] + off + 1u];
-#pragma unroll
-                        for (int j = 0; j < 4; ++j) {
-                            const uint4& xh = j < 2 ? x0 : x1;
-                            mma_16816_bf16(acc[c], a[j][0], a[j][1], a[j][2], a[j][3], word_of(xh, 2 * (j & 1)),
-                                           word_of(xh, 2 * (j & 1) + 1));
-                        }
-                    }
-                }
+                mma_groups<NG>(a, xs, xrow, off, acc);
             }
         }
     }
@@ -830,7 +849,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) head_argmax_fp8_mma(
                     __syncthreads();
                 }
                 const uint32_t s0 = sl * S, buf = whole ? 0u : (it & 1u) * bufsize;
-                if (mine) mma_slice(w0, w1, s0, min(nsb, s0 + S), nsb, buf, ngc, xrow, acc);
+                if (mine) {  // the tile's column groups rounded up to a power of two (block-uniform)
+                    const uint32_t s1 = min(nsb, s0 + S);
+                    if (ngc <= 1u) mma_slice<1>(w0, w1, s0, s1, nsb, buf, xrow, acc);
+                    else if (ngc <= 2u) mma_slice<2>(w0, w1, s0, s1, nsb, buf, xrow, acc);
+                    else if (ngc <= 4u) mma_slice<4>(w0, w1, s0, s1, nsb, buf, xrow, acc);
+                    else mma_slice<8>(w0, w1, s0, s1, nsb, buf, xrow, acc);
+                }
                 if (!whole) __syncthreads();  // every warp is done with this buffer before it is refilled
             }
             if (!mine) continue;

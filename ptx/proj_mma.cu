@@ -56,6 +56,10 @@ constexpr uint32_t PM_BLOCK = 128;  // FP8 scale block, both dimensions
 
 extern __shared__ __align__(16) uint4 pm_smem[];
 
+__device__ __forceinline__ uint32_t word_of4(const uint4& v, int q) {
+    return q == 0 ? v.x : q == 1 ? v.y : q == 2 ? v.z : v.w;
+}
+
 __device__ __forceinline__ uint32_t pm_dynamic_smem() {
     uint32_t r;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
@@ -137,26 +141,36 @@ __device__ __forceinline__ void pm_cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// The MMAs of one superblock for every live column group: A from the lane's weight fragments
-// a[j][0..3] (MMA j), B from the staged x (column group c's row at xs + xrow[c], superblock at +off).
+// The MMAs of one superblock for column groups 0 .. NG - 1: A from the lane's weight fragments
+// a[j][0..3] (MMA j), B from the staged x (column group c's row at xs + xrow[c], superblock at
+// +off). All NG groups' x first, then MMA j of every group before MMA j + 1 of any: NG independent
+// accumulators between two MMAs into one (with a branch per group, ptxas issued each group's four
+// dependent MMAs back to back behind its shared-memory loads: about 80 TFLOP/s at 64 rows).
+template <int NG>
 __device__ __forceinline__ void superblock_mmas(const uint32_t (&a)[4][4], const uint4* xs,
-                                                const uint32_t (&xrow)[PM_NG], uint32_t off, uint32_t ngc,
+                                                const uint32_t (&xrow)[PM_NG], uint32_t off,
                                                 float (&acc)[PM_NG][4]) {
+    uint4 x0[NG], x1[NG];
 #pragma unroll
-    for (int c = 0; c < PM_NG; ++c) {
-        if ((uint32_t)c < ngc) {
-            const uint4 x0 = xs[xrow[c] + off], x1 = xs[xrow[c] + off + 1u];
-            const uint32_t xv[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-                mma_bf16_16816(acc[c], a[j][0], a[j][1], a[j][2], a[j][3], xv[2 * j], xv[2 * j + 1]);
-        }
+    for (int c = 0; c < NG; ++c) {
+        x0[c] = xs[xrow[c] + off];
+        x1[c] = xs[xrow[c] + off + 1u];
     }
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int c = 0; c < NG; ++c) {
+            const uint4& xh = j < 2 ? x0[c] : x1[c];
+            mma_bf16_16816(acc[c], a[j][0], a[j][1], a[j][2], a[j][3], word_of4(xh, 2 * (j & 1)),
+                           word_of4(xh, 2 * (j & 1) + 1));
+        }
 }
 
-// acc += the warp tile's BF16 rows times superblocks [sb0, sb1) of the slice staged at xs.
+// acc += the warp tile's BF16 rows times superblocks [sb0, sb1) of the slice staged at xs, for
+// column groups 0 .. NG - 1 (those past the tile's rows read its last row; their outputs are dropped).
+template <int NG>
 __device__ __forceinline__ void slice_bf16(const WarpTile& wt, uint32_t sb0, uint32_t sb1, uint32_t nsb,
-                                           const uint4* xs, const uint32_t (&xrow)[PM_NG], uint32_t ngc,
+                                           const uint4* xs, const uint32_t (&xrow)[PM_NG],
                                            float (&acc)[PM_NG][4]) {
     for (uint32_t b0 = sb0; b0 < sb1; b0 += PM_U16) {
         uint4 wa[PM_U16][2], wb[PM_U16][2];
@@ -196,7 +210,7 @@ __device__ __forceinline__ void slice_bf16(const WarpTile& wt, uint32_t sb0, uin
                     a[j][2] = pa[2 * j + 1];
                     a[j][3] = pb[2 * j + 1];
                 }
-                superblock_mmas(a, xs, xrow, 8u * (sb - sb0), ngc, acc);
+                superblock_mmas<NG>(a, xs, xrow, 8u * (sb - sb0), acc);
             }
         }
     }
@@ -205,9 +219,10 @@ __device__ __forceinline__ void slice_bf16(const WarpTile& wt, uint32_t sb0, uin
 // The FP8 twin of slice_bf16: per 128-column block of the full matrix (columns from cbase) the
 // partial sums `part`, folded into acc with the rows' block scales where a block or the block's
 // split of k (at superblock nsb) ends.
+template <int NG>
 __device__ __forceinline__ void slice_fp8(const WarpTile& wt, uint32_t sb0, uint32_t sb1, uint32_t nsb, uint32_t cbase,
-                                          const uint4* xs, const uint32_t (&xrow)[PM_NG], uint32_t ngc,
-                                          float (&part)[PM_NG][4], float (&acc)[PM_NG][4]) {
+                                          const uint4* xs, const uint32_t (&xrow)[PM_NG], float (&part)[PM_NG][4],
+                                          float (&acc)[PM_NG][4]) {
     for (uint32_t b0 = sb0; b0 < sb1; b0 += PM_U8) {
         uint4 wa[PM_U8], wb[PM_U8];
 #pragma unroll
@@ -236,17 +251,33 @@ __device__ __forceinline__ void slice_fp8(const WarpTile& wt, uint32_t sb0, uint
                     e4m3x4_to_bf16x2(qa[j], a[j][0], a[j][2]);  // row g: elements 4j, 4j + 1 | 4j + 2, 4j + 3
                     e4m3x4_to_bf16x2(qb[j], a[j][1], a[j][3]);  // row g + 8
                 }
-                superblock_mmas(a, xs, xrow, 8u * (sb - sb0), ngc, part);
+                superblock_mmas<NG>(a, xs, xrow, 8u * (sb - sb0), part);
                 const uint32_t end = cbase + 64u * (sb + 1u);
                 if (end % PM_BLOCK == 0u || sb + 1u == nsb) {
                     const uint32_t kb = (end - 1u) / PM_BLOCK;
                     const float s0 = __ldg(wt.s0 + kb), s1 = __ldg(wt.s1 + kb);
 #pragma unroll
-                    for (int c = 0; c < PM_NG; ++c)
-                        if ((uint32_t)c < ngc) fp8_block_done(acc[c], part[c], s0, s1);
+                    for (int c = 0; c < NG; ++c) fp8_block_done(acc[c], part[c], s0, s1);
                 }
             }
         }
+    }
+}
+
+// The slice for the tile's column groups, rounded up to a power of two (block-uniform).
+__device__ __forceinline__ void slice_any(const WarpTile& wt, uint32_t s0, uint32_t s1, uint32_t nsb, uint32_t cbase,
+                                          const uint4* xs, const uint32_t (&xrow)[PM_NG], uint32_t ngc,
+                                          float (&part)[PM_NG][4], float (&acc)[PM_NG][4]) {
+    if (wt.fp8) {
+        if (ngc <= 1u) slice_fp8<1>(wt, s0, s1, nsb, cbase, xs, xrow, part, acc);
+        else if (ngc <= 2u) slice_fp8<2>(wt, s0, s1, nsb, cbase, xs, xrow, part, acc);
+        else if (ngc <= 4u) slice_fp8<4>(wt, s0, s1, nsb, cbase, xs, xrow, part, acc);
+        else slice_fp8<8>(wt, s0, s1, nsb, cbase, xs, xrow, part, acc);
+    } else {
+        if (ngc <= 1u) slice_bf16<1>(wt, s0, s1, nsb, xs, xrow, acc);
+        else if (ngc <= 2u) slice_bf16<2>(wt, s0, s1, nsb, xs, xrow, acc);
+        else if (ngc <= 4u) slice_bf16<4>(wt, s0, s1, nsb, xs, xrow, acc);
+        else slice_bf16<8>(wt, s0, s1, nsb, xs, xrow, acc);
     }
 }
 
@@ -313,10 +344,7 @@ __device__ __forceinline__ void proj_mma_body(const uint16_t* __restrict__ x, ui
         __syncthreads();
         const uint32_t s0 = sb_lo + sl * S, s1 = min(sb_hi, s0 + S);
         const uint4* xs = pm_smem + (sl & 1u) * bufsize;
-        if (wt.live) {
-            if (wt.fp8) slice_fp8(wt, s0, s1, sb_hi, cbase, xs, xrow, ngc, part, acc);
-            else slice_bf16(wt, s0, s1, sb_hi, xs, xrow, ngc, acc);
-        }
+        if (wt.live) slice_any(wt, s0, s1, sb_hi, cbase, xs, xrow, ngc, part, acc);
         __syncthreads();  // every warp is done with this buffer before it is refilled
     }
     if (!wt.live) return;
