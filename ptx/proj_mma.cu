@@ -30,9 +30,11 @@
 // pairs (16t + 4j, +1) and (16t + 4j + 2, +3) for A and B alike, so each product pairs a weight with
 // its own x and the four MMAs cover the superblock's 64 columns once.
 //
-// Work: block = 8 warps, each a tile of 16 weight rows of one segment (a segment's last tile is
+// Work: block = 8 warps, two blocks an SM (125 registers: tiles of 32 x rows; tiles of 64 took 189
+// registers, one block an SM, and ran o_proj at 64 rows in 62 us), each warp a tile of 16 weight
+// rows of one segment (a segment's last tile is
 // clamped: rows past it read its last row and are not stored); blockIdx.x = row group * tiles +
-// tile, so the `tiles` blocks of one row group (at most 64 x rows each) run side by side and all
+// tile, so the `tiles` blocks of one row group (at most 32 x rows each) run side by side and all
 // but the first read the weights from L2; blockIdx.y = head. The tile's x rows are staged in
 // shared memory by cp.async (L2 only: x may come from a kernel that released its dependents
 // early), row i of a k-slice of S superblocks at i * (128 S + 16) bytes (an odd number of 16-byte
@@ -49,8 +51,8 @@
 namespace {
 constexpr uint32_t PM_ROWS = 16;   // weight rows per warp tile: the MMA's M
 constexpr uint32_t PM_N = 8;       // x rows per column group: the MMA's N
-constexpr int PM_NG = 8;           // column groups per tile
-constexpr int PM_U8 = 4;           // FP8: superblocks per load batch (4 x 16 bytes a row per lane)
+constexpr int PM_NG = 4;           // column groups per tile (model/kernels/proj_mma.py TILE_ROWS / 8)
+constexpr int PM_U8 = 3;           // FP8: superblocks per load batch (3 x 16 bytes a row per lane)
 constexpr int PM_U16 = 2;          // BF16: superblocks per load batch (2 x 32 bytes a row per lane)
 constexpr uint32_t PM_BLOCK = 128;  // FP8 scale block, both dimensions
 
@@ -271,13 +273,11 @@ __device__ __forceinline__ void slice_any(const WarpTile& wt, uint32_t s0, uint3
     if (wt.fp8) {
         if (ngc <= 1u) slice_fp8<1>(wt, s0, s1, nsb, cbase, xs, xrow, part, acc);
         else if (ngc <= 2u) slice_fp8<2>(wt, s0, s1, nsb, cbase, xs, xrow, part, acc);
-        else if (ngc <= 4u) slice_fp8<4>(wt, s0, s1, nsb, cbase, xs, xrow, part, acc);
-        else slice_fp8<8>(wt, s0, s1, nsb, cbase, xs, xrow, part, acc);
+        else slice_fp8<4>(wt, s0, s1, nsb, cbase, xs, xrow, part, acc);
     } else {
         if (ngc <= 1u) slice_bf16<1>(wt, s0, s1, nsb, xs, xrow, acc);
         else if (ngc <= 2u) slice_bf16<2>(wt, s0, s1, nsb, xs, xrow, acc);
-        else if (ngc <= 4u) slice_bf16<4>(wt, s0, s1, nsb, xs, xrow, acc);
-        else slice_bf16<8>(wt, s0, s1, nsb, xs, xrow, acc);
+        else slice_bf16<4>(wt, s0, s1, nsb, xs, xrow, acc);
     }
 }
 
@@ -385,13 +385,13 @@ __device__ __forceinline__ void proj_mma_body(const uint16_t* __restrict__ x, ui
 // scales and its column c of head h column s_col0 + h * k + c; else BF16. Grid (row groups * tiles,
 // heads), block 256 (8 warps of 16 weight rows), dynamic shared memory: the x staging (file
 // comment). Pdl.WAIT, releasing at exit.
-extern "C" __global__ void __launch_bounds__(256, 1) proj_mma_bf16(PM_PARAMS) {
+extern "C" __global__ void __launch_bounds__(256, 2) proj_mma_bf16(PM_PARAMS) {
     proj_mma_body<false>(x, x_stride, x_head, y, y_stride, y_head, m, k, tiles, heads, s_cols, s_col0, ksplit, part,
                          PM_SEGS);
 }
 
 // proj_mma_bf16 with y f32.
-extern "C" __global__ void __launch_bounds__(256, 1) proj_mma_f32(PM_PARAMS) {
+extern "C" __global__ void __launch_bounds__(256, 2) proj_mma_f32(PM_PARAMS) {
     proj_mma_body<true>(x, x_stride, x_head, y, y_stride, y_head, m, k, tiles, heads, s_cols, s_col0, ksplit, part,
                         PM_SEGS);
 }

@@ -37,13 +37,12 @@ from runtime.launch import launch
 from .batch import check_rows
 from .bgemv_fp8 import FP8_BLOCK, MAX_SEGMENTS, GemvSegment, check_segments, fp8_block_dot
 
-TILE_ROWS = 64  # x rows per tile (ptx/proj_mma.cu PM_TILE)
+TILE_ROWS = 32  # x rows per tile (ptx/proj_mma.cu PM_NG column groups of 8)
 WARP_ROWS = 16  # weight rows per warp tile (PM_ROWS)
 WARPS = 8
 # Dynamic shared memory of a launch at most: a tile's x rows for all of k when they fit, else two
-# slices (ptx/proj_mma.cu). The kernel's 160 registers a thread keep one block on an SM anyway;
-# long slices mean fewer barriers and whole weight batches (4 superblocks) a slice.
-SMEM_MAX = 160 * 1024
+# slices (ptx/proj_mma.cu); two blocks an SM (the kernel's 128 registers a thread allow it).
+SMEM_MAX = 100 * 1024
 _U32_MAX = 2**32 - 1
 
 
@@ -86,8 +85,8 @@ def proj_tiles(m: int) -> int:
 def proj_mma_smem(m: int, k: int, ksplit: int = 1) -> int:
     """Bytes of x staging (ptx/proj_mma.cu): each tile row ``128 S + 16`` bytes a slice of S
     superblocks of its split of k; the whole split in one slice when the largest tile fits in
-    SMEM_MAX, else two buffers of the largest S that fit (a multiple of 4 where that is at least 4:
-    whole weight batches)."""
+    SMEM_MAX, else two buffers of the largest S that fit (a multiple of 6 where that is at least 6:
+    whole weight batches of 3 FP8 and 2 BF16 superblocks)."""
     tiles = proj_tiles(m)
     tmax = -(-m // tiles)
     nsb = k // 64 // ksplit
@@ -95,7 +94,7 @@ def proj_mma_smem(m: int, k: int, ksplit: int = 1) -> int:
     if whole <= SMEM_MAX:
         return whole
     s = min(nsb, (SMEM_MAX // tmax // 2 - 16) // 128)
-    s = s // 4 * 4 if s >= 4 else s
+    s = s // 6 * 6 if s >= 6 else s
     return tmax * 2 * (128 * s + 16)
 
 
