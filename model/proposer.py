@@ -70,7 +70,7 @@ from .kernels.batch import ENTRY_BYTES, ENTRY_WORDS, MAX_ROWS, PAD_SLOT
 from .kernels.bgemv_fp8 import GemvSegment
 from .kernels.draft_sample import SAMPLE_WORDS, pack_sampling, sample_workspace_bytes
 from .kernels.draft_sample_shard import SHARD_TOP_K_MAX
-from .kernels.mtp_input import mtp_embed_norm_batch, mtp_embed_norm_flags_batch, mtp_input_gemv_batch
+from .kernels.mtp_input import mtp_embed_norm_batch, mtp_input_gemv_batch
 from .proposer_checks import (
     FLAG_BYTES,
     FLAG_LOGITS,
@@ -448,7 +448,7 @@ class MtpProposer:
             self.pools = SlotPools(
                 gpu, cfg.dsa, cfg.attention.kv_lora_rank, self.rows_cap, options.max_sequences
             )
-            # eh_proj on tensor cores too (its input rows staged by mtp_embed_norm_flags_batch).
+            # eh_proj on tensor cores too (its input rows and flags by mtp_embed_norm_batch).
             self.eh_segments = (GemvSegment(w=self.eh_proj, scales=None, rows=H, col=0),)
             self.tc_eh = self.tensor_core_projections and pm.proj_mma_supported(2 * H, 2 * H)
             eh_part = pm.proj_workspace_bytes(self.eh_segments, 1, 2 * H, 1, H) if self.tc_eh else 0
@@ -1100,7 +1100,7 @@ class MtpProposer:
         H = cfg.hidden_size
         if self.tc_eh:
             # The input rows, then eh_proj on tensor cores (model/kernels/proj_mma.py).
-            mtp_embed_norm_flags_batch(
+            mtp_embed_norm_batch(
                 self.gpu,
                 table=self.tables.embed,
                 entries=st.entries,

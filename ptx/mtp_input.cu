@@ -17,14 +17,20 @@ constexpr int EH_ROWS_PER_WARP = 4;
 
 // ---- the batch: m entries (1 <= m <= 256, ptx/batch.cuh), eh_proj read once for all of them ---------
 
+namespace {
 // Row e of out is [rmsnorm(table[entry e's token]) * enorm ; rmsnorm(hidden[e]) * hnorm] for the m
 // entries. Grid (m, 2), block 256: blockIdx.y picks the half, so both 8 KB reductions of a
 // 4096-wide row run on two SMs at once. A padding entry's row is not written and nothing is read
-// for it. No PDL.
-extern "C" __global__ void __launch_bounds__(256) mtp_embed_norm_batch(
-    const uint16_t* __restrict__ table, const uint32_t* __restrict__ entries, const uint16_t* __restrict__ enorm,
-    const uint16_t* __restrict__ hidden, const uint16_t* __restrict__ hnorm, uint16_t* __restrict__ out,
-    uint32_t m, uint32_t vocab, uint32_t h, float eps) {
+// for it. FLAGS: the hidden half's block also stores HIDDEN_NONFINITE (1: the hidden row's RMS
+// divisor is not finite) | TOKEN_OUTSIDE (2: the token is not in the vocabulary) into
+// flags[4 e + flag_byte] when either holds, as mtp_input_gemv_batch does (one writer a byte: the
+// flags live in mapped host memory, where atomics are not assured).
+template <bool FLAGS>
+__device__ __forceinline__ void embed_norm_row(const uint16_t* __restrict__ table, const uint32_t* __restrict__ entries,
+                                               const uint16_t* __restrict__ enorm, const uint16_t* __restrict__ hidden,
+                                               const uint16_t* __restrict__ hnorm, uint16_t* __restrict__ out,
+                                               uint32_t m, uint32_t vocab, uint32_t h, float eps,
+                                               uint8_t* __restrict__ flags, uint32_t flag_byte) {
     __shared__ float scratch[32];
     const uint32_t e = blockIdx.x;
     if (e >= m) return;
@@ -45,38 +51,29 @@ extern "C" __global__ void __launch_bounds__(256) mtp_embed_norm_batch(
         w = hnorm;
     }
     const float d = rms_divisor(x, h, eps, scratch);
+    if (FLAGS && blockIdx.y == 1) {
+        const uint32_t bad = (isfinite(d) ? 0u : 1u) | (b.token >= vocab ? 2u : 0u);
+        if (threadIdx.x == 0 && bad) flags[(size_t)e * 4u + flag_byte] = (uint8_t)bad;
+    }
     rms_apply(x, w, o, h, d);
 }
+}  // namespace
 
-// mtp_embed_norm_batch that also checks each live entry's inputs as mtp_input_gemv_batch does: the
-// hidden half's block stores HIDDEN_NONFINITE (1: the hidden row's RMS divisor is not finite) |
-// TOKEN_OUTSIDE (2: the token is not in the vocabulary) into flags[4 e + flag_byte] when either
-// holds (one writer a byte: the flags live in mapped host memory, where atomics are not assured).
-// The input of eh_proj on tensor cores (model/kernels/proj_mma.py). No PDL.
+// The catch-up's input rows (embed_norm_row). No PDL.
+extern "C" __global__ void __launch_bounds__(256) mtp_embed_norm_batch(
+    const uint16_t* __restrict__ table, const uint32_t* __restrict__ entries, const uint16_t* __restrict__ enorm,
+    const uint16_t* __restrict__ hidden, const uint16_t* __restrict__ hnorm, uint16_t* __restrict__ out,
+    uint32_t m, uint32_t vocab, uint32_t h, float eps) {
+    embed_norm_row<false>(table, entries, enorm, hidden, hnorm, out, m, vocab, h, eps, nullptr, 0u);
+}
+
+// A draft's input rows for eh_proj on tensor cores (model/kernels/proj_mma.py), with the flags
+// (embed_norm_row). No PDL.
 extern "C" __global__ void __launch_bounds__(256) mtp_embed_norm_flags_batch(
     const uint16_t* __restrict__ table, const uint32_t* __restrict__ entries, const uint16_t* __restrict__ enorm,
     const uint16_t* __restrict__ hidden, const uint16_t* __restrict__ hnorm, uint16_t* __restrict__ out,
     uint32_t m, uint32_t vocab, uint32_t h, float eps, uint8_t* __restrict__ flags, uint32_t flag_byte) {
-    __shared__ float scratch[32];
-    const uint32_t e = blockIdx.x;
-    if (e >= m) return;
-    const BatchEntry b = load_entry(entries, e);
-    if (entry_is_pad(b)) return;
-    uint16_t* o = out + (size_t)e * 2u * h + (blockIdx.y ? h : 0u);
-    if (blockIdx.y == 0) {
-        if (b.token >= vocab) {
-            for (uint32_t i = threadIdx.x; i < h; i += blockDim.x) o[i] = (uint16_t)BF16_QNAN_BITS;
-            return;
-        }
-        const uint16_t* x = table + (size_t)b.token * h;
-        rms_apply(x, enorm, o, h, rms_divisor(x, h, eps, scratch));
-        return;
-    }
-    const uint16_t* x = hidden + (size_t)e * h;
-    const float d = rms_divisor(x, h, eps, scratch);
-    const uint32_t bad = (isfinite(d) ? 0u : 1u) | (b.token >= vocab ? 2u : 0u);
-    if (threadIdx.x == 0 && bad) flags[(size_t)e * 4u + flag_byte] = (uint8_t)bad;
-    rms_apply(x, hnorm, o, h, d);
+    embed_norm_row<true>(table, entries, enorm, hidden, hnorm, out, m, vocab, h, eps, flags, flag_byte);
 }
 
 namespace {

@@ -70,6 +70,16 @@ class Seg:
         return dequant64(self.w, self.scales, self.row0)
 
 
+def device_segments(b: Bufs, segs: list[Seg]) -> list[bf.GemvSegment]:
+    """The segments' weights (and scales) uploaded into ``b``, as the kernels take them."""
+    dev = []
+    for sg in segs:
+        pw = b.put(sg.w.view(np.uint8) if sg.scales is not None else sg.w, sg.mis)
+        ps = b.put(sg.scales) if sg.scales is not None else None
+        dev.append(bf.GemvSegment(w=pw, scales=ps, rows=sg.rows, col=sg.col, row0=sg.row0))
+    return dev
+
+
 def seg_gemv(
     gpu,
     x: np.ndarray,
@@ -91,11 +101,7 @@ def seg_gemv(
     groups = order if order is not None else [list(range(len(segs)))]
     with Bufs(gpu) as b:
         px, pn, py = b.put(x, mis), b.put(nw), b.poison(m * y_stride * 2)
-        dev = []
-        for sg in segs:
-            pw = b.put(sg.w.view(np.uint8) if sg.scales is not None else sg.w, sg.mis)
-            ps = b.put(sg.scales) if sg.scales is not None else None
-            dev.append(bf.GemvSegment(w=pw, scales=ps, rows=sg.rows, col=sg.col, row0=sg.row0))
+        dev = device_segments(b, segs)
         for grp in groups:
             for e, mm in [(e, 1) for e in range(m)] if single else [(0, m)]:
                 bf.rmsnorm_gemv_seg_batch(

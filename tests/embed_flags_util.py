@@ -1,4 +1,4 @@
-"""Launch harness for mtp_embed_norm_flags_batch (model/kernels/mtp_input.py) on any backend: a
+"""Launch harness for mtp_embed_norm_batch with flags (MTP_EMBED_NORM_FLAGS_BATCH) (model/kernels/mtp_input.py) on any backend: a
 batch with a live entry, one whose token is outside the vocabulary, one whose hidden row holds a
 NaN, and a padding entry; returns (out rows [m, 2h] BF16, flag bytes [m, 4])."""
 
@@ -26,7 +26,7 @@ def embed_flags_case(gpu, seed: int, flag_byte: int):
         pt, pe, pen, ph, phn = b.put(table), b.put(ent), b.put(enorm), b.put(hidden), b.put(hnorm)
         po = b.poison(4 * 2 * H * 2)
         pf = b.put(np.zeros(16, np.uint8))
-        mi.mtp_embed_norm_flags_batch(
+        mi.mtp_embed_norm_batch(
             gpu, table=pt, entries=pe, enorm=pen, hidden=ph, hnorm=phn, out=po, m=4, vocab=VOCAB, h=H, eps=EPS,
             flags=pf, flag_byte=flag_byte,
         )  # fmt: skip

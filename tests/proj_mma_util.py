@@ -8,7 +8,7 @@ pointers at the row), which a batch must reproduce bit for bit.
 from __future__ import annotations
 
 import numpy as np
-from batch_proj_fp8_util import Seg
+from batch_proj_fp8_util import Seg, device_segments
 from batch_proj_util import EPS, Bufs
 
 from model.kernels import bgemv_fp8 as bf
@@ -34,11 +34,7 @@ def proj_seg(
     with Bufs(gpu) as b:
         px, pn, py = b.put(x), b.put(nw), b.poison(m * y_stride * 2)
         pxn = b.poison(m * xs * 2)
-        dev = []
-        for sg in segs:
-            pw = b.put(sg.w.view(np.uint8) if sg.scales is not None else sg.w)
-            ps = b.put(sg.scales) if sg.scales is not None else None
-            dev.append(bf.GemvSegment(w=pw, scales=ps, rows=sg.rows, col=sg.col, row0=sg.row0))
+        dev = device_segments(b, segs)
         wsb = pm.proj_workspace_bytes(dev, 1, k, m, y_stride)
         part = b.poison(wsb) if wsb else None  # the split-k partials, where the shape splits k
         for e, mm in [(e, 1) for e in range(m)] if single else [(0, m)]:

@@ -241,6 +241,20 @@ def check_segments(what: str, segments: Sequence[GemvSegment], y_stride: int) ->
         )
 
 
+def segment_args(segments: Sequence[GemvSegment]) -> tuple[int, list]:
+    """(fp8_mask, the four segments' launch arguments: w, scales, rows, col, row0 each) as the
+    segment kernels take them; an unused segment has rows 0 (valid pointers, never read)."""
+    fp8_mask = sum(1 << i for i, sg in enumerate(segments) if sg.fp8)
+    seg_args: list = []
+    for i in range(MAX_SEGMENTS):
+        if i < len(segments):
+            sg = segments[i]
+            seg_args += [sg.w, sg.scales if sg.fp8 else sg.w, sg.rows, sg.col, sg.row0]
+        else:
+            seg_args += [segments[0].w, segments[0].w, 0, 0, 0]
+    return fp8_mask, seg_args
+
+
 def rmsnorm_gemv_seg_batch(
     gpu,
     *,
@@ -276,14 +290,7 @@ def rmsnorm_gemv_seg_batch(
     n = sum(sg.rows for sg in segments)
     if n > _U32_MAX:
         raise ValueError(f"{what}: {n} rows in all")
-    fp8_mask = sum(1 << i for i, sg in enumerate(segments) if sg.fp8)
-    seg_args: list = []
-    for i in range(MAX_SEGMENTS):
-        if i < len(segments):
-            sg = segments[i]
-            seg_args += [sg.w, sg.scales if sg.fp8 else sg.w, sg.rows, sg.col, sg.row0]
-        else:  # unused: no rows (valid pointers, never read)
-            seg_args += [segments[0].w, segments[0].w, 0, 0, 0]
+    fp8_mask, seg_args = segment_args(segments)
     kernel = gpu.kernel(*_seg_kernel(fp8_mask != 0, beside).key)
     smem = rmsnorm_gemv_seg_batch_smem(m, k, fp8_mask != 0)
     grid = grid_stride_blocks(max(1, -(-n // 8)), gpu.resident_blocks(kernel, 256, smem))

@@ -240,29 +240,6 @@ def mtp_input_gemv_batch(
     )
 
 
-def mtp_embed_norm_batch(gpu, *, table, entries, enorm, hidden, hnorm, out, m, vocab, h, eps, stream=None):
-    """out [m, 2h] BF16 for the context rows of m entries (MTP_EMBED_NORM_BATCH): tokens from the
-    entries, hidden rows dense [m, h]; a padding entry's row is left as it was."""
-    check_rows("mtp_embed_norm_batch", m)
-    launch(
-        gpu,
-        gpu.kernel(*MTP_EMBED_NORM_BATCH.key),
-        (m, 2),
-        256,
-        table,
-        entries,
-        enorm,
-        hidden,
-        hnorm,
-        out,
-        m,
-        vocab,
-        h,
-        eps,
-        stream=stream,
-    )
-
-
 @declare(
     "mtp_input",
     "mtp_embed_norm_flags_batch",
@@ -302,30 +279,19 @@ def MTP_EMBED_NORM_FLAGS_BATCH(
             mem.write(flags.offset(e * 4 + flag_byte), np.array([bad], np.uint8))
 
 
-def mtp_embed_norm_flags_batch(
-    gpu, *, table, entries, enorm, hidden, hnorm, out, m, vocab, h, eps, flags, flag_byte, stream=None
+def mtp_embed_norm_batch(
+    gpu, *, table, entries, enorm, hidden, hnorm, out, m, vocab, h, eps, flags=None, flag_byte=0, stream=None
 ):
-    """mtp_embed_norm_batch for a draft's entries, setting their flag bytes as mtp_input_gemv_batch
-    does (flags + 4 e + flag_byte)."""
-    check_rows("mtp_embed_norm_flags_batch", m)
-    if not 0 <= flag_byte < 4:
-        raise ValueError(f"mtp_embed_norm_flags_batch: flag_byte={flag_byte}")
-    launch(
-        gpu,
-        gpu.kernel(*MTP_EMBED_NORM_FLAGS_BATCH.key),
-        (m, 2),
-        256,
-        table,
-        entries,
-        enorm,
-        hidden,
-        hnorm,
-        out,
-        m,
-        vocab,
-        h,
-        eps,
-        flags,
-        flag_byte,
-        stream=stream,
-    )
+    """out [m, 2h] BF16 for m entries (MTP_EMBED_NORM_BATCH): tokens from the entries, hidden rows
+    dense [m, h]; a padding entry's row is left as it was. With ``flags`` (a draft's input rows)
+    each live entry's flag byte ``flags + 4 e + flag_byte`` is set as mtp_input_gemv_batch sets it
+    (MTP_EMBED_NORM_FLAGS_BATCH)."""
+    check_rows("mtp_embed_norm_batch", m)
+    args = [table, entries, enorm, hidden, hnorm, out, m, vocab, h, eps]
+    decl = MTP_EMBED_NORM_BATCH
+    if flags is not None:
+        if not 0 <= flag_byte < 4:
+            raise ValueError(f"mtp_embed_norm_batch: flag_byte={flag_byte}")
+        args += [flags, flag_byte]
+        decl = MTP_EMBED_NORM_FLAGS_BATCH
+    launch(gpu, gpu.kernel(*decl.key), (m, 2), 256, *args, stream=stream)

@@ -35,7 +35,7 @@ from runtime.kernels.rmsnorm import rmsnorm_ref
 from runtime.launch import launch
 
 from .batch import check_rows
-from .bgemv_fp8 import FP8_BLOCK, MAX_SEGMENTS, GemvSegment, check_segments, fp8_block_dot
+from .bgemv_fp8 import FP8_BLOCK, MAX_SEGMENTS, GemvSegment, check_segments, fp8_block_dot, segment_args
 
 TILE_ROWS = 32  # x rows per tile (ptx/proj_mma.cu PM_NG column groups of 8)
 WARP_ROWS = 16  # weight rows per warp tile (PM_ROWS)
@@ -123,32 +123,18 @@ _PM_ARGS = [
 ]
 
 
-def _proj(
-    mem,
-    x,
-    x_stride,
-    x_head,
-    y,
-    y_stride,
-    y_head,
-    m,
-    k,
-    heads,
-    s_cols,
-    s_col0,
-    ksplit,
-    part,
-    fp8_mask,
-    segs,
-    dtype,
-):
+def _proj(mem, args, dtype) -> None:
     """Per head and segment the CUDA-core twins' arithmetic (dot_rows; fp8_block_dot with the
     head's columns from s_col0 + h * k), written to the segment's columns of each y row; y's other
     columns are left as they were. With ksplit > 1 the f32 result goes to split 0 of ``part`` and
-    zeros to the others, so that proj_reduce's ordered sum gives those bits exactly (x + 0 = x)."""
+    zeros to the others, so that proj_reduce's ordered sum gives those bits exactly (x + 0 = x).
+    ``args``: the launch's arguments in _PM_ARGS order."""
+    x, x_stride, x_head, y, y_stride, y_head, m, k, _tiles, heads, s_cols, s_col0, ksplit, part, fp8_mask = (
+        args[:15]
+    )
+    segs = args[15:]
     if ksplit > 1:
-        _proj(
-            mem,
+        whole = (
             x,
             x_stride,
             x_head,
@@ -157,15 +143,15 @@ def _proj(
             y_head,
             m,
             k,
+            _tiles,
             heads,
             s_cols,
             s_col0,
             1,
             part,
             fp8_mask,
-            segs,
-            np.float32,
         )
+        _proj(mem, whole + tuple(segs), np.float32)
         for sp in range(1, ksplit):
             for h in range(heads):
                 for i in range(MAX_SEGMENTS):
@@ -194,88 +180,16 @@ def _proj(
 
 
 @declare("proj_mma", "proj_mma_bf16", list(_PM_ARGS), writes=("y", "part"), pdl=True)
-def PROJ_MMA_BF16(
-    mem,
-    x,
-    x_stride,
-    x_head,
-    y,
-    y_stride,
-    y_head,
-    m,
-    k,
-    tiles,
-    heads,
-    s_cols,
-    s_col0,
-    ksplit,
-    part,
-    fp8_mask,
-    *segs,
-):
+def PROJ_MMA_BF16(mem, *args):
     """y[e, h * y_head + col_i + r] = W_i[h][r] . x[e, h * x_head ..] for h < heads, y BF16 (with
     ksplit > 1: each split's f32 partials into part, laid out as y; proj_reduce_bf16 sums them)."""
-    _proj(
-        mem,
-        x,
-        x_stride,
-        x_head,
-        y,
-        y_stride,
-        y_head,
-        m,
-        k,
-        heads,
-        s_cols,
-        s_col0,
-        ksplit,
-        part,
-        fp8_mask,
-        segs,
-        BF16,
-    )
+    _proj(mem, args, BF16)
 
 
 @declare("proj_mma", "proj_mma_f32", list(_PM_ARGS), writes=("y", "part"), pdl=True)
-def PROJ_MMA_F32(
-    mem,
-    x,
-    x_stride,
-    x_head,
-    y,
-    y_stride,
-    y_head,
-    m,
-    k,
-    tiles,
-    heads,
-    s_cols,
-    s_col0,
-    ksplit,
-    part,
-    fp8_mask,
-    *segs,
-):
+def PROJ_MMA_F32(mem, *args):
     """proj_mma_bf16 with y f32."""
-    _proj(
-        mem,
-        x,
-        x_stride,
-        x_head,
-        y,
-        y_stride,
-        y_head,
-        m,
-        k,
-        heads,
-        s_cols,
-        s_col0,
-        ksplit,
-        part,
-        fp8_mask,
-        segs,
-        np.float32,
-    )
+    _proj(mem, args, np.float32)
 
 
 _PR_ARGS = [
@@ -416,14 +330,7 @@ def proj_mma_batch(
     s_cols = -(-(s_col0 + heads * k) // FP8_BLOCK[1]) if s_cols is None else s_cols
     if s_cols * FP8_BLOCK[1] < s_col0 + heads * k:
         raise ValueError(f"{what}: s_cols={s_cols} does not cover columns up to {s_col0 + heads * k}")
-    fp8_mask = sum(1 << i for i, sg in enumerate(segments) if sg.fp8)
-    seg_args: list = []
-    for i in range(MAX_SEGMENTS):
-        if i < len(segments):
-            sg = segments[i]
-            seg_args += [sg.w, sg.scales if sg.fp8 else sg.w, sg.rows, sg.col, sg.row0]
-        else:  # unused: no rows (valid pointers, never read)
-            seg_args += [segments[0].w, segments[0].w, 0, 0, 0]
+    fp8_mask, seg_args = segment_args(segments)
     tiles = proj_tiles(m)
     warp_tiles = sum(-(-sg.rows // WARP_ROWS) for sg in segments)
     groups = -(-warp_tiles // WARPS)
