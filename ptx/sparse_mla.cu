@@ -252,39 +252,25 @@ __device__ __forceinline__ void mla_partial_tile(
     }
     __syncthreads();
 
-    // Scores: warp w owns rows 8w..8w+7 (one n-tile); k runs over dim in steps of 16, step i into
-    // accumulator i % SA, summed ((0 + 1) + (2 + 3)) at the end: four independent chains instead of
-    // one chain of 2 dim / 16 dependent MMAs (this kernel is bound by each warp's own latency).
+    // Scores: warp w owns rows 8w..8w+7 (one n-tile); k runs over dim in steps of 16.
     {
-        constexpr int SA = 4;
-        float accs[SA][4] = {};
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         const uint32_t rb = 8u * warp;
-        for (uint32_t k0 = 0; k0 < dim; k0 += 16u * SA) {
-            uint32_t ah[SA][4], al[SA][4], b0[SA], b1[SA];
-#pragma unroll
-            for (int a = 0; a < SA; ++a) {
-                const uint32_t kk = min(k0 + 16u * (uint32_t)a, dim - 16u);  // past dim: unused
-                ah[a][0] = ld_u32(qhi + g * dp + kk + 2u * t);
-                ah[a][1] = ld_u32(qhi + (g + 8u) * dp + kk + 2u * t);
-                ah[a][2] = ld_u32(qhi + g * dp + kk + 8u + 2u * t);
-                ah[a][3] = ld_u32(qhi + (g + 8u) * dp + kk + 8u + 2u * t);
-                al[a][0] = ld_u32(qlo + g * dp + kk + 2u * t);
-                al[a][1] = ld_u32(qlo + (g + 8u) * dp + kk + 2u * t);
-                al[a][2] = ld_u32(qlo + g * dp + kk + 8u + 2u * t);
-                al[a][3] = ld_u32(qlo + (g + 8u) * dp + kk + 8u + 2u * t);
-                b0[a] = ld_u32(cs + (rb + g) * dp + kk + 2u * t);
-                b1[a] = ld_u32(cs + (rb + g) * dp + kk + 8u + 2u * t);
-            }
-#pragma unroll
-            for (int a = 0; a < SA; ++a)
-                if (k0 + 16u * (uint32_t)a < dim) mma_bf16(accs[a], ah[a], b0[a], b1[a]);
-#pragma unroll
-            for (int a = 0; a < SA; ++a)
-                if (k0 + 16u * (uint32_t)a < dim) mma_bf16(accs[a], al[a], b0[a], b1[a]);
+        for (uint32_t k0 = 0; k0 < dim; k0 += 16u) {
+            uint32_t ah[4], al[4];
+            ah[0] = ld_u32(qhi + g * dp + k0 + 2u * t);
+            ah[1] = ld_u32(qhi + (g + 8u) * dp + k0 + 2u * t);
+            ah[2] = ld_u32(qhi + g * dp + k0 + 8u + 2u * t);
+            ah[3] = ld_u32(qhi + (g + 8u) * dp + k0 + 8u + 2u * t);
+            al[0] = ld_u32(qlo + g * dp + k0 + 2u * t);
+            al[1] = ld_u32(qlo + (g + 8u) * dp + k0 + 2u * t);
+            al[2] = ld_u32(qlo + g * dp + k0 + 8u + 2u * t);
+            al[3] = ld_u32(qlo + (g + 8u) * dp + k0 + 8u + 2u * t);
+            const uint32_t b0 = ld_u32(cs + (rb + g) * dp + k0 + 2u * t);
+            const uint32_t b1 = ld_u32(cs + (rb + g) * dp + k0 + 8u + 2u * t);
+            mma_bf16(acc, ah, b0, b1);
+            mma_bf16(acc, al, b0, b1);
         }
-        float acc[4];
-#pragma unroll
-        for (int q = 0; q < 4; ++q) acc[q] = __fadd_rn(__fadd_rn(accs[0][q], accs[1][q]), __fadd_rn(accs[2][q], accs[3][q]));
         const uint32_t r0 = rb + 2u * t, r1 = r0 + 1u;
         const float f0 = r0 < nr ? __fmul_rn(sc_s[r0], scale) : 0.0f;
         const float f1 = r1 < nr ? __fmul_rn(sc_s[r1], scale) : 0.0f;
@@ -331,8 +317,7 @@ __device__ __forceinline__ void mla_partial_tile(
 #pragma unroll
         for (int i = 0; i < MLA_NTW; ++i) {
             const uint32_t nt = warp + 8u * i;
-            // At the full width every warp has all MLA_NTW tiles: no branch between the MMAs.
-            if (DIM == 64u * MLA_NTW || nt < ntiles) {
+            if (nt < ntiles) {
                 const uint32_t col = 8u * nt + g;
                 const uint16_t* c0 = cs + (size_t)(r0 + 2u * t) * dp + col;
                 const uint32_t b0 = (uint32_t)c0[0] | ((uint32_t)c0[dp] << 16);
