@@ -175,19 +175,19 @@ class DecoderLayer:
         self.tc_wv = tc and pm.proj_mma_supported(a.kv_lora_rank, hl * a.kv_lora_rank, a.kv_lora_rank)
         gw = sh.group_heads * a.v_head_dim
         self.tc_o = tc and pm.proj_mma_supported(gw, hl * a.v_head_dim, gw, attn.o_col0)
-        # The split-k workspace a row of each tensor-core launch needs (k split by shape alone).
+        # The per-head projections' weights as one segment each, made once (not per launch).
         H, C = cfg.hidden_size, a.kv_lora_rank
-
-        def one(w: DevicePtr, rows: int) -> tuple[GemvSegment, ...]:
-            return (GemvSegment(w=w, scales=None, rows=rows, col=0),)
-
+        self.wk_seg = (GemvSegment(w=attn.wk_t, scales=None, rows=C, col=0),)
+        self.wv_seg = (GemvSegment(w=attn.wv, scales=None, rows=a.v_head_dim, col=0),)
+        self.o_seg = (GemvSegment(w=attn.o_proj, scales=attn.o_scales, rows=H, col=0),)
+        # The split-k workspace a row of each tensor-core launch needs (k split by shape alone).
         sites = [
             (self.tc_fused, attn.fused_full, 1, H, attn.fused_rows),
             (self.tc_fused, attn.fused_ctx, 1, H, self.ctx_rows),
             (self.tc_q, attn.q_segments, 1, a.q_lora_rank, nq),
-            (self.tc_wk, one(attn.wk_t, C), hl, a.qk_nope_head_dim, hl * C),
-            (self.tc_wv, one(attn.wv, a.v_head_dim), hl, C, hl * a.v_head_dim),
-            (self.tc_o, one(attn.o_proj, H), sh.local_groups, gw, sh.groups * H),
+            (self.tc_wk, self.wk_seg, hl, a.qk_nope_head_dim, hl * C),
+            (self.tc_wv, self.wv_seg, hl, C, hl * a.v_head_dim),
+            (self.tc_o, self.o_seg, sh.local_groups, gw, sh.groups * H),
         ]
         self.part_row_bytes = max(
             (pm.proj_workspace_bytes(sg, heads, k, 1, ys) for on, sg, heads, k, ys in sites if on), default=0
@@ -260,7 +260,7 @@ class DecoderLayer:
         self,
         *,
         tc: bool,
-        w: DevicePtr,
+        seg: tuple[GemvSegment],
         x: DevicePtr,
         x_stride: int,
         y: DevicePtr,
@@ -270,23 +270,23 @@ class DecoderLayer:
         n: int,
         k: int,
         out_f32: bool,
-        scales: DevicePtr | None = None,
         scale_cols: int = 0,
         col0: int = 0,
         part: DevicePtr | None = None,
         beside: bool = False,
         stream=None,
     ) -> None:
-        """Per head h: y[e, h * n : + n] = W[h] (n x k) @ x[e, h * k : + k]; W BF16, or FP8 with
-        block scales (o_proj). Tensor cores with ``tc`` (``part``: the split-k workspace), else the
-        CUDA-core GEMVs."""
+        """Per head h: y[e, h * n : + n] = W[h] (n x k) @ x[e, h * k : + k]; W (``seg``: the one
+        segment of rows n) BF16, or FP8 with block scales (o_proj). Tensor cores with ``tc``
+        (``part``: the split-k workspace), else the CUDA-core GEMVs."""
+        w, scales = seg[0].w, seg[0].scales
         if tc:
             pm.proj_mma_batch(
                 self.gpu,
                 x=x,
                 x_stride=x_stride,
                 x_head=k,
-                segments=(GemvSegment(w=w, scales=scales, rows=n, col=0),),
+                segments=seg,
                 y=y,
                 y_stride=y_stride,
                 y_head=n,
@@ -521,7 +521,7 @@ class DecoderLayer:
         self._head_projection(
             tc=self.tc_wk,
             part=s.proj_part,
-            w=w.wk_t,
+            seg=self.wk_seg,
             x=s.q_fused,
             x_stride=nq,
             y=s.q_abs,
@@ -560,7 +560,7 @@ class DecoderLayer:
         self._head_projection(
             tc=self.tc_wv,
             part=s.proj_part,
-            w=w.wv,
+            seg=self.wv_seg,
             x=s.o_lat,
             x_stride=hl * C,
             y=s.o,
@@ -583,7 +583,7 @@ class DecoderLayer:
         self._head_projection(
             tc=self.tc_o,
             part=s.proj_part,
-            w=w.o_proj,
+            seg=self.o_seg,
             x=s.o,
             x_stride=hl * a.v_head_dim,
             y=s.attn_parts.offset(g0 * H * 4),
@@ -593,7 +593,6 @@ class DecoderLayer:
             n=H,
             k=gw,
             out_f32=True,
-            scales=w.o_scales,
             scale_cols=w.o_scale_cols,
             col0=w.o_col0,
             stream=stream,

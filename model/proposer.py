@@ -1096,31 +1096,45 @@ class MtpProposer:
     def _draft_step(self, m: int, i: int, publish: bool, s: int, sampled: bool = False) -> None:
         """Draft i of every entry; with ``publish`` (the step's last draft) the launch that commits
         it also copies drafts 0..i to ``step.drafts_out``."""
+        self._mtp_input(m, i, s)
+        self._block(m, i, s)
+        # A sampled step's head commits the argmax without publishing; the sampler then draws
+        # each sampled row's token (a greedy row keeps the argmax) and publishes drafts and probs.
+        if sampled and self.head_sharded:
+            # The sharded sampler draws every row, greedy ones included, from this rank's logits and
+            # the ranks' exchanged candidates (model/kernels/draft_sample_shard.py).
+            self._head_with(m, i, publish, s, *self._head_weights(), sampled=True)
+            return
+        self._head(m, i, publish and not sampled, s)
+        if sampled:
+            self._sample(m, i, publish, s)
+
+    def _mtp_input(self, m: int, i: int, s: int) -> None:
+        """step.x = eh_proj . [rmsnorm(embed[token]) * enorm ; rmsnorm(hidden) * hnorm] for draft i
+        (hidden: the target's rows, then the drafter's own), each entry's input flags raised."""
         cfg, st = self.cfg, self.step
         H = cfg.hidden_size
+        inputs = dict(
+            table=self.tables.embed,
+            entries=st.entries,
+            enorm=self.enorm,
+            hidden=st.hidden_in if i == 0 else st.xn,
+            hnorm=self.hnorm,
+            m=m,
+            vocab=cfg.vocab_size,
+            h=H,
+            eps=cfg.rms_norm_eps,
+            flags=st.flags,
+            flag_byte=FLAG_TARGET_HIDDEN if i == 0 else FLAG_OWN_HIDDEN,
+            stream=s,
+        )
         if self.tc_eh:
             # The input rows, then eh_proj on tensor cores (model/kernels/proj_mma.py).
-            mtp_embed_norm_batch(
-                self.gpu,
-                table=self.tables.embed,
-                entries=st.entries,
-                enorm=self.enorm,
-                hidden=st.hidden_in if i == 0 else st.xn,
-                hnorm=self.hnorm,
-                out=st.concat,
-                m=m,
-                vocab=cfg.vocab_size,
-                h=H,
-                eps=cfg.rms_norm_eps,
-                flags=st.flags,
-                flag_byte=FLAG_TARGET_HIDDEN if i == 0 else FLAG_OWN_HIDDEN,
-                stream=s,
-            )
+            mtp_embed_norm_batch(self.gpu, out=st.concat, **inputs)
             self._eh_proj(st.concat, st.x, m, self.scratch.proj_part, s)
         else:
-            self._mtp_input(m, i, s)
-        self._block(m, i, s)
-        self._draft_tail(m, i, publish, s, sampled)
+            # Both input norms are every block's prologue of eh_proj (one launch, no concat round trip).
+            mtp_input_gemv_batch(self.gpu, w=self.eh_proj, y=st.x, n=H, **inputs)
 
     def _eh_proj(self, concat: DevicePtr, x: DevicePtr, n: int, part: DevicePtr | None, s) -> None:
         """x[n, H] = eh_proj . concat[n, 2H]: on tensor cores with tc_eh, else the CUDA-core GEMV."""
@@ -1141,42 +1155,6 @@ class MtpProposer:
             part=part,
             stream=s,
         )
-
-    def _mtp_input(self, m: int, i: int, s: int) -> None:
-        cfg, st = self.cfg, self.step
-        H = cfg.hidden_size
-        # Both input norms are every block's prologue of eh_proj (one launch, no concat round trip).
-        mtp_input_gemv_batch(
-            self.gpu,
-            table=self.tables.embed,
-            entries=st.entries,
-            enorm=self.enorm,
-            hidden=st.hidden_in if i == 0 else st.xn,
-            hnorm=self.hnorm,
-            w=self.eh_proj,
-            y=st.x,
-            m=m,
-            vocab=cfg.vocab_size,
-            h=H,
-            n=H,
-            eps=cfg.rms_norm_eps,
-            flags=st.flags,
-            flag_byte=FLAG_TARGET_HIDDEN if i == 0 else FLAG_OWN_HIDDEN,
-            stream=s,
-        )
-
-    def _draft_tail(self, m: int, i: int, publish: bool, s: int, sampled: bool) -> None:
-        """Draft i's head (and sampler) after its block."""
-        # A sampled step's head commits the argmax without publishing; the sampler then draws
-        # each sampled row's token (a greedy row keeps the argmax) and publishes drafts and probs.
-        if sampled and self.head_sharded:
-            # The sharded sampler draws every row, greedy ones included, from this rank's logits and
-            # the ranks' exchanged candidates (model/kernels/draft_sample_shard.py).
-            self._head_with(m, i, publish, s, *self._head_weights(), sampled=True)
-            return
-        self._head(m, i, publish and not sampled, s)
-        if sampled:
-            self._sample(m, i, publish, s)
 
     def _sample(self, m: int, i: int, publish: bool, s: int) -> None:
         st = self.step

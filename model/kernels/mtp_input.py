@@ -90,21 +90,24 @@ def _entry_token_ptr(entries, e: int):
     return entries.offset(e * ENTRY_BYTES + 8)
 
 
+_EMBED_NORM_ARGS = [
+    ("table", PTR),
+    ("entries", PTR),
+    ("enorm", PTR),
+    ("hidden", PTR),
+    ("hnorm", PTR),
+    ("out", PTR),
+    ("m", U32),
+    ("vocab", U32),
+    ("h", U32),
+    ("eps", F32),
+]
+
+
 @declare(
     "mtp_input",
     "mtp_embed_norm_batch",
-    [
-        ("table", PTR),
-        ("entries", PTR),
-        ("enorm", PTR),
-        ("hidden", PTR),
-        ("hnorm", PTR),
-        ("out", PTR),
-        ("m", U32),
-        ("vocab", U32),
-        ("h", U32),
-        ("eps", F32),
-    ],
+    list(_EMBED_NORM_ARGS),
     writes=("out",),
 )
 def MTP_EMBED_NORM_BATCH(mem, table, entries, enorm, hidden, hnorm, out, m, vocab, h, eps):
@@ -243,20 +246,7 @@ def mtp_input_gemv_batch(
 @declare(
     "mtp_input",
     "mtp_embed_norm_flags_batch",
-    [
-        ("table", PTR),
-        ("entries", PTR),
-        ("enorm", PTR),
-        ("hidden", PTR),
-        ("hnorm", PTR),
-        ("out", PTR),
-        ("m", U32),
-        ("vocab", U32),
-        ("h", U32),
-        ("eps", F32),
-        ("flags", PTR),
-        ("flag_byte", U32),
-    ],
+    _EMBED_NORM_ARGS + [("flags", PTR), ("flag_byte", U32)],
     writes=("out", "flags"),
 )
 def MTP_EMBED_NORM_FLAGS_BATCH(

@@ -59,11 +59,16 @@ SPLIT_TARGET = 128
 SPLIT_MIN_SUPERBLOCKS = 4  # a split keeps at least this many 64-column superblocks
 
 
+def _row_groups(segments: Sequence[GemvSegment]) -> int:
+    """Blocks of WARPS warp tiles of WARP_ROWS weight rows over the segments (a head's)."""
+    return -(-sum(-(-sg.rows // WARP_ROWS) for sg in segments) // WARPS)
+
+
 def proj_ksplit(segments: Sequence[GemvSegment], heads: int, k: int) -> int:
     """Splits of k for a launch whose row groups and heads give few blocks (fused_in: 19 row
     groups at GLM-5.3-Flash's shapes): each split's f32 partials go to a workspace and
     proj_reduce sums them in order. A power of two dividing k / 64."""
-    groups = -(-sum(-(-sg.rows // WARP_ROWS) for sg in segments) // WARPS)
+    groups = _row_groups(segments)
     nsb, s = k // 64, 1
     while (
         groups * heads * s < SPLIT_TARGET and nsb % (2 * s) == 0 and nsb // (2 * s) >= SPLIT_MIN_SUPERBLOCKS
@@ -332,8 +337,7 @@ def proj_mma_batch(
         raise ValueError(f"{what}: s_cols={s_cols} does not cover columns up to {s_col0 + heads * k}")
     fp8_mask, seg_args = segment_args(segments)
     tiles = proj_tiles(m)
-    warp_tiles = sum(-(-sg.rows // WARP_ROWS) for sg in segments)
-    groups = -(-warp_tiles // WARPS)
+    groups = _row_groups(segments)
     ksplit = proj_ksplit(segments, heads, k) if part is not None else 1
     decl = PROJ_MMA_F32 if out_f32 else PROJ_MMA_BF16
     launch(
@@ -362,9 +366,7 @@ def proj_mma_batch(
     )
     if ksplit > 1:
         red = PROJ_REDUCE_F32 if out_f32 else PROJ_REDUCE_BF16
-        cols: list[int] = []
-        for i in range(MAX_SEGMENTS):
-            cols += [segments[i].rows, segments[i].col] if i < len(segments) else [0, 0]
+        cols = [v for i in range(MAX_SEGMENTS) for v in seg_args[5 * i + 2 : 5 * i + 4]]  # rows, col
         launch(
             gpu,
             gpu.kernel(*red.key),
