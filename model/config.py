@@ -13,14 +13,100 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 
 class ConfigError(ValueError):
     """A config field is missing, has the wrong type, or contradicts another field."""
 
 
 @dataclass(frozen=True)
+class YarnScaling:
+    """YaRN's frequency interpolation (DeepSeek-V3.2: factor 40 over 4096 original positions),
+    with transformers' names and defaults (``modeling_rope_utils._compute_yarn_parameters``)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction, 0.1 * mscale * ln(scale) + 1 (1 for scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """RoPE of the MLA's rope dims and of the indexer's first rope dims (one table for both, as
+    transformers' ``GlmMoeDsaRotaryEmbedding`` / ``DeepseekV32RotaryEmbedding`` give both).
+
+    ``interleave``: the MLA rotates pairs (2i, 2i + 1) (``rope_interleave``, both GLM-5 and
+    DeepSeek-V3.2); ``indexer_interleave``: the indexer does too (GLM-5), else pairs (i, i + d/2)
+    (DeepSeek-V3.2). A pair's rotation is stored in place either way: queries and keys share the
+    layout, so every dot product is that of transformers' de-interleaved one."""
+
+    theta: float
+    interleave: bool = True
+    indexer_interleave: bool = True
+    yarn: YarnScaling | None = None
+
+    def inv_freq(self, dim: int) -> np.ndarray:
+        """The float32 inverse frequencies of ``dim`` rope dims (``dim // 2`` pairs)."""
+        exponents = np.arange(0, dim, 2, dtype=np.float64) / dim
+        pos_freqs = self.theta**exponents
+        extrapolation = 1.0 / pos_freqs
+        y = self.yarn
+        if y is None:
+            return extrapolation.astype(np.float32)
+        interpolation = 1.0 / (y.factor * pos_freqs)
+
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+                2 * math.log(self.theta)
+            )
+
+        low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
+        if y.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # transformers' guard against a zero-width ramp
+        ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+        extrapolation_factor = 1 - ramp
+        inv = interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor
+        return inv.astype(np.float32)
+
+    @property
+    def attention_factor(self) -> float:
+        """The factor YaRN puts on cos and sin (1 without YaRN)."""
+        y = self.yarn
+        if y is None:
+            return 1.0
+        if y.attention_factor is not None:
+            return y.attention_factor
+        if y.mscale and y.mscale_all_dim:
+            return yarn_mscale(y.factor, y.mscale) / yarn_mscale(y.factor, y.mscale_all_dim)
+        return yarn_mscale(y.factor)
+
+    @property
+    def softmax_mscale(self) -> float:
+        """YaRN's correction of the attention's softmax scale (mscale(factor, mscale_all_dim)^2,
+        DeepSeek's; transformers' ``yarn_apply_mscale``): 1 without YaRN or mscale_all_dim."""
+        y = self.yarn
+        if y is None or not y.mscale_all_dim:
+            return 1.0
+        return yarn_mscale(y.factor, y.mscale_all_dim) ** 2
+
+
+@dataclass(frozen=True)
 class AttentionConfig:
-    """Absorbed NoPE MLA of the decoder block."""
+    """Absorbed MLA of the decoder block: NoPE (``qk_rope_head_dim`` 0, GLM-5.3-Flash) or with a
+    RoPE part of ``qk_rope_head_dim`` dims per head and a shared rope key (GLM-5, DeepSeek-V3.2)."""
 
     num_attention_heads: int
     q_lora_rank: int
@@ -28,6 +114,7 @@ class AttentionConfig:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
+    rope: RopeConfig | None = None
 
     @property
     def qk_head_dim(self) -> int:
@@ -35,7 +122,8 @@ class AttentionConfig:
 
     @property
     def softmax_scale(self) -> float:
-        return 1.0 / float(self.qk_head_dim) ** 0.5
+        mscale = self.rope.softmax_mscale if self.rope is not None else 1.0
+        return mscale / float(self.qk_head_dim) ** 0.5
 
 
 @dataclass(frozen=True)
@@ -51,6 +139,10 @@ class DsaConfig:
     and a row with no complete pool attends nothing (its attention output is zero).
     ``share_for_mtp_iteration`` (``index_share_for_mtp_iteration``): drafts 2..k of one propose
     reuse draft 1's pool selection (``model.dsa``, "Shared selection").
+
+    ``per_token`` (no ``index_kpool`` in the config: GLM-5, DeepSeek-V3.2): the plain DSA indexer,
+    one key per token, no compression (``index_kpool`` is 1 and there is never a tail); ``rope_dim``
+    of its key and query dims, the first ones, are rotated (the model's ``qk_rope_head_dim``).
     """
 
     index_n_heads: int
@@ -60,6 +152,8 @@ class DsaConfig:
     always_select_tail: bool
     max_context: int
     share_for_mtp_iteration: bool = False
+    per_token: bool = False
+    rope_dim: int = 0
 
     @property
     def topk_pools(self) -> int:
@@ -75,6 +169,10 @@ class MoeConfig:
     routed_scaling_factor: float
     norm_topk_prob: bool
     swiglu_limit: float
+    # Group-limited routing (DeepSeek-V3): the experts in n_group groups, the top-k among the
+    # topk_group groups of the highest sum of their two best scores.
+    n_group: int = 1
+    topk_group: int = 1
 
 
 @dataclass(frozen=True)
@@ -138,8 +236,39 @@ class ModelConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"config field {name} must be a positive integer, got {value!r}")
-        if a.qk_rope_head_dim != 0:
-            raise ConfigError(f"qk_rope_head_dim is {a.qk_rope_head_dim}: this block is NoPE MLA and needs 0")
+        if a.qk_rope_head_dim < 0 or a.qk_rope_head_dim % 2 or a.qk_rope_head_dim > 128:
+            raise ConfigError(f"qk_rope_head_dim is {a.qk_rope_head_dim}: the kernels take an even 0..128")
+        if (a.qk_rope_head_dim > 0) != (a.rope is not None):
+            raise ConfigError(
+                f"qk_rope_head_dim {a.qk_rope_head_dim} with rope parameters "
+                f"{'given' if a.rope is not None else 'missing'}: a rope part needs them, NoPE none"
+            )
+        if a.qk_rope_head_dim and not d.per_token:
+            raise ConfigError(
+                f"qk_rope_head_dim {a.qk_rope_head_dim} with index_kpool {d.index_kpool}: the KPool "
+                "indexer is implemented for NoPE MLA only (RoPE models use the per-token indexer)"
+            )
+        if d.per_token and (d.index_kpool != 1 or d.always_select_tail):
+            raise ConfigError("the per-token indexer has index_kpool 1 and no tail")
+        if d.rope_dim not in (0, a.qk_rope_head_dim) or d.rope_dim > d.index_head_dim:
+            raise ConfigError(
+                f"indexer rope dims {d.rope_dim}: must be 0 or qk_rope_head_dim "
+                f"{a.qk_rope_head_dim}, within index_head_dim {d.index_head_dim}"
+            )
+        if m.n_group < 1 or m.n_routed_experts % m.n_group:
+            raise ConfigError(f"n_group {m.n_group} does not divide n_routed_experts {m.n_routed_experts}")
+        if not 1 <= m.topk_group <= m.n_group:
+            raise ConfigError(f"topk_group {m.topk_group} outside 1..n_group {m.n_group}")
+        if m.n_group > 1 and m.n_routed_experts // m.n_group < 2:
+            raise ConfigError(
+                f"n_group {m.n_group} leaves {m.n_routed_experts // m.n_group} expert per group: a "
+                "group's score is the sum of its two best"
+            )
+        if m.num_experts_per_tok > m.topk_group * (m.n_routed_experts // m.n_group):
+            raise ConfigError(
+                f"num_experts_per_tok {m.num_experts_per_tok} exceeds the experts of topk_group "
+                f"{m.topk_group} groups of {m.n_routed_experts // m.n_group}"
+            )
         if d.index_topk % d.index_kpool:
             raise ConfigError(f"index_topk {d.index_topk} is not a multiple of index_kpool {d.index_kpool}")
         if m.num_experts_per_tok > m.n_routed_experts:
@@ -203,19 +332,13 @@ class ModelConfig:
         def opt(name: str, default: Any, kind: type = int) -> Any:
             return typed(name, d[name], kind) if name in d else default
 
-        # Group-limited routing (DeepSeek-V3's n_group experts groups, topk_group of them kept)
-        # is not what this block's router does: refuse it rather than route over all experts.
-        n_group, topk_group = opt("n_group", 1), opt("topk_group", opt("n_group", 1))
-        if n_group != 1:
-            raise ConfigError(
-                f"{where} field 'n_group' is {n_group}: this block routes over all "
-                "experts at once and needs n_group 1 (no group-limited routing)"
-            )
-        if topk_group < n_group:
-            raise ConfigError(
-                f"{where} field 'topk_group' is {topk_group}, below n_group "
-                f"{n_group}: group-limited routing is not implemented"
-            )
+        for key, allowed in (("scoring_func", "sigmoid"), ("hidden_act", "silu"), ("topk_method", "noaux_tc")):
+            if key in d and d[key] != allowed:
+                raise ConfigError(
+                    f"{where} field {key!r} is {d[key]!r}: the kernels implement {allowed!r} only"
+                )
+        n_group = opt("n_group", 1)
+        topk_group = opt("topk_group", n_group) if d.get("topk_group") is not None else n_group
         if opt("num_nextn_predict_layers", 1) < 1:
             raise ConfigError(
                 f"{where} field 'num_nextn_predict_layers' is "
@@ -228,12 +351,20 @@ class ModelConfig:
             if "index_kpool_always_select_tail" in d
             else "index_always_select_tail"
         )
-        # swiglu_limit null: no clamp; absent: transformers' Glm5NextTextConfig default, 10.
-        limit = (
-            math.inf
-            if "swiglu_limit" in d and d["swiglu_limit"] is None
-            else opt("swiglu_limit", 10.0, float)
-        )
+        # The KPool indexer (index_kpool present) is GLM-5.3-Flash's (glm5_next); without it the
+        # indexer keys every token (GLM-5's glm_moe_dsa, DeepSeek-V3.2).
+        model_type = d.get("model_type", "")
+        # GLM-5.3-Flash's config must name its pool size (transformers' class default, 16, is not
+        # the published 4): there a missing index_kpool is an error, not the per-token indexer.
+        per_token = d.get("index_kpool") is None and "glm5_next" not in model_type
+        # swiglu_limit null: no clamp. Absent: transformers' Glm5NextTextConfig default (10) for the
+        # KPool family; GLM-5 and DeepSeek-V3.2 have no clamp at all.
+        if "swiglu_limit" in d and d["swiglu_limit"] is None:
+            limit = math.inf
+        else:
+            limit = opt("swiglu_limit", math.inf if per_token else 10.0, float)
+        rope_dim = opt("qk_rope_head_dim", 0)
+        rope = _rope_config(d, where, model_type) if rope_dim else None
         max_pos = req("max_position_embeddings")
         reservation = dsa_max_context if dsa_max_context is not None else opt("index_max_context", max_pos)
         try:
@@ -250,16 +381,20 @@ class ModelConfig:
                     qk_nope_head_dim=req("qk_nope_head_dim"),
                     qk_rope_head_dim=opt("qk_rope_head_dim", 0),
                     v_head_dim=req("v_head_dim"),
+                    rope=rope,
                 ),
                 dsa=DsaConfig(
                     index_n_heads=req("index_n_heads"),
                     index_head_dim=req("index_head_dim"),
                     index_topk=req("index_topk"),
-                    # Required: transformers' class default (16) is not the published value (4).
-                    index_kpool=req("index_kpool"),
-                    always_select_tail=opt(tail_key, True, bool),
+                    # Where present, read as is: transformers' class default (16) is not the
+                    # published value (4).
+                    index_kpool=1 if per_token else req("index_kpool"),
+                    always_select_tail=False if per_token else opt(tail_key, True, bool),
                     max_context=int(reservation),
                     share_for_mtp_iteration=opt("index_share_for_mtp_iteration", False, bool),
+                    per_token=per_token,
+                    rope_dim=rope_dim if per_token else 0,
                 ),
                 moe=MoeConfig(
                     n_routed_experts=req("n_routed_experts"),
@@ -269,6 +404,8 @@ class ModelConfig:
                     routed_scaling_factor=opt("routed_scaling_factor", 1.0, float),
                     norm_topk_prob=opt("norm_topk_prob", True, bool),
                     swiglu_limit=limit,
+                    n_group=n_group,
+                    topk_group=topk_group,
                 ),
                 first_k_dense_replace=opt("first_k_dense_replace", 0),
                 intermediate_size=opt("intermediate_size", 0),
@@ -311,14 +448,17 @@ class ModelConfig:
             "index_max_context": d.max_context,
             "index_kpool_always_select_tail": d.always_select_tail,
             "index_share_for_mtp_iteration": d.share_for_mtp_iteration,
-            "n_group": 1,
-            "topk_group": 1,
         }
-        renamed = ("max_context", "always_select_tail", "share_for_mtp_iteration")
+        renamed = ("max_context", "always_select_tail", "share_for_mtp_iteration", "per_token", "rope_dim", "rope")
         for part in (a, d, m):
             for f in fields(part):
                 if f.name not in renamed:
                     out[f.name] = getattr(part, f.name)
+        if d.per_token:
+            # The per-token indexer is the config without index_kpool (and so without a tail).
+            del out["index_kpool"], out["index_kpool_always_select_tail"]
+        if a.rope is not None:
+            out.update(_rope_hf_fields(a.rope))
         if math.isinf(m.swiglu_limit):
             out["swiglu_limit"] = None  # no clamp (JSON has no infinity)
         if not nested:
@@ -329,11 +469,94 @@ class ModelConfig:
             "text_config": out,
         }
 
+    @property
+    def rope_inv_freq(self) -> np.ndarray | None:
+        """The float32 inverse frequencies of the rope dims (None for NoPE)."""
+        a = self.attention
+        return a.rope.inv_freq(a.qk_rope_head_dim) if a.rope is not None else None
+
     def with_parallel(self, rank: int, world_size: int) -> ModelConfig:
         return replace(self, parallel=ParallelConfig(rank=rank, world_size=world_size))
 
     def describe(self) -> str:
         return json.dumps(asdict(self), indent=1)
+
+
+_ROPE_TYPES = ("default", "yarn")
+
+
+def _rope_config(d: Mapping[str, Any], where: str, model_type: str) -> RopeConfig:
+    """RoPE from ``rope_parameters`` (transformers 5) or the older ``rope_theta`` + ``rope_scaling``
+    (DeepSeek-V3.2's published config.json). A type or scaling the kernels do not implement is an
+    error naming the key and its value."""
+    params = d.get("rope_parameters")
+    key = "rope_parameters"
+    if params is None:
+        params = dict(d.get("rope_scaling") or {})
+        key = "rope_scaling"
+        if "rope_theta" in d:
+            params.setdefault("rope_theta", d["rope_theta"])
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"{where} field {key!r} must be an object, found {params!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in _ROPE_TYPES:
+        raise ConfigError(
+            f"{where} field {key!r} has rope_type {rope_type!r}: the kernels implement {_ROPE_TYPES}"
+        )
+    if "rope_theta" not in params:
+        raise ConfigError(f"{where} has no rope_theta (in {key!r} or at the top)")
+    known = {
+        "rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
+        "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate",
+    }  # fmt: skip
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ConfigError(f"{where} field {key!r} has {unknown[0]!r}, which the kernels do not implement")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConfigError(f"{where} field {key!r}: partial_rotary_factor is not implemented")
+
+    def num(name: str, default: Any = None) -> Any:
+        v = params.get(name, default)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ConfigError(f"{where} field {key!r} entry {name!r} must be a number, found {v!r}")
+        return v
+
+    yarn = None
+    if rope_type == "yarn":
+        if num("factor") is None or num("original_max_position_embeddings") is None:
+            raise ConfigError(f"{where} field {key!r}: yarn needs factor and original_max_position_embeddings")
+        yarn = YarnScaling(
+            factor=float(num("factor")),
+            original_max_position_embeddings=int(num("original_max_position_embeddings")),
+            beta_fast=float(num("beta_fast") or 32.0),
+            beta_slow=float(num("beta_slow") or 1.0),
+            mscale=num("mscale"),
+            mscale_all_dim=num("mscale_all_dim"),
+            attention_factor=num("attention_factor"),
+            truncate=bool(params.get("truncate", True)),
+        )
+    for flag in ("rope_interleave", "indexer_rope_interleave"):
+        if flag in d and not isinstance(d[flag], bool):
+            raise ConfigError(f"{where} field {flag!r} must be bool, found {d[flag]!r}")
+    return RopeConfig(
+        theta=float(num("rope_theta")),
+        interleave=d.get("rope_interleave", True),
+        # transformers hard-codes the indexer's layout by model: GLM-5 interleaved, DeepSeek-V3.2 not.
+        indexer_interleave=d.get("indexer_rope_interleave", model_type != "deepseek_v32"),
+        yarn=yarn,
+    )
+
+
+def _rope_hf_fields(rope: RopeConfig) -> dict[str, Any]:
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": rope.theta}
+    if rope.yarn is not None:
+        params.update({k: v for k, v in asdict(rope.yarn).items() if v is not None})
+        params["rope_type"] = "yarn"
+    return {
+        "rope_parameters": params,
+        "rope_interleave": rope.interleave,
+        "indexer_rope_interleave": rope.indexer_interleave,
+    }
 
 
 def glm5_flash(max_context: int = 16384) -> ModelConfig:

@@ -20,7 +20,7 @@ from model.checkpoint.fp8 import scale_name
 from model.checkpoint.safetensors_io import DTYPES
 from model.config import ConfigError, ModelConfig
 from model.tensors import FP8_BLOCK
-from model.weights import fused_in_rows
+from model.weights import context_rows, fused_in_rows
 from model.weights_layout import (
     TensorSpec,
     mtp_layout,
@@ -82,13 +82,9 @@ def drafter_device_bytes(cfg: ModelConfig, native_fp8: frozenset[str] = frozense
             block += n + math.prod(-(-d // b) for d, b in zip(s.shape, FP8_BLOCK)) * 4
         else:
             block += n * DTYPES[s.dtype].itemsize
-    # kv_a_proj_with_mqa's RoPE rows are not uploaded (NoPE: there are none to drop today).
-    block -= cfg.attention.qk_rope_head_dim * cfg.hidden_size * 2
     # fused_in's zero rows that align each batch row (model.weights.fused_in_rows).
     a, d = cfg.attention, cfg.dsa
-    block += (
-        fused_in_rows(cfg) - (a.kv_lora_rank + 2 * d.index_head_dim + a.q_lora_rank + d.index_n_heads)
-    ) * (cfg.hidden_size * 2)
+    block += (fused_in_rows(cfg) - (context_rows(cfg) + a.q_lora_rank + d.index_n_heads)) * (cfg.hidden_size * 2)
     tables = 2 * cfg.vocab_size * cfg.hidden_size * 2
     return block + tables, cfg.vocab_size * cfg.hidden_size + cfg.vocab_size * 4
 

@@ -446,7 +446,12 @@ class MtpProposer:
                 )
             self.weights_nbytes = arena.nbytes
             self.pools = SlotPools(
-                gpu, cfg.dsa, cfg.attention.kv_lora_rank, self.rows_cap, options.max_sequences
+                gpu,
+                cfg.dsa,
+                cfg.attention.kv_lora_rank,
+                self.rows_cap,
+                options.max_sequences,
+                rope_dim=cfg.attention.qk_rope_head_dim,
             )
             # eh_proj on tensor cores too (its input rows and flags by mtp_embed_norm_batch).
             self.eh_segments = (GemvSegment(w=self.eh_proj, scales=None, rows=H, col=0),)

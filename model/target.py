@@ -73,7 +73,13 @@ class TargetModel:
                 self.layers.append(DecoderLayer(gpu, cfg, sh, attn, mlp, kv_layer=i))
             # One sequence: slot 0 of pools with a latent cache and indexer pools per layer.
             self.pools = SlotPools(
-                gpu, cfg.dsa, cfg.attention.kv_lora_rank, self.rows_cap, 1, layers=cfg.num_hidden_layers
+                gpu,
+                cfg.dsa,
+                cfg.attention.kv_lora_rank,
+                self.rows_cap,
+                1,
+                layers=cfg.num_hidden_layers,
+                rope_dim=cfg.attention.qk_rope_head_dim,
             )
             self.scratch = BatchScratch.alloc(
                 arena, cfg, sh, 1, self.rows_cap, max(layer.attn.fused_rows for layer in self.layers)

@@ -2,9 +2,9 @@
 
 Layouts chosen at load (each saves a pass over memory or a launch per draft):
 - ``fused_in`` stacks every projection that reads the normalised block input ``y``:
-  ``[kv_a (kv_lora) ; wk (idim) ; compress_gate (idim) ; q_a (q_lora) ; weights_proj (ih)]`` and
-  zero rows up to a multiple of 8 (each batch row 16-byte aligned), so one GEMV reads ``y`` once;
-  a context row runs only the first ``kv_lora + 2 idim`` rows.
+  ``[kv_a (kv_lora + rope) ; wk (idim) ; compress_gate (idim, KPool only) ; q_a (q_lora) ;
+  weights_proj (ih)]`` and zero rows up to a multiple of 8 (each batch row 16-byte aligned), so one
+  GEMV reads ``y`` once; a context row runs only the rows before q_a (``context_rows``).
 - ``q_fused`` stacks this rank's heads of ``q_b`` and the indexer's ``wq_b`` (both read ``q_lat``).
 - ``kv_b``'s key half is stored transposed per head, ``[heads, kv_lora, nope]``, for the absorbed
   query; the value half as ``[heads, v, kv_lora]``.
@@ -142,10 +142,11 @@ class AttentionWeights:
     q_segments: tuple[GemvSegment, ...]  # [q_b (this rank's heads) | wq_b] from the q latent
     k_norm_w: DevicePtr
     k_norm_b: DevicePtr
-    ape: DevicePtr
+    ape: DevicePtr | None  # the KPool indexer's (None for the per-token one)
     wk_t: DevicePtr
     wv: DevicePtr
     o_proj: DevicePtr  # [local groups, H, group width], BF16 or FP8
+    rope_inv_freq: DevicePtr | None  # f32 [qk_rope_head_dim / 2] (None for NoPE)
     o_scales: DevicePtr | None = None  # FP8: the published [ceil(H/128), ceil(heads*v/128)] scales
     o_scale_cols: int = 0
     o_col0: int = 0  # first o_proj column of this rank's groups
@@ -181,10 +182,17 @@ class MlpWeights:
         return self.gate_up_scales is not None
 
 
+def context_rows(cfg: ModelConfig) -> int:
+    """Columns of the fused row that a context row needs (what the cache write reads):
+    ``[kv_a (kv_lora, then the rope dims) ; wk ; compress_gate (KPool indexer only)]``."""
+    a, d = cfg.attention, cfg.dsa
+    return a.kv_lora_rank + a.qk_rope_head_dim + d.index_head_dim * (1 if d.per_token else 2)
+
+
 def fused_in_rows(cfg: ModelConfig) -> int:
     """Width of the fused row of y's projections (see the module docstring), padding included."""
     a, d = cfg.attention, cfg.dsa
-    rows = a.kv_lora_rank + 2 * d.index_head_dim + a.q_lora_rank + d.index_n_heads
+    rows = context_rows(cfg) + a.q_lora_rank + d.index_n_heads
     return rows + -rows % 8
 
 
@@ -261,18 +269,17 @@ def load_attention(
     nope, v, C, ql = a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank, a.q_lora_rank
     ih, idim = d.index_n_heads, d.index_head_dim
     at, ix = prefix + "self_attn.", prefix + "self_attn.indexer."
-    kv_a = _rows(
-        _weight(src, at + "kv_a_proj_with_mqa.weight", (C + a.qk_rope_head_dim, H), native_fp8), 0, C
-    )
-    rows = C + 2 * idim + ql + ih
+    kv_a = _weight(src, at + "kv_a_proj_with_mqa.weight", (C + a.qk_rope_head_dim, H), native_fp8)
+    rows = context_rows(cfg) + ql + ih
     # Zero rows up to a multiple of 8: each batch row of the fused output then starts on 16 bytes,
     # which the vector paths of the cache write and the q projection need for every row alike (an
     # unaligned row takes the scalar path, whose sums differ in the last bits: a row's bits would
     # depend on its place in the batch).
+    gate = [] if d.per_token else [src.checked(ix + "index_kpool_compress_gate", (idim, H))]
     pieces = [
         kv_a,
         src.checked(ix + "wk.weight", (idim, H)),
-        src.checked(ix + "index_kpool_compress_gate", (idim, H)),
+        *gate,
         _weight(src, at + "q_a_proj.weight", (ql, H), native_fp8),
         src.checked(ix + "weights_proj.weight", (ih, H)),
         np.zeros((fused_in_rows(cfg) - rows, H), BF16),
@@ -298,14 +305,15 @@ def load_attention(
     w = AttentionWeights(
         input_norm=arena.upload(src.checked(prefix + "input_layernorm.weight", (H,))),
         fused_full=fused,
-        fused_ctx=_clip(fused, C + 2 * idim),
+        fused_ctx=_clip(fused, context_rows(cfg)),
         fused_rows=fused_in_rows(cfg),
         kv_a_norm=arena.upload(src.checked(at + "kv_a_layernorm.weight", (C,))),
         q_a_norm=arena.upload(src.checked(at + "q_a_layernorm.weight", (ql,))),
         q_segments=q_segments,
         k_norm_w=arena.upload(src.checked(ix + "k_norm.weight", (idim,))),
         k_norm_b=arena.upload(src.checked(ix + "k_norm.bias", (idim,))),
-        ape=arena.upload(src.checked(ix + "index_kpool_compress_ape", (d.index_kpool, idim))),
+        ape=None if d.per_token else arena.upload(src.checked(ix + "index_kpool_compress_ape", (d.index_kpool, idim))),
+        rope_inv_freq=None if cfg.rope_inv_freq is None else arena.upload(cfg.rope_inv_freq),
         wk_t=arena.upload(wk_t),
         wv=arena.upload(wv),
         o_proj=arena.upload(np.ascontiguousarray(o_local)),

@@ -91,10 +91,11 @@ def _attention(b: _Builder, cfg: ModelConfig, p: str) -> None:
     b.add(ix + "k_norm.weight", (d.index_head_dim,), N)
     b.add(ix + "k_norm.bias", (d.index_head_dim,), Init.SMALL, accept=("F32",))
     b.add(ix + "weights_proj.weight", (d.index_n_heads, h), L)
-    # No ".weight" suffix: parameters of the indexer itself, not of a submodule (the published
-    # names, transformers' Glm5NextTextIndexer).
-    b.add(ix + "index_kpool_compress_gate", (d.index_head_dim, h), L)
-    b.add(ix + "index_kpool_compress_ape", (d.index_kpool, d.index_head_dim), Init.SMALL)
+    if not d.per_token:
+        # No ".weight" suffix: parameters of the indexer itself, not of a submodule (the published
+        # names, transformers' Glm5NextTextIndexer). The per-token indexer has neither.
+        b.add(ix + "index_kpool_compress_gate", (d.index_head_dim, h), L)
+        b.add(ix + "index_kpool_compress_ape", (d.index_kpool, d.index_head_dim), Init.SMALL)
 
 
 def _swiglu(b: _Builder, p: str, hidden: int, inter: int) -> None:

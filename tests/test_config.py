@@ -24,7 +24,6 @@ REQUIRED = [
     "index_n_heads",
     "index_head_dim",
     "index_topk",
-    "index_kpool",
     "n_routed_experts",
     "num_experts_per_tok",
     "moe_intermediate_size",
@@ -117,7 +116,8 @@ def test_optional_fields_have_defaults():
     [
         ({"index_topk": 7, "index_kpool": 2}, "index_topk"),
         ({"num_experts_per_tok": 9, "n_routed_experts": 8}, "num_experts_per_tok"),
-        ({"qk_rope_head_dim": 64}, "qk_rope_head_dim"),
+        ({"qk_rope_head_dim": 64}, "rope_theta"),
+        ({"qk_rope_head_dim": 64, "rope_theta": 1e4}, "KPool indexer is implemented for NoPE MLA only"),
         ({"n_shared_experts": 2}, "n_shared_experts"),
         ({"rms_norm_eps": 0.0}, "rms_norm_eps"),
         ({"swiglu_limit": -1.0}, "swiglu_limit"),
@@ -243,9 +243,10 @@ def test_text_config_missing_field_is_named(field):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        ({"n_group": 8, "topk_group": 4}, "'n_group' is 8"),
-        ({"topk_group": 0}, "'topk_group' is 0"),
-        ({"qk_rope_head_dim": 64}, "qk_rope_head_dim is 64"),
+        ({"n_group": 7, "topk_group": 4}, "n_group 7 does not divide n_routed_experts 288"),
+        ({"topk_group": 0}, "topk_group 0 outside 1..n_group 1"),
+        ({"qk_rope_head_dim": 64}, "no rope_theta"),
+        ({"scoring_func": "softmax"}, "'scoring_func' is 'softmax'"),
         ({"num_nextn_predict_layers": 0}, "no MTP layer"),
         ({"index_kpool": 3}, "index_topk 2048 is not a multiple of index_kpool 3"),
         ({"index_share_for_mtp_iteration": "yes"}, "index_share_for_mtp_iteration"),

@@ -247,6 +247,7 @@ def test_bytes_per_sequence_at_1m():
     got = slot_bytes_by_kind(cfg.dsa, cfg.attention.kv_lora_rank, GLM_1M)
     assert got == {
         "latent_kv": GLM_1M * (512 + 4),
+        "rope_keys": 0,
         "block_table": 2 * (GLM_1M // 16) * 4,
         "indexer_keys": GLM_1M * 128 * 2,
         "indexer_gates": GLM_1M * 128 * 2,

@@ -160,7 +160,7 @@ def test_not_a_checkpoint_is_one_line(tmp_path):
     cfg["text_config"]["n_group"] = 8
     (d / "config.json").write_text(json.dumps(cfg))
     code, _, err = inspect_text(d)
-    assert code == UNUSABLE and "'n_group' is 8" in err
+    assert code == UNUSABLE and "n_group 8 leaves 1 expert per group" in err
 
 
 def test_cli_hook(tmp_path, capsys):
