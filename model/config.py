@@ -332,7 +332,11 @@ class ModelConfig:
         def opt(name: str, default: Any, kind: type = int) -> Any:
             return typed(name, d[name], kind) if name in d else default
 
-        for key, allowed in (("scoring_func", "sigmoid"), ("hidden_act", "silu"), ("topk_method", "noaux_tc")):
+        for key, allowed in (
+            ("scoring_func", "sigmoid"),
+            ("hidden_act", "silu"),
+            ("topk_method", "noaux_tc"),
+        ):
             if key in d and d[key] != allowed:
                 raise ConfigError(
                     f"{where} field {key!r} is {d[key]!r}: the kernels implement {allowed!r} only"
@@ -449,7 +453,14 @@ class ModelConfig:
             "index_kpool_always_select_tail": d.always_select_tail,
             "index_share_for_mtp_iteration": d.share_for_mtp_iteration,
         }
-        renamed = ("max_context", "always_select_tail", "share_for_mtp_iteration", "per_token", "rope_dim", "rope")
+        renamed = (
+            "max_context",
+            "always_select_tail",
+            "share_for_mtp_iteration",
+            "per_token",
+            "rope_dim",
+            "rope",
+        )
         for part in (a, d, m):
             for f in fields(part):
                 if f.name not in renamed:
@@ -524,7 +535,9 @@ def _rope_config(d: Mapping[str, Any], where: str, model_type: str) -> RopeConfi
     yarn = None
     if rope_type == "yarn":
         if num("factor") is None or num("original_max_position_embeddings") is None:
-            raise ConfigError(f"{where} field {key!r}: yarn needs factor and original_max_position_embeddings")
+            raise ConfigError(
+                f"{where} field {key!r}: yarn needs factor and original_max_position_embeddings"
+            )
         yarn = YarnScaling(
             factor=float(num("factor")),
             original_max_position_embeddings=int(num("original_max_position_embeddings")),

@@ -84,7 +84,9 @@ def drafter_device_bytes(cfg: ModelConfig, native_fp8: frozenset[str] = frozense
             block += n * DTYPES[s.dtype].itemsize
     # fused_in's zero rows that align each batch row (model.weights.fused_in_rows).
     a, d = cfg.attention, cfg.dsa
-    block += (fused_in_rows(cfg) - (context_rows(cfg) + a.q_lora_rank + d.index_n_heads)) * (cfg.hidden_size * 2)
+    block += (fused_in_rows(cfg) - (context_rows(cfg) + a.q_lora_rank + d.index_n_heads)) * (
+        cfg.hidden_size * 2
+    )
     tables = 2 * cfg.vocab_size * cfg.hidden_size * 2
     return block + tables, cfg.vocab_size * cfg.hidden_size + cfg.vocab_size * 4
 

@@ -312,7 +312,9 @@ def load_attention(
         q_segments=q_segments,
         k_norm_w=arena.upload(src.checked(ix + "k_norm.weight", (idim,))),
         k_norm_b=arena.upload(src.checked(ix + "k_norm.bias", (idim,))),
-        ape=None if d.per_token else arena.upload(src.checked(ix + "index_kpool_compress_ape", (d.index_kpool, idim))),
+        ape=None
+        if d.per_token
+        else arena.upload(src.checked(ix + "index_kpool_compress_ape", (d.index_kpool, idim))),
         rope_inv_freq=None if cfg.rope_inv_freq is None else arena.upload(cfg.rope_inv_freq),
         wk_t=arena.upload(wk_t),
         wv=arena.upload(wv),
