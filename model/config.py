@@ -617,3 +617,82 @@ def tiny(
         first_k_dense_replace=1,
         intermediate_size=80,
     )
+
+
+def glm5(max_context: int = 16384) -> ModelConfig:
+    """GLM-5.2's MTP block (``glm_moe_dsa``, ``zai-org/GLM-5.2``): MLA with interleaved RoPE, the
+    per-token indexer with interleaved RoPE on its first 64 dims, no SwiGLU clamp."""
+    return ModelConfig(
+        hidden_size=6144,
+        vocab_size=154880,
+        num_hidden_layers=78,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=202752,
+        attention=AttentionConfig(64, 2048, 512, 192, 64, 256, RopeConfig(theta=8e6)),
+        dsa=DsaConfig(32, 128, 2048, 1, False, max_context, per_token=True, rope_dim=64),
+        moe=MoeConfig(256, 8, 2048, 1, 2.5, True, math.inf),
+        first_k_dense_replace=3,
+        intermediate_size=12288,
+    )
+
+
+def deepseek_v32(max_context: int = 16384) -> ModelConfig:
+    """DeepSeek-V3.2's MTP block (``deepseek_v32``): YaRN RoPE (factor 40 over 4096, mscale 1),
+    the indexer's RoPE half-split, group-limited routing (8 groups, 4 kept)."""
+    yarn = YarnScaling(40.0, 4096, 32.0, 1.0, mscale=1.0, mscale_all_dim=1.0)
+    return ModelConfig(
+        hidden_size=7168,
+        vocab_size=129280,
+        num_hidden_layers=61,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=163840,
+        attention=AttentionConfig(
+            128, 1536, 512, 128, 64, 128, RopeConfig(theta=1e4, indexer_interleave=False, yarn=yarn)
+        ),
+        dsa=DsaConfig(64, 128, 2048, 1, False, max_context, per_token=True, rope_dim=64),
+        moe=MoeConfig(256, 8, 2048, 1, 2.5, True, math.inf, n_group=8, topk_group=4),
+        first_k_dense_replace=3,
+        intermediate_size=18432,
+    )
+
+
+def tiny_rope(
+    *,
+    family: str = "glm_moe_dsa",
+    hidden_size: int = 64,
+    vocab_size: int = 97,
+    heads: int = 4,
+    index_topk: int = 8,
+    n_routed_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    max_context: int = 256,
+) -> ModelConfig:
+    """A CPU-sized config of the RoPE family: ``glm_moe_dsa`` (GLM-5's form) or ``deepseek_v32``
+    (YaRN, half-split indexer RoPE, group-limited routing over 4 groups, 2 kept)."""
+    ds = family == "deepseek_v32"
+    if family not in ("glm_moe_dsa", "deepseek_v32"):
+        raise ConfigError(f"tiny_rope: unknown family {family!r}")
+    yarn = YarnScaling(4.0, 32, 32.0, 1.0, mscale=1.0, mscale_all_dim=0.7) if ds else None
+    rope = RopeConfig(theta=1e4 if ds else 8e6, indexer_interleave=not ds, yarn=yarn)
+    return ModelConfig(
+        hidden_size=hidden_size,
+        vocab_size=vocab_size,
+        num_hidden_layers=2,
+        rms_norm_eps=1e-6 if ds else 1e-5,
+        max_position_embeddings=max_context,
+        attention=AttentionConfig(heads, 48, 32, 16, 16, 16, rope),
+        dsa=DsaConfig(2, 32, index_topk, 1, False, max_context, per_token=True, rope_dim=16),
+        moe=MoeConfig(
+            n_routed_experts,
+            num_experts_per_tok,
+            24,
+            1,
+            2.5,
+            True,
+            math.inf,
+            n_group=4 if ds else 1,
+            topk_group=2 if ds else 1,
+        ),
+        first_k_dense_replace=1,
+        intermediate_size=80,
+    )
