@@ -49,8 +49,8 @@ def upload_rows(gpu, rows: np.ndarray):
 
 def cache_snapshot(prop: MtpProposer, st) -> dict[str, np.ndarray]:
     """The valid region of every cache of a state, read from its slot of the proposer's pools:
-    latent rows and scales through the block table, indexer keys and gates, complete pool keys and
-    scales."""
+    latent rows and scales through the block table, indexer keys and gates (KPool), complete pool
+    keys and scales, the rope keys (MLA with a rope part)."""
     gpu, cfg, pools = prop.gpu, prop.cfg, prop.pools
     n, C, idim, kp = st.rows, cfg.attention.kv_lora_rank, cfg.dsa.index_head_dim, cfg.dsa.index_kpool
     g, lp = pools.geometry, pools.layers[0]
@@ -66,12 +66,19 @@ def cache_snapshot(prop: MtpProposer, st) -> dict[str, np.ndarray]:
         gpu.copy_d2h(s, pools.kv.scales[0].offset(slot * 4))
         sc[r] = s[0]
     snap["latent"], snap["latent_scale"] = lat, sc
-    for name, ptr, shape, dt in (
-        ("keys", lp.keys.offset(g.key_row(st.slot, 0) * 2), (n, idim), BF16),
-        ("gates", lp.gates.offset(g.key_row(st.slot, 0) * 2), (n, idim), BF16),
+    R = cfg.attention.qk_rope_head_dim
+    regions = [
         ("pool_keys", lp.pool_keys.offset(g.pool_row(st.slot, 0) * idim), (n // kp, idim), FP8),
         ("pool_scales", lp.pool_scales.offset(g.pool_row(st.slot, 0) * 4), (n // kp,), np.float32),
-    ):
+    ]
+    if lp.keys is not None:  # the KPool indexer's per-token keys and gates
+        regions += [
+            ("keys", lp.keys.offset(g.key_row(st.slot, 0) * 2), (n, idim), BF16),
+            ("gates", lp.gates.offset(g.key_row(st.slot, 0) * 2), (n, idim), BF16),
+        ]
+    if lp.rope_keys is not None:
+        regions.append(("rope_keys", lp.rope_keys.offset(st.slot * pools.slot_rows * R * 2), (n, R), BF16))
+    for name, ptr, shape, dt in regions:
         a = np.empty(shape, dt)
         if a.size:
             gpu.copy_d2h(a.view(np.uint8).reshape(-1), ptr)
