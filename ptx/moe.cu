@@ -40,6 +40,44 @@ __device__ __forceinline__ float numpy_sum_f32(const float* a, uint32_t n) {
     return res;
 }
 
+// The value an ordered_key came from (0, NaN's key, back to a NaN; -0 was keyed as +0).
+__device__ __forceinline__ float ordered_value(uint32_t k) {
+    if (k == 0u) return __uint_as_float(0x7FC00000u);
+    return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
+}
+
+// Group-limited routing (DeepSeek-V3's n_group / topk_group): the kept groups as a bitmask. A
+// group is gs consecutive experts, its score the f32 sum of its two largest choices (score + bias),
+// and the topk_group best scores are kept, the lower group first on a tie, NaN last. Lane g < n_group
+// (n_group <= 32) scores group g from `keys_s` (the choices' ordered keys, n_experts words that
+// every lane of the warp wrote and __syncwarp published); each lane starts at its own offset in its
+// group, so with gs % 32 == 0 the lanes' reads fall in distinct banks.
+__device__ __forceinline__ uint32_t kept_groups(const uint32_t* keys_s, uint32_t n_group, uint32_t gs,
+                                                uint32_t topk_group) {
+    const uint32_t lane = threadIdx.x & 31;
+    uint32_t gk = 0u;  // ordered_key(group score) + 1, so a lane without a group (0) never wins
+    if (lane < n_group) {
+        const uint32_t* g = keys_s + lane * gs;
+        uint32_t a1 = 0u, a2 = 0u, j = lane % gs;
+        for (uint32_t t = 0; t < gs; ++t) {
+            const uint32_t k = g[j];
+            a2 = max(a2, min(a1, k));
+            a1 = max(a1, k);
+            j = j + 1u == gs ? 0u : j + 1u;
+        }
+        // gs >= 2: both keys are members' (a 0 is a NaN member, and makes the sum NaN).
+        gk = ordered_key(__fadd_rn(ordered_value(a1), ordered_value(a2))) + 1u;
+    }
+    uint32_t kept = 0u;
+    for (uint32_t r = 0; r < topk_group; ++r) {
+        const uint32_t hi = __reduce_max_sync(0xFFFFFFFFu, gk);
+        const uint32_t win = __ffs(__ballot_sync(0xFFFFFFFFu, gk == hi)) - 1u;  // the lowest such group
+        kept |= 1u << win;
+        if (lane == win) gk = 0u;
+    }
+    return kept;
+}
+
 // Top-k by (score + bias) descending, lower expert index on ties, by one warp: each lane holds the
 // keys (order-preserving bits << 32 | ~index) of experts lane, lane + 32, ... in registers, loaded
 // once, so the topk rounds are a register max and a warp reduction each, with no memory latency
@@ -48,13 +86,37 @@ __device__ __forceinline__ float numpy_sum_f32(const float* a, uint32_t n) {
 // a copy in shared memory, loaded beside its weight rows). n_experts <= 1024.
 // NPL keys per lane (a template parameter: each round's register scan is NPL long, so 288 experts
 // cost 10 compare-selects per round, not 32).
+// With n_group > 1 and topk_group < n_group (group-limited routing, kept_groups; the caller has
+// checked n_experts % n_group == 0, gs = n_experts / n_group >= 2, n_group <= 32 and
+// topk <= topk_group * gs) the experts outside the kept groups drop out before the rounds, through
+// `keys_s` (n_experts words of the warp's own); otherwise keys_s is not touched and the rounds see
+// every expert, as without groups.
 template <int NPL>
 __device__ __forceinline__ void route_warp_n(const float* scores, const float* __restrict__ bias,
                                              uint32_t* __restrict__ ids, float* __restrict__ weights,
                                              uint32_t n_experts, uint32_t topk, uint32_t norm, float scale,
-                                             uint32_t shared, uint32_t* ids_s, float* wsel) {
+                                             uint32_t shared, uint32_t* ids_s, float* wsel, uint32_t n_group,
+                                             uint32_t topk_group, uint32_t* keys_s) {
     constexpr int ROUTE_MAX_PER_LANE = NPL;
     const uint32_t lane = threadIdx.x & 31;
+    // Group-limited routing first: the kept groups from the choices' ordered keys in keys_s, so
+    // the keys below drop the other groups' experts as they are made.
+    // Without groups (a warp-uniform branch) kept stays all ones and magic 0: every expert passes,
+    // for one multiply-high per key.
+    uint32_t kept = 0xFFFFFFFFu, magic = 0u;
+    if (n_group > 1u && topk_group < n_group) {
+        const uint32_t gs = n_experts / n_group;
+#pragma unroll
+        for (int c = 0; c < ROUTE_MAX_PER_LANE; ++c) {  // every load in flight at once
+            const uint32_t i = lane + 32u * c;
+            if (i < n_experts) keys_s[i] = ordered_key(__fadd_rn(__ldcg(scores + i), bias[i]));
+        }
+        __syncwarp();
+        kept = kept_groups(keys_s, n_group, gs, topk_group);
+        // i / gs as a high product: exact for i < 2^10 and gs <= 2^9 (the error i * (magic -
+        // 2^32 / gs) / 2^32 < 2^-22 stays below the 1 / gs margin to the next integer).
+        magic = 0xFFFFFFFFu / gs + 1u;
+    }
     unsigned long long key[ROUTE_MAX_PER_LANE];
     float raw[ROUTE_MAX_PER_LANE];  // the sigmoid scores themselves: the winner's lane records its
                                     // weight, instead of a second L2 round trip per chosen expert
@@ -63,7 +125,7 @@ __device__ __forceinline__ void route_warp_n(const float* scores, const float* _
         const uint32_t i = lane + 32u * c;
         key[c] = 0ull;
         raw[c] = 0.0f;
-        if (i < n_experts) {
+        if (i < n_experts && ((kept >> __umulhi(i, magic)) & 1u)) {
             raw[c] = __ldcg(scores + i);
             const float sel = __fadd_rn(raw[c], bias[i]);
             key[c] = ((unsigned long long)ordered_key(sel) << 32) | (0xFFFFFFFFu - i);
@@ -104,10 +166,27 @@ __device__ __forceinline__ void route_warp_n(const float* scores, const float* _
 __device__ __forceinline__ void route_warp(const float* scores, const float* __restrict__ bias,
                                            uint32_t* __restrict__ ids, float* __restrict__ weights,
                                            uint32_t n_experts, uint32_t topk, uint32_t norm, float scale,
-                                           uint32_t shared, uint32_t* ids_s, float* wsel) {
-    if (n_experts <= 128u) route_warp_n<4>(scores, bias, ids, weights, n_experts, topk, norm, scale, shared, ids_s, wsel);
-    else if (n_experts <= 320u) route_warp_n<10>(scores, bias, ids, weights, n_experts, topk, norm, scale, shared, ids_s, wsel);
-    else route_warp_n<32>(scores, bias, ids, weights, n_experts, topk, norm, scale, shared, ids_s, wsel);
+                                           uint32_t shared, uint32_t* ids_s, float* wsel, uint32_t n_group,
+                                           uint32_t topk_group, uint32_t* keys_s) {
+    if (n_experts <= 128u)
+        route_warp_n<4>(scores, bias, ids, weights, n_experts, topk, norm, scale, shared, ids_s, wsel, n_group,
+                        topk_group, keys_s);
+    else if (n_experts <= 320u)
+        route_warp_n<10>(scores, bias, ids, weights, n_experts, topk, norm, scale, shared, ids_s, wsel, n_group,
+                         topk_group, keys_s);
+    else
+        route_warp_n<32>(scores, bias, ids, weights, n_experts, topk, norm, scale, shared, ids_s, wsel, n_group,
+                         topk_group, keys_s);
+}
+
+// The grouped routing's limits (moe.py router_group_batch refuses the rest): up to 32 groups (a
+// lane each in kept_groups) of at least 2 experts (a top-2 sum), dividing the experts, holding the
+// top-k in the kept groups. n_group == 1 routes over all experts.
+__device__ __forceinline__ bool groups_ok(uint32_t n_experts, uint32_t topk, uint32_t n_group, uint32_t topk_group) {
+    if (n_group == 1u) return true;
+    const uint32_t gs = n_group ? n_experts / n_group : 0u;
+    return n_group >= 1u && n_group <= 32u && gs * n_group == n_experts && gs >= 2u && topk_group >= 1u &&
+           topk_group <= n_group && topk <= topk_group * gs;
 }
 
 // Down rows per warp of moe_down_batch (4 rows x 4 loads of 16 bytes per lane in flight). Four rows,
@@ -436,7 +515,8 @@ __device__ __forceinline__ void router_batch(const uint16_t* __restrict__ w, con
                                              float* __restrict__ weights, uint32_t* __restrict__ counter,
                                              const uint32_t* __restrict__ entries, uint32_t m, uint32_t n_experts,
                                              uint32_t h, uint32_t topk, uint32_t norm, float scale, uint32_t shared,
-                                             uint32_t* group, uint32_t expert_base, uint32_t n_local) {
+                                             uint32_t* group, uint32_t expert_base, uint32_t n_local, uint32_t n_group,
+                                             uint32_t topk_group) {
     constexpr int U = 16;
     constexpr int R = (int)ROUTER_ROWS;
     __shared__ uint32_t ids_s[WARPS][128];
@@ -539,12 +619,16 @@ __device__ __forceinline__ void router_batch(const uint16_t* __restrict__ w, con
         }
     }
     if (!last_of(counter + blockIdx.x, gridDim.y)) return;
-    const bool routable = n_experts <= 1024u && topk <= 128u && topk <= n_experts;
+    const bool routable =
+        n_experts <= 1024u && topk <= 128u && topk <= n_experts && groups_ok(n_experts, topk, n_group, topk_group);
     const uint32_t slots = topk + (shared ? 1u : 0u);
     if (warp < nrows && ((live >> warp) & 1u) && routable) {
         const uint32_t e = e0 + warp;
+        // The grouped top-k's keys in the staging memory, n_experts words per warp: the rows were
+        // read before last_of's barrier, and the grouping below reuses it after the next one.
         route_warp(scores + (size_t)e * n_experts, bias_s, ids + (size_t)e * slots, weights + (size_t)e * slots,
-                   n_experts, topk, norm, scale, shared, ids_s[warp], wsel[warp]);
+                   n_experts, topk, norm, scale, shared, ids_s[warp], wsel[warp], n_group, topk_group,
+                   reinterpret_cast<uint32_t*>(ys4) + (size_t)warp * n_experts);
     }
     {
         // The chunks' routing blocks hand over once more (last_of's barrier and fence publish this
@@ -562,15 +646,17 @@ __device__ __forceinline__ void router_batch(const uint16_t* __restrict__ w, con
 // topk with id 0 and weight 1), then the grouping of the batch's pairs into `group`, in one launch:
 // the last row chunk to be routed groups them (ids through L2), saving a group launch. Grid
 // (ceil(m / 8), ceil(n_experts / 8)), block 256: the 8 rows of a chunk share a block's expert rows.
-// `counter` is u32[ceil(m / 8) + 1], zero, left zero; dynamic shared memory the larger of the
-// router's and group_smem_bytes(m, topk, n_local).
+// `counter` is u32[ceil(m / 8) + 1], zero, left zero; dynamic shared memory the largest of the
+// router's staging, group_smem_bytes(m, topk, n_local) and, with group-limited routing (n_group > 1,
+// topk_group < n_group: route_warp_n), min(m, 8) * n_experts u32 keys.
 extern "C" __global__ void __launch_bounds__(256) router_group_batch(
     const uint16_t* __restrict__ w, const uint16_t* __restrict__ y, const float* __restrict__ bias,
     float* scores, uint32_t* ids, float* __restrict__ weights, uint32_t* __restrict__ counter,
     const uint32_t* __restrict__ entries, uint32_t m, uint32_t n_experts, uint32_t h, uint32_t topk, uint32_t norm,
-    float scale, uint32_t shared, uint32_t* __restrict__ group, uint32_t expert_base, uint32_t n_local) {
+    float scale, uint32_t shared, uint32_t* __restrict__ group, uint32_t expert_base, uint32_t n_local,
+    uint32_t n_group, uint32_t topk_group) {
     router_batch(w, y, bias, scores, ids, weights, counter, entries, m, n_experts, h, topk, norm, scale, shared,
-                       group, expert_base, n_local);
+                 group, expert_base, n_local, n_group, topk_group);
 }
 
 // The routed experts' and the shared expert's gate/up rows for every pair of the batch: act[pair][i]

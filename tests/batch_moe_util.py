@@ -195,24 +195,38 @@ def free_all(gpu, ptrs) -> None:
         gpu.free(p)
 
 
-def router_batch(gpu, w, y, bias, entries, n_experts, h, topk, norm, scale, shared):
+def router_batch(gpu, w, y, bias, entries, n_experts, h, topk, norm, scale, shared, **groups):
     """The routing of router_group_batch (every expert local) from poison: (scores [m, E] f32,
-    ids [m, slots] u32, weights [m, slots], counter words)."""
+    ids [m, slots] u32, weights [m, slots], counter words). ``groups``: n_group / topk_group."""
     return router_group(
-        gpu, w, y, bias, entries, n_experts, h, topk, norm, scale, shared, 0, min(n_experts, 1024)
+        gpu, w, y, bias, entries, n_experts, h, topk, norm, scale, shared, 0, min(n_experts, 1024), **groups
     )[:4]
 
 
-def router_row_alone(gpu, w, y_row, bias, n_experts, h, topk, norm, scale, shared):
+def router_row_alone(gpu, w, y_row, bias, n_experts, h, topk, norm, scale, shared, **groups):
     """router_batch of one row launched alone (m = 1): (scores [E], ids [slots], weights [slots])."""
     s, i, wt, _ = router_batch(
-        gpu, w, y_row[None], bias, pack_entries([0], [0], [0]), n_experts, h, topk, norm, scale, shared
+        gpu,
+        w,
+        y_row[None],
+        bias,
+        pack_entries([0], [0], [0]),
+        n_experts,
+        h,
+        topk,
+        norm,
+        scale,
+        shared,
+        **groups,
     )
     return s[0], i[0], wt[0]
 
 
-def router_group(gpu, w, y, bias, entries, n_experts, h, topk, norm, scale, shared, expert_base, n_local):
-    """router_group_batch from poison: (scores, ids, weights, counter words, group words)."""
+def router_group(
+    gpu, w, y, bias, entries, n_experts, h, topk, norm, scale, shared, expert_base, n_local, **groups
+):
+    """router_group_batch from poison: (scores, ids, weights, counter words, group words).
+    ``groups``: n_group / topk_group, passed only when given (else the launch's defaults)."""
     m = len(entries)
     slots = topk + int(bool(shared))
     ptrs = [put(gpu, w), put(gpu, y), put(gpu, bias), put(gpu, entries)]
@@ -246,6 +260,7 @@ def router_group(gpu, w, y, bias, entries, n_experts, h, topk, norm, scale, shar
             shared=shared,
             expert_base=expert_base,
             n_local=n_local,
+            **groups,
         )
         gpu.synchronize()
         return (

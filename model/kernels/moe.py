@@ -1,5 +1,6 @@
-"""MoE of a batch: sigmoid router, top-k with correction bias, and expert GEMVs that read the
-chosen ids from device memory, over the m entries of a batch (model/kernels/batch.py).
+"""MoE of a batch: sigmoid router, top-k with correction bias (optionally group-limited, as
+DeepSeek-V3's n_group / topk_group), and expert GEMVs that read the chosen ids from device memory,
+over the m entries of a batch (model/kernels/batch.py).
 
 Slots: the routed experts fill slots 0..topk-1; the shared expert, when present, is slot topk,
 with weight 1 (it has no gate: the published checkpoints store none, and transformers'
@@ -37,10 +38,35 @@ def clamped_swiglu(g: np.ndarray, u: np.ndarray, limit: float) -> np.ndarray:
     return g * sigmoid(g) * u
 
 
-def route_ref(scores: np.ndarray, bias: np.ndarray, topk: int, norm: bool, scale: float):
-    """ids by higher score+bias then lower index; weights from the unbiased scores."""
+def kept_groups_ref(sel: np.ndarray, n_group: int, topk_group: int) -> np.ndarray:
+    """Group-limited routing's kept groups (bool [n_group]): the experts split into n_group
+    consecutive groups, a group's score the f32 sum of its two largest ``sel`` (score + bias)
+    values, the topk_group highest scores kept, the lower group first on a tie and NaN last."""
+    g = np.asarray(sel, np.float32).reshape(n_group, -1)
+    top2 = np.take_along_axis(g, np.argsort(-g.astype(np.float64), axis=1, kind="stable")[:, :2], axis=1)
+    score = (top2[:, 0] + top2[:, 1]).astype(np.float32)
+    kept = np.zeros(n_group, bool)
+    kept[np.argsort(-score.astype(np.float64), kind="stable")[:topk_group]] = True
+    return kept
+
+
+def route_ref(
+    scores: np.ndarray,
+    bias: np.ndarray,
+    topk: int,
+    norm: bool,
+    scale: float,
+    n_group: int = 1,
+    topk_group: int = 1,
+):
+    """ids by higher score+bias then lower index, among the kept groups' experts (kept_groups_ref)
+    with n_group > 1 and topk_group < n_group, else among all; weights from the unbiased scores."""
     sel = np.asarray(scores, np.float32) + np.asarray(bias, np.float32)
-    ids = np.argsort(-sel.astype(np.float64), kind="stable")[:topk].astype(np.uint32)
+    cand = np.arange(len(sel))
+    if n_group > 1 and topk_group < n_group:
+        cand = cand[np.repeat(kept_groups_ref(sel, n_group, topk_group), len(sel) // n_group)]
+    # cand is increasing, so the stable sort keeps the lower index first on a tie.
+    ids = cand[np.argsort(-sel[cand].astype(np.float64), kind="stable")[:topk]].astype(np.uint32)
     w = scores[ids].astype(np.float32)
     if norm:
         w = w / w.sum(dtype=np.float32)
@@ -181,19 +207,36 @@ def _live(mem, entries, m: int) -> list[int]:
 
 
 def route_batch_ref(
-    mem, w, y, bias, scores, ids, weights, entries, m, n_experts, h, topk, norm, scale, shared
+    mem,
+    w,
+    y,
+    bias,
+    scores,
+    ids,
+    weights,
+    entries,
+    m,
+    n_experts,
+    h,
+    topk,
+    norm,
+    scale,
+    shared,
+    n_group=1,
+    topk_group=1,
 ):
     """The routing of each live entry e: y row e [h] BF16 -> scores row e [n_experts] f32 =
-    sigmoid(W @ y), ids / weights row e [topk + shared] by route_ref (the shared expert as slot topk:
-    id 0, weight 1). A padding entry's output rows are not written (the device reads its y row, which
-    is batch scratch). Each row's values are its own matrix-vector product's alone."""
+    sigmoid(W @ y), ids / weights row e [topk + shared] by route_ref (group-limited with n_group /
+    topk_group; the shared expert as slot topk: id 0, weight 1). A padding entry's output rows are
+    not written (the device reads its y row, which is batch scratch). Each row's values are its own
+    matrix-vector product's alone."""
     wv = mem.read(w, BF16, (n_experts, h)).astype(np.float32)
     b = mem.read(bias, np.float32, n_experts)
     slots = topk + (1 if shared else 0)
     for e in _live(mem, entries, m):
         s = sigmoid(wv @ mem.read(y.offset(e * h * 2), BF16, h).astype(np.float32))
         mem.write(scores.offset(e * n_experts * 4), s)
-        i, wt = route_ref(s, b, topk, bool(norm), scale)
+        i, wt = route_ref(s, b, topk, bool(norm), scale, n_group, topk_group)
         if shared:
             i = np.append(i, np.uint32(0))
             wt = np.append(wt, np.float32(1.0)).astype(np.float32)
@@ -286,6 +329,8 @@ def group_batch_ref(mem, ids, entries, group, m, ntopk, nslots, expert_base, n_l
         ("group", PTR),
         ("expert_base", U32),
         ("n_local", U32),
+        ("n_group", U32),
+        ("topk_group", U32),
     ],
     writes=("scores", "ids", "weights", "counter", "group"),
     pdl=True,
@@ -310,12 +355,30 @@ def ROUTER_GROUP_BATCH(
     group,
     expert_base,
     n_local,
+    n_group,
+    topk_group,
 ):
-    """route_batch_ref, then group_batch_ref of its ids (nslots = topk + shared), in one launch
-    (the last row chunk to be routed groups the batch). ``counter``: u32[router_counter_words(m,
-    grouped=True)], zero, left zero."""
+    """route_batch_ref (group-limited with n_group / topk_group), then group_batch_ref of its ids
+    (nslots = topk + shared), in one launch (the last row chunk to be routed groups the batch).
+    ``counter``: u32[router_counter_words(m, grouped=True)], zero, left zero."""
     route_batch_ref(
-        mem, w, y, bias, scores, ids, weights, entries, m, n_experts, h, topk, norm, scale, shared
+        mem,
+        w,
+        y,
+        bias,
+        scores,
+        ids,
+        weights,
+        entries,
+        m,
+        n_experts,
+        h,
+        topk,
+        norm,
+        scale,
+        shared,
+        n_group,
+        topk_group,
     )
     slots = topk + (1 if shared else 0)
     group_batch_ref(mem, ids, entries, group, m, topk, slots, expert_base, n_local)
@@ -447,6 +510,36 @@ def _check_batch(what: str, m: int, group=None) -> None:
         raise ValueError(f"{what}: the group workspace must be 16-byte aligned (its items are uint4)")
 
 
+# Expert groups of group-limited routing: one lane of the routing warp scores each group
+# (ptx/moe.cu kept_groups).
+MAX_EXPERT_GROUPS = 32
+
+
+def _check_expert_groups(n_experts: int, topk: int, n_group: int, topk_group: int) -> None:
+    """The group-limited routing the kernel does (ptx/moe.cu groups_ok), else a ValueError."""
+    if not 1 <= n_group <= MAX_EXPERT_GROUPS:
+        raise ValueError(f"router_group_batch: n_group {n_group} outside the kernel's 1..{MAX_EXPERT_GROUPS}")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"router_group_batch: topk_group {topk_group} outside 1..n_group {n_group}")
+    if n_group == 1:
+        return
+    if n_experts % n_group:
+        raise ValueError(
+            f"router_group_batch: {n_experts} experts do not split into n_group {n_group} equal groups"
+        )
+    gs = n_experts // n_group
+    if gs < 2:
+        raise ValueError(
+            f"router_group_batch: groups of {gs} expert(s) ({n_experts} / n_group {n_group}): a group's "
+            "score is the sum of its two largest choices"
+        )
+    if topk > topk_group * gs:
+        raise ValueError(
+            f"router_group_batch: top-{topk} exceeds the {topk_group} kept groups' "
+            f"{topk_group * gs} experts (topk_group {topk_group} x {gs} per group)"
+        )
+
+
 def router_group_batch(
     gpu,
     *,
@@ -468,18 +561,25 @@ def router_group_batch(
     shared,
     expert_base,
     n_local,
+    n_group: int = 1,
+    topk_group: int = 1,
     stream=None,
 ):
     """ROUTER_GROUP_BATCH. Grid (ceil(m / 8), ceil(n_experts / 8)): the 8 rows of a chunk share a
     block's expert rows, the chunks of one expert block are neighbours (the expert rows come from
     HBM once). The grouping runs in the last routing block (256 threads) in the staging memory, so
-    the launch asks for the larger of the two."""
+    the launch asks for the larger of the two; group-limited routing (n_group > 1, topk_group <
+    n_group: DeepSeek-V3's expert groups) keeps each routing warp's n_experts keys there too.
+    n_group == 1 (or topk_group == n_group) routes over all experts, as without groups."""
     _check_batch("router_group_batch", m, group)
     if n_experts > 1024 or topk > min(128, n_experts) or topk < 1:
         raise ValueError(f"router: {n_experts} experts / top-{topk} outside the kernel's 1024 / 128")
     if not 1 <= n_local <= 1024:
         raise ValueError(f"router_group_batch: {n_local} local experts outside 1..1024")
+    _check_expert_groups(n_experts, topk, n_group, topk_group)
     smem = max(min(m, ROUTER_ROWS) * (-(-h * 2 // 16) * 16), group_smem_bytes(m, topk, n_local))
+    if n_group > 1 and topk_group < n_group:
+        smem = max(smem, min(m, ROUTER_ROWS) * n_experts * 4)
     if smem > 200 * 1024:
         raise ValueError(f"router_group_batch: h = {h} needs {smem} bytes of shared memory per block")
     launch(
@@ -505,6 +605,8 @@ def router_group_batch(
         group,
         expert_base,
         n_local,
+        n_group,
+        topk_group,
         smem=smem,
         stream=stream,
     )
