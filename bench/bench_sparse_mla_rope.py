@@ -164,9 +164,8 @@ def main() -> None:
 
         def old_pair():
             old_part()
-            launch(
-                gpu, combine, (heads, -(-dim // 128), m), 256, o["part"], o["ml"], p["cnt"], o["out"], *tail
-            )
+            merge = (o["part"], o["ml"], p["cnt"], o["out"], p["entries"], m, sel, heads, dim)
+            launch(gpu, combine, (heads, -(-dim // 128), m), 256, *merge)
 
         configs["pair, old PTX (NoPE)"] = old_pair
         configs["partial, old PTX (NoPE)"] = old_part
