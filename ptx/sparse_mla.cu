@@ -1,7 +1,10 @@
 // Absorbed MLA attention over the selected latent rows of the paged FP8 cache
-// (model/kernels/sparse_mla.py). Per head h: s_j = (q_h . c_j) * scale over the selected rows j,
-// p = softmax(s), o_h = sum_j p_j c_j, with c_j = fp8(cache[slot_j]) * scales[slot_j] and
-// slot_j = block_table[r / block_size] * block_size + r % block_size for r = selected[j].
+// (model/kernels/sparse_mla.py). Per head h: s_j = (q_h . c_j + qr_h . kr_j) * scale over the selected
+// rows j, p = softmax(s), o_h = sum_j p_j c_j, with c_j = fp8(cache[slot_j]) * scales[slot_j] and
+// slot_j = block_table[r / block_size] * block_size + r % block_size for r = selected[j]. The RoPE
+// term qr_h . kr_j (BF16 rotated query and key, rope_dim wide; kr dense per sequence slot, row r) is
+// absent for rope_dim = 0 (NoPE): each kernel then runs the build without it, bit for bit the
+// kernel before the term existed.
 // Every kernel covers the m entries of a batch (ptx/batch.cuh), each with its own query, selection
 // and slot's block table. The row count is read from device memory (the selection kernel wrote it).
 #include "batch.cuh"
@@ -16,21 +19,35 @@
 // the chip.
 #define MLA_MAX_DIM 1024
 #define MLA_PER_LANE (MLA_MAX_DIM / 32)
+// rope_dim: 0, or a multiple of 16 up to MLA_MAX_ROPE (the split pair's k-steps of 16, held in
+// registers; the launch helpers refuse other widths, the kernels write nothing for them).
+#define MLA_MAX_ROPE 128
+
+namespace {
+__device__ __forceinline__ bool rope_dim_ok(uint32_t rope_dim) {
+    return rope_dim % 16u == 0 && rope_dim <= MLA_MAX_ROPE;
+}
+}  // namespace
 
 namespace {
 struct AttendSmem {
     float qs[MLA_MAX_DIM];
     float acc_s[8][MLA_MAX_DIM / 4];  // merged a quarter of the dims at a time
     float m_s[8], l_s[8];
+    float qrs[MLA_MAX_ROPE];  // the rope query (ROPE only)
 };
 
-// Head blockIdx.x of one sequence over its n selected rows, whichever kernel calls it.
-__device__ __forceinline__ void attend_head(const float* __restrict__ q, const uint8_t* __restrict__ cache,
-                                            const float* __restrict__ scales,
+// Head blockIdx.x of one sequence over its n selected rows, whichever kernel calls it. ROPE: the
+// score adds q_rope . rope_keys[r] (q_rope the head's row, rope_keys the slot's rows), each lane
+// taking rope dims lane + 32 i into the same warp sum as its latent dims.
+template <bool ROPE>
+__device__ __forceinline__ void attend_head(const float* __restrict__ q, const uint16_t* __restrict__ q_rope,
+                                            const uint8_t* __restrict__ cache, const float* __restrict__ scales,
+                                            const uint16_t* __restrict__ rope_keys,
                                             const uint32_t* __restrict__ block_table,
                                             const uint32_t* __restrict__ selected, uint32_t n,
-                                            uint16_t* __restrict__ out, uint32_t dim, uint32_t block_size,
-                                            float scale, AttendSmem& sm) {
+                                            uint16_t* __restrict__ out, uint32_t dim, uint32_t rope_dim,
+                                            uint32_t block_size, float scale, AttendSmem& sm) {
     float* qs = sm.qs;
     float(*acc_s)[MLA_MAX_DIM / 4] = sm.acc_s;
     float* m_s = sm.m_s;
@@ -38,6 +55,10 @@ __device__ __forceinline__ void attend_head(const float* __restrict__ q, const u
     const uint32_t h = blockIdx.x;
     const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x) qs[d] = q[(size_t)h * dim + d];
+    float* qrs = sm.qrs;
+    if (ROPE)
+        for (uint32_t d = threadIdx.x; d < rope_dim; d += blockDim.x)
+            qrs[d] = bf16_bits_to_f32(q_rope[(size_t)h * rope_dim + d]);
     __syncthreads();
     float acc[MLA_PER_LANE];
 #pragma unroll
@@ -55,6 +76,14 @@ __device__ __forceinline__ void attend_head(const float* __restrict__ q, const u
             const uint32_t d = lane + 32u * i;
             c[i] = d < dim ? __fmul_rn(fp8_to_f32(row[d]), sc) : 0.0f;
             if (d < dim) dot = fmaf(qs[d], c[i], dot);
+        }
+        if (ROPE) {
+            const uint16_t* kr = rope_keys + (size_t)r * rope_dim;
+#pragma unroll
+            for (int i = 0; i < MLA_MAX_ROPE / 32; ++i) {
+                const uint32_t d = lane + 32u * i;
+                if (d < rope_dim) dot = fmaf(qrs[d], bf16_bits_to_f32(kr[d]), dot);
+            }
         }
         const float s = __fmul_rn(warp_sum(dot), scale);
         const float m_new = fmaxf(m, s);
@@ -95,13 +124,16 @@ __device__ __forceinline__ void attend_head(const float* __restrict__ q, const u
 // Grid (heads, m); entry e's absorbed query
 // q + e * heads * dim, its selection selected + e * sel_cap with count[e] rows (at most sel_cap),
 // gathered through its slot's block table (tables + slot * blocks_per_slot), its output
-// out + e * heads * dim. Padding entries read and write nothing (their output rows keep whatever
-// they held).
+// out + e * heads * dim. With rope_dim > 0 its rope query is q_rope + e * heads * rope_dim and the
+// rope key of selected row r is rope_keys + (slot * slot_rows + r) * rope_dim (both BF16); with
+// rope_dim = 0 neither is read. Padding entries read and write nothing (their output rows keep
+// whatever they held), as does every entry for a rope_dim outside rope_dim_ok.
 extern "C" __global__ void __launch_bounds__(256) sparse_mla_attend_batch(
-    const float* __restrict__ q, const uint8_t* __restrict__ cache, const float* __restrict__ scales,
-    const uint32_t* __restrict__ tables, const uint32_t* __restrict__ selected, const uint32_t* __restrict__ count,
-    uint16_t* __restrict__ out, const uint32_t* __restrict__ entries, uint32_t m, uint32_t slot_rows,
-    uint32_t sel_cap, uint32_t heads, uint32_t dim, uint32_t block_size, float scale) {
+    const float* __restrict__ q, const uint16_t* __restrict__ q_rope, const uint8_t* __restrict__ cache,
+    const float* __restrict__ scales, const uint16_t* __restrict__ rope_keys, const uint32_t* __restrict__ tables,
+    const uint32_t* __restrict__ selected, const uint32_t* __restrict__ count, uint16_t* __restrict__ out,
+    const uint32_t* __restrict__ entries, uint32_t m, uint32_t slot_rows, uint32_t sel_cap, uint32_t heads,
+    uint32_t dim, uint32_t rope_dim, uint32_t block_size, float scale) {
     __shared__ AttendSmem sm;
     const uint32_t e = blockIdx.y;
     if (e >= m || blockIdx.x >= heads || dim > MLA_MAX_DIM) return;
@@ -111,8 +143,17 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_attend_batch(
     const BatchEntry b = load_entry(entries, e);
     if (entry_is_pad(b)) return;
     const size_t hd = (size_t)heads * dim;
-    attend_head(q + e * hd, cache, scales, tables + (size_t)b.slot * blocks_per_slot(slot_rows, block_size),
-                selected + (size_t)e * sel_cap, n, out + e * hd, dim, block_size, scale, sm);
+    const uint32_t* table = tables + (size_t)b.slot * blocks_per_slot(slot_rows, block_size);
+    const uint32_t* sel = selected + (size_t)e * sel_cap;
+    // rope_dim is uniform: the NoPE build has no rope instruction at all.
+    if (rope_dim == 0u) {
+        attend_head<false>(q + e * hd, q_rope, cache, scales, rope_keys, table, sel, n, out + e * hd, dim, 0u,
+                           block_size, scale, sm);
+    } else if (rope_dim_ok(rope_dim)) {
+        attend_head<true>(q + e * hd, q_rope + (size_t)e * heads * rope_dim, cache, scales,
+                          rope_keys + (size_t)b.slot * slot_rows * rope_dim, table, sel, n, out + e * hd, dim,
+                          rope_dim, block_size, scale, sm);
+    }
 }
 
 // ---- the split pair: sparse_mla_partial_batch + sparse_mla_combine_batch ------------------------
@@ -125,9 +166,12 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_attend_batch(
 //     (to the score, and folded into p for the output);
 //   - q and p are f32: each is split into hi = bf16(v) and lo = bf16(v - hi), and both halves are
 //     multiplied, which keeps about 16 mantissa bits (relative error ~2^-17 instead of BF16's 2^-9).
+//   - the RoPE term needs neither: its operands are BF16 already, so one product per k-step is
+//     exact up to the f32 accumulation.
 // Shared memory (dynamic, launch helper): C tile [64][dim + 8] BF16, q hi/lo [16][dim + 8] BF16,
 // scores [16][68] f32, p hi/lo [16][72] BF16, row slots and scales: the + 8 pitches put the 32-bit
-// fragment loads of a warp on distinct banks. dim % 16 == 0 and dim <= 512 (8 n-tiles per warp).
+// fragment loads of a warp on distinct banks; with rope_dim > 0 also the tile's selected rows (64
+// u32). dim % 16 == 0 and dim <= 512 (8 n-tiles per warp).
 #define MLA_RT 64
 #define MLA_HT 16
 #define MLA_NTW 8
@@ -147,6 +191,43 @@ __device__ __forceinline__ uint16_t bf16_lo_part(float v, uint16_t hi) {
 }
 
 __device__ __forceinline__ uint32_t ld_u32(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// A lane's RoPE rows of a warp's score product: the key of its row (n = g) and the rope queries of
+// heads g and g + 8, each with whether it exists (a row past the selection, a head past `heads`:
+// zeros, nothing read). Read through the read-only path as q is: their writers must not release
+// this kernel early (ptx/common.cuh).
+struct RopeRows {
+    const uint2* k;
+    const uint2* q0;
+    const uint2* q1;
+    bool kv, qv0, qv1;
+};
+// One 16-wide k-step of them: A = {q0.x, q1.x, q0.y, q1.y}, B = {k.x, k.y}.
+struct RopeFrag {
+    uint2 k, q0, q1;
+};
+
+__device__ __forceinline__ RopeRows rope_rows(const uint16_t* __restrict__ q_rope, const uint16_t* __restrict__ rope_keys,
+                                              uint32_t r, uint32_t h, uint32_t heads, uint32_t rope_dim) {
+    return RopeRows{reinterpret_cast<const uint2*>(rope_keys + (size_t)(r != 0xFFFFFFFFu ? r : 0u) * rope_dim),
+                    reinterpret_cast<const uint2*>(q_rope + (size_t)h * rope_dim),
+                    reinterpret_cast<const uint2*>(q_rope + (size_t)(h + 8u) * rope_dim), r != 0xFFFFFFFFu,
+                    h < heads, h + 8u < heads};
+}
+
+// Step k (~0u: none, all zeros) for lane t: the 8 bytes at 16 k + 4 t of each row.
+__device__ __forceinline__ RopeFrag rope_frag(const RopeRows& rr, uint32_t k, uint32_t t) {
+    const uint2 z = make_uint2(0u, 0u);
+    const bool in = k != ~0u;
+    const uint32_t i = 4u * k + t;
+    return RopeFrag{in && rr.kv ? __ldg(rr.k + i) : z, in && rr.qv0 ? __ldg(rr.q0 + i) : z,
+                    in && rr.qv1 ? __ldg(rr.q1 + i) : z};
+}
+
+__device__ __forceinline__ void rope_mma(float (&acc)[4], const RopeFrag& f) {
+    const uint32_t a[4] = {f.q0.x, f.q1.x, f.q0.y, f.q1.y};
+    mma_bf16(acc, a, f.k.x, f.k.y);
+}
 }  // namespace
 
 namespace {
@@ -154,12 +235,16 @@ namespace {
 // latency of each warp's own instruction chain (8 warps per SM): with the width a runtime value the
 // index arithmetic of the q and gather loops was integer division, the largest share of its
 // instructions in Nsight Compute's samples; the GLM width 512 gets a build where it is shifts.
-template <uint32_t DIM>
+// ROPE: the scores add Q_rope[16 heads][rope_dim] . K_rope[8 rows][rope_dim]^T per warp (q_rope the
+// entry's rows, rope_keys its slot's); without it the build is the NoPE kernel's, instruction for
+// instruction.
+template <uint32_t DIM, bool ROPE>
 __device__ __forceinline__ void mla_partial_tile(
-    const float* __restrict__ q, const uint8_t* __restrict__ cache, const float* __restrict__ scales,
+    const float* __restrict__ q, const uint16_t* __restrict__ q_rope, const uint8_t* __restrict__ cache,
+    const float* __restrict__ scales, const uint16_t* __restrict__ rope_keys,
     const uint32_t* __restrict__ block_table, const uint32_t* __restrict__ selected, uint32_t n,
-    float* __restrict__ part, float* __restrict__ ml, uint32_t heads, uint32_t dim_arg, uint32_t block_size,
-    float scale, uint8_t* smem) {
+    float* __restrict__ part, float* __restrict__ ml, uint32_t heads, uint32_t dim_arg, uint32_t rope_dim,
+    uint32_t block_size, float scale, uint8_t* smem) {
     const uint32_t dim = DIM ? DIM : dim_arg;
     const uint32_t j0 = blockIdx.x * MLA_RT, h0 = blockIdx.y * MLA_HT;
     if (j0 >= n || dim % 16u != 0 || dim > 64u * MLA_NTW) return;
@@ -177,6 +262,7 @@ __device__ __forceinline__ void mla_partial_tile(
     float* sc_s = reinterpret_cast<float*>(slot_s + MLA_RT);           // [RT]
     float* m_s = sc_s + MLA_RT;                                         // [HT]
     float* l_s = m_s + MLA_HT;                                          // [HT]
+    uint32_t* r_s = reinterpret_cast<uint32_t*>(l_s + MLA_HT);          // [RT], ROPE only
 
     const uint32_t nr = min((uint32_t)MLA_RT, n - j0);
     // q tile as float4, every load in flight before the first use: a loop that waits one L2 round
@@ -193,15 +279,16 @@ __device__ __forceinline__ void mla_partial_tile(
             v[u] = (i < nq4 && h0 + i / d4 < heads) ? __ldg(q4 + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
         if (base == 0 && tid < MLA_RT) {  // the row slots, while the q loads are in flight
-            uint32_t slot = 0xFFFFFFFFu;
+            uint32_t slot = 0xFFFFFFFFu, r = 0xFFFFFFFFu;
             float sc = 0.0f;
             if (tid < nr) {
-                const uint32_t r = selected[j0 + tid];
+                r = selected[j0 + tid];
                 slot = block_table[r / block_size] * block_size + r % block_size;
                 sc = scales[slot];
             }
             slot_s[tid] = slot;
             sc_s[tid] = sc;
+            if (ROPE) r_s[tid] = r;
         }
 #pragma unroll
         for (int u = 0; u < QL; ++u) {
@@ -222,6 +309,22 @@ __device__ __forceinline__ void mla_partial_tile(
         }
     }
     __syncthreads();
+    // The RoPE operands straight into the score product's fragments, the first RKS k-steps issued
+    // before the gather so that their round trip overlaps it (no shared memory: a tile there would
+    // cost the second block per SM at dim 512). Lane (g, t) takes 8 bytes at 4 t of each 16-wide
+    // k-step: the k order inside a step is permuted alike for Q and K (A's pairs t / t + 4 and B's
+    // are the words .x / .y), which leaves the dot products as they are. Rows past the selection
+    // and heads past `heads` are zeros. RKS = 4 covers the models' 64 (93 registers, 64 without the
+    // RoPE builds); holding all of 128 took 119, so wider rope parts load their further steps at
+    // the product.
+    constexpr uint32_t RKS = 4;
+    RopeFrag rf[RKS];
+    RopeRows rr{};
+    if (ROPE) {
+        rr = rope_rows(q_rope, rope_keys, r_s[8u * warp + g], h0 + g, heads, rope_dim);
+#pragma unroll
+        for (uint32_t k = 0; k < RKS; ++k) rf[k] = rope_frag(rr, k < rope_dim / 16u ? k : ~0u, t);
+    }
     // Gather the rows: 16 FP8 values per 16-byte load, all of a thread's loads issued first, then
     // widened exactly to BF16.
     constexpr int CL = 8;
@@ -255,6 +358,14 @@ __device__ __forceinline__ void mla_partial_tile(
     // Scores: warp w owns rows 8w..8w+7 (one n-tile); k runs over dim in steps of 16.
     {
         float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        float racc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (ROPE) {
+            const uint32_t nks = rope_dim / 16u;
+#pragma unroll
+            for (uint32_t k = 0; k < RKS; ++k)
+                if (k < nks) rope_mma(racc, rf[k]);
+            for (uint32_t k = RKS; k < nks; ++k) rope_mma(racc, rope_frag(rr, k, t));
+        }
         const uint32_t rb = 8u * warp;
         for (uint32_t k0 = 0; k0 < dim; k0 += 16u) {
             uint32_t ah[4], al[4];
@@ -272,12 +383,21 @@ __device__ __forceinline__ void mla_partial_tile(
             mma_bf16(acc, al, b0, b1);
         }
         const uint32_t r0 = rb + 2u * t, r1 = r0 + 1u;
-        const float f0 = r0 < nr ? __fmul_rn(sc_s[r0], scale) : 0.0f;
-        const float f1 = r1 < nr ? __fmul_rn(sc_s[r1], scale) : 0.0f;
-        ss[g * SP + r0] = r0 < nr ? acc[0] * f0 : -INFINITY;
-        ss[g * SP + r1] = r1 < nr ? acc[1] * f1 : -INFINITY;
-        ss[(g + 8u) * SP + r0] = r0 < nr ? acc[2] * f0 : -INFINITY;
-        ss[(g + 8u) * SP + r1] = r1 < nr ? acc[3] * f1 : -INFINITY;
+        if (ROPE) {
+            // (latent . q * row scale + rope) * scale: the row scale belongs to the latent term only.
+            const float c0 = r0 < nr ? sc_s[r0] : 0.0f, c1 = r1 < nr ? sc_s[r1] : 0.0f;
+            ss[g * SP + r0] = r0 < nr ? __fmul_rn(fmaf(acc[0], c0, racc[0]), scale) : -INFINITY;
+            ss[g * SP + r1] = r1 < nr ? __fmul_rn(fmaf(acc[1], c1, racc[1]), scale) : -INFINITY;
+            ss[(g + 8u) * SP + r0] = r0 < nr ? __fmul_rn(fmaf(acc[2], c0, racc[2]), scale) : -INFINITY;
+            ss[(g + 8u) * SP + r1] = r1 < nr ? __fmul_rn(fmaf(acc[3], c1, racc[3]), scale) : -INFINITY;
+        } else {
+            const float f0 = r0 < nr ? __fmul_rn(sc_s[r0], scale) : 0.0f;
+            const float f1 = r1 < nr ? __fmul_rn(sc_s[r1], scale) : 0.0f;
+            ss[g * SP + r0] = r0 < nr ? acc[0] * f0 : -INFINITY;
+            ss[g * SP + r1] = r1 < nr ? acc[1] * f1 : -INFINITY;
+            ss[(g + 8u) * SP + r0] = r0 < nr ? acc[2] * f0 : -INFINITY;
+            ss[(g + 8u) * SP + r1] = r1 < nr ? acc[3] * f1 : -INFINITY;
+        }
     }
     __syncthreads();
 
@@ -362,13 +482,16 @@ __device__ __forceinline__ uint32_t batch_splits(uint32_t sel_cap) {
 
 // Grid (splits, ceil(heads / 16), m), blockIdx.z = entry e; the tile of (split, head tile) of entry
 // e is mla_partial_tile on e's query, selection (count[e]
-// rows, at most sel_cap) and slot's block table, into e's workspace. Splits past the count and
-// padding entries exit (padding reads and writes nothing).
+// rows, at most sel_cap) and slot's block table, into e's workspace; its rope query and keys are
+// addressed as in sparse_mla_attend_batch (not read for rope_dim = 0). Splits past the count and
+// padding entries exit (padding reads and writes nothing), as does every tile for a rope_dim
+// outside rope_dim_ok.
 extern "C" __global__ void __launch_bounds__(256) sparse_mla_partial_batch(
-    const float* __restrict__ q, const uint8_t* __restrict__ cache, const float* __restrict__ scales,
-    const uint32_t* __restrict__ tables, const uint32_t* __restrict__ selected, const uint32_t* __restrict__ count,
-    float* __restrict__ part, float* __restrict__ ml, const uint32_t* __restrict__ entries, uint32_t m,
-    uint32_t slot_rows, uint32_t sel_cap, uint32_t heads, uint32_t dim, uint32_t block_size, float scale) {
+    const float* __restrict__ q, const uint16_t* __restrict__ q_rope, const uint8_t* __restrict__ cache,
+    const float* __restrict__ scales, const uint16_t* __restrict__ rope_keys, const uint32_t* __restrict__ tables,
+    const uint32_t* __restrict__ selected, const uint32_t* __restrict__ count, float* __restrict__ part,
+    float* __restrict__ ml, const uint32_t* __restrict__ entries, uint32_t m, uint32_t slot_rows, uint32_t sel_cap,
+    uint32_t heads, uint32_t dim, uint32_t rope_dim, uint32_t block_size, float scale) {
     extern __shared__ __align__(16) uint8_t smem[];
     wait_then_release();
     const uint32_t e = blockIdx.z;
@@ -382,10 +505,24 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_partial_batch(
     const uint32_t* sel = selected + (size_t)e * sel_cap;
     float* pe = part + e * splits * hd;
     float* me = ml + e * splits * heads * 2u;
-    if (dim == 512u)
-        mla_partial_tile<512>(qe, cache, scales, table, sel, n, pe, me, heads, dim, block_size, scale, smem);
-    else
-        mla_partial_tile<0>(qe, cache, scales, table, sel, n, pe, me, heads, dim, block_size, scale, smem);
+    // rope_dim is uniform: the NoPE builds have no rope instruction at all.
+    if (rope_dim == 0u) {
+        if (dim == 512u)
+            mla_partial_tile<512, false>(qe, q_rope, cache, scales, rope_keys, table, sel, n, pe, me, heads, dim, 0u,
+                                         block_size, scale, smem);
+        else
+            mla_partial_tile<0, false>(qe, q_rope, cache, scales, rope_keys, table, sel, n, pe, me, heads, dim, 0u,
+                                       block_size, scale, smem);
+    } else if (rope_dim_ok(rope_dim)) {
+        const uint16_t* qre = q_rope + (size_t)e * heads * rope_dim;
+        const uint16_t* kre = rope_keys + (size_t)b.slot * slot_rows * rope_dim;
+        if (dim == 512u)
+            mla_partial_tile<512, true>(qe, qre, cache, scales, kre, table, sel, n, pe, me, heads, dim, rope_dim,
+                                        block_size, scale, smem);
+        else
+            mla_partial_tile<0, true>(qe, qre, cache, scales, kre, table, sel, n, pe, me, heads, dim, rope_dim,
+                                      block_size, scale, smem);
+    }
 }
 
 // out[h] = sum_s exp(m_s - M) part_s[h] / sum_s exp(m_s - M) l_s, M = max_s m_s, over the

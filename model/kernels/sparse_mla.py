@@ -1,7 +1,11 @@
 """Absorbed MLA attention over the selected latent rows of the paged FP8 cache.
 
-Per head: ``s_j = (q_h . c_j) * scale`` over the selected rows j, softmax, ``o_h = sum_j p_j c_j``.
-``q`` is the absorbed query in latent space (f32, [heads, dim]); ``out`` is BF16 [heads, dim].
+Per head: ``s_j = (q_h . c_j + qr_h . kr_j) * scale`` over the selected rows j, softmax,
+``o_h = sum_j p_j c_j``. ``q`` is the absorbed query in latent space (f32, [heads, dim]); ``out`` is
+BF16 [heads, dim]. The RoPE term (MLA's qk_rope_head_dim part: GLM-5 / DeepSeek-V3.2, 64 wide) takes
+the rotated query ``qr`` (BF16 [heads, rope_dim]) and the rotated key ``kr_j`` of selected row r
+(BF16, dense per sequence slot: ``rope_keys[(slot * slot_rows + r) * rope_dim]``, not paged);
+``rope_dim = 0`` (NoPE) leaves it out, and then neither is read.
 The selection's row count is read from device memory; an empty selection (a row with no complete
 pool when the tail is not selected) attends nothing and outputs zero. CUDA: ptx/sparse_mla.cu.
 
@@ -37,13 +41,31 @@ def _gather_n(mem, cache, scales, block_table, selected, n, dim, block_size):
     return n, c
 
 
-def _attend(mem, q, n, c, out, heads, dim, scale):
-    """One sequence's attention over its gathered rows."""
+def _rope_term(mem, q_rope, slot_keys, selected, n, heads, rope_dim):
+    """f32 [heads, n]: the rope query . the rope key of each selected row (``slot_keys`` the slot's
+    rows), or None for NoPE (rope_dim 0), where nothing is read."""
+    if rope_dim == 0:
+        return None
+    if n == 0:
+        return np.zeros((heads, 0), np.float32)
+    rows = mem.read(selected, np.uint32, n).astype(np.int64)
+    kr = mem.read(slot_keys, BF16, (int(rows.max()) + 1, rope_dim))[rows]
+    return dot_rows(mem.read(q_rope, BF16, (heads, rope_dim)).astype(np.float32), kr.astype(np.float32))
+
+
+def _scores(mem, q, c, rope, heads, dim, scale):
+    qv = mem.read(q, np.float32, (heads, dim))
+    if rope is None:
+        return dot_rows(qv, c) * np.float32(scale)
+    return (dot_rows(qv, c) + rope) * np.float32(scale)
+
+
+def _attend(mem, q, n, c, rope, out, heads, dim, scale):
+    """One sequence's attention over its gathered rows (``rope``: _rope_term)."""
     if n == 0:
         mem.write(out, np.zeros((heads, dim), BF16))
         return
-    qv = mem.read(q, np.float32, (heads, dim))
-    s = dot_rows(qv, c) * np.float32(scale)
+    s = _scores(mem, q, c, rope, heads, dim, scale)
     s -= s.max(1, keepdims=True)
     p = np.exp(s)
     p /= p.sum(1, keepdims=True)
@@ -56,9 +78,8 @@ HEAD_TILE = 16
 MAX_SPLITS = 1024
 
 
-def _partial(mem, q, n, c, part, ml, heads, dim, scale):
-    qv = mem.read(q, np.float32, (heads, dim))
-    s = dot_rows(qv, c) * np.float32(scale)
+def _partial(mem, q, n, c, rope, part, ml, heads, dim, scale):
+    s = _scores(mem, q, c, rope, heads, dim, scale)
     for sp in range(-(-n // SPLIT_ROWS)):
         seg = slice(sp * SPLIT_ROWS, min(n, (sp + 1) * SPLIT_ROWS))
         m = s[:, seg].max(1)
@@ -87,7 +108,9 @@ def _combine(mem, part, ml, n, out, heads, dim):
 # Entry e's absorbed query is q + e * heads * dim (f32), its selection selected + e * sel_cap with
 # count[e] rows (at most sel_cap), its latent rows gathered through its slot's block table
 # (tables + slot * blocks_per_slot), its output out + e * heads * dim (BF16); the split pair's
-# workspace is per entry (split_workspace_batch). Padding entries read and write nothing.
+# workspace is per entry (split_workspace_batch). With rope_dim > 0 its rope query is
+# q_rope + e * heads * rope_dim and its slot's rope keys rope_keys + slot * slot_rows * rope_dim
+# (BF16 elements). Padding entries read and write nothing.
 
 
 def _batch_entries(mem, entries, m, count, sel_cap):
@@ -108,13 +131,30 @@ def _blocks_per_slot(slot_rows: int, block_size: int) -> int:
     return -(-slot_rows // block_size)
 
 
+# ptx/sparse_mla.cu MLA_MAX_ROPE: the RoPE width is a whole number of the split pair's 16-wide
+# k-steps, at most 128; for another width the kernels (and so the twins) write nothing.
+MAX_ROPE_DIM = 128
+
+
+def rope_dim_ok(rope_dim: int) -> bool:
+    """0 (NoPE) or a multiple of 16 up to MAX_ROPE_DIM."""
+    return 0 <= rope_dim <= MAX_ROPE_DIM and rope_dim % 16 == 0
+
+
+def _entry_rope(q_rope, rope_keys, e, slot, slot_rows, heads, rope_dim):
+    """Entry e's rope query and its slot's rope keys (BF16 element offsets)."""
+    return q_rope.offset(e * heads * rope_dim * 2), rope_keys.offset(slot * slot_rows * rope_dim * 2)
+
+
 @declare(
     "sparse_mla",
     "sparse_mla_attend_batch",
     [
         ("q", PTR),
+        ("q_rope", PTR),
         ("cache", PTR),
         ("scales", PTR),
+        ("rope_keys", PTR),
         ("tables", PTR),
         ("selected", PTR),
         ("count", PTR),
@@ -125,6 +165,7 @@ def _blocks_per_slot(slot_rows: int, block_size: int) -> int:
         ("sel_cap", U32),
         ("heads", U32),
         ("dim", U32),
+        ("rope_dim", U32),
         ("block_size", U32),
         ("scale", F32),
     ],
@@ -133,8 +174,10 @@ def _blocks_per_slot(slot_rows: int, block_size: int) -> int:
 def SPARSE_MLA_ATTEND_BATCH(
     mem,
     q,
+    q_rope,
     cache,
     scales,
+    rope_keys,
     tables,
     selected,
     count,
@@ -145,14 +188,21 @@ def SPARSE_MLA_ATTEND_BATCH(
     sel_cap,
     heads,
     dim,
+    rope_dim,
     block_size,
     scale,
 ):
+    if not rope_dim_ok(rope_dim):
+        return
     bps = _blocks_per_slot(slot_rows, block_size)
     for e, slot, n in _batch_entries(mem, entries, m, count, sel_cap):
-        table = tables.offset(slot * bps * 4)
-        _, c = _gather_n(mem, cache, scales, table, selected.offset(e * sel_cap * 4), n, dim, block_size)
-        _attend(mem, q.offset(e * heads * dim * 4), n, c, out.offset(e * heads * dim * 2), heads, dim, scale)
+        table, sel = tables.offset(slot * bps * 4), selected.offset(e * sel_cap * 4)
+        _, c = _gather_n(mem, cache, scales, table, sel, n, dim, block_size)
+        qr, kr = _entry_rope(q_rope, rope_keys, e, slot, slot_rows, heads, rope_dim)
+        rope = _rope_term(mem, qr, kr, sel, n, heads, rope_dim)
+        _attend(
+            mem, q.offset(e * heads * dim * 4), n, c, rope, out.offset(e * heads * dim * 2), heads, dim, scale
+        )
 
 
 @declare(
@@ -160,8 +210,10 @@ def SPARSE_MLA_ATTEND_BATCH(
     "sparse_mla_partial_batch",
     [
         ("q", PTR),
+        ("q_rope", PTR),
         ("cache", PTR),
         ("scales", PTR),
+        ("rope_keys", PTR),
         ("tables", PTR),
         ("selected", PTR),
         ("count", PTR),
@@ -173,6 +225,7 @@ def SPARSE_MLA_ATTEND_BATCH(
         ("sel_cap", U32),
         ("heads", U32),
         ("dim", U32),
+        ("rope_dim", U32),
         ("block_size", U32),
         ("scale", F32),
     ],
@@ -183,8 +236,10 @@ def SPARSE_MLA_ATTEND_BATCH(
 def SPARSE_MLA_PARTIAL_BATCH(
     mem,
     q,
+    q_rope,
     cache,
     scales,
+    rope_keys,
     tables,
     selected,
     count,
@@ -196,20 +251,25 @@ def SPARSE_MLA_PARTIAL_BATCH(
     sel_cap,
     heads,
     dim,
+    rope_dim,
     block_size,
     scale,
 ):
     """Each entry's per-split partial attention (unnormalised output and its (max, sum)) into its
     workspace (split_workspace_batch)."""
+    if not rope_dim_ok(rope_dim):
+        return
     bps, splits = _blocks_per_slot(slot_rows, block_size), batch_splits(sel_cap)
     for e, slot, n in _batch_entries(mem, entries, m, count, sel_cap):
-        table = tables.offset(slot * bps * 4)
-        _, c = _gather_n(mem, cache, scales, table, selected.offset(e * sel_cap * 4), n, dim, block_size)
+        table, sel = tables.offset(slot * bps * 4), selected.offset(e * sel_cap * 4)
+        _, c = _gather_n(mem, cache, scales, table, sel, n, dim, block_size)
+        qr, kr = _entry_rope(q_rope, rope_keys, e, slot, slot_rows, heads, rope_dim)
         _partial(
             mem,
             q.offset(e * heads * dim * 4),
             n,
             c,
+            _rope_term(mem, qr, kr, sel, n, heads, rope_dim),
             part.offset(e * splits * heads * dim * 4),
             ml.offset(e * splits * heads * 8),
             heads,
@@ -270,9 +330,10 @@ def split_workspace_batch(heads: int, dim: int, sel_cap: int, m: int) -> tuple[i
     return m * pb, m * mb
 
 
-def partial_smem(dim: int) -> int:
+def partial_smem(dim: int, rope_dim: int = 0) -> int:
     """ptx/sparse_mla.cu sparse_mla_partial_batch: C [64][dim+8] and q hi/lo [16][dim+8] BF16, scores
-    [16][68] f32, p hi/lo [16][72] BF16, 64 slots and scales, 16 (m, l)."""
+    [16][68] f32, p hi/lo [16][72] BF16, 64 slots and scales, 16 (m, l); with a RoPE part also the
+    64 selected rows (its operands live in registers)."""
     dp = dim + 8
     return (
         2 * SPLIT_ROWS * dp
@@ -281,6 +342,7 @@ def partial_smem(dim: int) -> int:
         + 4 * HEAD_TILE * 72
         + 8 * SPLIT_ROWS
         + 8 * HEAD_TILE
+        + (4 * SPLIT_ROWS if rope_dim else 0)
     )
 
 
@@ -291,6 +353,20 @@ MAX_GRID_YZ = 65535
 def _check_batch(what: str, m: int) -> None:
     if not 1 <= m <= MAX_GRID_YZ:
         raise ValueError(f"{what}: m={m} entries outside 1..{MAX_GRID_YZ}")
+
+
+def _rope_args(what: str, q, q_rope, rope_keys, rope_dim: int):
+    """The (q_rope, rope_keys) pointers a launch passes: the caller's for rope_dim > 0; for NoPE
+    (rope_dim 0, neither read) q in their place, as the launch wants a valid pointer."""
+    if rope_dim == 0:
+        if q_rope is not None or rope_keys is not None:
+            raise ValueError(f"{what}: q_rope / rope_keys given with rope_dim 0 (they would not be read)")
+        return q, q
+    if not rope_dim_ok(rope_dim):
+        raise ValueError(f"{what}: rope_dim {rope_dim} is not 0 or a multiple of 16 up to {MAX_ROPE_DIM}")
+    if q_rope is None or rope_keys is None:
+        raise ValueError(f"{what}: rope_dim {rope_dim} needs both q_rope and rope_keys")
+    return q_rope, rope_keys
 
 
 def sparse_mla_split_batch(
@@ -313,6 +389,9 @@ def sparse_mla_split_batch(
     dim,
     block_size,
     scale,
+    q_rope=None,
+    rope_keys=None,
+    rope_dim=0,
     stream=None,
 ):
     """The split attention for ``m`` batch entries (model/kernels/batch.py): partials over grid
@@ -321,19 +400,25 @@ def sparse_mla_split_batch(
     ``selected + e * sel_cap * 4`` with ``count[e]`` rows (at most ``sel_cap``), latent rows through
     its slot's block table (``tables + slot * ceil(slot_rows / block_size) * 4``), workspace
     ``part`` / ``ml`` per entry (``split_workspace_batch``), output ``out + e * heads * dim * 2``
-    (BF16). Each entry's output is that of a launch of its entry alone, bit for bit. Padding
-    entries read and write nothing (their output rows keep what they held)."""
+    (BF16). The RoPE part (``rope_dim`` 0, or a multiple of 16 up to 128): rope query
+    ``q_rope + e * heads * rope_dim * 2`` (BF16 ``[heads][rope_dim]``), the rope key of selected row
+    r ``rope_keys + (slot * slot_rows + r) * rope_dim * 2`` (BF16); both None for NoPE. Each entry's
+    output is that of a launch of its entry alone, bit for bit. Padding entries read and write
+    nothing (their output rows keep what they held)."""
     if not split_supported(dim, sel_cap):
         raise ValueError(f"sparse_mla_split_batch: dim {dim} / {sel_cap} rows outside the split kernels")
     _check_batch("sparse_mla_split_batch", m)
+    q_rope, rope_keys = _rope_args("sparse_mla_split_batch", q, q_rope, rope_keys, rope_dim)
     launch(
         gpu,
         gpu.kernel(*SPARSE_MLA_PARTIAL_BATCH.key),
         (batch_splits(sel_cap), -(-heads // HEAD_TILE), m),
         256,
         q,
+        q_rope,
         cache,
         scales,
+        rope_keys,
         tables,
         selected,
         count,
@@ -345,9 +430,10 @@ def sparse_mla_split_batch(
         sel_cap,
         heads,
         dim,
+        rope_dim,
         block_size,
         scale,
-        smem=partial_smem(dim),
+        smem=partial_smem(dim, rope_dim),
         stream=stream,
     )
     launch(
@@ -386,21 +472,27 @@ def sparse_mla_attend_batch(
     dim,
     block_size,
     scale,
+    q_rope=None,
+    rope_keys=None,
+    rope_dim=0,
     stream=None,
 ):
     """The one-pass attention (the fallback for shapes ``split_supported`` refuses) for ``m`` entries,
-    grid ``(heads, m)``, addressed as ``sparse_mla_split_batch``; no workspace."""
+    grid ``(heads, m)``, addressed as ``sparse_mla_split_batch`` (the RoPE part too); no workspace."""
     if dim > 1024:
         raise ValueError(f"sparse_mla_attend_batch: dim {dim} > 1024 (the kernel's per-lane registers)")
     _check_batch("sparse_mla_attend_batch", m)
+    q_rope, rope_keys = _rope_args("sparse_mla_attend_batch", q, q_rope, rope_keys, rope_dim)
     launch(
         gpu,
         gpu.kernel(*SPARSE_MLA_ATTEND_BATCH.key),
         (heads, m),
         256,
         q,
+        q_rope,
         cache,
         scales,
+        rope_keys,
         tables,
         selected,
         count,
@@ -411,6 +503,7 @@ def sparse_mla_attend_batch(
         sel_cap,
         heads,
         dim,
+        rope_dim,
         block_size,
         scale,
         stream=stream,
