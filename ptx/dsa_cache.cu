@@ -7,8 +7,14 @@
 // rounded to BF16 (multiply and add kept separate, as NumPy does them); a pool key is the
 // per-dimension softmax over its slots of (gate + ape) weighting the slots' keys, summed in slot
 // order, then quantised like a latent.
+//
+// dsa_cache_write_plain_batch (the plain per-token indexer with RoPE, every token its own pool)
+// reads fused rows [kv_a (C) ; k_rope (rope_dim) ; wk y (idim) ; ...]: the latent as above, the
+// rotated k_rope in BF16, and the indexer key LayerNorm'd and rotated in f32 (no BF16 rounding in
+// between) and quantised like a latent.
 #include "batch.cuh"
 #include "model_common.cuh"
+#include "rope.cuh"
 
 #define DSA_MAX_DIM 1024   // smem row buffer of a pool key (index_head_dim)
 #define DSA_MAX_KPOOL 16   // per-slot LayerNorm statistics kept in smem
@@ -106,6 +112,11 @@ __device__ __forceinline__ void compress_pool(const uint16_t* __restrict__ keys,
     if (threadIdx.x == 0) pool_scales[p] = s;
 }
 
+// One LayerNorm output element left in f32 (ln_elem's arithmetic without the BF16 rounding).
+__device__ __forceinline__ float ln_elem_f32(float x, float mu, float denom, float w, float b) {
+    return __fadd_rn(__fmul_rn(__fsub_rn(x, mu) / denom, w), b);
+}
+
 __device__ __forceinline__ uint32_t slot_of(const uint32_t* __restrict__ block_table, uint32_t row, uint32_t bs) {
     return block_table[row / bs] * bs + row % bs;
 }
@@ -180,4 +191,75 @@ extern "C" __global__ void __launch_bounds__(128) dsa_cache_write_batch(
     __syncthreads();
     compress_pool(skeys, sgates, ape, pool_keys + slot * pps * idim, pool_scales + slot * pps, p, idim, kpool,
                   kg_rows, mu_s, den_s, knorm_w, knorm_b, key_buf, scratch);
+}
+
+// ---- dsa_cache_write_plain_batch: the plain indexer (kpool 1) with RoPE ---------------------------
+// Grid = m, block 128: block e writes entry e's row r = entries[e].row + row_add of its slot from
+// fused row e: the latent (write_latent, as above), the rope key
+// rope_keys[(slot * slot_rows + r) * rope_dim ..] = bf16(rope(k_rope, r)), and the indexer key
+// k = rope(LayerNorm(wk y), r) on its first irope_dim dims, one FP8 row with one scale at pool r of
+// the slot (kpool 1: pools_per_slot = slot_rows). Each row depends on its own fused row only, so a
+// slot's bytes cannot depend on the batch, its order or its chunking. A padding entry, one whose
+// row is past slot_rows, or dims ptx/rope.cuh does not define (or an idim past key_buf) write
+// nothing.
+extern "C" __global__ void __launch_bounds__(128) dsa_cache_write_plain_batch(
+    const uint16_t* __restrict__ fused, uint32_t stride, const uint16_t* __restrict__ kv_norm_w,
+    uint8_t* __restrict__ cache, float* __restrict__ scales, const uint32_t* __restrict__ tables,
+    const uint16_t* __restrict__ knorm_w, const uint16_t* __restrict__ knorm_b, uint16_t* __restrict__ rope_keys,
+    uint8_t* __restrict__ pool_keys, float* __restrict__ pool_scales, const float* __restrict__ inv_freq,
+    float attn_factor, const uint32_t* __restrict__ entries, uint32_t m, uint32_t row_add, uint32_t slot_rows,
+    uint32_t C, uint32_t rope_dim, uint32_t idim, uint32_t irope_dim, uint32_t block_size, uint32_t interleave,
+    uint32_t i_interleave, float eps, float ln_eps) {
+    __shared__ float scratch[32];
+    __shared__ float key_buf[DSA_MAX_DIM];
+    // The q projection over the same fused rows runs beside it, as beside dsa_cache_write_batch.
+    wait_then_release();
+    const uint32_t e = blockIdx.x;
+    if (e >= m || !rope_dims_ok(rope_dim, irope_dim, idim) || idim > DSA_MAX_DIM) return;
+    const BatchEntry b = load_entry(entries, e);
+    const uint32_t row = b.row + row_add;
+    if (entry_is_pad(b) || row >= slot_rows) return;
+    const size_t slot = b.slot;
+    const uint32_t* table = tables + slot * blocks_per_slot(slot_rows, block_size);
+    const uint16_t* src = fused + (size_t)e * stride;
+    write_latent(src, kv_norm_w, cache, scales, slot_of(table, row, block_size), C, eps, scratch);
+    const uint16_t* kr = src + C;
+    uint16_t* dr = rope_keys + (slot * slot_rows + row) * rope_dim;
+    const bool il = interleave != 0u, iil = i_interleave != 0u;
+    for (uint32_t i = threadIdx.x; i < rope_dim / 2u; i += blockDim.x) {
+        const uint32_t a = rope_first(i, rope_dim, il), z = rope_second(i, rope_dim, il);
+        float c, s, y0, y1;
+        rope_cos_sin(row, inv_freq[i], attn_factor, c, s);
+        rope_rotate(bf16_bits_to_f32(kr[a]), bf16_bits_to_f32(kr[z]), c, s, y0, y1);
+        dr[a] = f32_to_bf16_bits(y0);
+        dr[z] = f32_to_bf16_bits(y1);
+    }
+    // The indexer key in f32: LayerNorm ((x - mu) / den * w + b, no contraction, as the twin's
+    // layernorm_ref), then its first irope_dim dims rotated pair by pair. A thread owns the
+    // elements it writes (a pair's two, or one unrotated element), so the max needs no barrier first.
+    const uint16_t* kx = kr + rope_dim;
+    float mu, den;
+    ln_stats(kx, idim, ln_eps, scratch, mu, den);
+    float amax = 0.0f;
+    for (uint32_t i = threadIdx.x; i < irope_dim / 2u; i += blockDim.x) {
+        const uint32_t a = rope_first(i, irope_dim, iil), z = rope_second(i, irope_dim, iil);
+        float c, s, y0, y1;
+        rope_cos_sin(row, inv_freq[i], attn_factor, c, s);
+        rope_rotate(ln_elem_f32(bf16_bits_to_f32(kx[a]), mu, den, bf16_bits_to_f32(knorm_w[a]), bf16_bits_to_f32(knorm_b[a])),
+                    ln_elem_f32(bf16_bits_to_f32(kx[z]), mu, den, bf16_bits_to_f32(knorm_w[z]), bf16_bits_to_f32(knorm_b[z])),
+                    c, s, y0, y1);
+        key_buf[a] = y0;
+        key_buf[z] = y1;
+        amax = fmaxf(amax, fmaxf(fabsf(y0), fabsf(y1)));
+    }
+    for (uint32_t d = irope_dim + threadIdx.x; d < idim; d += blockDim.x) {
+        const float k = ln_elem_f32(bf16_bits_to_f32(kx[d]), mu, den, bf16_bits_to_f32(knorm_w[d]), bf16_bits_to_f32(knorm_b[d]));
+        key_buf[d] = k;
+        amax = fmaxf(amax, fabsf(k));
+    }
+    amax = block_max(amax, scratch);  // its barriers also publish key_buf
+    const float sc = amax > 0.0f ? amax / 448.0f : 1.0f;
+    const size_t p = slot * slot_rows + row;  // pools_per_slot(slot_rows, 1) == slot_rows
+    for (uint32_t d = threadIdx.x; d < idim; d += blockDim.x) pool_keys[p * idim + d] = f32_to_fp8_sat(key_buf[d] / sc);
+    if (threadIdx.x == 0) pool_scales[p] = sc;
 }

@@ -75,6 +75,7 @@ def test_the_drafter_step_kernels_take_part():
     assert {d.function for d in RELEASING} == {
         "copy_words",
         "dsa_cache_write_batch",
+        "dsa_cache_write_plain_batch",
         "indexer_scores_batch",
         "select_topk_pools_batch",
         "extend_selection_batch",

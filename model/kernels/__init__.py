@@ -11,5 +11,6 @@ from . import (  # noqa: F401 - imported to declare the kernels
     dsa_select,
     moe,
     mtp_input,
+    rope,
     sparse_mla,
 )

@@ -10,6 +10,11 @@
 Rows are read from a fused projection output with row stride ``stride`` (elements).
 CUDA: ptx/dsa_cache.cu (``dsa_cache_write_batch``, one block of 128 per entry: the block path's
 only cache write). A slot's bytes do not depend on the batch, its order or its chunking.
+
+``dsa_cache_write_plain_batch`` is the same write for the plain per-token indexer with RoPE
+(GLM-5, DeepSeek-V3.2: every token its own pool, kpool 1, no keys / gates): the latent as above,
+the MLA rope key rotated into a BF16 rope-keys pool, and the indexer key LayerNorm'd, rotated on
+its first irope_dim dims (model/kernels/rope.py) and stored FP8 as the row's pool key.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from runtime.kernels.rmsnorm import rmsnorm_ref
 from runtime.launch import launch
 
 from .batch import SlotGeometry, is_pad, read_entries
+from .rope import check_rope_dims, flag_arg, rope_dims_ok, rope_ref
 
 
 def layernorm_ref(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
@@ -255,6 +261,215 @@ def dsa_cache_write_batch(
         idim,
         block_size,
         kpool,
+        eps,
+        ln_eps,
+        stream=stream,
+    )
+
+
+# ---- the plain indexer with RoPE (kpool 1) --------------------------------------------------------
+
+
+def _plain_key_row(mem, src_ptr, w, b, pool_keys, pool_scales, p, row, idim, irope_dim, inv, af, il, ln_eps):
+    """Pool p's key (pool = row at kpool 1): LayerNorm, then RoPE on the first irope_dim dims, all in
+    f32, as one FP8 row with its scale."""
+    k = layernorm_ref(mem.read(src_ptr, BF16, idim), w, b, ln_eps).astype(np.float32)
+    if irope_dim:
+        k[:irope_dim] = rope_ref(k[:irope_dim], row, inv, af, il)
+    q, s = quantize_rows_fp8(k[None])
+    mem.write(pool_keys.offset(p * idim), q[0])
+    mem.write(pool_scales.offset(p * 4), s)
+
+
+@declare(
+    "dsa_cache",
+    "dsa_cache_write_plain_batch",
+    [
+        ("fused", PTR),
+        ("stride", U32),
+        ("kv_norm_w", PTR),
+        ("cache", PTR),
+        ("scales", PTR),
+        ("tables", PTR),
+        ("knorm_w", PTR),
+        ("knorm_b", PTR),
+        ("rope_keys", PTR),
+        ("pool_keys", PTR),
+        ("pool_scales", PTR),
+        ("inv_freq", PTR),
+        ("attn_factor", F32),
+        ("entries", PTR),
+        ("m", U32),
+        ("row_add", U32),
+        ("slot_rows", U32),
+        ("C", U32),
+        ("rope_dim", U32),
+        ("idim", U32),
+        ("irope_dim", U32),
+        ("block_size", U32),
+        ("interleave", U32),
+        ("i_interleave", U32),
+        ("eps", F32),
+        ("ln_eps", F32),
+    ],
+    writes=("cache", "scales", "rope_keys", "pool_keys", "pool_scales"),
+    pdl=True,
+    releases=True,  # right after its wait: the q projection runs beside it, as beside the pooled one
+)
+def DSA_CACHE_WRITE_PLAIN_BATCH(
+    mem,
+    fused,
+    stride,
+    kv_norm_w,
+    cache,
+    scales,
+    tables,
+    knorm_w,
+    knorm_b,
+    rope_keys,
+    pool_keys,
+    pool_scales,
+    inv_freq,
+    attn_factor,
+    entries,
+    m,
+    row_add,
+    slot_rows,
+    C,
+    rope_dim,
+    idim,
+    irope_dim,
+    block_size,
+    interleave,
+    i_interleave,
+    eps,
+    ln_eps,
+):
+    """The cache writes of m entries for the plain indexer: entry e's row r (entries[e].row +
+    row_add) of its slot from fused row e ``[kv (C) ; k_rope (rope_dim) ; wk y (idim) ; ...]``: the
+    latent, the rope key at (slot, r) of the rope-keys pool, the indexer key as pool r's key."""
+    if not rope_dims_ok(rope_dim, irope_dim, idim) or idim > MAX_DIM:
+        return  # the kernel writes nothing either
+    geo = SlotGeometry(slot_rows, idim, 1, block_size)
+    live = _live_entries(mem, entries, m, row_add, slot_rows)
+    if not live:
+        return
+    w = mem.read(kv_norm_w, BF16, C)
+    inv = mem.read(inv_freq, np.float32, rope_dim // 2)
+    kw, kb = mem.read(knorm_w, BF16, idim), mem.read(knorm_b, BF16, idim)
+    for e, slot, row in live:
+        src = fused.offset(e * stride * 2)
+        _latent_row(
+            mem, src, w, cache, scales, tables.offset(geo.table_base(slot) * 4), row, C, block_size, eps
+        )
+        if rope_dim:
+            kr = rope_ref(
+                mem.read(src.offset(C * 2), BF16, rope_dim), row, inv, attn_factor, bool(interleave)
+            )
+            mem.write(rope_keys.offset((slot * slot_rows + row) * rope_dim * 2), kr.astype(BF16))
+        _plain_key_row(
+            mem,
+            src.offset((C + rope_dim) * 2),
+            kw,
+            kb,
+            pool_keys,
+            pool_scales,
+            geo.pool_row(slot, row),
+            row,
+            idim,
+            irope_dim,
+            inv,
+            attn_factor,
+            bool(i_interleave),
+            ln_eps,
+        )
+
+
+def dsa_cache_write_plain_batch(
+    gpu,
+    *,
+    fused,
+    stride,
+    kv_norm_w,
+    cache,
+    scales,
+    tables,
+    knorm_w,
+    knorm_b,
+    rope_keys,
+    pool_keys,
+    pool_scales,
+    inv_freq,
+    attn_factor,
+    entries,
+    m,
+    row_add,
+    slot_rows,
+    C,
+    rope_dim,
+    idim,
+    irope_dim,
+    block_size,
+    interleave,
+    i_interleave,
+    eps,
+    ln_eps,
+    stream=None,
+):
+    """The DSA cache writes of ``m`` batch entries for the plain per-token indexer with RoPE, one
+        block each.
+
+        Entry e = ``[slot, row, token, reserved]`` writes row ``r = row + row_add`` of its slot from
+        fused row e (``fused + e * stride * 2`` bytes, ``[kv (C) ; k_rope (rope_dim) ; wk y (idim) ;
+        ...]``): the latent into the paged cache at the slot's block table (as
+        ``dsa_cache_write_batch``); ``bf16(rope(k_rope, r, interleave))`` at
+        ``rope_keys + (slot * slot_rows + r) * rope_dim`` (BF16, when rope_dim > 0); and the indexer key
+        ``LayerNorm(wk y)`` (knorm_w / knorm_b, ln_eps), rotated on its first ``irope_dim`` dims
+        (i_interleave), in f32, as one FP8 row with one f32 scale at the slot's pool r
+        (``SlotGeometry(slot_rows, idim, kpool=1, ...).pool_row(slot, r)`` in pool_keys (times idim) and
+        pool_scales). ``inv_freq``: rope_dim / 2 float32 values (model/kernels/rope.py); at rope_dim 0
+    ``rope_keys`` and ``inv_freq`` are not touched (any allocation will do). Every row
+        depends on its own fused row only, so a slot's bytes are the same in any batch, order or
+        chunking. Padding entries, and entries whose row is not below ``slot_rows``, read and write
+        nothing of any sequence."""
+    what = "dsa_cache_write_plain_batch"
+    check_rope_dims(what, rope_dim, irope_dim, idim)
+    check_dims(idim, 1)
+    interleave, i_interleave = (
+        flag_arg(what, "interleave", interleave),
+        flag_arg(what, "i_interleave", i_interleave),
+    )
+    if m < 1:  # a catch-up chunk may hold more entries than a draft batch (the grid is m blocks)
+        raise ValueError(f"{what}: m={m} entries")
+    launch(
+        gpu,
+        gpu.kernel(*DSA_CACHE_WRITE_PLAIN_BATCH.key),
+        m,
+        128,
+        fused,
+        stride,
+        kv_norm_w,
+        cache,
+        scales,
+        tables,
+        knorm_w,
+        knorm_b,
+        rope_keys,
+        pool_keys,
+        pool_scales,
+        inv_freq,
+        attn_factor,
+        entries,
+        m,
+        row_add,
+        slot_rows,
+        C,
+        rope_dim,
+        idim,
+        irope_dim,
+        block_size,
+        interleave,
+        i_interleave,
         eps,
         ln_eps,
         stream=stream,
