@@ -26,11 +26,11 @@ from .config import ModelConfig
 from .dsa import selection_rows
 from .kernels import bgemv as bg
 from .kernels import bgemv_fp8 as bg8
-from .kernels import dsa_cache, dsa_select, moe, sparse_mla
+from .kernels import dsa_cache, dsa_select, moe, rope, sparse_mla
 from .kernels import proj_mma as pm
 from .kernels.bgemv_fp8 import GemvSegment
 from .slot_pools import SlotPools
-from .weights import AttentionWeights, DeviceArena, MlpWeights, Sharding
+from .weights import AttentionWeights, DeviceArena, MlpWeights, Sharding, context_rows
 
 # The indexer's k_norm is a LayerNorm with bias and a fixed eps, not rms_norm_eps (as
 # train/torch_model.py's INDEXER_LN_EPS: the checkpoint's training used it).
@@ -48,6 +48,8 @@ class BatchScratch:
     proj_part: DevicePtr | None  # split-k partials of tensor-core projections (DecoderLayer.part_row_bytes)
     fused: DevicePtr
     q_fused: DevicePtr
+    q_nope: DevicePtr | None  # with a rope part: each head's nope query, heads packed (rope_q_batch)
+    q_rope: DevicePtr | None  # with a rope part: each head's rotated rope query
     q_abs: DevicePtr
     o_lat: DevicePtr
     o: DevicePtr
@@ -96,6 +98,8 @@ class BatchScratch:
             proj_part=b(rows * part_row_bytes) if part_row_bytes else None,
             fused=b(rows * fused_rows * 2),
             q_fused=b(rows * (hl * a.qk_head_dim + d.index_n_heads * d.index_head_dim) * 2),
+            q_nope=b(rows * hl * a.qk_nope_head_dim * 2) if a.qk_rope_head_dim else None,
+            q_rope=b(rows * hl * a.qk_rope_head_dim * 2) if a.qk_rope_head_dim else None,
             q_abs=b(rows * hl * a.kv_lora_rank * 4),
             o_lat=b(rows * hl * a.kv_lora_rank * 2),
             o=b(rows * hl * a.v_head_dim * 2),
@@ -164,14 +168,17 @@ class DecoderLayer:
         self.kv_layer = kv_layer
         self.selection_extra = selection_extra
         a, d = cfg.attention, cfg.dsa
-        self.ctx_rows = a.kv_lora_rank + 2 * d.index_head_dim  # rows of fused_in a context row needs
+        self.ctx_rows = context_rows(cfg)  # rows of fused_in a context row needs
+        # With a rope part the nope queries are packed per head (rope_q_batch) for the absorption.
+        self.rope = a.qk_rope_head_dim > 0
         # Which projections run on tensor cores: by shape alone (never by m), fixed for the layer.
         hl, xs = sh.local_heads, xn_stride(cfg)
         nq = hl * a.qk_head_dim + d.index_n_heads * d.index_head_dim
         tc = tensor_core
         self.tc_fused = tc and pm.proj_mma_supported(cfg.hidden_size, xs)
         self.tc_q = tc and pm.proj_mma_supported(a.q_lora_rank, xs)
-        self.tc_wk = tc and pm.proj_mma_supported(a.qk_nope_head_dim, nq, a.qk_nope_head_dim)
+        wk_stride = hl * a.qk_nope_head_dim if self.rope else nq
+        self.tc_wk = tc and pm.proj_mma_supported(a.qk_nope_head_dim, wk_stride, a.qk_nope_head_dim)
         self.tc_wv = tc and pm.proj_mma_supported(a.kv_lora_rank, hl * a.kv_lora_rank, a.kv_lora_rank)
         gw = sh.group_heads * a.v_head_dim
         self.tc_o = tc and pm.proj_mma_supported(gw, hl * a.v_head_dim, gw, attn.o_col0)
@@ -333,9 +340,8 @@ class DecoderLayer:
     ) -> None:
         cfg, w, kv = self.cfg, self.attn, pools.kv
         lp, g = pools.layers[self.kv_layer], pools.geometry
-        # One launch for the latent, the indexer key and gate, and the pools the rows complete.
-        dsa_cache.dsa_cache_write_batch(
-            self.gpu,
+        a, d = cfg.attention, cfg.dsa
+        common = dict(
             fused=fused,
             stride=stride,
             kv_norm_w=w.kv_a_norm,
@@ -344,23 +350,38 @@ class DecoderLayer:
             tables=pools.tables,
             knorm_w=w.k_norm_w,
             knorm_b=w.k_norm_b,
-            keys=lp.keys,
-            gates=lp.gates,
-            ape=w.ape,
             pool_keys=lp.pool_keys,
             pool_scales=lp.pool_scales,
             entries=entries,
             m=m,
             row_add=row_add,
             slot_rows=g.slot_rows,
-            C=cfg.attention.kv_lora_rank,
+            C=a.kv_lora_rank,
             idim=g.idim,
             block_size=g.block_size,
-            kpool=g.kpool,
             eps=cfg.rms_norm_eps,
             ln_eps=INDEXER_LN_EPS,
             stream=stream,
         )
+        # One launch for the latent, the indexer key (and gate), the rope key and the pools the
+        # rows complete (a per-token key is its own pool).
+        if d.per_token:
+            rp = a.rope
+            dsa_cache.dsa_cache_write_plain_batch(
+                self.gpu,
+                rope_keys=lp.rope_keys if self.rope else lp.pool_keys,
+                inv_freq=w.rope_inv_freq if rp is not None else lp.pool_scales,
+                attn_factor=rp.attention_factor if rp is not None else 1.0,
+                rope_dim=a.qk_rope_head_dim,
+                irope_dim=d.rope_dim,
+                interleave=bool(rp is not None and rp.interleave),
+                i_interleave=bool(rp is not None and rp.indexer_interleave),
+                **common,
+            )
+        else:
+            dsa_cache.dsa_cache_write_batch(
+                self.gpu, keys=lp.keys, gates=lp.gates, ape=w.ape, kpool=g.kpool, **common
+            )
 
     def context_rows(
         self,
@@ -468,6 +489,30 @@ class DecoderLayer:
             beside=True,
             stream=stream,
         )
+        if self.rope or d.rope_dim:
+            rp = a.rope
+            rope.rope_q_batch(
+                gpu,
+                q=s.q_fused,
+                q_stride=nq,
+                heads=hl,
+                nope=a.qk_nope_head_dim,
+                rope_dim=a.qk_rope_head_dim,
+                iq_offset=hl * a.qk_head_dim,
+                iheads=ih,
+                idim=idim,
+                irope_dim=d.rope_dim,
+                inv_freq=w.rope_inv_freq,
+                attn_factor=rp.attention_factor,
+                interleave=rp.interleave,
+                i_interleave=rp.indexer_interleave,
+                q_nope=s.q_nope,
+                q_rope=s.q_rope,
+                entries=entries,
+                m=m,
+                row_add=row_add,
+                stream=stream,
+            )
         sel_cap = selection_rows(d, g.slot_rows, self.selection_extra)
         if not reuse_selection:
             dsa_select.indexer_scores_batch(
@@ -522,8 +567,8 @@ class DecoderLayer:
             tc=self.tc_wk,
             part=s.proj_part,
             seg=self.wk_seg,
-            x=s.q_fused,
-            x_stride=nq,
+            x=s.q_nope if self.rope else s.q_fused,
+            x_stride=hl * a.qk_nope_head_dim if self.rope else nq,
             y=s.q_abs,
             y_stride=hl * C,
             m=m,
@@ -550,6 +595,9 @@ class DecoderLayer:
             dim=C,
             block_size=g.block_size,
             scale=a.softmax_scale,
+            q_rope=s.q_rope,
+            rope_keys=lp.rope_keys,
+            rope_dim=a.qk_rope_head_dim,
             stream=stream,
         )
         if sparse_mla.split_supported(C, sel_cap):
@@ -689,6 +737,8 @@ class DecoderLayer:
                 norm=mc.norm_topk_prob,
                 scale=mc.routed_scaling_factor,
                 shared=mc.n_shared_experts > 0,
+                n_group=mc.n_group,
+                topk_group=mc.topk_group,
                 expert_base=w.expert_base,
                 n_local=w.n_local,
                 stream=stream,

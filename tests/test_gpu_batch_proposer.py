@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from model.config import AttentionConfig, tiny
+from model.config import AttentionConfig, tiny, tiny_rope
 from tests.proposer_fixtures import (
     assert_same_caches,
     bf16_weights,
@@ -46,22 +46,38 @@ def _world(seed: int, n: int, cfg=CFG):
 # Every projection of the block in the tensor-core form (every k a multiple of 64).
 CFG_TC = dataclasses.replace(CFG, attention=AttentionConfig(2, 64, 64, 64, 0, 64))
 W_TC = bf16_weights(CFG_TC, 22)
+# The RoPE family (issue 20): MLA with a rope part, the per-token indexer, GLM-5's interleaved
+# layouts or DeepSeek-V3.2's YaRN, half-split indexer and group-limited routing; index_topk 8 so
+# most rows select sparsely.
+FAMILY = {
+    fam: (cfg, bf16_weights(cfg, 23))
+    for fam in ("glm_moe_dsa", "deepseek_v32")
+    for cfg in [tiny_rope(family=fam, max_context=256)]
+}
+# Every projection on tensor cores with a rope part (and the split attention's rope term).
+FAMILY["rope-tensor-core-shapes"] = (
+    c := dataclasses.replace(
+        FAMILY["glm_moe_dsa"][0],
+        attention=AttentionConfig(2, 64, 64, 64, 16, 64, FAMILY["glm_moe_dsa"][0].attention.rope),
+    ),
+    bf16_weights(c, 24),
+)
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graph", "eager"])
 @pytest.mark.parametrize(
     "head,shapes",
-    [(None, "tiny"), (False, "tiny"), (None, "tensor-core-shapes")],
-    ids=["auto-head", "cuda-core-head", "tensor-core-projections"],
+    [(None, "tiny"), (False, "tiny"), (None, "tensor-core-shapes"), *((None, f) for f in FAMILY)],
+    ids=["auto-head", "cuda-core-head", "tensor-core-projections", *FAMILY],
 )
 def test_batches_draft_what_each_sequence_drafts_alone(cuda, graphs, head, shapes):
     n_seq = 200
-    cfg, w = (CFG_TC, W_TC) if shapes == "tensor-core-shapes" else (CFG, W)
+    cfg, w = {"tensor-core-shapes": (CFG_TC, W_TC), "tiny": (CFG, W), **FAMILY}[shapes]
     mk = dict(gpu=cuda, max_sequences=n_seq, max_draft_tokens=K, tensor_core_head=head)
     batched = make_proposer(cfg, w, use_graphs=graphs, **mk)
     alone = make_proposer(cfg, w, use_graphs=False, **mk)
     assert batched.tensor_core_head == alone.tensor_core_head
-    if shapes == "tensor-core-shapes":
+    if shapes.endswith("tensor-core-shapes"):
         lay = batched.layer
         assert (lay.tc_fused, lay.tc_q, lay.tc_wk, lay.tc_wv, lay.tc_o) == (True,) * 5
     rng = np.random.default_rng(5)
