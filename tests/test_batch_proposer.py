@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st_
 
-from model.config import AttentionConfig, tiny
+from model.config import AttentionConfig, tiny, tiny_rope
 from model.proposer import ProposerError
 from model.sampling import SamplingParams
 from runtime.host_backend import HostBackend
@@ -26,6 +26,16 @@ from tests.proposer_fixtures import (
 CFG = tiny(index_topk=8, index_kpool=2, max_context=96)
 WEIGHTS = bf16_weights(CFG, seed=5)
 H = CFG.hidden_size
+# The histories run on each family's block: GLM-5.3-Flash's (NoPE, KPool), GLM-5's and
+# DeepSeek-V3.2's (RoPE, per-token indexer; YaRN and group-limited routing for DeepSeek).
+FAMILIES = {
+    "glm5_next": (CFG, WEIGHTS),
+    **{
+        fam: (c, bf16_weights(c, seed=6))
+        for fam in ("glm_moe_dsa", "deepseek_v32")
+        for c in [tiny_rope(family=fam, max_context=96)]
+    },
+}
 SLOTS = 6
 KMAX = 3
 
@@ -34,10 +44,10 @@ class Seq:
     """One sequence's target-side facts (a token and a hidden row per position) and its two
     drafter states: in the batched proposer and in the twin that drafts it alone."""
 
-    def __init__(self, seed: int, a, b) -> None:
+    def __init__(self, cfg, seed: int, a, b) -> None:
         rng = np.random.default_rng(seed)
-        n = CFG.dsa.max_context + 2
-        self.tokens = rng.integers(0, CFG.vocab_size, n + 1)
+        n = cfg.dsa.max_context + 2
+        self.tokens = rng.integers(0, cfg.vocab_size, n + 1)
         self.hiddens = rng.standard_normal((n + 1, H)).astype(np.float32)
         self.a, self.b = a, b
         # Half the sequences sample (temperature, top-k, top-p drawn at random), half are greedy:
@@ -58,11 +68,11 @@ class Seq:
 class Pair:
     """The batched proposer (graphs, small buckets so batches need padding) and its twin."""
 
-    def __init__(self) -> None:
-        self.gpu = HostBackend()
+    def __init__(self, cfg=CFG, weights=WEIGHTS) -> None:
+        self.gpu, self.cfg = HostBackend(), cfg
         self.batched = make_proposer(
-            CFG,
-            WEIGHTS,
+            cfg,
+            weights,
             gpu=self.gpu,
             max_sequences=SLOTS,
             max_draft_tokens=KMAX,
@@ -70,7 +80,7 @@ class Pair:
             batch_buckets=(1, 2, 4, 8),
             context_chunk=5,
         )
-        self.alone = make_proposer(CFG, WEIGHTS, gpu=self.gpu, max_sequences=SLOTS, max_draft_tokens=KMAX)
+        self.alone = make_proposer(cfg, weights, gpu=self.gpu, max_sequences=SLOTS, max_draft_tokens=KMAX)
         self.live: list[Seq] = []
 
     def check(self, seqs) -> None:
@@ -135,19 +145,21 @@ OPS = st_.one_of(
 )
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    st_.lists(st_.integers(0, 60), min_size=2, max_size=SLOTS),
-    st_.lists(OPS, min_size=4, max_size=30),
-    st_.integers(0, 10**6),
+    first=st_.lists(st_.integers(0, 60), min_size=2, max_size=SLOTS),
+    ops=st_.lists(OPS, min_size=4, max_size=30),
+    seed=st_.integers(0, 10**6),
 )
-def test_batches_draft_as_each_sequence_alone(first, ops, seed):
+def test_batches_draft_as_each_sequence_alone(family, first, ops, seed):
     """Random subsets and orders of live slots, random positions (rewinds included) and context
     lengths, any acceptance, catch-up, rewind, free and slot reuse, batches that need padding,
     greedy and sampled proposes (sampled batches mixing greedy and sampled sequences): after every
     step every sequence's drafts, draft probabilities and cache bytes equal its twin's, drafted
     alone."""
-    pair = Pair()
+    cfg = FAMILIES[family][0]
+    pair = Pair(*FAMILIES[family])
     rng = np.random.default_rng(seed)
     serial = 0
     proposed: list[Seq] = []
@@ -160,9 +172,9 @@ def test_batches_draft_as_each_sequence_alone(first, ops, seed):
                 if len(live) >= SLOTS:
                     continue
                 serial += 1
-                q = Seq(seed * 1000 + serial, pair.batched.alloc_state(), pair.alone.alloc_state())
+                q = Seq(cfg, seed * 1000 + serial, pair.batched.alloc_state(), pair.alone.alloc_state())
                 live.append(q)
-                _catchup(pair, [q], [min(op[1], CFG.dsa.max_context - KMAX - 8)])
+                _catchup(pair, [q], [min(op[1], cfg.dsa.max_context - KMAX - 8)])
                 pair.check([q])
                 continue
             if not live:
@@ -171,7 +183,7 @@ def test_batches_draft_as_each_sequence_alone(first, ops, seed):
             subset = [live[i] for i in pick[: 1 + int(rng.integers(len(live)))]]
             if op[0] == "propose":
                 k = op[2]
-                subset = [q for q in subset if pair.alone.drafter_rows(q.b) + k + 2 < CFG.dsa.max_context]
+                subset = [q for q in subset if pair.alone.drafter_rows(q.b) + k + 2 < cfg.dsa.max_context]
                 if not subset:
                     continue
                 backs = [int(rng.integers(0, 3)) for _ in subset]
@@ -188,7 +200,7 @@ def test_batches_draft_as_each_sequence_alone(first, ops, seed):
                 subset, proposed = proposed, []
             elif op[0] == "catchup":
                 counts = [
-                    int(rng.integers(0, 6)) if pair.alone.drafter_rows(q.b) + 14 < CFG.dsa.max_context else 0
+                    int(rng.integers(0, 6)) if pair.alone.drafter_rows(q.b) + 14 < cfg.dsa.max_context else 0
                     for q in subset
                 ]
                 _catchup(pair, subset, counts)
@@ -218,7 +230,7 @@ def test_batches_draft_as_each_sequence_alone(first, ops, seed):
 def filled():
     gpu = HostBackend()
     prop = make_proposer(CFG, WEIGHTS, gpu=gpu, max_sequences=4, max_draft_tokens=KMAX, batch_buckets=(1, 2))
-    seqs = [Seq(50 + i, prop.alloc_state(), None) for i in range(3)]
+    seqs = [Seq(CFG, 50 + i, prop.alloc_state(), None) for i in range(3)]
     for q in seqs:
         p = _rows(gpu, q, 0, 12)
         prop.catchup_drafter(q.a, q.tokens[:13], p, 0)
@@ -309,7 +321,7 @@ def test_a_flagged_batch_rewinds_only_the_sequences_ahead_of_their_position(grap
     position with nothing to trim, and sequence 1 as it was (rows, drafts to verify, caches)."""
     gpu = HostBackend()
     prop = make_proposer(CFG, WEIGHTS, gpu=gpu, max_sequences=2, max_draft_tokens=KMAX, use_graphs=graphs)
-    seqs = [Seq(90 + i, prop.alloc_state(), None) for i in range(2)]
+    seqs = [Seq(CFG, 90 + i, prop.alloc_state(), None) for i in range(2)]
     for q in seqs:
         p = _rows(gpu, q, 0, 12)
         prop.catchup_drafter(q.a, q.tokens[:13], p, 0)
@@ -374,7 +386,7 @@ def test_the_tensor_core_head_keeps_batches_invariant():
     mk = dict(gpu=gpu, max_sequences=4, max_draft_tokens=KMAX, tensor_core_head=True)
     batched = make_proposer(CFG, WEIGHTS, use_graphs=True, batch_buckets=(1, 4), **mk)
     alone = make_proposer(CFG, WEIGHTS, **mk)
-    seqs = [Seq(70 + i, batched.alloc_state(), alone.alloc_state()) for i in range(3)]
+    seqs = [Seq(CFG, 70 + i, batched.alloc_state(), alone.alloc_state()) for i in range(3)]
     pair = Pair.__new__(Pair)
     pair.gpu, pair.batched, pair.alone, pair.live = gpu, batched, alone, seqs
     _catchup(pair, seqs, [9, 20, 13])

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st_
 
-from model.config import tiny
+from model.config import tiny, tiny_rope
 from model.kernels.draft_head import pack_key, unpack_index
 from model.proposer import MtpProposer, ProposerOptions
 from runtime.comm import HostCommGroup
@@ -119,11 +119,18 @@ def batch_drafts(cfg, weights, rank_world, gpu, comm, seed):
     return out
 
 
-@pytest.mark.parametrize("seed", [3, 11])
-def test_sharded_batches_draft_exactly_what_one_rank_drafts(seed):
+@pytest.mark.parametrize(
+    "seed, family", [(3, "glm5_next"), (11, "glm5_next"), (5, "glm_moe_dsa"), (7, "deepseek_v32")]
+)
+def test_sharded_batches_draft_exactly_what_one_rank_drafts(seed, family):
     """The batched step's collectives (o_proj's zero-padded groups, the MoE rows, one exchanged
-    key per sequence) over padded bucket graphs: every rank drafts what one rank drafts."""
-    cfg = tiny(vocab_size=96, index_topk=8, index_kpool=2, max_context=64)
+    key per sequence) over padded bucket graphs: every rank drafts what one rank drafts, for each
+    family's block (the rope queries of a rank's own heads, group-limited routing over every
+    rank's experts)."""
+    if family == "glm5_next":
+        cfg = tiny(vocab_size=96, index_topk=8, index_kpool=2, max_context=64)
+    else:
+        cfg = tiny_rope(family=family, vocab_size=96, max_context=64)
     w = bf16_weights(cfg, seed)
     one = batch_drafts(cfg, w, (0, 1), HostBackend(), None, seed)
     for world in (2, 4):
