@@ -360,3 +360,27 @@ def test_family_batch_is_each_sequences_batch1_drafts(family):
     ids = bs.expert_ids[:k].reshape(-1, m.num_experts_per_tok).tolist()
     gsz = m.n_routed_experts // m.n_group
     assert all(len({e // gsz for e in row}) <= m.topk_group for row in ids)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_step_of_random_weights_and_a_loaded_sequence(family):
+    """The step's own random weights at the family's shapes (kv_a with the rope rows, no compress
+    gate), its caches (rope keys, per-token pool keys, no keys or gates), and a batch sequence
+    loaded from it drafting what it drafts."""
+    cfg = tiny_rope(family=family, max_context=64)
+    a, d = cfg.attention, cfg.dsa
+    one = DraftStep(cfg, rows=ROWS, device="cpu", dtype=torch.float32, seed=6)
+    assert one.W["kv_a"].shape == (a.kv_lora_rank + a.qk_rope_head_dim, cfg.hidden_size)
+    assert "ix_gate" not in one.W and "ix_ape" not in one.W
+    assert one.keys is None and one.gates is None
+    assert one.rope_keys.shape == (ROWS, a.qk_rope_head_dim) and one.pool_keys.shape == (
+        ROWS,
+        d.index_head_dim,
+    )
+    bs = BatchDraftStep(one, 2, ROWS, seed=8)
+    bs.load_sequence(1, one)
+    with torch.no_grad():
+        got = bs.propose([9, 25], 2)[1].tolist()
+        want = one.propose(25, 2).tolist()
+    assert got == want
+    torch.testing.assert_close(bs.rope_keys[1], one.rope_keys, rtol=2e-5, atol=2e-5)
