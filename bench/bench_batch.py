@@ -1,17 +1,26 @@
 """Batched drafting benchmark: ``propose_batch`` for B sequences against its byte floor (the parts
 bench/bench_propose.py wires into its run; issue 15's "Numbers to reach").
 
+    python3 bench/bench_batch.py [--model glm5_next|glm5|deepseek_v32] [--weights bf16,fp8]
+        [--batches 1,64] [--kinds uniform,ragged,longest,N] [--k 3] [--iters 20] [--json PATH]
+
 One point per batch size B (1, 2, 4, ..., 256 by default), the B sequences at the contexts of
-``contexts_for``: every one at 4096 (``uniform``), or spread evenly over 128..16000 (``ragged``).
+``contexts_for``: every one at 4096 (``uniform``), spread evenly over 128..16000 (``ragged``), at
+the model's longest context (``longest``: ``longest_context``) or at a given number of rows. The
+model (``--model``) is GLM-5.3-Flash (``glm5_next``, KPool indexer, NoPE MLA), GLM-5.2 (``glm5``) or
+DeepSeek-V3.2 (``deepseek_v32``): MLA with RoPE, whose rows keep a BF16 rope key beside the
+latent, and the per-token indexer (one FP8 key and scale per token, read whole by every draft
+that runs it: these models do not share draft 1's selection).
 
 - The floor of one ``propose_batch`` of k drafts is the bytes it must move over the measured copy
   bandwidth (``batch_floor_bytes``): per draft, the block's weights once for the whole batch, the
   distinct routed experts the batch chose in that draft (counted from the router's ids, or their
   expectation under uniform routing when the caller has no ids), the head once; and every
-  sequence's own cache traffic: its selection's latent rows and scales, its pool keys and scales
-  when the indexer runs (draft 1 only where drafts share its selection), its embedding row (and
-  the target's hidden row on draft 1), and the rows it writes (latent, indexer key and gate, the
-  pool it completes).
+  sequence's own cache traffic: its selection's latent rows and scales (and rope keys), its pool
+  keys and scales when the indexer runs (draft 1 only where drafts share its selection), its
+  embedding row (and the target's hidden row on draft 1), and the rows it writes (latent, rope key,
+  the KPool indexer's key and gate, the pool it completes: every row's own with the per-token
+  indexer).
 - ``measure_batch`` allocates the B states, fills their contexts through ``catchup_batch`` (random
   tokens and hidden rows, the real cache kernels; or bench_propose's fast direct fill), times the
   graph-replayed ``propose_batch`` (the graph it launches is caught and replayed back to back
@@ -38,15 +47,32 @@ if not __package__:  # run as a script (python bench/bench_batch.py): find bench
 
 import numpy as np  # noqa: E402 - after the sys.path insert
 
-from bench.bench_propose import copy_bandwidth, draft_bytes, fill_context
+from bench.bench_propose import (
+    MODELS,
+    copy_bandwidth,
+    draft_bytes,
+    fill_context,
+    model_config,
+    pool_key_bytes,
+    selected_row_bytes,
+    selection_size,
+)
 from model.config import ModelConfig
-from model.kernels.dsa_select import complete_pools
-from model.weights import Sharding, fused_in_rows
+from model.kernels.dsa_select import complete_pools, select_workspace_bytes
+from model.slot_pools import slot_bytes_by_kind
+from model.weights import Sharding, context_rows, fused_in_rows
 from runtime.dtypes import BF16
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 UNIFORM_CONTEXT = 4096
 RAGGED_CONTEXTS = (128, 16000)
+LONGEST = "longest"  # every sequence at the model's longest context (longest_context)
+# Device memory a run leaves to what the estimates do not count: the CUDA context, captured graphs,
+# PyTorch's allocator slack, the copy-bandwidth buffers (2 x 2 GiB, freed before the proposer).
+MEMORY_RESERVE = 6 << 30
+# A batch row's scratch besides its index scores, bounded (the attention's split partials and the
+# rest: about 5 MB a row at GLM-5.3-Flash's shapes, BENCHMARKS.md's memory table).
+SCRATCH_ROW = 16 << 20
 # The weight buffers of draft_bytes that a batch reads once per draft (the experts and the head apart).
 BLOCK_WEIGHTS = ("eh_proj", "fused_in", "q_fused", "wk_t", "wv", "o_proj", "router", "shared_expert")
 
@@ -54,10 +80,32 @@ BLOCK_WEIGHTS = ("eh_proj", "fused_in", "q_fused", "wk_t", "wv", "o_proj", "rout
 # ---- what a batch is ------------------------------------------------------------------------------
 
 
+def longest_context(cfg: ModelConfig, k: int) -> int:
+    """The model's longest context a whole drafter step runs at: ``max_position_embeddings`` less
+    the 2k + 1 rows measure_batch appends after it (the kept first row, up to k re-fed, k drafted),
+    so every row it writes sits at a position the model serves (GLM-5: 202,752 - 7 at k = 3)."""
+    n = cfg.max_position_embeddings - 2 * k - 1
+    if n < 1:
+        raise ValueError(f"max_position_embeddings {cfg.max_position_embeddings} leaves no context at k={k}")
+    return n
+
+
+def resolve_kind(kind: str | int, cfg: ModelConfig, k: int) -> str | int:
+    """A ``--kinds`` entry as contexts_for takes it: ``"longest"`` becomes ``longest_context`` (an
+    int), digits an int; ``"uniform"`` and ``"ragged"`` stay."""
+    if kind == LONGEST:
+        return longest_context(cfg, k)
+    if isinstance(kind, str) and kind.isdigit():
+        return int(kind)
+    return kind
+
+
 def contexts_for(kind: str | int, batch: int, rng: np.random.Generator | None = None) -> list[int]:
     """The cached rows of each of ``batch`` sequences: ``"uniform"`` (all at 4096), ``"ragged"``
     (evenly spread over 128..16000, ends included; one sequence sits at the middle, 8064), or an
-    int (all at that). ``rng`` shuffles the order (the set stays)."""
+    int or a string of digits (all at that). ``rng`` shuffles the order (the set stays)."""
+    if isinstance(kind, str) and kind.isdigit():  # a row's "kind" of an int context, as recorded
+        kind = int(kind)
     if isinstance(kind, (int, np.integer)):
         ctx = [int(kind)] * batch
     elif kind == "uniform":
@@ -117,8 +165,12 @@ def _floor_view(cfg_or_prop: Any, fp8: bool = False) -> Any:
     def seg(rows: int, is_fp8: bool) -> SimpleNamespace:
         return SimpleNamespace(rows=rows, scales=scale if is_fp8 else None)
 
-    bf16_rows = fused_in_rows(cfg) - C - ql
-    fused = [seg(C, True), seg(ql, True), seg(bf16_rows, False)] if fp8 else [seg(fused_in_rows(cfg), False)]
+    # kv_a_proj_with_mqa (the latent's rows and the rope key's) and q_a are FP8 in the checkpoint.
+    kv_a = C + a.qk_rope_head_dim
+    bf16_rows = fused_in_rows(cfg) - kv_a - ql
+    fused = (
+        [seg(kv_a, True), seg(ql, True), seg(bf16_rows, False)] if fp8 else [seg(fused_in_rows(cfg), False)]
+    )
     q_rows = sh.local_heads * a.qk_head_dim
     q_segs = [seg(q_rows, True), seg(ih * idim, False)] if fp8 else [seg(q_rows + ih * idim, False)]
     return SimpleNamespace(
@@ -138,26 +190,17 @@ def _cfg(cfg_or_prop: Any) -> ModelConfig:
     return cfg_or_prop if isinstance(cfg_or_prop, ModelConfig) else cfg_or_prop.cfg
 
 
-def selection_size(cfg: ModelConfig, row: int) -> int:
-    """Rows a draft at ``row`` attends when it runs the indexer: every row while there are at
-    most top-k complete pools, else the top-k pools' rows; the incomplete tail besides, where
-    ``always_select_tail`` (the rule draft_bytes counts)."""
-    d = cfg.dsa
-    kp = d.index_kpool
-    npools = complete_pools(row, kp)
-    tail = row + 1 - npools * kp if d.always_select_tail else 0
-    return (npools if npools <= d.topk_pools else d.topk_pools) * kp + tail
-
-
 def _row_writes(cfg: ModelConfig, row: int) -> int:
-    """Bytes a row writes to its sequence's caches: the FP8 latent and its scale, the BF16
-    indexer key and gate, and, when the row completes a pool, the pool's FP8 key and scale from
-    the pool's other rows' keys and gates (read back)."""
-    C, d = cfg.attention.kv_lora_rank, cfg.dsa
+    """Bytes a row writes to its sequence's caches: the FP8 latent and its scale, its BF16 rope key
+    (an MLA with a rope part), the KPool indexer's BF16 key and gate, and, when the row completes a
+    pool, the pool's FP8 key and scale from the pool's other rows' keys and gates (read back). The
+    per-token indexer keeps no BF16 key or gate: every row completes its own pool, its FP8 key."""
+    a, d = cfg.attention, cfg.dsa
     idim, kp = d.index_head_dim, d.index_kpool
-    out = (C + 4) + 2 * idim * 2
+    key_gate = 0 if d.per_token else 2 * idim * 2
+    out = (a.kv_lora_rank + 4) + a.qk_rope_head_dim * 2 + key_gate
     if (row + 1) % kp == 0:
-        out += (kp - 1) * 2 * idim * 2 + idim + 4
+        out += (kp - 1) * key_gate + pool_key_bytes(cfg)
     return out
 
 
@@ -165,8 +208,10 @@ def sequence_bytes(cfg: ModelConfig, context: int, k: int) -> tuple[int, int]:
     """(reads, writes) of one sequence's own cache traffic over a k-draft propose at ``context``:
     draft i attends its selection (draft 1's plus the rows drafted since, where drafts share it),
     reads the pool keys when it runs the indexer, its embedding row, the target's hidden row on
-    draft 1; and writes its row."""
-    C, d, H = cfg.attention.kv_lora_rank, cfg.dsa, cfg.hidden_size
+    draft 1; and writes its row. The per-token indexer's pools are its tokens: a draft at row n
+    that runs it reads the n + 1 keys of rows 0..n."""
+    d, H = cfg.dsa, cfg.hidden_size
+    row_b, key_b = selected_row_bytes(cfg), pool_key_bytes(cfg)
     reads = writes = 0
     sel0 = selection_size(cfg, context)
     for i in range(k):
@@ -175,7 +220,7 @@ def sequence_bytes(cfg: ModelConfig, context: int, k: int) -> tuple[int, int]:
             sel, pools = sel0 + (i if d.always_select_tail else 0), 0
         else:
             sel, pools = selection_size(cfg, row), complete_pools(row, d.index_kpool)
-        reads += sel * (C + 4) + pools * (d.index_head_dim + 4) + H * 2 + (H * 2 if i == 0 else 0)
+        reads += sel * row_b + pools * key_b + H * 2 + (H * 2 if i == 0 else 0)
         writes += _row_writes(cfg, row)
     return reads, writes
 
@@ -225,15 +270,15 @@ def batch_floor_bytes(
 
 def catchup_floor_bytes(cfg: Any, row_bases: Sequence[int], rows: Sequence[int]) -> dict[str, int]:
     """Bytes one ``catchup_batch`` must move to append ``rows[b]`` rows at ``row_bases[b]`` to
-    sequence b: eh_proj and the cache part of the fused projection (the latent, indexer key and
-    gate rows) once for the batch, and per row its embedding row, its hidden row and the cache
-    bytes it writes. Nothing when no sequence gains a row."""
+    sequence b: eh_proj and the cache part of the fused projection (``context_rows``: the latent,
+    rope key, indexer key and gate rows) once for the batch, and per row its embedding row, its
+    hidden row and the cache bytes it writes. Nothing when no sequence gains a row."""
     c = _cfg(cfg)
-    a, d, H = c.attention, c.dsa, c.hidden_size
+    H = c.hidden_size
     total_rows = sum(int(r) for r in rows)
     if total_rows == 0:
         return {"weights": 0, "inputs": 0, "cache_writes": 0, "total": 0}
-    ctx_rows = a.kv_lora_rank + 2 * d.index_head_dim  # rows of fused_in a context row needs
+    ctx_rows = context_rows(c)  # rows of fused_in a context row needs
     writes = sum(_row_writes(c, base + r) for base, n in zip(row_bases, rows) for r in range(int(n)))
     out = {
         "weights": H * 2 * H * 2 + ctx_rows * H * 2,
@@ -261,6 +306,92 @@ def step_floor_bytes(
         cfg, [b + int(a) for b, a in zip(bases, accepted)], k, chosen_experts_per_draft, fp8_head
     )
     return {"catchup": cu["total"], "propose": pr["total"], "total": cu["total"] + pr["total"]}
+
+
+# ---- memory ---------------------------------------------------------------------------------------
+
+
+def proposer_memory(
+    cfg: ModelConfig, slots: int, rows: int, fp8_weights: bool, fp8_head: bool = True
+) -> dict[str, int]:
+    """Device bytes an MtpProposer of ``max_sequences = slots`` and a served length of ``rows``
+    holds, estimated from the config before anything is allocated: ``weights`` (the block as the
+    loader lays it out, every local expert, the BF16 embedding and head, the FP8 head copy),
+    ``caches`` (model/slot_pools.py ``slot_bytes_by_kind`` of every slot: all are allocated up
+    front), ``scratch`` (the per-row index scores and the selection's workspace, which grow with
+    the slot's rows, and ``SCRATCH_ROW`` for the rest of a batch row's), ``total``."""
+    view = _floor_view(cfg, fp8_weights)
+    a, d, m = cfg.attention, cfg.dsa, cfg.moe
+    V, H = cfg.vocab_size, cfg.hidden_size
+    w = draft_bytes(view, 0, fp8_head)
+    experts = w["experts"] // m.num_experts_per_tok * view.sharding.local_experts
+    head = V * H * 2 + (V * H + V * 4 if fp8_head else 0)
+    per_slot = slot_bytes_by_kind(d, a.kv_lora_rank, rows, rope_dim=a.qk_rope_head_dim)
+    out = {
+        "weights": sum(w[n] for n in BLOCK_WEIGHTS) + experts + V * H * 2 + head,
+        "caches": slots * sum(per_slot.values()),
+        "scratch": slots * (max(rows // d.index_kpool, 1) * 4 + SCRATCH_ROW)
+        + select_workspace_bytes(slots, rows, d.index_kpool, d.topk_pools),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def torch_step_memory(cfg: ModelConfig, batch: int, rows: int, fp8_experts: bool) -> dict[str, int]:
+    """Device bytes bench/torch_step.py's batched step holds for ``batch`` sequences of ``rows``
+    cache rows (an estimate): ``weights`` (BF16 block, experts and tables, the FP8 head copy, the
+    FP8 expert copies with ``fp8_experts``; the batch-1 step's caches of 16,400 rows besides),
+    ``caches`` (BF16 latents, rope keys, indexer keys, and the KPool indexer's gates and pool
+    keys), ``indexer`` (one draft's [B, index heads, pools] scores: the BF16 product and two f32
+    copies, and the sort), ``total``."""
+    a, d, m = cfg.attention, cfg.dsa, cfg.moe
+    V, H, E, I = cfg.vocab_size, cfg.hidden_size, m.n_routed_experts, m.moe_intermediate_size
+    C, r, ql, nh, ih, idim = (
+        a.kv_lora_rank,
+        a.qk_rope_head_dim,
+        a.q_lora_rank,
+        a.num_attention_heads,
+        d.index_n_heads,
+        d.index_head_dim,
+    )
+    block = (
+        2 * H * H
+        + ql * H
+        + nh * a.qk_head_dim * ql
+        + (C + r) * H
+        + nh * (a.qk_nope_head_dim + a.v_head_dim) * C
+        + H * nh * a.v_head_dim
+        + ih * idim * ql
+        + idim * H * (1 if d.per_token else 2)
+        + ih * H
+        + E * H
+    ) * 2
+    experts = (E + 1) * 3 * I * H * 2
+    fp8 = (E + 1) * 3 * I * H + (E + 1) * (2 * I + H) * 4 if fp8_experts else 0
+    tables = 2 * V * H * 2 + V * H + V * 4
+
+    def row_bytes() -> int:  # one cache row of one sequence, BF16
+        if d.per_token:
+            return (C + r + idim) * 2
+        return (C + r + 2 * idim) * 2 + idim * 2 // d.index_kpool
+
+    pools = rows // d.index_kpool
+    out = {
+        "weights": block + experts + fp8 + tables + 16400 * row_bytes(),
+        "caches": batch * rows * row_bytes(),
+        "indexer": batch * ih * pools * (2 + 4 + 4) + batch * pools * (4 + 8 + 4),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def memory_note(what: str, need: int, have: int, of: str = "free") -> str:
+    """Why a point is skipped: it needs ``need`` bytes, the device has ``have`` (``of``: free, or
+    in all), of which MEMORY_RESERVE is kept for what the estimates leave out."""
+    return (
+        f"{what} needs about {need / 1e9:.1f} GB of device memory; the device has {have / 1e9:.1f} GB "
+        f"{of}, {MEMORY_RESERVE / 2**30:.0f} GiB of it kept in reserve: skipped"
+    )
 
 
 # ---- measuring ------------------------------------------------------------------------------------
@@ -652,19 +783,27 @@ def batch_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def run(args: Any, gpu: Any) -> dict[str, Any]:
-    """The batch benchmark on ``gpu`` at GLM-5.3-Flash shapes: every B of ``args.batches`` for every
-    context kind of ``args.kinds``, the floor's experts counted from the router's own ids, and the
-    same batches through the plain PyTorch step (bench/torch_step.py run_batch) unless
-    ``args.torch`` is off."""
+    """The batch benchmark on ``gpu`` at the shapes of ``args.model`` (``MODELS``: GLM-5.3-Flash,
+    GLM-5.2 or DeepSeek-V3.2): every B of ``args.batches`` for every context kind of
+    ``args.kinds`` (``resolve_kind``: ``longest`` is the model's longest context), the floor's
+    experts counted from the router's own ids, and the same batches through the plain PyTorch step
+    (bench/torch_step.py run_batch) unless ``args.torch`` is off.
+
+    The proposer is sized for the run's longest context (its served length, at least the presets'
+    16384) and its largest batch: every slot's caches are allocated up front. Where that does not
+    fit the device (``proposer_memory``), the largest batches are dropped with a note until it
+    does; a PyTorch row that would not fit (``torch_step_memory``) is skipped with a note."""
     from bench.bench_propose import Arm, ArmProposer
     from model.checkpoint.random_init import tiled_fp8_weights, tiled_mtp_weights
-    from model.config import glm5_flash
     from model.proposer import ProposerOptions
     from model.sampling import SamplingParams
 
-    cfg = glm5_flash()
+    model = getattr(args, "model", "glm5_next")
+    kinds = [resolve_kind(kd, model_config(model), args.k) for kd in args.kinds]
+    served = max(max(contexts_for(kd, max(args.batches))) for kd in kinds) + 2 * args.k + 1
+    cfg = model_config(model, served)
     bw = copy_bandwidth(gpu)
-    print(f"copy bandwidth {bw / 1e12:.3f} TB/s (read + write)", flush=True)
+    print(f"{model}: copy bandwidth {bw / 1e12:.3f} TB/s (read + write)", flush=True)
     sampling = None
     if args.sampling:
         t, top_p, top_k = (list(map(float, args.sampling.split(","))) + [1.0, 0.0])[:3]
@@ -672,16 +811,41 @@ def run(args: Any, gpu: Any) -> dict[str, Any]:
     res: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "device": getattr(gpu, "device_name", gpu.name),
+        "model": model,
+        "served_rows": cfg.dsa.max_context,
         "copy_bw_GBps": bw / 1e9,
         "sampling": None if sampling is None else dataclasses.asdict(sampling),
         "rows": [],
+        "memory_estimate": {},
     }
     for kind in args.weights:
+        free = gpu.mem_info()[0] - MEMORY_RESERVE
+        batches = sorted(set(args.batches))
+        while batches:
+            est = proposer_memory(cfg, batches[-1], cfg.dsa.max_context, kind == "fp8")
+            print(
+                f"{model} {kind} weights, {batches[-1]} sequences of {cfg.dsa.max_context} rows: about "
+                + ", ".join(f"{n} {v / 1e9:.1f} GB" for n, v in est.items()),
+                flush=True,
+            )
+            if est["total"] <= free:
+                break
+            print(
+                memory_note(f"note: B = {batches[-1]} ({kind} weights)", est["total"], free + MEMORY_RESERVE),
+                flush=True,
+            )
+            batches.pop()
+        if not batches:
+            continue
+        res["memory_estimate"][kind] = est
         weights = (tiled_fp8_weights if kind == "fp8" else tiled_mtp_weights)(cfg)
-        _measure_weights(args, gpu, cfg, weights, bw, res, sampling, Arm, ArmProposer, ProposerOptions)
+        run_args = SimpleNamespace(**{**vars(args), "batches": tuple(batches)})
+        _measure_weights(
+            run_args, gpu, cfg, weights, bw, res, sampling, Arm, ArmProposer, ProposerOptions, kinds
+        )
         del weights
     if args.torch:
-        _torch_rows(args, res)
+        _torch_rows(args, res, cfg)
     return res
 
 
@@ -696,8 +860,10 @@ def _measure_weights(
     Arm,
     ArmProposer,
     ProposerOptions,
+    kinds: Sequence[str | int] | None = None,
 ) -> None:
-    """measure_batch over every context kind for one proposer built from ``weights``."""
+    """measure_batch over every context kind (``kinds``, resolved; ``args.kinds`` when None) for
+    one proposer built from ``weights``, serving ``cfg.dsa.max_context`` rows."""
     # The router drawn at random, not tiled: tiled rows repeat, so the batch's rows route alike (110
     # of 288 experts per draft at B = 64 instead of about 241) and the floor and the MoE read fewer
     # experts than the PyTorch step's random router makes it read.
@@ -733,7 +899,7 @@ def _measure_weights(
     res["tensor_core_projections"] = prop.tensor_core_projections
     rng = np.random.default_rng(1)
     try:
-        for kind in args.kinds:
+        for kind in args.kinds if kinds is None else kinds:
             res["rows"] += measure_batch(
                 prop,
                 gpu,
@@ -756,14 +922,18 @@ def _measure_weights(
         prop.close()
 
 
-def _torch_rows(args, res) -> None:
-    """The same batches through the plain PyTorch step: BF16 experts for every row, and for the
-    native-FP8 rows also FP8 experts through torch._scaled_grouped_mm (bench/torch_step.py)."""
+def _torch_rows(args, res, cfg: ModelConfig | None = None) -> None:
+    """The same batches through the plain PyTorch step at ``cfg``'s shapes (GLM-5.3-Flash when
+    None): BF16 experts for every row, and for the native-FP8 rows also FP8 experts through
+    torch._scaled_grouped_mm (bench/torch_step.py). A row whose memory estimate does not fit the
+    device is skipped with a note."""
     try:
         from bench import torch_step
     except Exception as e:  # noqa: BLE001 - the PyTorch rows are optional
         print(f"note: bench/torch_step.py unavailable ({e!r}); the PyTorch rows are skipped")
         return
+    if cfg is None:
+        cfg = model_config("glm5_next")
     done: dict[tuple, float] = {}
     for row in res["rows"]:
         ctx = contexts_for(row["kind"], row["B"], np.random.default_rng(0))
@@ -773,14 +943,26 @@ def _torch_rows(args, res) -> None:
         for key, fp8_experts in arms:
             memo = (row["kind"], row["B"], fp8_experts)
             if memo not in done:
-                try:
-                    done[memo] = torch_step.run_batch(
-                        ctx, args.k, graph=True, iters=args.iters, fp8_head=True, fp8_experts=fp8_experts
-                    )
-                except Exception as e:  # noqa: BLE001 - reported, the other rows go on
-                    print(f"note: torch step {key} at B {row['B']} failed: {e!r}", flush=True)
-                    done[memo] = float("nan")
-                torch_step.torch.cuda.empty_cache()
+                est = torch_step_memory(cfg, row["B"], max(ctx) + args.k + cfg.dsa.index_kpool, fp8_experts)
+                total = torch_step.torch.cuda.mem_get_info()[1]
+                done[memo] = float("nan")
+                if est["total"] > total - MEMORY_RESERVE:
+                    what = f"note: the torch step {key} at B {row['B']}"
+                    print(memory_note(what, est["total"], total, "in all"), flush=True)
+                else:
+                    try:
+                        done[memo] = torch_step.run_batch(
+                            ctx,
+                            args.k,
+                            graph=True,
+                            iters=args.iters,
+                            fp8_head=True,
+                            fp8_experts=fp8_experts,
+                            cfg=cfg,
+                        )
+                    except Exception as e:  # noqa: BLE001 - reported, the other rows go on
+                        print(f"note: torch step {key} at B {row['B']} failed: {e!r}", flush=True)
+                    torch_step.torch.cuda.empty_cache()
             row[key] = done[memo]
             print(f"{row['kind']} B {row['B']}: {key} {row[key]:.3f} ms", flush=True)
         row["torch_over_ours"] = row["torch_graph_ms"] / row["graph_device_ms"]
@@ -847,7 +1029,19 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description="propose_batch against its byte floor and a plain PyTorch step")
     ap.add_argument("--batches", type=lambda s: tuple(int(v) for v in s.split(",")), default=BATCHES)
-    ap.add_argument("--kinds", type=lambda s: tuple(s.split(",")), default=("uniform", "ragged"))
+    ap.add_argument(
+        "--kinds",
+        type=lambda s: tuple(s.split(",")),
+        default=("uniform", "ragged"),
+        help="comma-separated context kinds: uniform (all at 4096), ragged (128..16000), longest (the "
+        "model's longest: max_position_embeddings - 2k - 1), or a number of rows (all at that)",
+    )
+    ap.add_argument(
+        "--model",
+        choices=tuple(MODELS),
+        default="glm5_next",
+        help="the shapes to run at: glm5_next (GLM-5.3-Flash), glm5 (GLM-5.2), deepseek_v32 (DeepSeek-V3.2)",
+    )
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--no-torch", dest="torch", action="store_false")
@@ -881,6 +1075,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-step", dest="step", action="store_false", help="skip the whole drafter step")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    for kd in args.kinds:  # refused before a GPU minute is spent
+        try:
+            contexts_for(resolve_kind(kd, model_config(args.model), args.k), 1)
+        except ValueError as e:
+            ap.error(str(e))
     from runtime.cuda_backend import CudaBackend
 
     gpu = CudaBackend()

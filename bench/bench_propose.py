@@ -1,6 +1,7 @@
-"""GPU benchmark of the MTP proposer at GLM-5.3-Flash shapes (``mtpdraft bench`` calls ``main``).
+"""GPU benchmark of the MTP proposer at GLM-5.3-Flash shapes, or with ``--model glm5`` /
+``deepseek_v32`` at GLM-5.2's / DeepSeek-V3.2's (``mtpdraft bench`` calls ``main``).
 
-    python3 bench/bench_propose.py [--iters N] [--json PATH] [--update-md BENCHMARKS.md]
+    python3 bench/bench_propose.py [--iters N] [--json PATH] [--update-md BENCHMARKS.md] [--model M]
     python3 bench/bench_propose.py --from-json PATH --update-md BENCHMARKS.md   # no GPU: render only
 
 One run measures, on the device it finds:
@@ -8,7 +9,8 @@ One run measures, on the device it finds:
 - the bytes one draft must read, counted from the weight buffers the step touches (eh_proj,
   fused_in, q_fused, wk_t, wv, o_proj, router, the 8 chosen experts' gate_up + down, the shared
   expert, the head in BF16 or FP8 + scales) plus the cache bytes read (selected latent rows and
-  scales, the complete pool keys and scales, the embedding row); norms and biases are left out
+  scales, and their BF16 rope keys where the MLA has a rope part; the complete pool keys and
+  scales, one per token with the per-token indexer; the embedding row); norms and biases are left out
   (under 0.1 MB); the floor is bytes / bandwidth;
 - propose(k = 1 and 3) at contexts 4096 and 16000, eager and graph, BF16 and FP8 head: the graph's
   device time (CUDA events around back-to-back replays of the captured k-draft graph, median) and
@@ -25,8 +27,9 @@ One run measures, on the device it finds:
 Weights are random and never written to disk: every tensor is a slice of one 64 MiB pool of random
 BF16 (tiled where a tensor is larger), handed to MtpProposer as a Mapping; host memory peaks near
 20 GB (the expert stacks the loader builds). Contexts are fed fast: random FP8 latents and scales,
-random indexer keys and gates, and random FP8 pool keys and scales are written straight into a
-fresh state's caches and its row count is set; what is timed (the draft rows) then runs the real
+random indexer keys and gates (the KPool indexer's), random BF16 rope keys (an MLA with a rope
+part), and random FP8 pool keys and scales are written straight into a fresh state's caches and
+its row count is set; what is timed (the draft rows) then runs the real
 kernels over them. One proposer (``ArmProposer``, this benchmark's subclass of MtpProposer, built
 once: the weights take most of the run's setup) serves every arm: each state is allocated with the
 arm it runs (eager or graph, FP8 or BF16 head, block or head skipped), so no graph captured under
@@ -54,7 +57,7 @@ if not __package__:  # run as a script (python bench/bench_propose.py): find mod
 import numpy as np
 
 from model.checkpoint.random_init import tiled_mtp_weights as random_weights
-from model.config import ModelConfig, glm5_flash
+from model.config import ModelConfig, deepseek_v32, glm5, glm5_flash
 from model.kernels.dsa_select import complete_pools
 from model.proposer import MtpProposer, ProposerState
 from runtime.dtypes import BF16
@@ -63,6 +66,18 @@ from runtime.kernels.rmsnorm import rmsnorm
 CONTEXTS = (4096, 16000)
 KS = (1, 3)
 SECTION = "## MTP drafter: propose (bench/bench_propose.py)"
+# The models a benchmark runs at (``--model``), by model_type: each preset takes the indexer
+# reservation (``max_context``) that sizes the served length.
+MODELS = {"glm5_next": glm5_flash, "glm5": glm5, "deepseek_v32": deepseek_v32}
+DEFAULT_MAX_CONTEXT = 16384  # the presets' own reservation: contexts up to 16000 and the drafts
+
+
+def model_config(name: str, max_context: int = DEFAULT_MAX_CONTEXT) -> ModelConfig:
+    """The preset of ``--model name`` (``MODELS``) with an indexer reservation of ``max_context``
+    tokens (at least the presets' 16384, so a short run is sized as it always was)."""
+    if name not in MODELS:
+        raise ValueError(f"model {name!r}: one of {', '.join(MODELS)}")
+    return MODELS[name](max_context=max(int(max_context), DEFAULT_MAX_CONTEXT))
 
 
 # ---- the proposer under measurement ---------------------------------------------------------------
@@ -193,6 +208,31 @@ def _matrix_bytes(rows: int, cols: int, fp8: bool) -> int:
     return rows * cols + -(-rows // 128) * -(-cols // 128) * 4
 
 
+def selection_size(cfg: ModelConfig, row: int) -> int:
+    """Rows a draft at ``row`` attends when it runs the indexer: every row while there are at
+    most top-k complete pools, else the top-k pools' rows; the incomplete tail besides, where
+    ``always_select_tail``. The per-token indexer (pools of one row, no tail): min(row + 1,
+    index_topk)."""
+    d = cfg.dsa
+    kp = d.index_kpool
+    npools = complete_pools(row, kp)
+    tail = row + 1 - npools * kp if d.always_select_tail else 0
+    return (npools if npools <= d.topk_pools else d.topk_pools) * kp + tail
+
+
+def selected_row_bytes(cfg: ModelConfig) -> int:
+    """Bytes the attention reads of one selected row: its FP8 latent and f32 scale, and with an
+    MLA rope part (GLM-5, DeepSeek-V3.2) its BF16 rotated rope key."""
+    a = cfg.attention
+    return a.kv_lora_rank + 4 + a.qk_rope_head_dim * 2
+
+
+def pool_key_bytes(cfg: ModelConfig) -> int:
+    """Bytes the indexer reads of one complete pool: its FP8 key and f32 scale (one per token with
+    the per-token indexer, whose keys are its pools)."""
+    return cfg.dsa.index_head_dim + 4
+
+
 def draft_bytes(prop: Any, context_row: int, fp8_head: bool) -> dict[str, int]:
     """Bytes one draft of one sequence at row ``context_row`` reads, from the buffers the step
     touches (FP8 weights counted at one byte plus their block scales)."""
@@ -201,10 +241,7 @@ def draft_bytes(prop: Any, context_row: int, fp8_head: bool) -> dict[str, int]:
     hl, C, I = sh.local_heads, a.kv_lora_rank, m.moe_intermediate_size
     attn, mlp = prop.layer.attn, prop.layer.mlp
     npools = complete_pools(context_row, d.index_kpool)
-    if npools <= d.topk_pools:
-        sel = context_row + 1
-    else:
-        sel = d.topk_pools * d.index_kpool + context_row + 1 - npools * d.index_kpool
+    sel = selection_size(cfg, context_row)
     expert_fp8 = mlp.gate_up_scales is not None
     out = {
         "eh_proj": H * 2 * H * 2,
@@ -224,7 +261,7 @@ def draft_bytes(prop: Any, context_row: int, fp8_head: bool) -> dict[str, int]:
             else 0
         ),
         "head": prop.head_n * H + prop.head_n * 4 if fp8_head else prop.head_n * H * 2,
-        "caches": sel * (C + 4) + npools * (d.index_head_dim + 4) + H * 2,
+        "caches": sel * selected_row_bytes(cfg) + npools * pool_key_bytes(cfg) + H * 2,
     }
     return out
 
@@ -256,23 +293,39 @@ def copy_bandwidth(gpu: Any, nbytes: int = 2 << 30, reps: int = 10) -> float:
 def fill_context(prop: Any, st: Any, rows: int, rng: np.random.Generator) -> None:
     """Write ``rows`` rows of random cache contents straight into ``st``'s slot of the pools and
     set its length (the fast feed this benchmark documents: what is timed is the draft rows, not
-    the prefill)."""
+    the prefill): FP8 latents and scales, the FP8 pool keys and scales of the complete pools, the
+    KPool indexer's BF16 keys and gates (the per-token indexer has none: its keys are its pools),
+    and each row's BF16 rope key where the MLA has a rope part."""
     gpu, cfg, pools = prop.gpu, prop.cfg, prop.pools
     C, idim, kp = cfg.attention.kv_lora_rank, cfg.dsa.index_head_dim, cfg.dsa.index_kpool
+    rope = cfg.attention.qk_rope_head_dim
     g, lp, kv = pools.geometry, pools.layers[0], pools.kv
     bs = g.block_size
     # FP8 E4M3 with the exponent's top bit clear: finite values below 2, never NaN.
     lat = rng.integers(0, 256, (rows, C), dtype=np.uint8) & np.uint8(0xBF)
     sc = (0.02 + 0.01 * rng.random(rows)).astype(np.float32)
-    for b in range(-(-rows // bs)):
-        r0, r1 = b * bs, min(rows, (b + 1) * bs)
-        slot0 = pools.latent_slot(st.slot, r0)
+    # One copy per run of consecutive blocks (a fresh slot's blocks usually are): 202,752 rows are
+    # 12,672 blocks, too many copies of 8 KB to make one by one for 64 sequences.
+    b = 0
+    nblocks = -(-rows // bs)
+    while b < nblocks:
+        slot0 = pools.latent_slot(st.slot, b * bs)
+        e = b + 1
+        while e < nblocks and pools.latent_slot(st.slot, e * bs) == slot0 + (e - b) * bs:
+            e += 1
+        r0, r1 = b * bs, min(rows, e * bs)
         gpu.copy_h2d(kv.data[0].offset(slot0 * C), lat[r0:r1])
         gpu.copy_h2d(kv.scales[0].offset(slot0 * 4), sc[r0:r1])
-    keys = (rng.standard_normal((rows, idim), dtype=np.float32)).astype(BF16)
-    gates = (rng.standard_normal((rows, idim), dtype=np.float32)).astype(BF16)
-    gpu.copy_h2d(lp.keys.offset(g.key_row(st.slot, 0) * 2), keys)
-    gpu.copy_h2d(lp.gates.offset(g.key_row(st.slot, 0) * 2), gates)
+        b = e
+    if lp.keys is not None:  # the KPool indexer's per-token keys and gates
+        keys = (rng.standard_normal((rows, idim), dtype=np.float32)).astype(BF16)
+        gates = (rng.standard_normal((rows, idim), dtype=np.float32)).astype(BF16)
+        gpu.copy_h2d(lp.keys.offset(g.key_row(st.slot, 0) * 2), keys)
+        gpu.copy_h2d(lp.gates.offset(g.key_row(st.slot, 0) * 2), gates)
+    if rope:
+        # Row r of slot s at (s * slot_rows + r) * rope (model/slot_pools.py LayerPools.rope_keys).
+        kr = (rng.standard_normal((rows, rope), dtype=np.float32)).astype(BF16)
+        gpu.copy_h2d(lp.rope_keys.offset(st.slot * pools.slot_rows * rope * 2), kr)
     pools_n = rows // kp
     if pools_n:
         pk = rng.integers(0, 256, (pools_n, idim), dtype=np.uint8) & np.uint8(0xBF)
@@ -593,11 +646,13 @@ def measure(
         if owned:
             gpu.close()
 
-    res["torch"] = torch_rows(args, contexts) if args.torch else {"skipped": "--no-torch"}
+    res["torch"] = torch_rows(args, contexts, cfg) if args.torch else {"skipped": "--no-torch"}
     return res
 
 
-def torch_rows(args: argparse.Namespace, contexts: tuple[int, ...]) -> dict[str, Any]:
+def torch_rows(
+    args: argparse.Namespace, contexts: tuple[int, ...], cfg: ModelConfig | None = None
+) -> dict[str, Any]:
     try:
         from bench import torch_step
     except Exception as e:
@@ -607,8 +662,8 @@ def torch_rows(args: argparse.Namespace, contexts: tuple[int, ...]) -> dict[str,
     for ctx in contexts:
         for k in KS:
             try:
-                eager = torch_step.run(ctx, k, graph=False, iters=max(args.iters // 2, 10))
-                graph = torch_step.run(ctx, k, graph=True, iters=args.iters)
+                eager = torch_step.run(ctx, k, graph=False, iters=max(args.iters // 2, 10), cfg=cfg)
+                graph = torch_step.run(ctx, k, graph=True, iters=args.iters, cfg=cfg)
             except Exception as e:
                 print(f"note: torch step at context {ctx}, k {k} failed: {e!r}", flush=True)
                 out[f"{ctx}/{k}"] = {"error": repr(e)}
@@ -716,6 +771,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     ap.add_argument("--no-torch", dest="torch", action="store_false", help="skip the PyTorch rows")
     ap.add_argument("--ptx-dir", type=Path, help="load the kernels' PTX from here (a variant build)")
     ap.add_argument(
+        "--model",
+        choices=tuple(MODELS),
+        default="glm5_next",
+        help="the shapes to run at: glm5_next (GLM-5.3-Flash), glm5 (GLM-5.2), deepseek_v32",
+    )
+    ap.add_argument(
         "--heads",
         type=lambda s: tuple(s.split(",")),
         default=("fp8", "bf16"),
@@ -776,7 +837,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
         except Exception as e:  # noqa: BLE001 (no bindings, driver or device: any failure means no run)
             return _error(prog, f"needs a CUDA GPU, and none is usable here: {e}")
         try:
-            res = measure(args, gpu=gpu, contexts=args.contexts)
+            cfg = model_config(args.model, max(args.contexts) + max(KS))
+            res = measure(args, gpu=gpu, cfg=cfg, contexts=args.contexts)
         finally:
             gpu.close()
         if args.json:

@@ -1,6 +1,7 @@
 """The MTP draft step written plainly in PyTorch, timed eager and as a replayed CUDA graph.
 
     python3 bench/torch_step.py                  # GLM-5.3-Flash shapes, contexts 4096 and 16000, k 1 and 3
+    python3 bench/torch_step.py --model glm5     # GLM-5.2's (deepseek_v32: DeepSeek-V3.2's)
     python3 -c "from bench.torch_step import run; print(run(4096, 3, graph=True))"
 
 A baseline for the runtime (about 5.6 ms eager / 3.2 ms graph at context 4096, k = 3, on an H200:
@@ -22,6 +23,18 @@ the caches (random latents, indexer keys and gates, BF16 pool keys); each draft 
    draft 1's selection plus the rows drafted since, as the runtime does;
 5. ``lm_head`` GEMV on ``rmsnorm(x) * shared_head.norm`` and ``argmax``, which feeds draft i+1 on
    the device (embedding row and the normalised ``x`` as the next hidden).
+
+The RoPE family (``cfg`` of ``model.config.glm5()`` / ``deepseek_v32()``; the variant is read from
+the config, one code path): ``kv_a`` gives the latent and a shared rope key, rotated at the row's
+position (its row) and cached beside the latent (BF16); each query head's last
+``qk_rope_head_dim`` dims are rotated alike and score against the selected rows' rope keys besides
+the absorbed latent part (``rope``: pairs interleaved, ``cfg.rope_inv_freq``, cos and sin times
+``rope.attention_factor``; softmax scale ``attention.softmax_scale``, YaRN's mscale included). The
+indexer is the per-token one: each row's key ``LayerNorm(wk y)`` with its first ``dsa.rope_dim``
+dims rotated (interleaved for GLM-5, half-split for DeepSeek-V3.2), and the query heads' alike, is
+its own pool (BF16 here, FP8 in the runtime), no gate; the top ``index_topk`` rows, every row while
+there are at most that many. The router is group-limited where ``moe.n_group`` says so (``route``);
+no SwiGLU clamp where ``swiglu_limit`` is infinite.
 
 Graph replays are timed with CUDA events around each replay (median of many); eager runs with a
 synchronize around each k-draft propose (median). One graph per (context, k): row indices are
@@ -65,6 +78,7 @@ says why (``--fp8-experts`` reports it in its JSON and exits 3). The BF16 path i
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -92,8 +106,47 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * _up(w)).to(x.dtype)
 
 
+def rope(
+    x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, attn_factor: float, interleave: bool
+) -> torch.Tensor:
+    """x [..., d] rotated at positions ``pos`` (broadcasting against ``x.shape[:-1]``): pair i turns
+    by ``pos * inv_freq[i]``, cos and sin scaled by ``attn_factor`` (YaRN's), pairs (2i, 2i + 1)
+    with ``interleave`` (the MLA's; GLM-5's indexer's) else (i, i + d/2) (DeepSeek-V3.2's indexer),
+    each pair's result in its own places. In f32 (f64 for an f64 x), returned in x's dtype."""
+    ct = torch.float64 if x.dtype == torch.float64 else torch.float32
+    ang = pos.to(ct)[..., None] * inv_freq.to(ct)
+    c, s = torch.cos(ang) * attn_factor, torch.sin(ang) * attn_factor
+    xf = x.to(ct)
+    if interleave:
+        x0, x1 = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack([x0 * c - x1 * s, x1 * c + x0 * s], -1).flatten(-2)
+    else:
+        x0, x1 = xf.chunk(2, -1)
+        out = torch.cat([x0 * c - x1 * s, x1 * c + x0 * s], -1)
+    return out.to(x.dtype)
+
+
+def route(scores: torch.Tensor, bias: torch.Tensor, moe) -> torch.Tensor:
+    """The routed experts [..., top_k] of sigmoid ``scores`` [..., E]: the top-k of score + bias,
+    the lower expert first on a tie; with group-limited routing (``n_group`` > 1 and ``topk_group``
+    < ``n_group``: DeepSeek-V3.2's 8 and 4) only among the experts of the ``topk_group`` groups (E /
+    n_group consecutive experts each) whose two best score + bias sum highest, the lower group
+    first on a tie."""
+    sel = scores + bias
+    if moe.n_group > 1 and moe.topk_group < moe.n_group:
+        E, G = sel.shape[-1], moe.n_group
+        group = sel.unflatten(-1, (G, E // G)).topk(2, dim=-1).values.sum(-1)  # [..., G]
+        kept = torch.sort(group, dim=-1, descending=True, stable=True).indices[..., : moe.topk_group]
+        keep = torch.zeros_like(group, dtype=torch.bool).scatter_(-1, kept, True)
+        sel = sel.masked_fill(~keep.repeat_interleave(E // G, -1), float("-inf"))
+    return torch.sort(sel, dim=-1, descending=True, stable=True).indices[..., : moe.num_experts_per_tok]
+
+
 class DraftStep:
-    """Weights and caches of one MTP block, and its k-draft propose."""
+    """Weights and caches of one MTP block, and its k-draft propose. The variant is the config's:
+    NoPE MLA with the KPool indexer (GLM-5.3-Flash), or MLA with RoPE and the per-token indexer
+    (GLM-5, DeepSeek-V3.2: ``dsa.per_token``), group-limited routing where ``moe.n_group`` says so,
+    no SwiGLU clamp where ``moe.swiglu_limit`` is infinite."""
 
     def __init__(
         self, cfg, rows: int, device="cuda", dtype=torch.bfloat16, seed: int = 0, weights: dict | None = None
@@ -127,7 +180,7 @@ class DraftStep:
                 "q_a": lin(a.q_lora_rank, H),
                 "q_a_norm": norm(a.q_lora_rank),
                 "q_b": lin(nh * a.qk_head_dim, a.q_lora_rank),
-                "kv_a": lin(a.kv_lora_rank, H),
+                "kv_a": lin(a.kv_lora_rank + a.qk_rope_head_dim, H),  # [latent ; rope key]
                 "kv_a_norm": norm(a.kv_lora_rank),
                 "kv_b": lin(nh * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank),
                 "o_proj": lin(H, nh * a.v_head_dim),
@@ -136,14 +189,15 @@ class DraftStep:
                 "ix_ln_w": norm(d.index_head_dim),
                 "ix_ln_b": torch.zeros(d.index_head_dim, device=dev, dtype=dtype),
                 "ix_weights": lin(d.index_n_heads, H),
-                "ix_gate": lin(d.index_head_dim, H),
-                "ix_ape": torch.zeros(d.index_kpool, d.index_head_dim, device=dev, dtype=dtype),
                 "router": lin(E, H),
                 "router_bias": torch.zeros(E, device=dev, dtype=torch.float32),
                 "shared_gate_proj": lin(I, H),
                 "shared_up_proj": lin(I, H),
                 "shared_down_proj": lin(H, I),
             }
+            if not d.per_token:  # the KPool indexer's compression
+                W["ix_gate"] = lin(d.index_head_dim, H)
+                W["ix_ape"] = torch.zeros(d.index_kpool, d.index_head_dim, device=dev, dtype=dtype)
             # Stacked routed experts [E, I, H] / [E, H, I], drawn expert by expert (no 2x peak).
             for name, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
                 t = torch.empty(E, *shape, device=dev, dtype=dtype)
@@ -156,10 +210,23 @@ class DraftStep:
         kvb = W["kv_b"].view(nh, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)
         self.w_uk = kvb[:, : a.qk_nope_head_dim, :]  # [nh, nope, kl]
         self.w_uv_t = kvb[:, a.qk_nope_head_dim :, :].transpose(1, 2)  # [nh, kl, v]
-        # Caches of the DSA state: latents, indexer keys and gates per row, pool keys per pool.
+        # RoPE (GLM-5, DeepSeek-V3.2): one table for the MLA's rope dims and the indexer's first ones.
+        rp = a.rope
+        self.inv_freq = None if rp is None else torch.as_tensor(cfg.rope_inv_freq, device=dev)
+        self.attn_factor = 1.0 if rp is None else rp.attention_factor
+        # Each row's position is its row (the drafter's numbering); a view per row, no launch.
+        self.positions = torch.arange(rows, device=dev)
+        # Caches of the DSA state: latents and (RoPE) rotated rope keys per row; the KPool
+        # indexer's keys and gates per row and its pool keys per pool, or the per-token indexer's
+        # rotated key per row (its pools are its tokens).
         self.latents = torch.randn(rows, a.kv_lora_rank, device=dev, dtype=dtype, generator=g)
-        self.keys = torch.randn(rows, d.index_head_dim, device=dev, dtype=dtype, generator=g)
-        self.gates = torch.randn(rows, d.index_head_dim, device=dev, dtype=dtype, generator=g)
+        self.rope_keys = (
+            torch.randn(rows, a.qk_rope_head_dim, device=dev, dtype=dtype, generator=g) if rp else None
+        )
+        self.keys = self.gates = None
+        if not d.per_token:
+            self.keys = torch.randn(rows, d.index_head_dim, device=dev, dtype=dtype, generator=g)
+            self.gates = torch.randn(rows, d.index_head_dim, device=dev, dtype=dtype, generator=g)
         self.pool_keys = torch.randn(
             rows // d.index_kpool, d.index_head_dim, device=dev, dtype=dtype, generator=g
         )
@@ -173,66 +240,31 @@ class DraftStep:
         self._first_row = rows
         self._first_rows = torch.zeros(0, dtype=torch.long, device=dev)
 
-    # ---- one draft -----------------------------------------------------------------------------
+    def rope_mla(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The MLA's rope dims (a query head's or the shared key's) rotated at ``pos``."""
+        return rope(x, pos, self.inv_freq, self.attn_factor, self.cfg.attention.rope.interleave)
 
-    def _draft(self, tok: torch.Tensor, h: torch.Tensor, n: int):
-        """Row n from (token [1] on device, hidden [H]); returns (next token [1], normalised x)."""
-        cfg, W = self.cfg, self.W
-        a, d, m = cfg.attention, cfg.dsa, cfg.moe
-        eps = cfg.rms_norm_eps
-        nh, kp = a.num_attention_heads, d.index_kpool
-        e = _rms(F.embedding(tok, W["embed"])[0], W["enorm"], eps)
-        x = F.linear(torch.cat([e, _rms(h, W["hnorm"], eps)]), W["eh_proj"])
-        y = _rms(x, W["in_norm"], eps)
-        qa = _rms(F.linear(y, W["q_a"]), W["q_a_norm"], eps)
-        q = F.linear(qa, W["q_b"]).view(nh, a.qk_head_dim)
-        self.latents[n] = _rms(F.linear(y, W["kv_a"]), W["kv_a_norm"], eps)
-        # Indexer: this row's key and gate, then the pool it completes.
-        self.keys[n] = F.layer_norm(
-            _up(F.linear(y, W["ix_wk"])), (d.index_head_dim,), _up(W["ix_ln_w"]), _up(W["ix_ln_b"]), 1e-6
-        ).to(self.dtype)
-        self.gates[n] = F.linear(y, W["ix_gate"])
-        ncomp = (n + 1) // kp
-        if (n + 1) % kp == 0:
-            s = slice(n + 1 - kp, n + 1)
-            wts = torch.softmax(_up(self.gates[s]) + _up(W["ix_ape"]), dim=0)
-            self.pool_keys[ncomp - 1] = (wts * _up(self.keys[s])).sum(0).to(self.dtype)
-        K = d.index_topk // kp
-        if d.share_for_mtp_iteration and n > self._first_row:
-            # Drafts 2..k reuse draft 1's selection, plus the rows drafted since (model/dsa.py).
-            rows = torch.cat([self._first_rows, torch.arange(self._first_row + 1, n + 1, device=self.device)])
-            c = self.latents.index_select(0, rows)
-        elif ncomp > K:
-            qi = F.linear(qa, W["ix_wq_b"]).view(d.index_n_heads, d.index_head_dim)
-            wh = _up(F.linear(y, W["ix_weights"])) / math.sqrt(d.index_n_heads)
-            sc = torch.relu(_up(qi @ self.pool_keys[:ncomp].T))  # [ih, P]
-            scores = (wh @ sc) / math.sqrt(d.index_head_dim)
-            top = torch.sort(scores, descending=True, stable=True).indices[:K]  # ties: lower pool
-            rows = (top[:, None] * kp + torch.arange(kp, device=self.device)).reshape(-1)
-            if ncomp * kp <= n:
-                rows = torch.cat([rows, torch.arange(ncomp * kp, n + 1, device=self.device)])
-            c = self.latents.index_select(0, rows)
-            self._first_rows = rows
-        else:
-            c = self.latents[: n + 1]
-            self._first_rows = torch.arange(n + 1, device=self.device)
-        # Absorbed MLA.
-        q_lat = torch.bmm(q[:, None, : a.qk_nope_head_dim], self.w_uk)[:, 0]  # [nh, kl]
-        p = torch.softmax(_up(q_lat @ c.T) * a.softmax_scale, dim=-1).to(self.dtype)
-        o_lat = p @ c  # [nh, kl]
-        o = torch.bmm(o_lat[:, None], self.w_uv_t)[:, 0]  # [nh, v]
-        x = x + F.linear(o.reshape(-1), W["o_proj"])
-        # MoE.
-        y2 = _rms(x, W["post_norm"], eps)
-        sc = torch.sigmoid(F.linear(_up(y2), _up(W["router"])))
-        idx = torch.sort(sc + W["router_bias"], descending=True, stable=True).indices[
-            : m.num_experts_per_tok
-        ]  # ties: lower expert
-        w = sc[idx]
-        if m.norm_topk_prob:
-            w = w / w.sum()
-        w = w * m.routed_scaling_factor
-        L = m.swiglu_limit
+    def rope_index(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """An indexer query head or key with its first ``dsa.rope_dim`` dims rotated at ``pos``
+        (unchanged without them)."""
+        r = self.cfg.dsa.rope_dim
+        if not r:
+            return x
+        il = self.cfg.attention.rope.indexer_interleave
+        return torch.cat([rope(x[..., :r], pos, self.inv_freq, self.attn_factor, il), x[..., r:]], -1)
+
+    def index_key(self, y: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The indexer key of normalised inputs y [..., H]: LayerNorm(wk y) (eps 1e-6), its rope
+        dims rotated at ``pos`` (the per-token indexer's), in the step's dtype."""
+        W, idim = self.W, self.cfg.dsa.index_head_dim
+        k = F.layer_norm(_up(F.linear(y, W["ix_wk"])), (idim,), _up(W["ix_ln_w"]), _up(W["ix_ln_b"]), 1e-6)
+        return self.rope_index(k, pos).to(self.dtype)
+
+    def moe(self, y2: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """One row's routed experts ``idx`` [top_k] (weights ``w``) and the shared expert on y2 [H]:
+        f32 [H]. SwiGLU clamped at ``swiglu_limit`` (infinite, so no clamp, for GLM-5 and
+        DeepSeek-V3.2)."""
+        W, L = self.W, self.cfg.moe.swiglu_limit
         wg = W["experts_gate_proj"].index_select(0, idx)  # [k, I, H]
         wu = W["experts_up_proj"].index_select(0, idx)
         wd = W["experts_down_proj"].index_select(0, idx)  # [k, H, I]
@@ -244,7 +276,76 @@ class DraftStep:
             * F.linear(y2, W["shared_up_proj"]).clamp(-L, L),
             W["shared_down_proj"],
         )
-        x = x + (routed + _up(sh)).to(self.dtype)
+        return routed + _up(sh)
+
+    # ---- one draft -----------------------------------------------------------------------------
+
+    def _draft(self, tok: torch.Tensor, h: torch.Tensor, n: int):
+        """Row n from (token [1] on device, hidden [H]); returns (next token [1], normalised x)."""
+        cfg, W = self.cfg, self.W
+        a, d, m = cfg.attention, cfg.dsa, cfg.moe
+        eps = cfg.rms_norm_eps
+        nh, kp, C, nope = a.num_attention_heads, d.index_kpool, a.kv_lora_rank, a.qk_nope_head_dim
+        pos = self.positions[n]
+        e = _rms(F.embedding(tok, W["embed"])[0], W["enorm"], eps)
+        x = F.linear(torch.cat([e, _rms(h, W["hnorm"], eps)]), W["eh_proj"])
+        y = _rms(x, W["in_norm"], eps)
+        qa = _rms(F.linear(y, W["q_a"]), W["q_a_norm"], eps)
+        q = F.linear(qa, W["q_b"]).view(nh, a.qk_head_dim)
+        kv = F.linear(y, W["kv_a"])  # [latent (C) ; rope key]
+        self.latents[n] = _rms(kv[:C], W["kv_a_norm"], eps)
+        if self.rope_keys is not None:
+            self.rope_keys[n] = self.rope_mla(kv[C:], pos)
+        # Indexer: this row's key; the per-token indexer's is its own pool's, the KPool indexer's
+        # (and gate) complete a pool every kpool rows.
+        ncomp = (n + 1) // kp
+        if d.per_token:
+            self.pool_keys[n] = self.index_key(y, pos)
+        else:
+            self.keys[n] = self.index_key(y, pos)
+            self.gates[n] = F.linear(y, W["ix_gate"])
+            if (n + 1) % kp == 0:
+                s = slice(n + 1 - kp, n + 1)
+                wts = torch.softmax(_up(self.gates[s]) + _up(W["ix_ape"]), dim=0)
+                self.pool_keys[ncomp - 1] = (wts * _up(self.keys[s])).sum(0).to(self.dtype)
+        K = d.index_topk // kp
+        rows = None  # every row 0..n (a view of the caches)
+        if d.share_for_mtp_iteration and n > self._first_row:
+            # Drafts 2..k reuse draft 1's selection, plus the rows drafted since (model/dsa.py).
+            rows = torch.cat([self._first_rows, torch.arange(self._first_row + 1, n + 1, device=self.device)])
+        elif ncomp > K:
+            qi = self.rope_index(F.linear(qa, W["ix_wq_b"]).view(d.index_n_heads, d.index_head_dim), pos)
+            wh = _up(F.linear(y, W["ix_weights"])) / math.sqrt(d.index_n_heads)
+            sc = torch.relu(_up(qi @ self.pool_keys[:ncomp].T))  # [ih, P]
+            scores = (wh @ sc) / math.sqrt(d.index_head_dim)
+            top = torch.sort(scores, descending=True, stable=True).indices[:K]  # ties: lower pool
+            rows = (top[:, None] * kp + torch.arange(kp, device=self.device)).reshape(-1)
+            if ncomp * kp <= n:
+                rows = torch.cat([rows, torch.arange(ncomp * kp, n + 1, device=self.device)])
+            self._first_rows = rows
+        else:
+            self._first_rows = torch.arange(n + 1, device=self.device)
+        c = self.latents[: n + 1] if rows is None else self.latents.index_select(0, rows)
+        # Absorbed MLA: the nope part through kv_b's key half against the latents, the rope part
+        # against the rows' rope keys.
+        q_lat = torch.bmm(q[:, None, :nope], self.w_uk)[:, 0]  # [nh, kl]
+        s = _up(q_lat @ c.T)
+        if self.rope_keys is not None:
+            kr = self.rope_keys[: n + 1] if rows is None else self.rope_keys.index_select(0, rows)
+            s = s + _up(self.rope_mla(q[:, nope:], pos) @ kr.T)
+        p = torch.softmax(s * a.softmax_scale, dim=-1).to(self.dtype)
+        o_lat = p @ c  # [nh, kl]
+        o = torch.bmm(o_lat[:, None], self.w_uv_t)[:, 0]  # [nh, v]
+        x = x + F.linear(o.reshape(-1), W["o_proj"])
+        # MoE.
+        y2 = _rms(x, W["post_norm"], eps)
+        sc = torch.sigmoid(F.linear(_up(y2), _up(W["router"])))
+        idx = route(sc, W["router_bias"], m)
+        w = sc[idx]
+        if m.norm_topk_prob:
+            w = w / w.sum()
+        w = w * m.routed_scaling_factor
+        x = x + self.moe(y2, idx, w).to(self.dtype)
         out = _rms(x, W["head_norm"], eps)
         logits = F.linear(out, W["head"])
         return torch.argmax(logits).reshape(1), out, logits
@@ -265,7 +366,6 @@ def weights_from_state_dict(cfg, sd: dict, device="cpu", dtype=torch.float32) ->
     for checking the step against the reference implementation."""
     P = f"model.layers.{cfg.num_hidden_layers}."
     A, X, M = P + "self_attn.", P + "self_attn.indexer.", P + "mlp."
-    kl = cfg.attention.kv_lora_rank
 
     def t(name):
         return sd[name].to(device=device, dtype=dtype)
@@ -282,7 +382,7 @@ def weights_from_state_dict(cfg, sd: dict, device="cpu", dtype=torch.float32) ->
         "q_a": t(A + "q_a_proj.weight"),
         "q_a_norm": t(A + "q_a_layernorm.weight"),
         "q_b": t(A + "q_b_proj.weight"),
-        "kv_a": t(A + "kv_a_proj_with_mqa.weight")[:kl],
+        "kv_a": t(A + "kv_a_proj_with_mqa.weight"),  # [latent ; rope key] rows
         "kv_a_norm": t(A + "kv_a_layernorm.weight"),
         "kv_b": t(A + "kv_b_proj.weight"),
         "o_proj": t(A + "o_proj.weight"),
@@ -291,14 +391,15 @@ def weights_from_state_dict(cfg, sd: dict, device="cpu", dtype=torch.float32) ->
         "ix_ln_w": t(X + "k_norm.weight"),
         "ix_ln_b": t(X + "k_norm.bias"),
         "ix_weights": t(X + "weights_proj.weight"),
-        "ix_gate": t(X + "index_kpool_compress_gate"),
-        "ix_ape": t(X + "index_kpool_compress_ape"),
         "router": t(M + "gate.weight"),
         "router_bias": sd[M + "gate.e_score_correction_bias"].to(device=device, dtype=torch.float32),
         "shared_gate_proj": t(M + "shared_experts.gate_proj.weight"),
         "shared_up_proj": t(M + "shared_experts.up_proj.weight"),
         "shared_down_proj": t(M + "shared_experts.down_proj.weight"),
     }
+    if not cfg.dsa.per_token:  # the KPool indexer's compression
+        W["ix_gate"] = t(X + "index_kpool_compress_gate")
+        W["ix_ape"] = t(X + "index_kpool_compress_ape")
     for name in ("gate_proj", "up_proj", "down_proj"):
         W["experts_" + name] = torch.stack(
             [t(M + f"experts.{e}.{name}.weight") for e in range(cfg.moe.n_routed_experts)]
@@ -527,8 +628,10 @@ class _DraftPlan:
         self.comp_pool = dev([ncomp[b] - 1 for b in comp]) if comp else None
         self.pmax = max(ncomp)
         self.dense = dev([c <= K for c in ncomp], torch.bool)  # attends every row, as batch 1 does
-        self.pool_valid = dev([[p < c for p in range(self.pmax)] for c in ncomp], torch.bool)
-        self.k_valid = dev([[j < min(c, K) for j in range(K)] for c in ncomp], torch.bool)
+        # Made on the device: a per-token indexer's pools are up to 202,752 a sequence.
+        nc = dev(ncomp)[:, None]
+        self.pool_valid = torch.arange(self.pmax, device=device)[None, :] < nc
+        self.k_valid = torch.arange(K, device=device)[None, :] < nc.clamp(max=K)
         # The tail: rows after the last complete pool (at most kp - 1 of them).
         self.tail_rows = dev([[c * kp + j for j in range(kp - 1)] for c in ncomp])
         self.tail_valid = dev(
@@ -563,10 +666,13 @@ class BatchDraftStep:
         def rnd(*shape):
             return torch.randn(*shape, device=dev, dtype=dt, generator=g)
 
+        # The caches of DraftStep, one per sequence (its keys and gates with the KPool indexer only,
+        # its rope keys with RoPE only).
         self.latents = rnd(batch, rows, a.kv_lora_rank)
-        self.keys = rnd(batch, rows, d.index_head_dim)
-        self.gates = rnd(batch, rows, d.index_head_dim)
+        self.keys = None if d.per_token else rnd(batch, rows, d.index_head_dim)
+        self.gates = None if d.per_token else rnd(batch, rows, d.index_head_dim)
         self.pool_keys = rnd(batch, rows // d.index_kpool, d.index_head_dim)
+        self.rope_keys = rnd(batch, rows, a.qk_rope_head_dim) if a.rope is not None else None
         # Each sequence's own token: with one token for all, draft 1's rows route alike and the
         # batch chooses far fewer distinct experts than a real batch (59 of 288 at B = 16, not 104).
         self.tok_in = torch.randint(0, cfg.vocab_size, (batch,), device=dev, generator=g)
@@ -590,9 +696,10 @@ class BatchDraftStep:
     def load_sequence(self, b: int, step: DraftStep) -> None:
         """Sequence b's caches and inputs from a batch-1 step's (for comparing the two)."""
         n = min(self.rows, step.rows)
-        self.latents[b, :n] = step.latents[:n]
-        self.keys[b, :n] = step.keys[:n]
-        self.gates[b, :n] = step.gates[:n]
+        for name in ("latents", "keys", "gates", "rope_keys"):
+            mine = getattr(self, name)
+            if mine is not None:
+                mine[b, :n] = getattr(step, name)[:n]
         p = min(self.pool_keys.shape[1], step.pool_keys.shape[0])
         self.pool_keys[b, :p] = step.pool_keys[:p]
         self.tok_in[b] = step.tok_in[0]
@@ -678,22 +785,27 @@ class BatchDraftStep:
         a, d, m = cfg.attention, cfg.dsa, cfg.moe
         eps, B = cfg.rms_norm_eps, self.B
         nh, kp, K = a.num_attention_heads, d.index_kpool, d.index_topk // d.index_kpool
+        C, nope, base = a.kv_lora_rank, a.qk_nope_head_dim, self.base
         bidx = self._bidx
         e = _rms(F.embedding(tok, W["embed"]), W["enorm"], eps)
         x = F.linear(torch.cat([e, _rms(h, W["hnorm"], eps)], -1), W["eh_proj"])
         y = _rms(x, W["in_norm"], eps)
         qa = _rms(F.linear(y, W["q_a"]), W["q_a_norm"], eps)
         q = F.linear(qa, W["q_b"]).view(B, nh, a.qk_head_dim)
-        self.latents[bidx, p.rows] = _rms(F.linear(y, W["kv_a"]), W["kv_a_norm"], eps)
-        self.keys[bidx, p.rows] = F.layer_norm(
-            _up(F.linear(y, W["ix_wk"])), (d.index_head_dim,), _up(W["ix_ln_w"]), _up(W["ix_ln_b"]), 1e-6
-        ).to(self.dtype)
-        self.gates[bidx, p.rows] = F.linear(y, W["ix_gate"])
-        if p.comp_seq is not None:
-            cs = p.comp_seq[:, None]
-            wts = torch.softmax(_up(self.gates[cs, p.comp_rows]) + _up(W["ix_ape"]), dim=1)
-            pooled = (wts * _up(self.keys[cs, p.comp_rows])).sum(1).to(self.dtype)
-            self.pool_keys[p.comp_seq, p.comp_pool] = pooled
+        kv = F.linear(y, W["kv_a"])  # [B, latent (C) ; rope key]
+        self.latents[bidx, p.rows] = _rms(kv[:, :C], W["kv_a_norm"], eps)
+        if self.rope_keys is not None:
+            self.rope_keys[bidx, p.rows] = base.rope_mla(kv[:, C:], p.rows)
+        if d.per_token:  # each row's key is its own pool's
+            self.pool_keys[bidx, p.rows] = base.index_key(y, p.rows)
+        else:
+            self.keys[bidx, p.rows] = base.index_key(y, p.rows)
+            self.gates[bidx, p.rows] = F.linear(y, W["ix_gate"])
+            if p.comp_seq is not None:
+                cs = p.comp_seq[:, None]
+                wts = torch.softmax(_up(self.gates[cs, p.comp_rows]) + _up(W["ix_ape"]), dim=1)
+                pooled = (wts * _up(self.keys[cs, p.comp_rows])).sum(1).to(self.dtype)
+                self.pool_keys[p.comp_seq, p.comp_pool] = pooled
         if d.share_for_mtp_iteration and p.i > 0:
             # Drafts 2..k attend draft 1's selection plus the rows drafted since (model/dsa.py).
             sel = torch.cat([self._sel0, p.extra_rows], 1)
@@ -702,6 +814,7 @@ class BatchDraftStep:
             ar = torch.arange(K, device=self.device).expand(B, K)
             if p.pmax > K:
                 qi = F.linear(qa, W["ix_wq_b"]).view(B, d.index_n_heads, d.index_head_dim)
+                qi = base.rope_index(qi, p.rows[:, None])
                 wh = _up(F.linear(y, W["ix_weights"])) / math.sqrt(d.index_n_heads)
                 pk = self.pool_keys[:, : p.pmax]  # padded to the batch's largest pool count
                 sc = torch.relu(_up(torch.matmul(qi, pk.transpose(1, 2))))  # [B, ih, P]
@@ -717,19 +830,21 @@ class BatchDraftStep:
             sel = torch.where(mask, sel, 0)
             self._sel0, self._mask0 = sel, mask
         c = self.latents[bidx[:, None], sel]  # [B, S, kl], padded entries masked below
-        # Absorbed MLA.
-        q_lat = torch.bmm(q[:, :, : a.qk_nope_head_dim].transpose(0, 1), self.base.w_uk).transpose(0, 1)
-        s = _up(torch.matmul(q_lat, c.transpose(1, 2))) * a.softmax_scale  # [B, nh, S]
-        s = s.masked_fill(~mask[:, None, :], float("-inf"))
+        # Absorbed MLA (and the rope part against the selected rows' rope keys).
+        q_lat = torch.bmm(q[:, :, :nope].transpose(0, 1), base.w_uk).transpose(0, 1)
+        s = _up(torch.matmul(q_lat, c.transpose(1, 2)))  # [B, nh, S]
+        if self.rope_keys is not None:
+            kr = self.rope_keys[bidx[:, None], sel]  # [B, S, rope]
+            s = s + _up(torch.matmul(base.rope_mla(q[:, :, nope:], p.rows[:, None]), kr.transpose(1, 2)))
+        s = (s * a.softmax_scale).masked_fill(~mask[:, None, :], float("-inf"))
         pr = torch.softmax(s, dim=-1).to(self.dtype)
         o_lat = torch.matmul(pr, c)  # [B, nh, kl]
         o = torch.bmm(o_lat.transpose(0, 1), self.base.w_uv_t).transpose(0, 1)  # [B, nh, v]
         x = x + F.linear(o.reshape(B, -1), W["o_proj"])
         # MoE: the batch's (row, expert) pairs sorted by expert, one grouped GEMM per matrix.
         y2 = _rms(x, W["post_norm"], eps)
-        tk = m.num_experts_per_tok
         scr = torch.sigmoid(F.linear(_up(y2), _up(W["router"])))
-        idx = torch.sort(scr + W["router_bias"], dim=-1, descending=True, stable=True).indices[:, :tk]
+        idx = route(scr, W["router_bias"], m)  # [B, tk]
         self.expert_ids[p.i].copy_(idx)
         w = torch.gather(scr, 1, idx)
         if m.norm_topk_prob:
@@ -777,21 +892,30 @@ class BatchDraftStep:
 _STEP: DraftStep | None = None
 
 
-def _step(rows_needed: int) -> DraftStep:
+def _same_model(a, b) -> bool:
+    """The same shapes and variant: the indexer reservation (max_context) sizes nothing here."""
+    return dataclasses.replace(a, dsa=dataclasses.replace(a.dsa, max_context=b.dsa.max_context)) == b
+
+
+def _step(rows_needed: int, cfg=None) -> DraftStep:
+    """The batch-1 step (weights and caches) at ``cfg``'s shapes (GLM-5.3-Flash when None), kept
+    between calls; rebuilt for another model or more rows."""
     global _STEP
-    if _STEP is None or _STEP.rows < rows_needed:
+    cfg = cfg or glm5_flash()
+    if _STEP is None or _STEP.rows < rows_needed or not _same_model(_STEP.cfg, cfg):
         _STEP = None
+        _drop_batch_step()
         torch.cuda.empty_cache()
-        cfg = glm5_flash()
         _STEP = DraftStep(cfg, rows=max(rows_needed, 16384 + 16), device="cuda")
     return _STEP
 
 
 @torch.inference_mode()
-def run(context: int, k: int, graph: bool, iters: int = 200, warmup: int = 10) -> float:
-    """Median milliseconds of one k-draft propose at ``context`` cached rows (GLM-5.3-Flash shapes,
-    BF16, random weights), eager (``graph=False``) or replayed as a torch CUDA graph."""
-    st = _step(context + k + 1)
+def run(context: int, k: int, graph: bool, iters: int = 200, warmup: int = 10, cfg=None) -> float:
+    """Median milliseconds of one k-draft propose at ``context`` cached rows (``cfg``'s shapes:
+    GLM-5.3-Flash when None; BF16, random weights), eager (``graph=False``) or replayed as a torch
+    CUDA graph."""
+    st = _step(context + k + 1, cfg)
     if not graph:
         for _ in range(warmup):
             st.propose(context, k)
@@ -836,12 +960,17 @@ def run(context: int, k: int, graph: bool, iters: int = 200, warmup: int = 10) -
 _BSTEP: BatchDraftStep | None = None
 
 
-def _batch_step(batch: int, max_context: int, k: int) -> BatchDraftStep:
+def _drop_batch_step() -> None:
+    global _BSTEP
+    _BSTEP = None
+
+
+def _batch_step(batch: int, max_context: int, k: int, cfg=None) -> BatchDraftStep:
     """The batch's caches over the batch-1 step's weights (built once, shared)."""
     global _BSTEP
-    base = _step(16384 + 16)
+    base = _step(16384 + 16, cfg)
     rows = max_context + k + base.cfg.dsa.index_kpool
-    if _BSTEP is None or _BSTEP.B != batch or _BSTEP.rows < rows:
+    if _BSTEP is None or _BSTEP.B != batch or _BSTEP.rows < rows or _BSTEP.base is not base:
         _BSTEP = None
         torch.cuda.empty_cache()
         _BSTEP = BatchDraftStep(base, batch, rows)
@@ -858,16 +987,17 @@ def run_batch(
     fp8_head: bool = False,
     info: dict | None = None,
     fp8_experts: bool = False,
+    cfg=None,
 ) -> float:
     """Median milliseconds of one k-draft propose for a batch of ``len(contexts)`` sequences, the
-    sequence b at ``contexts[b]`` cached rows (GLM-5.3-Flash shapes, BF16 weights, the head BF16 or
+    sequence b at ``contexts[b]`` cached rows (``cfg``'s shapes, GLM-5.3-Flash when None; BF16 weights, the head BF16 or
     FP8, the experts BF16 or, ``fp8_experts``, FP8 E4M3 through ``torch._scaled_grouped_mm``), eager
     (a synchronize around each propose) or as one CUDA graph per (B, k, contexts) replayed back to
     back between CUDA events. ``info`` (a dict) receives the drafts and the distinct experts the
     batch chose per draft (for its byte floor). Raises ``Fp8GroupedMmUnavailable`` where
     ``fp8_experts`` cannot run here, saying why."""
     contexts = [int(c) for c in contexts]
-    st = _batch_step(len(contexts), max(contexts), k)
+    st = _batch_step(len(contexts), max(contexts), k, cfg)
     fp8 = dict(fp8=fp8_head, fp8_experts=fp8_experts)
     if not graph:
         for _ in range(warmup):
@@ -925,7 +1055,15 @@ def main(argv=None) -> int:
         help="comma-separated batch sizes: time the batched step (BatchDraftStep) instead, at the "
         "contexts of bench/bench_batch.py contexts_for (uniform 4096 and ragged 128..16000)",
     )
-    ap.add_argument("--kinds", default="uniform,ragged", help="with --batches: context kinds")
+    ap.add_argument(
+        "--kinds", default="uniform,ragged", help="with --batches: context kinds (bench_batch's, longest too)"
+    )
+    ap.add_argument(
+        "--model",
+        default="glm5_next",
+        choices=("glm5_next", "glm5", "deepseek_v32"),
+        help="the shapes: glm5_next (GLM-5.3-Flash), glm5 (GLM-5.2), deepseek_v32 (DeepSeek-V3.2)",
+    )
     ap.add_argument("--fp8-head", action="store_true", help="with --batches: the head by torch._scaled_mm")
     ap.add_argument(
         "--fp8-experts",
@@ -937,10 +1075,13 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: bench/torch_step.py times a GPU", file=sys.stderr)
         return 2
+    from bench.bench_propose import model_config
+
+    args.cfg = model_config(args.model)
     if args.batches:
         return batch_main(args)
     t0 = time.time()
-    _step(max(args.contexts) + max(args.ks) + 1)
+    _step(max(args.contexts) + max(args.ks) + 1, args.cfg)
     print(
         f"{torch.cuda.get_device_name()} torch {torch.__version__}:"
         f" weights and caches built in {time.time() - t0:.1f} s, "
@@ -951,9 +1092,9 @@ def main(argv=None) -> int:
     print(f"{'context':>8} {'k':>3} {'eager ms':>9} {'graph ms':>9} {'graph ms/draft':>15}")
     for c in args.contexts:
         for k in args.ks:
-            e = run(c, k, graph=False, iters=max(args.iters // 4, 20))
+            e = run(c, k, graph=False, iters=max(args.iters // 4, 20), cfg=args.cfg)
             try:
-                g = run(c, k, graph=True, iters=args.iters)
+                g = run(c, k, graph=True, iters=args.iters, cfg=args.cfg)
             except Exception as exc:  # keep the eager numbers if capture fails
                 print(f"graph capture failed at context {c}, k {k}: {exc!r}", file=sys.stderr)
                 g = float("nan")
@@ -967,10 +1108,10 @@ def main(argv=None) -> int:
 
 
 def batch_main(args) -> int:
-    from bench.bench_batch import contexts_for
+    from bench.bench_batch import contexts_for, resolve_kind
 
     t0 = time.time()
-    _step(16384 + 16)
+    _step(16384 + 16, args.cfg)
     print(
         f"{torch.cuda.get_device_name()} torch {torch.__version__}: weights built in {time.time() - t0:.1f} s",
         flush=True,
@@ -981,10 +1122,10 @@ def batch_main(args) -> int:
     print(
         f"{'kind':>8} {'B':>4} {'k':>3} {'eager ms':>9} {'graph ms':>9} {'ms/seq-draft':>13}  distinct experts"
     )
-    opts = dict(fp8_head=args.fp8_head, fp8_experts=args.fp8_experts)
+    opts = dict(fp8_head=args.fp8_head, fp8_experts=args.fp8_experts, cfg=args.cfg)
     refused = None
     for kind, B, k in ((kd, b, kk) for kd in args.kinds.split(",") for b in args.batches for kk in args.ks):
-        ctx = contexts_for(kind, B)
+        ctx = contexts_for(resolve_kind(kind, args.cfg, k), B)
         info: dict = {}
         try:
             e = run_batch(ctx, k, graph=False, iters=max(args.iters // 4, 10), **opts)
