@@ -445,14 +445,6 @@ def test_fill_context_writes_every_cache_of_the_slot(which):
         prop.close()
 
 
-ROPE_WIRING = (
-    "the block's RoPE wiring (rope_q_batch, dsa_cache_write_plain_batch and the rope part of the "
-    "attention in model/block.py) lands on main separately: until then a propose at a RoPE config "
-    "stops in the host kernels (the KPool cache write gets no keys pool)"
-)
-
-
-@pytest.mark.xfail(strict=False, reason=ROPE_WIRING)
 @pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v32"])
 def test_measure_batch_on_the_host_backend_at_the_rope_family(family):
     cfg = tiny_rope(family=family, max_context=128)

@@ -38,12 +38,6 @@ def test_bench_runs_on_the_host_backend_and_renders(tmp_path):
     assert text.index("## Runtime kernels") < text.index(bp.SECTION)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="the block's RoPE wiring (rope_q_batch, dsa_cache_write_plain_batch and the rope part of "
-    "the attention in model/block.py) lands on main separately: until then a propose at a RoPE "
-    "config stops in the host kernels",
-)
 @pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v32"])
 def test_bench_runs_on_the_host_backend_at_the_rope_family(family):
     cfg = tiny_rope(family=family, max_context=256)
