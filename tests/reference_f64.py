@@ -11,6 +11,29 @@ Row space: drafter row r is the pair (embedding of a token, hidden row); its lat
 and gate, and its position are all r. ``context_row`` appends a row that only fills the caches;
 ``draft_row`` appends a row and runs it through the block and the head.
 
+Two attention variants, chosen by the config:
+
+- GLM-5.3-Flash: NoPE MLA (``qk_rope_head_dim`` 0) and the KPool indexer (keys and gates per token,
+  compressed pool keys, the incomplete tail pool).
+- GLM-5 / DeepSeek-V3.2: MLA with a rope part and the plain per-token indexer
+  (``dsa.per_token``). Row r's query and keys are rotated at position r (offset 0: the target
+  position of the row's hidden state). Scores are ``scale * (absorbed nope . latent + q_rope .
+  k_rope)`` with one rotated rope key per row shared by the heads and ``scale = mscale^2 /
+  sqrt(nope + rope)`` (YaRN's ``mscale_all_dim`` correction, 1 otherwise); cos and sin carry YaRN's
+  attention factor. The indexer's key is ``LayerNorm(wk . y)`` with its first ``rope_dim`` dims
+  rotated, its query likewise; ``score_t = sum_h w_h relu(q_h . k_t) / sqrt(idim)`` with
+  ``w = weights_proj . y / sqrt(heads)``; a row attends the top ``index_topk`` of rows 0..n (itself
+  included), ties to the lower row, every row while there are no more than ``index_topk``. The
+  frequencies are ``ModelConfig.rope_inv_freq`` (float32), the angles ``position * freq`` in
+  float64. Pairs are (2i, 2i + 1) with ``interleave`` (rotated in place: queries and keys share the
+  layout, so every dot product is that of a de-interleaved rotation), else (i, i + d/2).
+  With ``fp8_cache`` the per-token indexer's keys are stored FP8 with one scale per row (the device
+  keeps only those: a pool is one token) and the rope keys BF16 (model/slot_pools.py).
+
+The MoE routes group-limited where ``n_group`` > 1 (DeepSeek-V3: the ``topk_group`` groups of the
+highest sum of their two best biased scores, then the top-k of their experts); SwiGLU is unclamped
+where ``swiglu_limit`` is infinite (no clamp in the config).
+
 Weights are a mapping from the Hugging Face names of the block's tensor table (docs/checkpoint.md) (P =
 ``model.layers.{num_hidden_layers}.``) plus ``model.embed_tokens.weight`` and ``lm_head.weight``;
 any float dtype (bfloat16 from ml_dtypes, float32, ...) is upcast to float64 once, at construction.
@@ -76,7 +99,7 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 def clamped_swiglu(
     y: np.ndarray, w_gate: np.ndarray, w_up: np.ndarray, w_down: np.ndarray, limit: float
 ) -> np.ndarray:
-    """down(silu(min(gate.y, L)) * clip(up.y, -L, L))."""
+    """down(silu(min(gate.y, L)) * clip(up.y, -L, L)); L = inf is no clamp."""
     g = np.minimum(w_gate @ y, limit)
     u = np.clip(w_up @ y, -limit, limit)
     return w_down @ (silu(g) * u)
@@ -109,11 +132,39 @@ def top_k_desc(values: np.ndarray, k: int) -> list[int]:
     return order[:k]
 
 
+def bf16_rows(x: np.ndarray) -> np.ndarray:
+    """BF16 storage round trip (round to nearest even), back in float64."""
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def rope_rotate(
+    x: np.ndarray, pos: int, inv_freq: np.ndarray, *, interleave: bool, factor: float = 1.0
+) -> np.ndarray:
+    """Rotate the last axis of ``x`` (its ``2 * len(inv_freq)`` rope dims) to position ``pos``:
+    pair i by ``pos * inv_freq[i]``, cos and sin times ``factor`` (YaRN's attention factor).
+    ``interleave``: pairs (2i, 2i + 1), rotated in place; else pairs (i, i + d/2)."""
+    x = np.asarray(x, dtype=np.float64)
+    half = len(inv_freq)
+    if x.shape[-1] != 2 * half:
+        raise ValueError(f"rope over {x.shape[-1]} dims with {half} frequencies")
+    ang = float(pos) * np.asarray(inv_freq, np.float64)
+    cos, sin = np.cos(ang) * factor, np.sin(ang) * factor
+    a, b = (x[..., 0::2], x[..., 1::2]) if interleave else (x[..., :half], x[..., half:])
+    out = np.empty_like(x)
+    ra, rb = a * cos - b * sin, b * cos + a * sin
+    if interleave:
+        out[..., 0::2], out[..., 1::2] = ra, rb
+    else:
+        out[..., :half], out[..., half:] = ra, rb
+    return out
+
+
 # ---- the drafter ---------------------------------------------------------------------------------
 
 
 class ReferenceDrafter:
-    """Float64 MTP drafter: one decoder block (absorbed NoPE MLA + KPool DSA + MoE) and the head."""
+    """Float64 MTP drafter: one decoder block (absorbed MLA + DSA + MoE) and the head: NoPE MLA with
+    the KPool indexer, or MLA with a rope part and the per-token indexer (the module docstring)."""
 
     def __init__(
         self,
@@ -124,8 +175,11 @@ class ReferenceDrafter:
         fp8_head: bool = False,
     ) -> None:
         a, d, m = cfg.attention, cfg.dsa, cfg.moe
-        if a.qk_rope_head_dim != 0:
-            raise ValueError("reference covers NoPE MLA only (qk_rope_head_dim == 0)")
+        R = a.qk_rope_head_dim
+        if R and not d.per_token:
+            raise ValueError("reference covers the KPool indexer with NoPE MLA only")
+        if d.per_token and d.rope_dim not in (0, R):
+            raise ValueError(f"indexer rope dims {d.rope_dim} are not the MLA's {R}")
         if cfg.parallel.world_size != 1:
             raise ValueError("the reference is the unsharded drafter (world_size 1)")
         self.cfg = cfg
@@ -174,9 +228,14 @@ class ReferenceDrafter:
         A = P + "self_attn."
         self.q_a = get(A + "q_a_proj.weight", (ql, H))
         self.q_a_norm = get(A + "q_a_layernorm.weight", (ql,))
-        self.q_b = get(A + "q_b_proj.weight", (nh * nope, ql))
-        kv_a = get(A + "kv_a_proj_with_mqa.weight", (kl + a.qk_rope_head_dim, H))
+        # q_b's rows per head: [nope ; rope].
+        q_b = get(A + "q_b_proj.weight", (nh * (nope + R), ql)).reshape(nh, nope + R, ql)
+        self.q_b = q_b[:, :nope].reshape(nh * nope, ql)
+        self.q_b_rope = q_b[:, nope:].reshape(nh * R, ql)
+        kv_a = get(A + "kv_a_proj_with_mqa.weight", (kl + R, H))
         self.kv_a = kv_a[:kl]
+        self.kv_a_rope = kv_a[kl:]  # the shared rope key's rows
+        self.inv_freq = np.asarray(cfg.rope_inv_freq, np.float64) if R else None
         self.kv_a_norm = get(A + "kv_a_layernorm.weight", (kl,))
         kv_b = get(A + "kv_b_proj.weight", (nh * (nope + v), kl)).reshape(nh, nope + v, kl)
         self.w_uk = kv_b[:, :nope, :]  # [nh, nope, kl]: key half per head
@@ -189,8 +248,10 @@ class ReferenceDrafter:
         self.ix_weights = get(X + "weights_proj.weight", (ih, H))
         self.ix_ln_w = get(X + "k_norm.weight", (idim,))
         self.ix_ln_b = get(X + "k_norm.bias", (idim,))
-        self.ix_gate = get(X + "index_kpool_compress_gate", (idim, H))
-        self.ix_ape = get(X + "index_kpool_compress_ape", (kp, idim))
+        self.ix_gate = self.ix_ape = None
+        if not d.per_token:
+            self.ix_gate = get(X + "index_kpool_compress_gate", (idim, H))
+            self.ix_ape = get(X + "index_kpool_compress_ape", (kp, idim))
 
         M = P + "mlp."
         self.router = get(M + "gate.weight", (E, H))
@@ -214,9 +275,11 @@ class ReferenceDrafter:
         # Per-row state (row r at index r) and per-pool compressed keys.
         self._y: list[np.ndarray] = []  # normalised block input (kept to recompute selection)
         self._c: list[np.ndarray] = []  # latent rows as read back from storage [kl]
-        self._k: list[np.ndarray] = []  # indexer keys [idim]
-        self._g: list[np.ndarray] = []  # compress gates [idim]
-        self._pool_keys: list[np.ndarray] = []  # stored pool keys (read back) [idim]
+        self._kr: list[np.ndarray] = []  # rotated rope keys as read back [rope] (RoPE MLA only)
+        self._k: list[np.ndarray] = []  # indexer keys [idim] (per-token: rotated)
+        self._g: list[np.ndarray] = []  # compress gates [idim] (KPool only)
+        # Stored pool keys (read back) [idim]; per-token, one per row: the stored keys.
+        self._pool_keys: list[np.ndarray] = []
         self._draft_rows = 0  # rows written by the last propose (for after_verify)
 
     # ---- state -----------------------------------------------------------------------------------
@@ -236,7 +299,13 @@ class ReferenceDrafter:
 
     @property
     def gates(self) -> np.ndarray:
-        return np.array(self._g).reshape(self.rows, self.cfg.dsa.index_head_dim)
+        """Compress gates, [rows, index_head_dim] (no rows with the per-token indexer)."""
+        return np.array(self._g).reshape(len(self._g), self.cfg.dsa.index_head_dim)
+
+    @property
+    def rope_keys(self) -> np.ndarray:
+        """Stored rotated rope keys as read back, [rows, qk_rope_head_dim] (no columns for NoPE)."""
+        return np.array(self._kr).reshape(self.rows, self.cfg.attention.qk_rope_head_dim)
 
     @property
     def pool_keys(self) -> np.ndarray:
@@ -251,13 +320,14 @@ class ReferenceDrafter:
             "indexer_keys": self.indexer_keys,
             "gates": self.gates,
             "pool_keys": self.pool_keys,
+            "rope_keys": self.rope_keys,
         }
 
     def rewind_to(self, n: int) -> None:
         """Keep rows 0..n-1; drop every pool that is no longer complete."""
         if not 0 <= n <= self.rows:
             raise ValueError(f"rewind_to({n}) outside 0..{self.rows}")
-        del self._y[n:], self._c[n:], self._k[n:], self._g[n:]
+        del self._y[n:], self._c[n:], self._kr[n:], self._k[n:], self._g[n:]
         del self._pool_keys[n // self.cfg.dsa.index_kpool :]
 
     # ---- the pieces of the math ------------------------------------------------------------------
@@ -278,6 +348,26 @@ class ReferenceDrafter:
     def q_latent(self, y: np.ndarray) -> np.ndarray:
         return rmsnorm(self.q_a @ y, self.q_a_norm, self.cfg.rms_norm_eps)
 
+    def rope(self, x: np.ndarray, pos: int, *, indexer: bool = False) -> np.ndarray:
+        """Rotate the rope dims (the last axis) of the MLA's query or key, or with ``indexer`` of
+        the indexer's, to position ``pos``."""
+        r = self.cfg.attention.rope
+        return rope_rotate(
+            x,
+            pos,
+            self.inv_freq,
+            interleave=r.indexer_interleave if indexer else r.interleave,
+            factor=r.attention_factor,
+        )
+
+    def indexer_key(self, y: np.ndarray, pos: int) -> np.ndarray:
+        """LayerNorm(wk . y), per-token with its first rope_dim dims rotated to ``pos``."""
+        k = layernorm(self.ix_wk @ y, self.ix_ln_w, self.ix_ln_b)
+        rd = self.cfg.dsa.rope_dim if self.cfg.dsa.per_token else 0
+        if rd:
+            k = np.concatenate([self.rope(k[:rd], pos, indexer=True), k[rd:]])
+        return k
+
     def pool_key(self, k: np.ndarray, g: np.ndarray) -> np.ndarray:
         """k, g: [kpool, idim] -> per-dimension softmax over slots of (g + ape) weighting k."""
         wts = softmax(g + self.ix_ape, axis=0)
@@ -286,28 +376,37 @@ class ReferenceDrafter:
     def _append(self, token: int, hidden: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Write row n = rows: latent, indexer key, gate; compress the pool it completes."""
         eps = self.cfg.rms_norm_eps
+        n = self.rows  # the new row's index and position
         x = self.block_input(token, hidden)
         y = rmsnorm(x, self.in_norm, eps)
         c = rmsnorm(self.kv_a @ y, self.kv_a_norm, eps)
-        k = layernorm(self.ix_wk @ y, self.ix_ln_w, self.ix_ln_b)
-        g = self.ix_gate @ y
+        k = self.indexer_key(y, n)
         self._y.append(y)
         self._c.append(fp8_rows(c) if self.fp8_cache else c)
+        kr = self.rope(self.kv_a_rope @ y, n) if self.inv_freq is not None else np.zeros(0)
+        self._kr.append(bf16_rows(kr) if self.fp8_cache else kr)
         self._k.append(k)
-        self._g.append(g)
-        kp = self.cfg.dsa.index_kpool
-        n = self.rows - 1
-        if (n + 1) % kp == 0:
-            s = slice(n + 1 - kp, n + 1)
-            key = self.pool_key(np.array(self._k[s]), np.array(self._g[s]))
-            self._pool_keys.append(fp8_rows(key) if self.fp8_cache else key)
-        assert len(self._pool_keys) == self.rows // kp
+        d = self.cfg.dsa
+        if d.per_token:  # a pool is one token: its key is the stored key
+            self._pool_keys.append(fp8_rows(k) if self.fp8_cache else k)
+        else:
+            self._g.append(self.ix_gate @ y)
+            kp = d.index_kpool
+            if (n + 1) % kp == 0:
+                s = slice(n + 1 - kp, n + 1)
+                key = self.pool_key(np.array(self._k[s]), np.array(self._g[s]))
+                self._pool_keys.append(fp8_rows(key) if self.fp8_cache else key)
+        assert len(self._pool_keys) == self.rows // d.index_kpool
         return x, y
 
-    def pool_scores(self, y: np.ndarray, n_pools: int) -> np.ndarray:
-        """score_p = sum_h w_h relu(q_h . key_p) / sqrt(idim) for pools 0..n_pools-1."""
+    def pool_scores(self, y: np.ndarray, n_pools: int, pos: int | None = None) -> np.ndarray:
+        """score_p = sum_h w_h relu(q_h . key_p) / sqrt(idim) for pools 0..n_pools-1; the
+        per-token indexer's query is rotated to ``pos`` (default: the last row's)."""
         d = self.cfg.dsa
         qi = (self.ix_wq_b @ self.q_latent(y)).reshape(d.index_n_heads, d.index_head_dim)
+        if d.per_token and d.rope_dim:
+            pos = self.rows - 1 if pos is None else pos
+            qi = np.concatenate([self.rope(qi[:, : d.rope_dim], pos, indexer=True), qi[:, d.rope_dim :]], 1)
         w = (self.ix_weights @ y) / math.sqrt(d.index_n_heads)
         keys = self.pool_keys[:n_pools]  # [P, idim]
         rel = np.maximum(qi @ keys.T, 0.0)  # [ih, P]
@@ -329,7 +428,7 @@ class ReferenceDrafter:
         if complete <= T:
             pools = list(range(complete))
         else:
-            pools = sorted(top_k_desc(self.pool_scores(self._y[n], complete), T))
+            pools = sorted(top_k_desc(self.pool_scores(self._y[n], complete, n), T))
         sel = [p * kp + s for p in pools for s in range(kp)] + tail
         return np.array(sel, dtype=np.int64)
 
@@ -340,25 +439,43 @@ class ReferenceDrafter:
         extra = range(n_first + 1, n + 1) if self.cfg.dsa.always_select_tail else range(0)
         return np.concatenate([first, np.array(list(extra), dtype=np.int64)])
 
-    def attention(self, y: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        """Absorbed NoPE MLA over the given latent rows; returns o_proj output [H] (zero over no
-        rows: softmax over an empty set attends nothing)."""
+    def attention(self, y: np.ndarray, rows: np.ndarray, pos: int | None = None) -> np.ndarray:
+        """Absorbed MLA over the given latent rows (with their rope keys where the MLA has a rope
+        part, the query rotated to ``pos``, default the last row's); returns o_proj output [H]
+        (zero over no rows: softmax over an empty set attends nothing)."""
         a = self.cfg.attention
         if len(rows) == 0:
             return np.zeros(self.cfg.hidden_size)
-        q = (self.q_b @ self.q_latent(y)).reshape(a.num_attention_heads, a.qk_nope_head_dim)
+        ql = self.q_latent(y)
+        q = (self.q_b @ ql).reshape(a.num_attention_heads, a.qk_nope_head_dim)
         qa = np.einsum("hdk,hd->hk", self.w_uk, q)  # [nh, kl]
         c = self.latents[rows]  # [S, kl]
-        p = softmax((qa @ c.T) * a.softmax_scale, axis=-1)  # [nh, S]
+        s = qa @ c.T  # [nh, S]
+        if self.inv_freq is not None:
+            pos = self.rows - 1 if pos is None else pos
+            qr = self.rope((self.q_b_rope @ ql).reshape(a.num_attention_heads, a.qk_rope_head_dim), pos)
+            s = s + qr @ self.rope_keys[rows].T
+        p = softmax(s * a.softmax_scale, axis=-1)  # [nh, S]
         o_lat = p @ c  # [nh, kl]
         o = np.einsum("hvk,hk->hv", self.w_uv, o_lat)  # [nh, v]
         return self.o_proj @ o.reshape(-1)
 
     def route(self, y2: np.ndarray) -> tuple[list[int], np.ndarray]:
-        """Chosen experts (by score + bias) and their weights (from the unbiased scores)."""
+        """Chosen experts (by score + bias; group-limited where n_group > 1: only the experts of
+        the topk_group groups of the highest sum of their two best biased scores) and their weights
+        (from the unbiased scores)."""
         m = self.cfg.moe
         scores = sigmoid(self.router @ y2)
-        chosen = top_k_desc(scores + self.router_bias, m.num_experts_per_tok)
+        choice = scores + self.router_bias
+        if m.n_group > 1:
+            per = m.n_routed_experts // m.n_group
+            groups = choice.reshape(m.n_group, per)
+            best2 = np.sort(groups, axis=1)[:, -2:].sum(axis=1)
+            keep = top_k_desc(best2, m.topk_group)
+            masked = np.full(m.n_group, True)
+            masked[keep] = False
+            choice = np.where(np.repeat(masked, per), -np.inf, choice)
+        chosen = top_k_desc(choice, m.num_experts_per_tok)
         w = scores[chosen]
         if m.norm_topk_prob:
             w = w / np.sum(w)
@@ -487,8 +604,11 @@ def random_mtp_weights(cfg: ModelConfig, seed: int = 0, dtype=np.float32) -> dic
         X + "weights_proj.weight": lin(ih, H),
         X + "k_norm.weight": norm(idim),
         X + "k_norm.bias": (0.1 * rng.standard_normal(idim)).astype(dtype),
-        X + "index_kpool_compress_gate": lin(idim, H),
-        X + "index_kpool_compress_ape": rng.standard_normal((d.index_kpool, idim)).astype(dtype),
+    }
+    if not d.per_token:  # drawn here, in the order the KPool tests' seeds were set with
+        w[X + "index_kpool_compress_gate"] = lin(idim, H)
+        w[X + "index_kpool_compress_ape"] = rng.standard_normal((d.index_kpool, idim)).astype(dtype)
+    w |= {
         M + "gate.weight": lin(E, H),
         M + "gate.e_score_correction_bias": (0.1 * rng.standard_normal(E)).astype(np.float32),
     }

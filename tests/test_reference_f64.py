@@ -446,3 +446,246 @@ def test_bf16_weights_and_shared_head_override():
     w[P + "eh_proj.weight"] = w32[P + "eh_proj.weight"][:, : cfg.hidden_size]
     with pytest.raises(ValueError, match="eh_proj"):
         ReferenceDrafter(cfg, w)
+
+
+# (h) the RoPE family: MLA with a rope part, the per-token indexer, group-limited routing ------------
+
+
+def _rope_cfg(*, yarn: bool, interleave_indexer: bool = True, n_group: int = 1, topk_group: int = 1):
+    """A tiny flat GLM-5 / DeepSeek-V3.2 config (rope 8 of nope 12, indexer 3 x 24)."""
+    from model.config import ModelConfig
+
+    d = {
+        "model_type": "deepseek_v32" if yarn else "glm_moe_dsa",
+        "hidden_size": 40,
+        "vocab_size": 53,
+        "num_hidden_layers": 2,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 512,
+        "num_attention_heads": 3,
+        "q_lora_rank": 24,
+        "kv_lora_rank": 20,
+        "qk_nope_head_dim": 12,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 10,
+        "index_n_heads": 3,
+        "index_head_dim": 24,
+        "index_topk": 6,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "n_group": n_group,
+        "topk_group": topk_group,
+        "indexer_rope_interleave": interleave_indexer,
+    }
+    if yarn:
+        d["rope_theta"] = 10000.0
+        d["rope_scaling"] = {
+            "type": "yarn",
+            "factor": 8,
+            "original_max_position_embeddings": 64,
+            "mscale": 1.0,
+            "mscale_all_dim": 0.7,
+        }
+    else:
+        d["rope_parameters"] = {"rope_type": "default", "rope_theta": 300.0}
+    return ModelConfig.from_hf_dict(d)
+
+
+def _rotate_ref(x: np.ndarray, pos: int, inv_freq: np.ndarray, interleave: bool, factor: float) -> np.ndarray:
+    """RoPE as a complex product: pair (a, b) -> (a + i b) * factor * e^{i pos f}."""
+    x = np.asarray(x, np.float64)
+    h = len(inv_freq)
+    a, b = (x[0::2], x[1::2]) if interleave else (x[:h], x[h:])
+    z = (a + 1j * b) * factor * np.exp(1j * pos * np.asarray(inv_freq, np.float64))
+    out = np.empty_like(x)
+    if interleave:
+        out[0::2], out[1::2] = z.real, z.imag
+    else:
+        out[:h], out[h:] = z.real, z.imag
+    return out
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_rope_rotation_is_a_pair_rotation_and_relative(interleave):
+    from tests.reference_f64 import rope_rotate
+
+    rng = np.random.default_rng(30)
+    f = np.asarray(_rope_cfg(yarn=True).rope_inv_freq, np.float64)
+    q, k = rng.standard_normal(8), rng.standard_normal(8)
+    for pos in (0, 1, 37, 511):
+        np.testing.assert_allclose(
+            rope_rotate(q, pos, f, interleave=interleave, factor=1.3),
+            _rotate_ref(q, pos, f, interleave, 1.3),
+            rtol=1e-13,
+            atol=1e-13,
+        )
+    # A shift common to query and key leaves their dot product (RoPE is relative); a shift of the
+    # query alone does not.
+    dots = [
+        rope_rotate(q, 9 + s, f, interleave=interleave) @ rope_rotate(k, 4 + s, f, interleave=interleave)
+        for s in (0, 1, 100)
+    ]
+    np.testing.assert_allclose(dots, dots[0], rtol=1e-12)
+    assert (
+        abs(
+            rope_rotate(q, 10, f, interleave=interleave) @ rope_rotate(k, 4, f, interleave=interleave)
+            - dots[0]
+        )
+        > 1e-3
+    )
+    with pytest.raises(ValueError, match="frequencies"):
+        rope_rotate(q[:6], 1, f, interleave=interleave)
+
+
+def _plain_rope_mla(dr, y: np.ndarray, rows: np.ndarray, pos: int) -> np.ndarray:
+    """Plain MLA with RoPE: per-head keys [kv_b key half . latent ; rotated shared rope key], the
+    query [nope ; rotated rope] from q_b's per-head rows."""
+    from tests.reference_f64 import rope_rotate
+
+    cfg, a = dr.cfg, dr.cfg.attention
+    P = _prefix(cfg) + "self_attn."
+    w = {k: np.asarray(v, np.float64) for k, v in dr._weights_for_test.items() if k.startswith(P)}
+    nope, R, v, nh = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.num_attention_heads
+    f, r = np.asarray(cfg.rope_inv_freq, np.float64), a.rope
+    ql = rmsnorm(w[P + "q_a_proj.weight"] @ y, w[P + "q_a_layernorm.weight"], cfg.rms_norm_eps)
+    q = (w[P + "q_b_proj.weight"] @ ql).reshape(nh, nope + R)
+    kv_b = w[P + "kv_b_proj.weight"].reshape(nh, nope + v, a.kv_lora_rank)
+    c = dr.latents[rows]
+    k_rope = np.array(
+        [
+            rope_rotate(
+                w[P + "kv_a_proj_with_mqa.weight"][a.kv_lora_rank :] @ dr._y[t],
+                t,
+                f,
+                interleave=r.interleave,
+                factor=r.attention_factor,
+            )
+            for t in rows
+        ]
+    )
+    scale = r.softmax_mscale / math.sqrt(nope + R)
+    outs = []
+    for h in range(nh):
+        qh = np.concatenate(
+            [
+                q[h, :nope],
+                rope_rotate(q[h, nope:], pos, f, interleave=r.interleave, factor=r.attention_factor),
+            ]
+        )
+        keys = np.concatenate([c @ kv_b[h, :nope].T, k_rope], axis=1)
+        s = keys @ qh * scale
+        p = np.exp(s - s.max())
+        outs.append((p / p.sum()) @ (c @ kv_b[h, nope:].T))
+    return w[P + "o_proj.weight"] @ np.concatenate(outs)
+
+
+@pytest.mark.parametrize("yarn", [False, True], ids=["default", "yarn"])
+def test_rope_mla_absorbed_equals_plain_and_selection_is_top_k_of_rows(yarn):
+    from tests.reference_f64 import layernorm
+
+    cfg = _rope_cfg(yarn=yarn, interleave_indexer=not yarn)
+    assert cfg.dsa.per_token and cfg.dsa.rope_dim == 8 and (cfg.attention.rope.yarn is not None) == yarn
+    weights = random_mtp_weights(cfg, 31)
+    assert not any("index_kpool" in n for n in weights)
+    dr = ReferenceDrafter(cfg, weights, fp8_cache=False)
+    dr._weights_for_test = weights
+    toks, hid = _rows(cfg, 14, 32)
+    d = cfg.dsa
+    X = _prefix(cfg) + "self_attn.indexer."
+    W = {k: np.asarray(v, np.float64) for k, v in weights.items()}
+    f, r = np.asarray(cfg.rope_inv_freq, np.float64), cfg.attention.rope
+    for i in range(14):
+        dr.context_row(int(toks[i]), hid[i])
+        n = dr.rows - 1
+        y = dr._y[n]
+        # Indexer: scores of rows 0..n from an explicit formula; the top index_topk, lower row on a tie.
+        ql = dr.q_latent(y)
+        keys = []
+        for t in range(n + 1):
+            k = layernorm(W[X + "wk.weight"] @ dr._y[t], W[X + "k_norm.weight"], W[X + "k_norm.bias"])
+            keys.append(
+                np.concatenate([_rotate_ref(k[:8], t, f, r.indexer_interleave, r.attention_factor), k[8:]])
+            )
+        qi = (W[X + "wq_b.weight"] @ ql).reshape(d.index_n_heads, d.index_head_dim)
+        qi = np.array(
+            [
+                np.concatenate([_rotate_ref(q[:8], n, f, r.indexer_interleave, r.attention_factor), q[8:]])
+                for q in qi
+            ]
+        )
+        wts = W[X + "weights_proj.weight"] @ y / math.sqrt(d.index_n_heads)
+        score = wts @ np.maximum(qi @ np.array(keys).T, 0) / math.sqrt(d.index_head_dim)
+        want = sorted(np.lexsort((np.arange(n + 1), -score))[: d.index_topk].tolist())
+        sel = dr.selection(n)
+        assert sel.tolist() == want, n
+        if n + 1 <= d.index_topk:  # dense: every row, the indexer's scores aside
+            assert sel.tolist() == list(range(n + 1))
+        # MLA over the selection, absorbed against plain.
+        np.testing.assert_allclose(
+            dr.attention(y, sel), _plain_rope_mla(dr, y, sel, n), rtol=1e-11, atol=1e-12
+        )
+    assert dr.rope_keys.shape == (14, 8) and dr.gates.shape == (0, d.index_head_dim)
+    assert dr.pool_keys.shape == (14, d.index_head_dim)
+
+
+def test_rope_family_fp8_cache_and_rewind():
+    cfg = _rope_cfg(yarn=True, n_group=4, topk_group=2)
+    weights = random_mtp_weights(cfg, 33)
+    toks, hid = _rows(cfg, 16, 34)
+    exact = ReferenceDrafter(cfg, weights, fp8_cache=False)
+    dr = ReferenceDrafter(cfg, weights, fp8_cache=True)
+    exact.feed(toks[:10], hid[:10])
+    dr.feed(toks[:10], hid[:10])
+    # Stored: FP8 indexer keys with one scale per row, BF16 rope keys, FP8 latents.
+    np.testing.assert_array_equal(dr.pool_keys, fp8_rows(exact.pool_keys))
+    np.testing.assert_array_equal(
+        dr.rope_keys, exact.rope_keys.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+    )
+    assert not np.array_equal(dr.rope_keys, exact.rope_keys)
+    want_state = dr.state()
+    want = dr.propose(int(toks[10]), hid[10], 3)
+    dr.feed(toks[13:16], hid[13:16])
+    got = dr.propose(int(toks[10]), hid[10], 3, position=10)
+    assert got[0] == want[0] and np.array_equal(got[1], want[1])
+    dr.rewind_to(10)
+    for key, val in dr.state().items():
+        assert np.array_equal(val, want_state[key]), key
+
+
+def test_group_limited_routing_and_no_clamp():
+    cfg = _rope_cfg(yarn=True, n_group=4, topk_group=2)
+    assert math.isinf(cfg.moe.swiglu_limit)
+    weights = random_mtp_weights(cfg, 35)
+    M = _prefix(cfg) + "mlp."
+    H = cfg.hidden_size
+    # Biased scores by group of two: group 0 holds the single best expert, but groups 1 and 3 have
+    # the best sums of two; the top-2 comes from those groups only.
+    choice = np.array([0.95, 0.05, 0.7, 0.6, 0.3, 0.2, 0.8, 0.55])
+    logit = np.log(choice / (1 - choice))
+    gate = np.zeros((8, H), np.float32)
+    gate[:, 0] = logit
+    weights[M + "gate.weight"] = gate
+    weights[M + "gate.e_score_correction_bias"] = np.zeros(8, np.float32)
+    dr = ReferenceDrafter(cfg, weights)
+    y2 = np.zeros(H)
+    y2[0] = 1.0
+    chosen, w = dr.route(y2)
+    s = 1 / (1 + np.exp(-gate[:, 0].astype(np.float64)))
+    assert chosen == [6, 2]  # groups 1 (0.7 + 0.6) and 3 (0.8 + 0.55) beat group 0 (0.95 + 0.05)
+    sf = cfg.moe.routed_scaling_factor
+    np.testing.assert_allclose(w, s[[6, 2]] / s[[6, 2]].sum() * sf, rtol=1e-14)
+    # One group (no limit) takes the best experts over all.
+    flat = ReferenceDrafter(_rope_cfg(yarn=True), weights)
+    assert flat.route(y2)[0] == [0, 6]
+    # Infinite swiglu_limit: no clamp at all.
+    from tests.reference_f64 import clamped_swiglu
+
+    y = np.full(H, 40.0)
+    g_w, u_w, d_w = dr.experts[0]
+    assert np.abs(g_w @ y).max() > 10
+    np.testing.assert_allclose(
+        clamped_swiglu(y, g_w, u_w, d_w, cfg.moe.swiglu_limit),
+        d_w @ ((g_w @ y) / (1 + np.exp(-(g_w @ y))) * (u_w @ y)),
+        rtol=1e-12,
+    )
