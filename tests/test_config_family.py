@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from model.config import ConfigError, ModelConfig, deepseek_v32, glm5, tiny_rope
+from model.dsa import DsaSizingError, check_served_context, max_dsa_context
+from model.slot_pools import slot_bytes_by_kind
 
 
 def glm5_published() -> dict:
@@ -207,3 +209,27 @@ def test_glm5_next_still_requires_index_kpool():
     d = tiny_rope().to_hf_dict(nested=True)
     with pytest.raises(ConfigError, match="missing required field 'index_kpool'"):
         ModelConfig.from_hf_dict(d)
+
+
+@pytest.mark.parametrize("preset, longest", [(glm5, 202752), (deepseek_v32, 163840)])
+def test_the_per_token_indexer_reaches_the_models_whole_context(preset, longest):
+    """Every token is its own pool: the selection ranks up to 262,144 of them, past both models'
+    max_position_embeddings, and a sequence at the longest context holds its latent (FP8 + scale),
+    its rope key (BF16) and its FP8 indexer key (+ scale) per row and no BF16 keys or gates."""
+    cfg = preset(max_context=longest)
+    assert cfg.max_position_embeddings == longest
+    assert check_served_context(longest, cfg.dsa) == max_dsa_context(cfg.dsa) == longest
+    with pytest.raises(DsaSizingError, match="past the"):
+        check_served_context(longest + 1, cfg.dsa)
+    got = slot_bytes_by_kind(cfg.dsa, 512, longest, rope_dim=64)
+    assert got == {
+        "latent_kv": longest * (512 + 4),
+        "rope_keys": longest * 64 * 2,
+        "block_table": 2 * (longest // 16) * 4,
+        "indexer_keys": 0,
+        "indexer_gates": 0,
+        "pool_keys": longest * 128,
+        "pool_scales": longest * 4,
+    }
+    # GLM-5: 157.4 MB a sequence at 202,752 tokens; DeepSeek-V3.2: 127.2 MB at 163,840.
+    assert sum(got.values()) == {202752: 157_436_928, 163840: 127_221_760}[longest]

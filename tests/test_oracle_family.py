@@ -228,21 +228,28 @@ def test_fixture_selections_are_sparse_and_clear(fixture):
                 assert math.isinf(gap)
             else:
                 sparse += 1
-                assert gap > 1e-2, (n, i)
+                assert gap > 3e-2, (n, i)
     assert sparse >= 16
 
 
 @pytest.mark.parametrize("fp8_head", [False, True], ids=["bf16-head", "fp8-head"])
 def test_host_proposer_against_transformers(fixture, fp8_head):
+    proposer_against_transformers(HostBackend(), fixture, fp8_head)
+
+
+def proposer_against_transformers(gpu, fixture, fp8_head: bool, **options) -> None:
+    """The proposer on ``gpu`` (the host backend, or the CUDA one in
+    tests/test_gpu_oracle_family.py) against the fixture's transformers logits and drafts."""
     family, _, ckpt, ref = fixture
     cfg = ckpt.config
-    gpu = HostBackend()
     prop = MtpProposer(
         gpu,
         cfg,
         mtp_tensors(ckpt),
         # The fixture's FP8 blocks are 32 x 32: dequantised (the kernels apply 128 x 128 blocks).
-        ProposerOptions(served_max_seq_len=128, max_draft_tokens=3, fp8_head=fp8_head, native_fp8=False),
+        ProposerOptions(
+            served_max_seq_len=128, max_draft_tokens=3, fp8_head=fp8_head, native_fp8=False, **options
+        ),
     )
     assert (prop.head_fp8 is not None) == fp8_head
     worst, checked, compared, near_ties = 0.0, 0, 0, []
