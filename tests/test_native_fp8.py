@@ -5,6 +5,7 @@ path, the quantise-on-load option, and the refusals at load."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from model.checkpoint import fp8
 from model.checkpoint.random_init import fp8_on_disk_names, random_checkpoint
 from model.checkpoint.reader import Checkpoint
 from model.checkpoint.validate import mtp_tensors
-from model.config import AttentionConfig, MoeConfig, tiny
+from model.config import AttentionConfig, MoeConfig, tiny, tiny_rope
 from model.tensors import WeightError
 from runtime.dtypes import BF16
 from runtime.host_backend import HostBackend
@@ -27,6 +28,15 @@ CFG = dataclasses.replace(
     tiny(index_topk=8, index_kpool=2, max_context=64, hidden_size=272),
     attention=AttentionConfig(4, 160, 144, 32, 0, 32),
     moe=MoeConfig(8, 2, 136, 1, 2.5, True, 10.0),
+)
+# The RoPE family at the same awkward sizes: kv_a's rows are the latent's 144 and 16 rope rows
+# (160 = 128 + 32: its rope rows cross into the partial block), DeepSeek-V3.2's YaRN, half-split
+# indexer RoPE and group-limited routing.
+_DS = tiny_rope(family="deepseek_v32", hidden_size=272, max_context=64)
+CFG_ROPE = dataclasses.replace(
+    _DS,
+    attention=AttentionConfig(4, 160, 144, 32, 16, 32, _DS.attention.rope),
+    moe=MoeConfig(8, 2, 136, 1, 2.5, True, math.inf, n_group=4, topk_group=2),
 )
 LOGIT_RTOL = 2e-2  # as tests/test_proposer_reference.py: BF16 activations and FP8 caches
 
@@ -51,7 +61,7 @@ def _margin(logits):
 
 def _run(prop, ref, gpu, rows, seed, k=3):
     rng = np.random.default_rng(seed)
-    H, V = CFG.hidden_size, CFG.vocab_size
+    H, V = prop.cfg.hidden_size, prop.cfg.vocab_size
     tokens = rng.integers(0, V, rows + 1)
     hid = rng.standard_normal((rows + 1, H)).astype(BF16)
     st = prop.alloc_state()
@@ -69,16 +79,17 @@ def _run(prop, ref, gpu, rows, seed, k=3):
     return drafts, rdrafts, rlogits, got.astype(np.float64)
 
 
+@pytest.mark.parametrize("cfg", [CFG, CFG_ROPE], ids=["glm5_next", "deepseek_v32"])
 @pytest.mark.parametrize("seed,rows", [(0, 9), (1, 30)])
-def test_native_fp8_drafts_follow_the_float64_reference_of_the_same_values(seed, rows):
-    w, exact = _fp8_weights(CFG, seed)
+def test_native_fp8_drafts_follow_the_float64_reference_of_the_same_values(seed, rows, cfg):
+    w, exact = _fp8_weights(cfg, seed)
     gpu = HostBackend()
-    prop = make_proposer(CFG, w, gpu=gpu, served=64, fp8_head=False)
+    prop = make_proposer(cfg, w, gpu=gpu, served=64, fp8_head=False)
     attn, mlp = prop.layer.attn, prop.layer.mlp
     assert mlp.fp8 and mlp.shared_gate_up_scales is not None and attn.o_scales is not None
     assert [g.scales is not None for g in attn.fused_full] == [True, False, True, False]
     assert [g.scales is not None for g in attn.q_segments] == [True, False]
-    ref = ReferenceDrafter(CFG, exact, fp8_cache=True)
+    ref = ReferenceDrafter(cfg, exact, fp8_cache=True)
     drafts, rdrafts, rlogits, logits1 = _run(prop, ref, gpu, rows, seed)
     compared = 0
     for i in range(3):
