@@ -367,6 +367,8 @@ class DecoderLayer:
         # rows complete (a per-token key is its own pool).
         if d.per_token:
             rp = a.rope
+            # NoPE with the per-token indexer reads no rope key and no frequency: the launcher
+            # takes no null pointer, so the pool keys stand in (rope_dim 0: never dereferenced).
             dsa_cache.dsa_cache_write_plain_batch(
                 self.gpu,
                 rope_keys=lp.rope_keys if self.rope else lp.pool_keys,
