@@ -36,6 +36,15 @@ FAMILIES = {
         for c in [tiny_rope(family=fam, max_context=96)]
     },
 }
+# The per-token indexer under NoPE MLA (a glm_moe_dsa config with qk_rope_head_dim 0): no rope key,
+# no rotation anywhere.
+_NOPE = tiny_rope(max_context=96)
+_NOPE = dataclasses.replace(
+    _NOPE,
+    attention=AttentionConfig(4, 48, 32, 16, 0, 16),
+    dsa=dataclasses.replace(_NOPE.dsa, rope_dim=0),
+)
+FAMILIES["per-token-nope"] = (_NOPE, bf16_weights(_NOPE, seed=7))
 SLOTS = 6
 KMAX = 3
 
