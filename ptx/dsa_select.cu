@@ -124,7 +124,8 @@ __device__ __forceinline__ void score_pools(const uint16_t* __restrict__ q, cons
 // A warp takes IDX_TILES tiles per round (32 pools, 4 KB) and has the next round's keys in flight
 // while it computes one (about 190 registers: one 256-thread block per SM). Needs dim == 128,
 // heads <= 32, q rows 4-byte aligned and the pool keys 16-byte aligned (the launch helper checks;
-// a launch that asks for this path without them writes nothing).
+// a launch that asks for this path without them writes nothing). 33 to 64 heads: score_pools_mma2
+// below (mma = 2).
 #define IDX_MMA_DIM 128u
 #define IDX_TILES 4
 
@@ -258,6 +259,207 @@ __device__ __forceinline__ void score_pools_mma(const uint16_t* __restrict__ q, 
 }
 }  // namespace
 
+// ---- 33 to 64 heads on the tensor cores (mma = 2) -----------------------------------------------
+// DeepSeek-V3.2's indexer has 64 heads: two groups of 32 (G = 0, 1: heads 32G .. 32G + 31, rows
+// past `heads` zero with weight 0), each the M = 32 of score_pools_mma above, over the same key
+// fragments (each key byte converted once, for both groups). 2 x 64 A-fragment registers would not
+// fit beside the keys' double buffer, so the block stages the scaled f16 q once (all its warps
+// serve one entry, blockIdx.y) in shared memory in fragment order: qa[G][j][T][L] is lane L's A
+// operand of MMA step j for the m16 tile T of group G, the four words {a0, a1, a2, a3} in order,
+// so that one 16-byte load feeds one mma.sync (a layout by row would need register moves to put
+// the four words of two rows together). A warp reads one (G, j, T) as 32 consecutive 16-byte
+// words: 512 contiguous bytes, 4 wavefronts, no bank conflict. It reads each step's four once a
+// round and uses them for the round's 4 tiles: 16 KB a warp per 32 pools (4 wavefronts a pool;
+// the 64-head MMAs are 4 a pool), instead of 16 KB per 8 pools had each tile reloaded them. The
+// keys stream as in score_pools_mma (the next round's 4 KB, and now its pool scales, in flight
+// while a round computes); 216 registers, no spills: one 256-thread block per SM.
+//
+// The same scaling (s_h from row h's largest |BF16|), MMAs and products as score_pools_mma, and
+// the heads summed in one fixed order: lane (g, t) chains heads g, g + 8, g + 16, g + 24, g + 32,
+// g + 40, g + 48, g + 56 (fmaf, in that order), then xor shuffles 4, 8, 16 sum the eight lanes of
+// its column. Heads 0..31 take exactly score_pools_mma's steps; a zero-weight head adds exactly
+// +-0 to a chain that is never -0, so 64 heads whose last 32 weigh 0 score as their first 32 alone
+// through indexer_scores_batch, to the bit (tests/test_gpu_indexer_mma2.py).
+//
+// Dynamic smem IDX_MMA2_SMEM bytes (the launch helper's indexer_scores_smem_mma; a launch with
+// less writes nothing): qa, then 2^-s_h [64] and w_h * w_scale [64] as f32.
+#define IDX_MMA2_GROUPS 2
+#define IDX_MMA2_HEADS (32u * IDX_MMA2_GROUPS)
+#define IDX_MMA2_QA_BYTES (IDX_MMA2_GROUPS * 8u * 2u * 32u * 16u)
+#define IDX_MMA2_SMEM 16896u
+static_assert(IDX_MMA2_SMEM == IDX_MMA2_QA_BYTES + 2u * IDX_MMA2_HEADS * 4u, "model/kernels/dsa_select.py reads it");
+
+namespace {
+__device__ __forceinline__ uint32_t dynamic_smem_bytes() {
+    uint32_t n;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+    return n;
+}
+
+// q's rows as f16 times 2^s_h into qa (fragment order), 2^-s_h and w_h * w_scale into inv_s and
+// wh_s; rows heads .. 63 zero, weight 0. Warp w stages rows w, w + nw, ...: a lane loads words
+// 2L, 2L + 1 of a row and the row's weight (its eight rows' loads in flight together, not eight L2
+// round trips one after another), the warp takes the row's max.
+__device__ __forceinline__ void stage_q_groups(const uint16_t* __restrict__ q, const uint16_t* __restrict__ w,
+                                               uint32_t heads, float w_scale, uint32_t* qa, float* inv_s,
+                                               float* wh_s) {
+    const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31u, nw = blockDim.x >> 5;
+    for (uint32_t h0 = warp; h0 < IDX_MMA2_HEADS; h0 += 8u * nw) {
+        uint32_t v[8][2], wb[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const uint32_t h = h0 + (uint32_t)k * nw;
+            const uint32_t* src = reinterpret_cast<const uint32_t*>(q + (size_t)h * IDX_MMA_DIM) + 2u * lane;
+            v[k][0] = h < heads ? __ldg(src) : 0u;
+            v[k][1] = h < heads ? __ldg(src + 1) : 0u;
+            wb[k] = h < heads ? w[h] : 0u;
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const uint32_t h = h0 + (uint32_t)k * nw;
+            if (h >= IDX_MMA2_HEADS) break;  // uniform over the warp
+            uint32_t mx = max(max(v[k][0] & 0x7FFFu, (v[k][0] >> 16) & 0x7FFFu),
+                              max(v[k][1] & 0x7FFFu, (v[k][1] >> 16) & 0x7FFFu));
+#pragma unroll
+            for (int o = 16; o >= 1; o >>= 1) mx = max(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, o));
+            const int s = min(max(141 - (int)((mx >> 7) & 0xFFu), -126), 126);  // as score_pools_mma
+            const float scale = pow2f(s);
+            // Words 2L, 2L + 1 of row h (k pairs 2t, 2t + 1 and 2t + 8, 2t + 9 of step j = L & 7, for
+            // t = L >> 3) are words r and 2 + r (r = (h >> 3) & 1: row g or g + 8 of the tile) of
+            // lane 4 g + t's operand of step j, tile T = (h >> 4) & 1, group G = h >> 5, g = h & 7.
+            const uint32_t G = h >> 5, T = (h >> 4) & 1u, j = lane & 7u;
+            const uint32_t at = (((G * 8u + j) * 2u + T) * 32u + 4u * (h & 7u) + (lane >> 3)) * 4u + ((h >> 3) & 1u);
+            qa[at] = bf16x2_scaled_to_f16x2(v[k][0], scale);
+            qa[at + 2u] = bf16x2_scaled_to_f16x2(v[k][1], scale);
+            if (lane == 0) {
+                inv_s[h] = pow2f(-s);
+                wh_s[h] = h < heads ? __fmul_rn(bf16_bits_to_f32(wb[k]), w_scale) : 0.0f;
+            }
+        }
+    }
+}
+
+// A round's pool scales: lane (g, t)'s columns 2t, 2t + 1 of each tile (clamped as the keys).
+__device__ __forceinline__ void load_scale_round(const float* __restrict__ pool_scales, uint32_t group,
+                                                 uint32_t npools, uint32_t t, float (&sc)[IDX_TILES][2]) {
+#pragma unroll
+    for (int u = 0; u < IDX_TILES; ++u) {
+        const uint32_t pc = (group * IDX_TILES + (uint32_t)u) * 8u + 2u * t;
+        sc[u][0] = __ldg(pool_scales + min(pc, npools - 1u));
+        sc[u][1] = __ldg(pool_scales + min(pc + 1u, npools - 1u));
+    }
+}
+
+// Rounds blockIdx.x * 8 + warp, + gridDim.x * 8, ... of IDX_TILES tiles below npools, 33..64 heads.
+// Every thread of the block takes part in the staging (one barrier), so a block with no round
+// leaves before it and the others only after it.
+__device__ __forceinline__ void score_pools_mma2(const uint16_t* __restrict__ q, const uint16_t* __restrict__ w,
+                                                 const uint8_t* __restrict__ pool_keys,
+                                                 const float* __restrict__ pool_scales, float* __restrict__ scores,
+                                                 uint32_t npools, uint32_t heads, float w_scale, float* sm) {
+    const uint32_t warp = threadIdx.x >> 5, lane = threadIdx.x & 31u, g = lane >> 2, t = lane & 3u;
+    const uint32_t rounds = (npools + 8u * IDX_TILES - 1u) / (8u * IDX_TILES);
+    const uint32_t nw = blockDim.x >> 5, stride = gridDim.x * nw;
+    if (blockIdx.x * nw >= rounds) return;  // uniform over the block
+    uint32_t r = blockIdx.x * nw + warp;
+    uint4 cur[IDX_TILES][2];
+    float sc[IDX_TILES][2];
+    if (r < rounds) {  // in flight while q is staged
+        load_key_round(pool_keys, r, npools, g, t, cur);
+        load_scale_round(pool_scales, r, npools, t, sc);
+    }
+    uint32_t* qa = reinterpret_cast<uint32_t*>(sm);
+    float* inv_s = sm + IDX_MMA2_QA_BYTES / 4u;
+    float* wh_s = inv_s + IDX_MMA2_HEADS;
+    stage_q_groups(q, w, heads, w_scale, qa, inv_s, wh_s);
+    __syncthreads();
+    if (r >= rounds) return;
+    float inv[IDX_MMA2_GROUPS][4], wh[IDX_MMA2_GROUPS][4];
+#pragma unroll
+    for (int G = 0; G < IDX_MMA2_GROUPS; ++G) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            inv[G][i] = inv_s[32 * G + 8 * i + g];
+            wh[G][i] = wh_s[32 * G + 8 * i + g];
+        }
+    }
+    const uint4* qa4 = reinterpret_cast<const uint4*>(qa);
+    const float root = sqrtf((float)IDX_MMA_DIM);
+
+    for (; r < rounds; r += stride) {
+        uint4 nxt[IDX_TILES][2];
+        float nsc[IDX_TILES][2];
+        const bool more = r + stride < rounds;
+        if (more) {
+            load_key_round(pool_keys, r + stride, npools, g, t, nxt);
+            load_scale_round(pool_scales, r + stride, npools, t, nsc);
+        }
+        float acc[IDX_MMA2_GROUPS][IDX_TILES][2][4];
+#pragma unroll
+        for (int G = 0; G < IDX_MMA2_GROUPS; ++G)
+#pragma unroll
+            for (int u = 0; u < IDX_TILES; ++u)
+#pragma unroll
+                for (int x = 0; x < 8; ++x) acc[G][u][x >> 2][x & 3] = 0.0f;
+        // Tiles past npools (the last round's) run on clamped keys; their results are dropped.
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            uint4 a[IDX_MMA2_GROUPS][2];
+#pragma unroll
+            for (int G = 0; G < IDX_MMA2_GROUPS; ++G)
+#pragma unroll
+                for (int T = 0; T < 2; ++T) a[G][T] = qa4[((G * 8 + j) * 2 + T) * 32 + (int)lane];
+#pragma unroll
+            for (int u = 0; u < IDX_TILES; ++u) {
+                const uint32_t kw = word_of4(cur[u][j >> 2], j & 3);
+                const uint32_t b0 = e4m3x2_to_f16x2(kw), b1 = e4m3x2_to_f16x2(kw >> 16);
+#pragma unroll
+                for (int G = 0; G < IDX_MMA2_GROUPS; ++G)
+#pragma unroll
+                    for (int T = 0; T < 2; ++T)
+                        mma_16816_f16(acc[G][u][T], a[G][T].x, a[G][T].y, a[G][T].z, a[G][T].w, b0, b1);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < IDX_TILES; ++u) {
+            const uint32_t p0 = (r * IDX_TILES + (uint32_t)u) * 8u;
+            if (p0 >= npools) break;  // uniform over the warp
+            const uint32_t pc = p0 + 2u * t;
+            float s[2];
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                float v = 0.0f;
+#pragma unroll
+                for (int G = 0; G < IDX_MMA2_GROUPS; ++G) {
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const float d = __fmul_rn(__fmul_rn(acc[G][u][i >> 1][2 * (i & 1) + c], inv[G][i]), sc[u][c]);
+                        v = fmaf(wh[G][i], fmaxf(d, 0.0f), v);
+                    }
+                }
+                v += __shfl_xor_sync(0xFFFFFFFFu, v, 4);
+                v += __shfl_xor_sync(0xFFFFFFFFu, v, 8);
+                v += __shfl_xor_sync(0xFFFFFFFFu, v, 16);
+                s[c] = v / root;
+            }
+            if (g == 0) {
+                if (pc < npools) scores[pc] = s[0];
+                if (pc + 1u < npools) scores[pc + 1u] = s[1];
+            }
+        }
+        if (more) {
+#pragma unroll
+            for (int u = 0; u < IDX_TILES; ++u) {
+                cur[u][0] = nxt[u][0];
+                cur[u][1] = nxt[u][1];
+                sc[u][0] = nsc[u][0];
+                sc[u][1] = nsc[u][1];
+            }
+        }
+    }
+}
+}  // namespace
+
 // The same scores for m batch entries (ptx/batch.cuh): blockIdx.y = entry e, whose query is
 // q + e * q_stride, head weights w + e * w_stride, pools its slot's and scores
 // scores + e * pools_per_slot; blockIdx.x strides over its pools (mma = 0: warps over pools; mma
@@ -292,6 +494,36 @@ extern "C" __global__ void __launch_bounds__(256) indexer_scores_batch(
     if (blockIdx.x * 8u >= npools) return;
     score_pools(qe, w + (size_t)e * w_stride, keys, pool_scales + b.slot * pps, scores + e * pps, npools, heads, dim,
                 w_scale, sm);
+}
+
+// 33 to 64 heads at dim 128 (DeepSeek-V3.2's indexer): indexer_scores_batch's formula, entries,
+// padding and rows, on the tensor cores in two 32-head groups (score_pools_mma2). Its own entry,
+// so that indexer_scores_batch (32 heads and fewer, the other shapes) keeps its code and registers
+// to the instruction. `mma` must be 2 and dim 128, q rows 4-byte and the pool keys 16-byte aligned
+// with IDX_MMA2_SMEM bytes of dynamic shared memory (the launch helper's scores_mma_groups and
+// indexer_scores_smem_mma); a launch without them writes nothing. The launch helper takes this
+// entry from the shapes alone, so every launch of a layer runs it or none does.
+extern "C" __global__ void __launch_bounds__(256, 1) indexer_scores_batch_mma2(
+    const uint16_t* __restrict__ q, uint32_t q_stride, const uint16_t* __restrict__ w, uint32_t w_stride,
+    const uint8_t* __restrict__ pool_keys, const float* __restrict__ pool_scales, float* __restrict__ scores,
+    const uint32_t* __restrict__ entries, uint32_t m, uint32_t row_add, uint32_t slot_rows, uint32_t heads,
+    uint32_t dim, uint32_t kpool, float w_scale, uint32_t mma) {
+    extern __shared__ __align__(16) float sm[];
+    wait_then_release();
+    const uint32_t e = blockIdx.y;
+    if (e >= m) return;
+    const bool ok = mma == 2u && dim == IDX_MMA_DIM && heads <= IDX_MMA2_HEADS && (q_stride & 1u) == 0 &&
+                    ((uintptr_t)q & 3u) == 0 && ((uintptr_t)pool_keys & 15u) == 0 &&
+                    dynamic_smem_bytes() >= IDX_MMA2_SMEM;
+    if (!ok) return;
+    const BatchEntry b = load_entry(entries, e);
+    const uint32_t row = b.row + row_add;
+    if (entry_is_pad(b) || row >= slot_rows) return;
+    const uint32_t npools = (row + 1u) / kpool;  // <= pools_per_slot: row < slot_rows
+    if (npools == 0) return;
+    const size_t pps = pools_per_slot(slot_rows, kpool);
+    score_pools_mma2(q + (size_t)e * q_stride, w + (size_t)e * w_stride, pool_keys + b.slot * pps * dim,
+                     pool_scales + b.slot * pps, scores + e * pps, npools, heads, w_scale, sm);
 }
 
 // ---- select_topk_pools_batch --------------------------------------------------------------------

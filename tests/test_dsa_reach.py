@@ -15,15 +15,21 @@ import pytest
 from batch_dsa_util import ScoreShape, check_scores, entries_of, read_layout, score_world, scores_f64
 from dsa_reach_util import SelectShape, check_select_reach, chunked_select_ref, layout_rows, reach_scores
 
-from model.config import glm5_flash, tiny
+from model.config import deepseek_v32, glm5_flash, tiny
 from model.dsa import DsaSizingError, check_served_context, drafter_context_rows, max_dsa_context
 from model.kernels import dsa_select
 from model.kernels.dsa_select import (
+    SCORES_MMA2_SMEM,
+    SCORES_MMA_MAX_GRID,
+    SCORES_MMA_ROUND,
     SELECT_MAX_TOPK,
     TOPK_MAX_POOLS,
     TOPK_SINGLE_BLOCK_POOLS,
     indexer_score_bytes,
+    indexer_scores_smem_mma,
+    scores_mma2_grid,
     scores_mma_grid,
+    scores_mma_groups,
     scores_use_mma,
     select_chunk,
     select_grid,
@@ -298,22 +304,148 @@ def test_indexer_twin_past_the_old_cap():
 
 
 def test_indexer_path_and_grid():
-    """GLM-5.3-Flash's indexer (32 heads of 128) takes the tensor cores; other shapes or
-    misaligned buffers the warp-per-pool path. The tensor-core grid gives an entry one wave at
-    m = 1 and shares about two waves among a batch."""
+    """GLM-5.3-Flash's indexer (32 heads of 128) takes the tensor cores in one 32-head group,
+    DeepSeek-V3.2's (64 heads) in two; other shapes or misaligned buffers the warp-per-pool path.
+    The one-group grid gives an entry one wave at m = 1 and shares about two waves among a batch."""
     a16, a4 = DevicePtr(0x10000), DevicePtr(0x10004)
     assert scores_use_mma(32, 128, a16, 4104, a16)
     assert scores_use_mma(5, 128, a4, 4104, a16)
-    assert not scores_use_mma(33, 128, a16, 4104, a16)
+    assert scores_use_mma(33, 128, a16, 4104, a16)
+    assert scores_use_mma(64, 128, a4, 8200, a16)
+    assert not scores_use_mma(65, 128, a16, 4104, a16)
+    assert not scores_use_mma(0, 128, a16, 4104, a16)
     assert not scores_use_mma(32, 64, a16, 4104, a16)
+    assert not scores_use_mma(64, 64, a16, 4104, a16)
     assert not scores_use_mma(32, 128, a16, 4105, a16)
+    assert not scores_use_mma(64, 128, a16, 8201, a16)
     assert not scores_use_mma(32, 128, DevicePtr(0x10002), 4104, a16)
+    assert not scores_use_mma(64, 128, DevicePtr(0x10002), 8200, a16)
     assert not scores_use_mma(32, 128, a16, 4104, a4)
+    assert not scores_use_mma(64, 128, a16, 8200, a4)
+    groups = [scores_mma_groups(h, 128, a16, 0, a16) for h in range(0, 70)]
+    assert groups == [0] + [1] * 32 + [2] * 32 + [0] * 5
+    for cfg, want in ((glm5_flash(), 1), (deepseek_v32(), 2)):
+        # model/block.py's launch: q at hl * qk_head_dim BF16 into rows of nq, for any head shard
+        a, d = cfg.attention, cfg.dsa
+        for hl in range(1, a.num_attention_heads + 1):
+            nq = hl * a.qk_head_dim + d.index_n_heads * d.index_head_dim
+            q = DevicePtr(0x10000 + hl * a.qk_head_dim * 2)
+            assert scores_mma_groups(d.index_n_heads, d.index_head_dim, q, nq, a16) == want, (cfg, hl)
     assert scores_mma_grid(1, TOPK_MAX_POOLS) == (132, 1)
     assert scores_mma_grid(1, 1024) == (4, 1)
     assert scores_mma_grid(64, TOPK_MAX_POOLS) == (5, 64)
     assert scores_mma_grid(256, 16) == (1, 256)
     assert indexer_score_bytes(TOPK_MAX_POOLS, 128) == TOPK_MAX_POOLS * 136
+
+
+def test_two_group_grid_fills_waves():
+    """indexer_scores_batch_mma2's grid: at most one wave (132 blocks, one a SM) an entry, no more
+    blocks than a slot's 8-round block loads, a whole wave at m = 1 and 64 of the long rows, and
+    never a cost (waves x (busiest warp's rounds + staging)) past 3% of the best count's."""
+    assert scores_mma2_grid(1, 262_144) == (128, 1)  # 8 rounds a warp, every warp
+    assert scores_mma2_grid(64, 163_840) == (2, 64)  # 128 blocks: one wave
+    assert scores_mma2_grid(1, 1) == (1, 1)
+    assert scores_mma2_grid(3, 1000) == (4, 3)  # 32 rounds: 4 blocks of 8 warps
+    for m in (1, 2, 3, 17, 45, 64, 131, 132, 133, 200, 256, 65535):
+        for pps in (1, 7, 33, 1000, 16385, 163_840, 262_144):
+            per, mm = scores_mma2_grid(m, pps)
+            assert mm == m
+            rounds = -(-pps // SCORES_MMA_ROUND)
+            rounds8 = -(-rounds // 8)
+            assert 1 <= per <= min(SCORES_MMA_MAX_GRID, rounds8), (m, pps, per)
+
+            def cost(k: int) -> int:
+                return -(-(m * k) // SCORES_MMA_MAX_GRID) * (-(-rounds8 // k) + 1)
+
+            best = min(cost(k) for k in range(1, min(SCORES_MMA_MAX_GRID, rounds8) + 1))
+            assert cost(per) * 100 <= best * 103, (m, pps, per)
+            assert all(cost(k) * 100 > best * 103 for k in range(1, per)), (m, pps, per)
+
+
+def test_two_group_smem_matches_the_kernel():
+    """The launch's dynamic shared memory is the kernel's IDX_MMA2_SMEM (16 KB of f16 q for 64
+    heads of 128, their 2^-s and weights); the kernel writes nothing with less, so a drift would
+    zero DeepSeek-V3.2's scores silently."""
+    src = (Path(__file__).resolve().parent.parent / "ptx" / "dsa_select.cu").read_text()
+    smem = re.search(r"#define IDX_MMA2_SMEM (\d+)u", src)
+    tiles = re.search(r"#define IDX_TILES (\d+)\n", src)
+    assert smem and int(smem.group(1)) == SCORES_MMA2_SMEM == 64 * 128 * 2 + 2 * 64 * 4
+    assert tiles and 8 * int(tiles.group(1)) == SCORES_MMA_ROUND
+    assert indexer_scores_smem_mma(1) == 0
+    assert indexer_scores_smem_mma(2) == SCORES_MMA2_SMEM
+    for bad in (0, 3):
+        with pytest.raises(ValueError, match="1 or 2"):
+            indexer_scores_smem_mma(bad)
+
+
+class _LaunchRecorder(HostBackend):
+    """Records each launch (kernel, grid, block, the mma argument, smem) instead of running it."""
+
+    def __init__(self):
+        super().__init__()
+        self.launches = []
+
+    def launch(self, kernel, grid, block, args, smem=0, stream=None):
+        self.launches.append((kernel.decl.function, tuple(grid), tuple(block), args[-1], smem))
+
+
+@pytest.mark.parametrize(
+    "heads,dim,q_off,want",
+    [
+        (1, 128, 0, ("indexer_scores_batch", 1)),
+        (32, 128, 0, ("indexer_scores_batch", 1)),
+        (33, 128, 0, ("indexer_scores_batch_mma2", 2)),
+        (48, 128, 4, ("indexer_scores_batch_mma2", 2)),
+        (64, 128, 0, ("indexer_scores_batch_mma2", 2)),
+        (65, 128, 0, ("indexer_scores_batch", 0)),
+        (64, 64, 0, ("indexer_scores_batch", 0)),
+        (64, 128, 2, ("indexer_scores_batch", 0)),  # q rows only 2-byte aligned
+    ],
+)
+@pytest.mark.parametrize("m", [1, 64])
+def test_the_launch_follows_the_path(heads, dim, q_off, want, m):
+    """The helper's launch: the kernel, its mma argument, grid and dynamic shared memory follow
+    scores_mma_groups from the shapes and buffers alone (the same at m = 1 and 64)."""
+    gpu = _LaunchRecorder()
+    z = gpu.alloc(1 << 16)
+    slot_rows, kpool = 163_840, 1
+    dsa_select.indexer_scores_batch(
+        gpu, q=z.offset(q_off), q_stride=heads * dim, w=z, w_stride=heads, pool_keys=z, pool_scales=z,
+        scores=z, entries=z, m=m, row_add=0, slot_rows=slot_rows, heads=heads, dim=dim, kpool=kpool,
+        w_scale=1.0,
+    )  # fmt: skip
+    ((fn, grid, block, mma, smem),) = gpu.launches
+    assert (fn, mma) == want
+    assert block == (256, 1, 1)
+    pps = slot_rows // kpool
+    if mma == 2:
+        assert (grid, smem) == ((*scores_mma2_grid(m, pps), 1), SCORES_MMA2_SMEM)
+    elif mma == 1:
+        assert (grid, smem) == ((*scores_mma_grid(m, pps), 1), 0)
+    else:
+        assert (grid, smem) == (
+            (*dsa_select.scores_batch_grid(m, pps), 1),
+            dsa_select.indexer_scores_smem(heads, dim),
+        )
+
+
+@pytest.mark.parametrize("heads", [33, 48, 64])
+def test_indexer_twin_through_the_two_group_launch(heads):
+    """33..64 heads of 128 launch indexer_scores_batch_mma2, whose twin is indexer_scores_batch's:
+    every complete pool within the f32 bound of the float64 formula (8 (dim + heads) 2**-24 of the
+    sum of |terms|), nothing past them, padding untouched, each entry alone the same bits."""
+    sh = ScoreShape(slots=3, slot_rows=1500, heads=heads, dim=128, kpool=1)
+    rng = np.random.default_rng(heads)
+    m = 5
+    world = score_world(rng, sh, m)
+    lay = read_layout(rng, sh.slots, sh.slot_rows, m, 1, 0, sh.slot_rows - 1)
+    assert lay.live
+    got = check_scores(HostBackend(), world, sh, lay, 1)
+    for e, slot, row in lay.live:
+        npools = (row + 1) // sh.kpool
+        ref, mag = scores_f64(world, sh, e, slot, row)
+        bound = 8 * (sh.dim + sh.heads) * 2.0**-24 * mag + 1e-30
+        assert (np.abs(got[e, :npools].astype(np.float64) - ref) <= bound).all()
 
 
 # ---- the proposer past 16384 pools ------------------------------------------------------------

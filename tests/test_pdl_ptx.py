@@ -77,6 +77,7 @@ def test_the_drafter_step_kernels_take_part():
         "dsa_cache_write_batch",
         "dsa_cache_write_plain_batch",
         "indexer_scores_batch",
+        "indexer_scores_batch_mma2",
         "select_topk_pools_batch",
         "extend_selection_batch",
         "sparse_mla_partial_batch",

@@ -15,6 +15,8 @@ with its own row, query and output rows; an entry's bits do not depend on the ba
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from runtime.dtypes import BF16, FP8
@@ -164,32 +166,27 @@ def _entry_rows(mem, entries, m, row_add):
     ]
 
 
-@declare(
-    "dsa_select",
-    "indexer_scores_batch",
-    [
-        ("q", PTR),
-        ("q_stride", U32),
-        ("w", PTR),
-        ("w_stride", U32),
-        ("pool_keys", PTR),
-        ("pool_scales", PTR),
-        ("scores", PTR),
-        ("entries", PTR),
-        ("m", U32),
-        ("row_add", U32),
-        ("slot_rows", U32),
-        ("heads", U32),
-        ("dim", U32),
-        ("kpool", U32),
-        ("w_scale", F32),
-        ("mma", U32),
-    ],
-    writes=("scores",),
-    pdl=True,
-    releases=True,  # right after its wait: the selection launches during its tail
-)
-def INDEXER_SCORES_BATCH(
+_INDEXER_SCORES_ARGS = [
+    ("q", PTR),
+    ("q_stride", U32),
+    ("w", PTR),
+    ("w_stride", U32),
+    ("pool_keys", PTR),
+    ("pool_scales", PTR),
+    ("scores", PTR),
+    ("entries", PTR),
+    ("m", U32),
+    ("row_add", U32),
+    ("slot_rows", U32),
+    ("heads", U32),
+    ("dim", U32),
+    ("kpool", U32),
+    ("w_scale", F32),
+    ("mma", U32),
+]
+
+
+def _indexer_scores_twin(
     mem,
     q,
     q_stride,
@@ -208,8 +205,8 @@ def INDEXER_SCORES_BATCH(
     w_scale,
     mma,
 ):
-    """The scores of each entry's slot's complete pools, into scores + e * pools_per_slot (both
-    paths of the kernel: one formula, f32 rounding apart)."""
+    """The scores of each entry's slot's complete pools, into scores + e * pools_per_slot (every
+    path of the kernels: one formula, f32 rounding apart)."""
     geo = SlotGeometry(slot_rows, dim, kpool, 1)
     pps = geo.pools_per_slot
     for e, slot, row in _entry_rows(mem, entries, m, row_add):
@@ -227,6 +224,22 @@ def INDEXER_SCORES_BATCH(
             dim,
             w_scale,
         )
+
+
+# Both release right after their wait: the selection launches during their tail.
+INDEXER_SCORES_BATCH = declare(
+    "dsa_select", "indexer_scores_batch", _INDEXER_SCORES_ARGS, writes=("scores",), pdl=True, releases=True
+)(_indexer_scores_twin)
+# 33..64 heads of 128 on the tensor cores (ptx/dsa_select.cu score_pools_mma2): its own entry, so
+# that indexer_scores_batch's code for 32 heads and fewer stays what it was to the instruction.
+INDEXER_SCORES_BATCH_MMA2 = declare(
+    "dsa_select",
+    "indexer_scores_batch_mma2",
+    _INDEXER_SCORES_ARGS,
+    writes=("scores",),
+    pdl=True,
+    releases=True,
+)(_indexer_scores_twin)
 
 
 @declare(
@@ -344,36 +357,78 @@ def scores_batch_grid(m: int, pools_per_slot: int) -> tuple[int, int]:
     return min(per, SCORES_MAX_GRID, max(-(-pools_per_slot // 8), 1)), m
 
 
-# The tensor-core path (ptx/dsa_select.cu score_pools_mma): dim 128, up to 32 heads; a warp takes
-# rounds of SCORES_MMA_ROUND pools (4 tiles of 8). Its ~220 registers hold one 256-thread block per
-# SM, so an entry's grid is one H200 wave (132 blocks) at m = 1, and a launch about two waves.
+# The tensor-core paths (ptx/dsa_select.cu), dim 128: up to 32 heads indexer_scores_batch's
+# score_pools_mma (one group of 32 heads, q's A fragments in registers), 33..64 heads
+# indexer_scores_batch_mma2's score_pools_mma2 (two groups over the same key fragments, q's
+# fragments staged once per block in SCORES_MMA2_SMEM bytes of shared memory). A warp takes rounds
+# of SCORES_MMA_ROUND pools (4 tiles of 8). Their ~220 registers hold one 256-thread block per SM,
+# so an entry's grid is at most one H200 wave (132 blocks).
 SCORES_MMA_DIM = 128
-SCORES_MMA_MAX_HEADS = 32
+SCORES_MMA_GROUP_HEADS = 32
+SCORES_MMA_MAX_HEADS = 2 * SCORES_MMA_GROUP_HEADS
+SCORES_MMA2_SMEM = 16896  # ptx/dsa_select.cu IDX_MMA2_SMEM: 16 KB of f16 q, 2^-s_h and w_h [64]
 SCORES_MMA_ROUND = 32
 SCORES_MMA_MAX_GRID = 132
 SCORES_MMA_BATCH_BLOCKS = 2 * SCORES_MMA_MAX_GRID
 
 
-def scores_use_mma(heads: int, dim: int, q, q_stride: int, pool_keys) -> bool:
-    """Whether indexer_scores_batch runs on the tensor cores: the shapes (dim 128, at most 32
-    heads) and alignments (q rows of 4 bytes, pool keys of 16) it needs. A function of the layer's
-    shapes and buffers only, never of m or the rows, so every launch of a layer takes one path."""
-    return (
+def scores_mma_groups(heads: int, dim: int, q, q_stride: int, pool_keys) -> int:
+    """The 32-head groups indexer_scores_batch runs on the tensor cores: 1 (up to 32 heads), 2 (33
+    to 64: indexer_scores_batch_mma2), or 0 (the warp-per-pool path: another dim, more heads, or
+    q rows not 4-byte / pool keys not 16-byte aligned). A function of the layer's shapes and
+    buffers only, never of m or the rows, so every launch of a layer takes one path."""
+    if not (
         dim == SCORES_MMA_DIM
         and 1 <= heads <= SCORES_MMA_MAX_HEADS
         and q_stride % 2 == 0
         and int(q) % 4 == 0
         and int(pool_keys) % 16 == 0
-    )
+    ):
+        return 0
+    return -(-heads // SCORES_MMA_GROUP_HEADS)
+
+
+def scores_use_mma(heads: int, dim: int, q, q_stride: int, pool_keys) -> bool:
+    """Whether indexer_scores_batch runs on the tensor cores (``scores_mma_groups`` > 0): dim 128,
+    at most 64 heads, q rows of 4 bytes, pool keys of 16."""
+    return scores_mma_groups(heads, dim, q, q_stride, pool_keys) > 0
+
+
+def indexer_scores_smem_mma(groups: int) -> int:
+    """Dynamic shared memory of the tensor-core path of ``groups`` 32-head groups: none for one (q
+    in registers), SCORES_MMA2_SMEM for two."""
+    if groups not in (1, 2):
+        raise ValueError(
+            f"indexer_scores_smem_mma: {groups} groups of 32 heads, the tensor cores take 1 or 2"
+        )
+    return 0 if groups == 1 else SCORES_MMA2_SMEM
 
 
 def scores_mma_grid(m: int, pools_per_slot: int) -> tuple[int, int]:
-    """The tensor-core path's grid: (blocks per entry, m), SCORES_MMA_BATCH_BLOCKS / m blocks an
-    entry, at most SCORES_MMA_MAX_GRID or one per 8 rounds (a block's 8 warps) of a slot's pools.
+    """The tensor-core path's grid at up to 32 heads: (blocks per entry, m),
+    SCORES_MMA_BATCH_BLOCKS / m blocks an entry, at most SCORES_MMA_MAX_GRID or one per 8 rounds (a block's 8 warps) of a slot's pools.
     The choice moves work, never bits (a pool's score is one warp's fixed arithmetic)."""
     per = max(-(-SCORES_MMA_BATCH_BLOCKS // m), 1)
     rounds = -(-pools_per_slot // SCORES_MMA_ROUND)
     return min(per, SCORES_MMA_MAX_GRID, max(-(-rounds // 8), 1)), m
+
+
+@functools.lru_cache(maxsize=512)
+def scores_mma2_grid(m: int, pools_per_slot: int) -> tuple[int, int]:
+    """indexer_scores_batch_mma2's grid: (blocks per entry, m). One block runs per SM (its
+    registers), so a launch takes about its waves of SCORES_MMA_MAX_GRID blocks times the rounds of
+    a block's busiest warp, plus about one round a block for staging q:
+    cost(per) = ceil(m per / 132) (ceil(rounds / (8 per)) + 1), per in 1 .. min(132, one per 8
+    rounds). The fewest blocks within 3% of the least cost: past that, more blocks only stage q
+    more often. At m = 64 and 163,840 pools that is 2 blocks an entry (128, one wave) where the
+    32-head rule's 5 (320: three waves, the last 42% full) would cost a fifth more. The choice
+    moves work, never bits."""
+    rounds = -(-pools_per_slot // SCORES_MMA_ROUND)
+    block_rounds = max(-(-rounds // 8), 1)
+    pers = range(1, min(SCORES_MMA_MAX_GRID, block_rounds) + 1)
+    cost = [-(-(m * per) // SCORES_MMA_MAX_GRID) * (-(-block_rounds // per) + 1) for per in pers]
+    least = min(cost)
+    return next(per for per, c in zip(pers, cost) if c * 100 <= least * 103), m
 
 
 def indexer_score_bytes(npools: int, dim: int) -> int:
@@ -410,17 +465,24 @@ def indexer_scores_batch(
     (BF16 ``[heads][dim]``) and head weights ``w + e * w_stride * 2`` (BF16 ``[heads]``), into
     ``scores + e * pools_per_slot * 4`` (f32): score = w_scale * sum over heads of w[h] *
     relu(q[h] . pool key) / sqrt(dim) (FP8 keys times their scale). Each score's bits do not depend
-    on m or the entry's place. At dim 128 and up to 32 heads (GLM-5.3-Flash's indexer) the dots run
-    on the tensor cores (``scores_use_mma``), streaming the keys at HBM speed at any length.
+    on m or the entry's place. At dim 128 and up to 64 heads (GLM-5.3-Flash's 32, DeepSeek-V3.2's
+    64) the dots run on the tensor cores (``scores_mma_groups``: one group of 32 heads, or two
+    through ``indexer_scores_batch_mma2``), streaming the keys at any length.
     Padding entries and rows at or past ``slot_rows`` read and write nothing; scores past an
     entry's complete pools are not written."""
     _check_m("indexer_scores_batch", m)
     pps = SlotGeometry(slot_rows, dim, kpool, 1).pools_per_slot
-    mma = scores_use_mma(heads, dim, q, q_stride, pool_keys)
+    groups = scores_mma_groups(heads, dim, q, q_stride, pool_keys)
+    if groups == 2:
+        kernel, grid, smem = INDEXER_SCORES_BATCH_MMA2, scores_mma2_grid(m, pps), indexer_scores_smem_mma(2)
+    elif groups == 1:
+        kernel, grid, smem = INDEXER_SCORES_BATCH, scores_mma_grid(m, pps), indexer_scores_smem_mma(1)
+    else:
+        kernel, grid, smem = INDEXER_SCORES_BATCH, scores_batch_grid(m, pps), indexer_scores_smem(heads, dim)
     launch(
         gpu,
-        gpu.kernel(*INDEXER_SCORES_BATCH.key),
-        scores_mma_grid(m, pps) if mma else scores_batch_grid(m, pps),
+        gpu.kernel(*kernel.key),
+        grid,
         256,
         q,
         q_stride,
@@ -437,8 +499,8 @@ def indexer_scores_batch(
         dim,
         kpool,
         w_scale,
-        int(mma),
-        smem=0 if mma else indexer_scores_smem(heads, dim),
+        groups,
+        smem=smem,
         stream=stream,
     )
 
