@@ -331,10 +331,19 @@ def test_indexer_path_and_grid():
             nq = hl * a.qk_head_dim + d.index_n_heads * d.index_head_dim
             q = DevicePtr(0x10000 + hl * a.qk_head_dim * 2)
             assert scores_mma_groups(d.index_n_heads, d.index_head_dim, q, nq, a16) == want, (cfg, hl)
-    assert scores_mma_grid(1, TOPK_MAX_POOLS) == (132, 1)
+    # The 32-head kernel's grid fills waves as the two-group kernel's does (one block an SM): a
+    # whole wave at m = 1, 2 blocks an entry (one wave) for 64 long rows, not 5 (three waves).
+    assert scores_mma_grid(1, TOPK_MAX_POOLS) == (128, 1)
     assert scores_mma_grid(1, 1024) == (4, 1)
-    assert scores_mma_grid(64, TOPK_MAX_POOLS) == (5, 64)
+    assert scores_mma_grid(64, TOPK_MAX_POOLS) == (2, 64)
+    assert scores_mma_grid(64, 202_752) == (2, 64)
     assert scores_mma_grid(256, 16) == (1, 256)
+    for m in (1, 3, 64, 200, 65535):
+        for pps in (1, 33, 16385, 262_144):
+            per, mm = scores_mma_grid(m, pps)
+            rounds = -(-pps // SCORES_MMA_ROUND)
+            rounds8 = -(-rounds // 8)
+            assert mm == m and 1 <= per <= min(SCORES_MMA_MAX_GRID, rounds8)
     assert indexer_score_bytes(TOPK_MAX_POOLS, 128) == TOPK_MAX_POOLS * 136
 
 

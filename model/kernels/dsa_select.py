@@ -369,7 +369,6 @@ SCORES_MMA_MAX_HEADS = 2 * SCORES_MMA_GROUP_HEADS
 SCORES_MMA2_SMEM = 16896  # ptx/dsa_select.cu IDX_MMA2_SMEM: 16 KB of f16 q, 2^-s_h and w_h [64]
 SCORES_MMA_ROUND = 32
 SCORES_MMA_MAX_GRID = 132
-SCORES_MMA_BATCH_BLOCKS = 2 * SCORES_MMA_MAX_GRID
 
 
 def scores_mma_groups(heads: int, dim: int, q, q_stride: int, pool_keys) -> int:
@@ -404,31 +403,36 @@ def indexer_scores_smem_mma(groups: int) -> int:
     return 0 if groups == 1 else SCORES_MMA2_SMEM
 
 
-def scores_mma_grid(m: int, pools_per_slot: int) -> tuple[int, int]:
-    """The tensor-core path's grid at up to 32 heads: (blocks per entry, m),
-    SCORES_MMA_BATCH_BLOCKS / m blocks an entry, at most SCORES_MMA_MAX_GRID or one per 8 rounds (a block's 8 warps) of a slot's pools.
-    The choice moves work, never bits (a pool's score is one warp's fixed arithmetic)."""
-    per = max(-(-SCORES_MMA_BATCH_BLOCKS // m), 1)
+def _wave_grid(m: int, pools_per_slot: int, staging_rounds: float) -> tuple[int, int]:
+    """(blocks per entry, m) for a tensor-core scores kernel: one block runs per SM (its
+    registers), so a launch takes about its waves of SCORES_MMA_MAX_GRID blocks times the rounds of
+    a block's busiest warp, plus what a block spends before its first round (``staging_rounds``):
+    cost(per) = ceil(m per / 132) (ceil(rounds / (8 per)) + staging), per in 1 .. min(132, one per
+    8 rounds). The fewest blocks within 3% of the least cost: past that, more blocks only add
+    partial waves (or stage q more often). The choice moves work, never bits (a pool's score is
+    one warp's fixed arithmetic)."""
     rounds = -(-pools_per_slot // SCORES_MMA_ROUND)
-    return min(per, SCORES_MMA_MAX_GRID, max(-(-rounds // 8), 1)), m
+    block_rounds = max(-(-rounds // 8), 1)
+    pers = range(1, min(SCORES_MMA_MAX_GRID, block_rounds) + 1)
+    cost = [-(-(m * per) // SCORES_MMA_MAX_GRID) * (-(-block_rounds // per) + staging_rounds) for per in pers]
+    least = min(cost)
+    return next(per for per, c in zip(pers, cost) if c * 100 <= least * 103), m
+
+
+@functools.lru_cache(maxsize=512)
+def scores_mma_grid(m: int, pools_per_slot: int) -> tuple[int, int]:
+    """indexer_scores_batch's tensor-core grid at up to 32 heads (q's fragments loaded to registers
+    and scaled: about half a round a block). At m = 64 and 262,144 pools, 2 blocks an entry (128:
+    one wave) where the earlier rule's 5 (320: three waves, the last 42% full) cost a fifth more."""
+    return _wave_grid(m, pools_per_slot, 0.5)
 
 
 @functools.lru_cache(maxsize=512)
 def scores_mma2_grid(m: int, pools_per_slot: int) -> tuple[int, int]:
-    """indexer_scores_batch_mma2's grid: (blocks per entry, m). One block runs per SM (its
-    registers), so a launch takes about its waves of SCORES_MMA_MAX_GRID blocks times the rounds of
-    a block's busiest warp, plus about one round a block for staging q:
-    cost(per) = ceil(m per / 132) (ceil(rounds / (8 per)) + 1), per in 1 .. min(132, one per 8
-    rounds). The fewest blocks within 3% of the least cost: past that, more blocks only stage q
-    more often. At m = 64 and 163,840 pools that is 2 blocks an entry (128, one wave) where the
-    32-head rule's 5 (320: three waves, the last 42% full) would cost a fifth more. The choice
-    moves work, never bits."""
-    rounds = -(-pools_per_slot // SCORES_MMA_ROUND)
-    block_rounds = max(-(-rounds // 8), 1)
-    pers = range(1, min(SCORES_MMA_MAX_GRID, block_rounds) + 1)
-    cost = [-(-(m * per) // SCORES_MMA_MAX_GRID) * (-(-block_rounds // per) + 1) for per in pers]
-    least = min(cost)
-    return next(per for per, c in zip(pers, cost) if c * 100 <= least * 103), m
+    """indexer_scores_batch_mma2's grid: as ``scores_mma_grid``, with about one round a block for
+    staging q in shared memory. At m = 64 and 163,840 pools that is 2 blocks an entry (128, one
+    wave)."""
+    return _wave_grid(m, pools_per_slot, 1)
 
 
 def indexer_score_bytes(npools: int, dim: int) -> int:
