@@ -342,7 +342,8 @@ class ModelConfig:
                     f"{where} field {key!r} is {d[key]!r}: the kernels implement {allowed!r} only"
                 )
         n_group = opt("n_group", 1)
-        topk_group = opt("topk_group", n_group) if d.get("topk_group") is not None else n_group
+        # topk_group absent or null: every group kept.
+        topk_group = n_group if d.get("topk_group") is None else req("topk_group")
         if opt("num_nextn_predict_layers", 1) < 1:
             raise ConfigError(
                 f"{where} field 'num_nextn_predict_layers' is "
@@ -518,7 +519,7 @@ def _rope_config(d: Mapping[str, Any], where: str, model_type: str) -> RopeConfi
         raise ConfigError(f"{where} has no rope_theta (in {key!r} or at the top)")
     known = {
         "rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
-        "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate",
+        "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate", "partial_rotary_factor",
     }  # fmt: skip
     unknown = sorted(set(params) - known)
     if unknown:

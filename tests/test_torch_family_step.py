@@ -1,7 +1,7 @@
 """bench/torch_step.py at the RoPE family's tiny shapes (``tiny_rope``: GLM-5's ``glm_moe_dsa`` form and
 DeepSeek-V3.2's), on the CPU: the batch-1 step (DraftStep, float64) against a float64 NumPy
-reference written here from the models' definitions (tests/reference_f64.py covers NoPE MLA only),
-the batched step (BatchDraftStep) against the batch-1 step per sequence, and its two new parts on
+reference written here from the models' definitions (independent of tests/reference_f64.py's
+absorbed one, see below), the batched step (BatchDraftStep) against the batch-1 step per sequence, and its two new parts on
 their own: ``rope`` against the pair rotation written out, ``route`` (group-limited) against a
 direct construction. Skipped where PyTorch (with torch._grouped_mm) is missing.
 

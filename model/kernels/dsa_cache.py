@@ -27,7 +27,7 @@ from runtime.kernels.rmsnorm import rmsnorm_ref
 from runtime.launch import launch
 
 from .batch import SlotGeometry, is_pad, read_entries
-from .rope import check_rope_dims, flag_arg, rope_dims_ok, rope_ref
+from .rope import rope_dims_ok, rope_launch_args, rope_ref
 
 
 def layernorm_ref(x: np.ndarray, w: np.ndarray, b: np.ndarray, eps: float) -> np.ndarray:
@@ -417,28 +417,24 @@ def dsa_cache_write_plain_batch(
     stream=None,
 ):
     """The DSA cache writes of ``m`` batch entries for the plain per-token indexer with RoPE, one
-        block each.
+    block each.
 
-        Entry e = ``[slot, row, token, reserved]`` writes row ``r = row + row_add`` of its slot from
-        fused row e (``fused + e * stride * 2`` bytes, ``[kv (C) ; k_rope (rope_dim) ; wk y (idim) ;
-        ...]``): the latent into the paged cache at the slot's block table (as
-        ``dsa_cache_write_batch``); ``bf16(rope(k_rope, r, interleave))`` at
-        ``rope_keys + (slot * slot_rows + r) * rope_dim`` (BF16, when rope_dim > 0); and the indexer key
-        ``LayerNorm(wk y)`` (knorm_w / knorm_b, ln_eps), rotated on its first ``irope_dim`` dims
-        (i_interleave), in f32, as one FP8 row with one f32 scale at the slot's pool r
-        (``SlotGeometry(slot_rows, idim, kpool=1, ...).pool_row(slot, r)`` in pool_keys (times idim) and
-        pool_scales). ``inv_freq``: rope_dim / 2 float32 values (model/kernels/rope.py); at rope_dim 0
-    ``rope_keys`` and ``inv_freq`` are not touched (any allocation will do). Every row
-        depends on its own fused row only, so a slot's bytes are the same in any batch, order or
-        chunking. Padding entries, and entries whose row is not below ``slot_rows``, read and write
-        nothing of any sequence."""
+    Entry e = ``[slot, row, token, reserved]`` writes row ``r = row + row_add`` of its slot from
+    fused row e (``fused + e * stride * 2`` bytes, ``[kv (C) ; k_rope (rope_dim) ; wk y (idim) ;
+    ...]``): the latent into the paged cache at the slot's block table (as
+    ``dsa_cache_write_batch``); ``bf16(rope(k_rope, r, interleave))`` at
+    ``rope_keys + (slot * slot_rows + r) * rope_dim`` (BF16, when rope_dim > 0); and the indexer key
+    ``LayerNorm(wk y)`` (knorm_w / knorm_b, ln_eps), rotated on its first ``irope_dim`` dims
+    (i_interleave), in f32, as one FP8 row with one f32 scale at the slot's pool r
+    (``SlotGeometry(slot_rows, idim, kpool=1, ...).pool_row(slot, r)`` in pool_keys (times idim) and
+    pool_scales). ``inv_freq``: rope_dim / 2 float32 values (model/kernels/rope.py); at rope_dim 0
+    ``rope_keys`` and ``inv_freq`` are not touched (any allocation will do). Every row depends on
+    its own fused row only, so a slot's bytes are the same in any batch, order or chunking.
+    Padding entries, and entries whose row is not below ``slot_rows``, read and write nothing of
+    any sequence."""
     what = "dsa_cache_write_plain_batch"
-    check_rope_dims(what, rope_dim, irope_dim, idim)
+    interleave, i_interleave = rope_launch_args(what, rope_dim, irope_dim, idim, interleave, i_interleave)
     check_dims(idim, 1)
-    interleave, i_interleave = (
-        flag_arg(what, "interleave", interleave),
-        flag_arg(what, "i_interleave", i_interleave),
-    )
     if m < 1:  # a catch-up chunk may hold more entries than a draft batch (the grid is m blocks)
         raise ValueError(f"{what}: m={m} entries")
     launch(

@@ -59,11 +59,18 @@ def check_rope_dims(what: str, rope_dim: int, irope_dim: int, idim: int) -> None
         )
 
 
-def flag_arg(what: str, name: str, v) -> int:
-    """A layout flag as the kernels' U32 0 / 1 (a bool is accepted)."""
-    if v not in (0, 1):  # True / False too
-        raise ValueError(f"{what}: {name}={v!r} is not 0 / 1")
-    return int(v)
+def rope_launch_args(
+    what: str, rope_dim: int, irope_dim: int, idim: int, interleave, i_interleave
+) -> tuple[int, int]:
+    """The launch helpers' shared check of the rope dims, and the two layout flags as the kernels'
+    U32 0 / 1 (a bool is accepted)."""
+    check_rope_dims(what, rope_dim, irope_dim, idim)
+    flags = []
+    for name, v in (("interleave", interleave), ("i_interleave", i_interleave)):
+        if v not in (0, 1):  # True / False too
+            raise ValueError(f"{what}: {name}={v!r} is not 0 / 1")
+        flags.append(int(v))
+    return flags[0], flags[1]
 
 
 @declare(
@@ -173,11 +180,7 @@ def rope_q_batch(
     ``bf16(rope(., i_interleave))``. ``inv_freq``: rope_dim / 2 float32 values. Padding entries read
     and write nothing."""
     what = "rope_q_batch"
-    check_rope_dims(what, rope_dim, irope_dim, idim)
-    interleave, i_interleave = (
-        flag_arg(what, "interleave", interleave),
-        flag_arg(what, "i_interleave", i_interleave),
-    )
+    interleave, i_interleave = rope_launch_args(what, rope_dim, irope_dim, idim, interleave, i_interleave)
     if m < 1 or heads < 1:  # a catch-up chunk may hold more entries than a draft batch (grid.x is m)
         raise ValueError(f"{what}: m={m} entries, heads={heads}")
     mla_end = heads * (nope + rope_dim)
