@@ -970,8 +970,10 @@ def _torch_rows(args, res, cfg: ModelConfig | None = None) -> None:
 
 def profile_batch(prop: Any, gpu: Any, B: int, k: int, rng: np.random.Generator) -> dict[str, Any]:
     """Device time per kernel of one eager ``propose_batch`` of B sequences at context 4096: each
-    launch bracketed by events, queued behind a long copy so the kernels run back to back."""
-    from bench.bench_propose import LaunchRecorder
+    launch bracketed by events, queued behind a long copy so the kernels run back to back.
+    Programmatic dependent launch is off while it records: a kernel that launches early under PDL
+    would count its wait for the one before it (GLM-5.2's router read 54 us a draft that way)."""
+    from bench.bench_propose import LaunchRecorder, pdl_set
 
     rec = LaunchRecorder(gpu)
     old_gpu, prop.gpu, prop.layer.gpu = prop.gpu, rec, rec
@@ -986,13 +988,15 @@ def profile_batch(prop: Any, gpu: Any, B: int, k: int, rng: np.random.Generator)
         last, pos = [1] * B, [UNIFORM_CONTEXT] * B
         prop.propose_batch(states, last, hid, pos, k)
         gpu.copy_d2d(b, a, 1 << 30, prop.stream)
-        with rec.recording() as marks:
+        with pdl_set(gpu, False), rec.recording() as marks:
             prop.propose_batch(states, last, hid, pos, k)
         per: dict[str, float] = {}
+        launches: dict[str, int] = {}
         for name, _, e0, e1 in marks:
             per[name] = per.get(name, 0.0) + gpu.event_elapsed_ms(e0, e1)
+            launches[name] = launches.get(name, 0) + 1
         span = gpu.event_elapsed_ms(marks[0][2], marks[-1][3])
-        return {"B": B, "k": k, "span_ms": span, "kernels_ms": per}
+        return {"B": B, "k": k, "span_ms": span, "kernels_ms": per, "launches": launches}
     finally:
         for _, _, e0, e1 in marks:
             gpu.event_destroy(e0)
@@ -1011,14 +1015,14 @@ def dataclasses_replace(obj: Any, **kw: Any) -> Any:
 
 def profile_table(p: dict[str, Any]) -> str:
     lines = [
-        f"Per-kernel device time of one eager propose_batch, B = {p['B']}, k = {p['k']}, context 4096 "
-        f"(span {p['span_ms']:.2f} ms):",
+        f"Per-kernel device time of one eager propose_batch without PDL, B = {p['B']}, k = {p['k']}, "
+        f"context 4096 (span {p['span_ms']:.2f} ms, {sum(p['launches'].values())} launches):",
         "",
-        "| kernel | ms per propose |",
-        "|---|---:|",
+        "| kernel | launches | ms per propose |",
+        "|---|---:|---:|",
     ]
     for name, ms in sorted(p["kernels_ms"].items(), key=lambda kv: -kv[1]):
-        lines.append(f"| {name} | {ms:.3f} |")
+        lines.append(f"| {name} | {p['launches'][name]} | {ms:.3f} |")
     return "\n".join(lines)
 
 
