@@ -1,5 +1,6 @@
-"""One eager propose at GLM-5.3-Flash shapes between cuProfilerStart / cuProfilerStop, for Nsight
-Compute: each kernel's own duration, without the event brackets of bench_propose's profile.
+"""One eager propose at a model's shapes (GLM-5.3-Flash by default) between cuProfilerStart /
+cuProfilerStop, for Nsight Compute: each kernel's own duration, without the event brackets of
+bench_propose's profile.
 
     ncu --profile-from-start off --cache-control none --clock-control none \
         --metrics gpu__time_duration.sum --csv python3 bench/ncu_step.py [--k 3] [--context 4096]
@@ -19,8 +20,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_propose import fill_context, random_weights  # noqa: E402 - after the sys.path insert
-from model.config import glm5_flash  # noqa: E402 - after the sys.path insert
+from bench.bench_propose import MODELS, fill_context, model_config, random_weights  # noqa: E402 - after the sys.path insert
+from model.checkpoint.random_init import tiled_fp8_weights  # noqa: E402 - after the sys.path insert
 from runtime.dtypes import BF16  # noqa: E402 - after the sys.path insert
 
 
@@ -29,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--bf16-head", action="store_true")
+    ap.add_argument("--model", choices=tuple(MODELS), default="glm5_next")
+    ap.add_argument(
+        "--weights", choices=("bf16", "fp8"), default="fp8", help="fp8: the published FP8 set kept native"
+    )
     ap.add_argument("--ptx-dir", default=None, help="load the kernels' PTX from here (a variant build)")
     args = ap.parse_args(argv)
 
@@ -37,12 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     from model.proposer import MtpProposer, ProposerOptions
     from runtime.cuda_backend import CudaBackend, check
 
-    cfg = glm5_flash()
+    cfg = model_config(args.model)
     gpu = CudaBackend(ptx_dir=args.ptx_dir)
     prop = MtpProposer(
         gpu,
         cfg,
-        random_weights(cfg),
+        (tiled_fp8_weights if args.weights == "fp8" else random_weights)(cfg),
         ProposerOptions(
             served_max_seq_len=args.context + args.k,
             max_draft_tokens=args.k,
