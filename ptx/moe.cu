@@ -501,6 +501,83 @@ __device__ __forceinline__ void group_pairs(const uint32_t* ids, const uint32_t*
     }
 }
 
+// group_pairs' workspace, word for word, for the pairs of rows one router block routed itself (m
+// <= ROUTER_ROWS, m * ntopk <= 32), by one warp: lane L holds pair (e, j) = (L / ntopk, L % ntopk),
+// its id from the routing warps' ids_s (row e's top-k, in shared memory: no L2 round trip), and
+// finds its place from the other lanes' codes by shuffles. At m = 1 the router's serial tail is a
+// chain of cold instructions (the head's stream has evicted the kernel's code from L2 by the next
+// draft): group_pairs' block-wide passes and the second hand-over took 12.5 of the router's 28 us
+// (ncu, GLM-5.3-Flash, one draft), about 30 cycles per distinct instruction. This path is a
+// fraction of its instructions. `cnt_s`: n_local u32 of shared memory.
+__device__ __forceinline__ void group_pairs_warp(const uint32_t (*ids_s)[128], uint32_t live, uint32_t* group,
+                                                 uint32_t m, uint32_t ntopk, uint32_t nslots, uint32_t expert_base,
+                                                 uint32_t n_local, uint32_t* cnt_s) {
+    constexpr uint32_t ALL = 0xFFFFFFFFu;
+    const uint32_t lane = threadIdx.x & 31, below_me = (1u << lane) - 1u;
+    const uint32_t e = lane / ntopk, j = lane - e * ntopk;
+    const bool have = lane < m * ntopk && ((live >> e) & 1u);
+    uint32_t c = have ? ids_s[e][j] - expert_base : CODE_PAD;  // wraps below the base: not local
+    const bool local = have && c < n_local, zero = have && !local;
+    if (!local) c = 0xFFFFFFFFu;  // above every expert: counted below no one
+    const uint32_t local_mask = __ballot_sync(ALL, local), zero_mask = __ballot_sync(ALL, zero);
+    // A row's ids are distinct, so an expert's lanes are its rows in increasing order.
+    const uint32_t peers = __match_any_sync(ALL, local ? c : 0x80000000u | lane);
+    const uint32_t cnt = __popc(peers);
+    const bool leader = local && (peers & below_me) == 0u;
+    const uint32_t n_x = leader ? (cnt + MOE_PAIRS - 1u) / MOE_PAIRS : 0u;
+    const uint32_t leader_mask = __ballot_sync(ALL, leader);
+    uint32_t off = 0u, first = 0u, uidx = 0u;  // pairs, items and used experts of the lower experts
+    for (uint32_t o = 0; o < 32u; ++o) {
+        const uint32_t co = __shfl_sync(ALL, c, o), no = __shfl_sync(ALL, n_x, o);
+        const bool lower = co < c;  // a non-local lane has no lower expert and is never lower
+        off += lower ? 1u : 0u;
+        if (lower && ((leader_mask >> o) & 1u)) {
+            first += no;
+            ++uidx;
+        }
+    }
+    const uint32_t n_pairs = __popc(local_mask), n_zero = __popc(zero_mask), n_used = __popc(leader_mask);
+    const uint32_t n_items_local = __reduce_add_sync(ALL, n_x);
+    const uint32_t n_zero_items = (n_zero + MOE_PAIRS - 1u) / MOE_PAIRS;
+    const GroupLayout g = group_layout(m, ntopk, n_local);
+    uint4* items = reinterpret_cast<uint4*>(group + g.items);
+    if (local) group[g.pairs + off + __popc(peers & below_me)] = e * nslots + j;
+    if (zero) group[g.pairs + n_pairs + __popc(zero_mask & below_me)] = e * nslots + j;
+    if (leader) {
+        for (uint32_t t = 0; t < n_x; ++t) items[first + t] = make_uint4(c, first | (n_x << 16), off, cnt);
+        group[g.used + uidx] = c;
+    }
+    for (uint32_t t = lane; t < n_zero_items; t += 32u)
+        items[n_items_local + t] = make_uint4(GROUP_ZERO, n_items_local | (n_zero_items << 16), n_pairs, n_zero);
+    if (lane == 0) {
+        group[0] = n_items_local + n_zero_items;
+        group[1] = n_used;
+        group[2] = n_pairs;
+        group[3] = n_zero;
+    }
+    // counts and offsets of every local expert: the leaders' counts in shared memory, then a
+    // running warp scan over them 32 experts at a time.
+    for (uint32_t x = lane; x < n_local; x += 32u) cnt_s[x] = 0u;
+    __syncwarp();
+    if (leader) cnt_s[c] = cnt;
+    __syncwarp();
+    uint32_t carry = 0u;
+    for (uint32_t x0 = 0; x0 < n_local; x0 += 32u) {
+        const uint32_t x = x0 + lane, v = x < n_local ? cnt_s[x] : 0u;
+        uint32_t incl = v;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const uint32_t u = __shfl_up_sync(ALL, incl, d);
+            if (lane >= (uint32_t)d) incl += u;
+        }
+        if (x < n_local) {
+            group[g.counts + x] = v;
+            group[g.offsets + x] = carry + incl - v;
+        }
+        carry += __shfl_sync(ALL, incl, 31);
+    }
+}
+
 __device__ __forceinline__ bool group_fits(uint32_t m, uint32_t ntopk, uint32_t n_local) {
     const uint32_t most = (uint32_t)GROUP_PER_THREAD * blockDim.x;
     return m >= 1u && m <= most && n_local <= most && ntopk <= 128u && (blockDim.x & 31u) == 0u;
@@ -633,11 +710,24 @@ __device__ __forceinline__ void router_batch(const uint16_t* __restrict__ w, con
     {
         // The chunks' routing blocks hand over once more (last_of's barrier and fence publish this
         // block's ids); the last one groups every row, in the staging memory the rows are done with.
+        // One chunk (m <= 8) routed every row in this block: a block barrier is the hand-over (with
+        // a fence first where group_pairs reads the ids through L2; group_pairs_warp reads ids_s).
         __shared__ uint32_t scan_s[32];
-        if (!last_of(counter + gridDim.x, gridDim.x)) return;
-        if (routable && topk >= 1u && group_fits(m, topk, n_local))
-            group_pairs(ids, entries, group, m, topk, slots, expert_base, n_local, reinterpret_cast<uint32_t*>(ys4),
-                        scan_s);
+        const bool one_warp = gridDim.x == 1u && m * topk <= 32u;
+        if (gridDim.x == 1u) {
+            if (!one_warp) __threadfence();
+            __syncthreads();
+        } else if (!last_of(counter + gridDim.x, gridDim.x)) {
+            return;
+        }
+        if (routable && topk >= 1u) {
+            uint32_t* sm = reinterpret_cast<uint32_t*>(ys4);
+            if (one_warp) {
+                if (warp == 0) group_pairs_warp(ids_s, live, group, m, topk, slots, expert_base, n_local, sm);
+            } else if (group_fits(m, topk, n_local)) {
+                group_pairs(ids, entries, group, m, topk, slots, expert_base, n_local, sm, scan_s);
+            }
+        }
     }
 }
 }  // namespace

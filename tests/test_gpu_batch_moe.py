@@ -159,6 +159,12 @@ def test_router_batch_rows_are_bit_identical_at_every_m(cuda, h):
     [
         (1, 0, 288, 8, True, 0, 288),
         (3, 1, 288, 8, True, 0, 288),
+        # One row chunk of at most 32 pairs: the one-warp grouping (group_pairs_warp).
+        (1, 0, 288, 8, True, 36, 36),  # a rank's range: zero pairs
+        (4, 1, 288, 8, False, 252, 36),  # 32 slots, a padding row, local and zero pairs
+        (8, 2, 12, 4, True, 0, 12),  # 32 slots, experts chosen by up to 6 rows
+        (2, 0, 40, 16, True, 8, 24),  # top-16, both kinds
+        (5, 0, 288, 8, True, 0, 288),  # one chunk of 40 pairs: the block grouping after a barrier
         (17, 4, 12, 4, True, 0, 12),  # collisions: experts with several items
         (64, 9, 288, 8, True, 0, 288),
         (200, 30, 24, 8, True, 0, 24),  # ~60 pairs per expert
