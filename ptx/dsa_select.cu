@@ -557,19 +557,25 @@ extern "C" __global__ void __launch_bounds__(256, 1) indexer_scores_batch_mma2(
 //     entry (a counter, reset for the next launch and every graph replay) stages both maps of the
 //     row (at most 8192 + 8192 words) in shared memory, takes every bit of the first and the
 //     `need` lowest bits of the second (ties to the lower pool index, as select_core), compacts
-//     them in ascending pool order (per-warp popcounts, one block exchange, ballot-free lane scans)
-//     into the rows list, appends the tail, writes count[e] and zeroes the three histograms.
+//     them in ascending pool order (per-warp popcounts, one block exchange, shuffle scans over the
+//     lanes) into the rows list, appends the tail, writes count[e] and zeroes the three histograms.
 // Why: the chunked selection this replaces ranked each chunk's local top k in one block and the
-// last chunk merged ceil(npools / chunk) x topk candidates in one block, two single-block 4-pass
-// selects over 8-16K keys in series: 23.2 us at 32,768 pools and 50.9 us at 262,144 on the H200
-// (GLM-5.3-Flash, top-512 at kpool 4). Here no block handles more than its 8192 keys except for a
-// 4096-bin scan and the final compaction of the bitmaps, so the time is four PDL launch boundaries
-// (a one-thread kernel costs about 2.6 us a launch in the step: extend_selection_batch) plus about
-// a microsecond of L2 reads and scans each, whatever the row length past 16384 pools and whatever
-// the ties. Not chosen: folding phase 2 into the last launch (three launches: the last block would
-// have to reread every key sharing T's top 22 bits, the whole row when all scores are equal), and
-// one launch with a spinning grid barrier (the blocks of a batch are not all resident, m = 64 is
-// 2048 blocks, and the wk_t GEMV runs beside: a spin could deadlock).
+// last chunk merged ceil(npools / chunk) x topk candidates in one block: two single-block 4-pass
+// selects over 8-16K keys in series, 23.2 us at 32,768 pools and 50.9 us at 262,144 on the H200
+// (GLM-5.3-Flash, top-512 at kpool 4; the issue asks 30). Here the serial part is one block's
+// scan of at most 4096 bins a launch and the last block's compaction of at most 2 x 8192 words;
+// every block reads its 8192 scores once a launch through L2 (8 loads in flight a thread, issued
+// before the scan). So the time is four PDL launch boundaries (a one-thread kernel costs about 2.6
+// us a launch in the step: extend_selection_batch) plus a few L2 round trips each, about 15-20 us
+// expected (estimated when written, without a GPU: bench/bench_reach.py measures it), whatever the
+// row length past 16384 pools and whatever the ties; the per-token shape (top 2048 of up to
+// 202,752 at kpool 1) takes the same four. The price: in slots of more than 16384 pools a row of
+// fewer still waits for three launches whose blocks exit at once. Not chosen: folding phase 2
+// into the last launch (three launches: the last block would have to reread every key sharing
+// T's top 22 bits, the whole row when all scores are equal); two 16-bit phases (64K-bin
+// histograms: global atomics per key, 256 KB an entry to scan or clear); one launch with a
+// spinning grid barrier (the blocks of a batch are not all resident, m = 64 is 2048 blocks, and
+// the wk_t GEMV runs beside: a spin could deadlock).
 //
 // Workspace of entry e (u32, at workspace + e * select_ws_words(pps); allocated zeroed, and every
 // launch sequence leaves the counter and the histograms zero again): the counter, 3 words of

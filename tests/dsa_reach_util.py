@@ -270,8 +270,8 @@ def check_select_replays(gpu, sh: SelectShape, rounds: list[tuple[np.ndarray, tu
         graph = gpu.end_capture(s, label="select replays")
         for scores, lay in rounds:
             assert len(lay[0]) == m
-            gpu.copy_h2d(io["scores"], np.ascontiguousarray(scores), s)
-            gpu.copy_h2d(io["entries"], np.ascontiguousarray(lay[0]), s)
+            gpu.copy_h2d(io["scores"], scores)  # synchronous: done before the replay is queued
+            gpu.copy_h2d(io["entries"], lay[0])
             gpu.memset(outs["sel"], 0xFF, ns, s)
             gpu.memset(outs["cnt"], 0xFF, nc, s)
             gpu.graph_launch(graph, s)
