@@ -65,9 +65,7 @@ class BatchScratch:
     iscores: DevicePtr
     selected: DevicePtr
     count: DevicePtr
-    select_ws: (
-        DevicePtr  # the chunked selection's per-row workspace (zeroed; its counter and histograms stay zero)
-    )
+    select_ws: DevicePtr  # the chunked selection's per-row workspace (zeroed; left zeroed by each launch)
     router_counter: DevicePtr  # u32s, zero between launches (router_group_batch's last-block handshakes)
     attn_part: DevicePtr  # sparse_mla_split_batch's per-split outputs and (max, sum), per row
     attn_ml: DevicePtr
