@@ -331,7 +331,7 @@ def proposer_memory(
         "weights": sum(w[n] for n in BLOCK_WEIGHTS) + experts + V * H * 2 + head,
         "caches": slots * sum(per_slot.values()),
         "scratch": slots * (max(rows // d.index_kpool, 1) * 4 + SCRATCH_ROW)
-        + select_workspace_bytes(slots, rows, d.index_kpool, d.topk_pools),
+        + select_workspace_bytes(slots, rows, d.index_kpool),
     }
     out["total"] = sum(out.values())
     return out

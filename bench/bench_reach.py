@@ -7,14 +7,17 @@ with f32 scales, kpool 4; selection: the top 512 pools):
 
 1. Kernels of one row, at 1,024 / 32,768 / 262,144 complete pools, in slots of 1,048,576 rows (what
    a proposer of the full reach launches; 1,024 pools also in a slot of 4096 rows, the batch-1
-   drafter at context 4096): ``indexer_scores_batch`` alone, ``select_topk_pools_batch`` alone
-   (over the indexer's own scores) and the two as a draft runs them. Device microseconds per launch:
-   a graph of REPS back-to-back launches captured as the proposer captures its drafts (programmatic
-   dependent launch on where the backend has it), CUDA events around each replay, median over
-   ``--iters`` replays, divided by REPS. The indexer's floor is its bytes (the FP8 keys and f32
-   scales it reads, the f32 scores it writes: ``indexer_score_bytes``) over the measured copy
-   bandwidth. The selection at 262,144 pools is checked exactly against ``select_rows_ref`` of
-   the scores it ranked.
+   drafter at context 4096): ``indexer_scores_batch`` alone, the selection alone (over the
+   indexer's own scores: every launch the ``select_topk_pools_batch`` helper makes, which past
+   16,384 pools a slot is the three ``select_radix_hist_batch`` phases and the selection) and the
+   two as a draft runs them. Device microseconds per call: a graph of REPS back-to-back calls
+   captured as the proposer captures its drafts (programmatic dependent launch on where the
+   backend has it), CUDA events around each replay, median over ``--iters`` replays, divided by
+   REPS. The indexer's floor is its bytes (the FP8 keys and f32 scales it reads, the f32 scores it
+   writes: ``indexer_score_bytes``) over the measured copy bandwidth. Each selection is checked
+   exactly against ``select_rows_ref`` of the scores it ranked. Then the selection alone at the
+   per-token indexers' shape (GLM-5.2 / DeepSeek-V3.2: the top 2048 rows at kpool 1, 202,752 and
+   163,840 rows, normal random scores), timed and checked alike.
 2. ``propose(k = 3)`` of one sequence at contexts 4096, 131,072 and the reach's last (1,048,576 - k
    rows held, so the k drafted rows fit): the captured graph's device time (bench/bench_propose.py
    ``time_graph``) against a floor of k drafts' weight and cache bytes (``draft_bytes`` without
@@ -122,7 +125,7 @@ def kernel_point(
     up("scores", np.zeros(pps, np.float32))
     up("sel", np.zeros(sel_cap, np.uint32))
     up("cnt", np.zeros(1, np.uint32))
-    ws_bytes = select_workspace_bytes(1, slot_rows, kpool, topk)
+    ws_bytes = select_workspace_bytes(1, slot_rows, kpool)
     ws = up("ws", np.zeros(max(ws_bytes // 4, 1), np.uint32)) if ws_bytes else None
     try:
 
@@ -203,6 +206,69 @@ def kernel_point(
             flush=True,
         )
         return row
+    finally:
+        for p in ptrs.values():
+            gpu.free(p)
+
+
+PER_TOKEN = (202_752, 163_840)
+
+
+def per_token_rows(gpu: Any, iters: int, rng: np.random.Generator) -> list[dict[str, Any]]:
+    """Part 1b: the selection alone at each per-token length."""
+    return [per_token_point(gpu, iters, rng, rows) for rows in PER_TOKEN]
+
+
+def per_token_point(gpu: Any, iters: int, rng: np.random.Generator, rows: int) -> dict[str, Any]:
+    """The selection alone of one row filling a slot of ``rows`` rows at the per-token indexers'
+    shape (kpool 1, top 2048, no tail), over normal random scores."""
+    topk, kpool = 2048, 1
+    sel_cap = selection_capacity(rows, topk, kpool, K - 1)
+    scores = rng.standard_normal(rows).astype(np.float32)
+    ptrs: dict[str, Any] = {}
+
+    def up(name: str, a: np.ndarray) -> None:
+        ptrs[name] = gpu.alloc(max(a.nbytes, 16))
+        gpu.copy_h2d(ptrs[name], np.ascontiguousarray(a))
+
+    up("scores", scores)
+    up("entries", pack_entries([0], [rows - 1], [0]))
+    up("sel", np.zeros(sel_cap, np.uint32))
+    up("cnt", np.zeros(1, np.uint32))
+    up("ws", np.zeros(max(select_workspace_bytes(1, rows, kpool) // 4, 1), np.uint32))
+    try:
+
+        def select(s: int) -> None:
+            dsa_select.select_topk_pools_batch(
+                gpu,
+                scores=ptrs["scores"],
+                selected=ptrs["sel"],
+                count=ptrs["cnt"],
+                entries=ptrs["entries"],
+                m=1,
+                row_add=0,
+                slot_rows=rows,
+                sel_cap=sel_cap,
+                topk_pools=topk,
+                kpool=kpool,
+                tail=False,
+                workspace=ptrs["ws"],
+                stream=s,
+            )
+
+        s = gpu.create_stream()
+        try:
+            us = _graph_us(gpu, s, select, iters, f"select per-token {rows}")
+        finally:
+            gpu.destroy_stream(s)
+        cnt = np.empty(1, np.uint32)
+        gpu.copy_d2h(cnt, ptrs["cnt"])
+        got = np.empty(int(cnt[0]), np.uint32)
+        if got.size:
+            gpu.copy_d2h(got, ptrs["sel"])
+        exact = bool(np.array_equal(got, select_rows_ref(scores, rows - 1, topk, kpool, False)))
+        print(f"per-token selection, {rows:>6} rows, top {topk}: {us:6.1f} us; exact: {exact}", flush=True)
+        return {"rows": rows, "topk": topk, "select_us": us, "selection_exact": exact}
     finally:
         for p in ptrs.values():
             gpu.free(p)
@@ -302,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         rng = np.random.default_rng(1)
         res: dict[str, Any] = {"device": getattr(gpu, "device_name", gpu.name), "copy_bw_GBps": bw / 1e9}
         res["kernels"] = kernel_rows(gpu, bw, args.iters, rng)
+        res["per_token"] = per_token_rows(gpu, args.iters, rng)
         if args.propose:
             res["propose"] = propose_rows(gpu, bw, args.iters, rng, fp8_weights=args.fp8)
     finally:

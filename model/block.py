@@ -65,7 +65,7 @@ class BatchScratch:
     iscores: DevicePtr
     selected: DevicePtr
     count: DevicePtr
-    select_ws: DevicePtr  # the chunked selection's per-row workspace (zeroed; its counters stay zero)
+    select_ws: DevicePtr  # the chunked selection's per-row workspace (zeroed; left zeroed by each launch)
     router_counter: DevicePtr  # u32s, zero between launches (router_group_batch's last-block handshakes)
     attn_part: DevicePtr  # sparse_mla_split_batch's per-split outputs and (max, sum), per row
     attn_ml: DevicePtr
@@ -117,9 +117,7 @@ class BatchScratch:
             iscores=b(rows * max(slot_rows // d.index_kpool, 1) * 4),
             selected=b(rows * max(sel_rows, 1) * 4),
             count=b(rows * 4),
-            select_ws=b(
-                max(dsa_select.select_workspace_bytes(rows, slot_rows, d.index_kpool, d.topk_pools), 4)
-            ),
+            select_ws=b(max(dsa_select.select_workspace_bytes(rows, slot_rows, d.index_kpool), 4)),
             router_counter=b(4 * moe.router_counter_words(rows, grouped=True)),
             attn_part=b(rows * part_bytes),
             attn_ml=b(rows * ml_bytes),

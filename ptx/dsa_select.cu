@@ -533,27 +533,69 @@ extern "C" __global__ void __launch_bounds__(256, 1) indexer_scores_batch_mma2(
 // complete pool's rows. The result is exactly select_rows_ref's: a unique set, so every algorithm
 // below gives the same list, and the grid or the batch can never change it.
 //
-// Every ranking is select_core: an exact radix select over order-preserving u32 keys in shared
-// memory (4 passes of 8 bits; histograms with warp-aggregated shared atomics, since scores of one
-// magnitude share their top byte and plain atomics would serialise on one bin), then an ordered
-// emission: warp w walks its own contiguous segment of keys 32 at a time (consecutive lanes on
-// consecutive words: no bank conflicts), ballots give each taken key its place, and one block-wide
-// exchange of the warps' counts gives each segment its first output position and its share of the
-// keys equal to the threshold (the lowest positions first: ties go to the lower pool index).
+// Up to TOPK_SINGLE_BLOCK_POOLS complete pools one block (blockIdx.x == 0) ranks all of them with
+// select_core: an exact radix select over order-preserving u32 keys in shared memory (4 passes of 8
+// bits; histograms with warp-aggregated shared atomics, since scores of one magnitude share their
+// top byte and plain atomics would serialise on one bin), then an ordered emission: warp w walks
+// its own contiguous segment of keys 32 at a time (consecutive lanes on consecutive words: no bank
+// conflicts), ballots give each taken key its place, and one block-wide exchange of the warps'
+// counts gives each segment its first output position and its share of the keys equal to the
+// threshold (the lowest positions first: ties go to the lower pool index).
 //
-// Up to TOPK_SINGLE_BLOCK_POOLS complete pools: one block (blockIdx.x == 0) ranks all of them
-// (what the kernel did before it had more). Past that, block c of the entry ranks chunk c of
-// `chunk` pools (the wrapper's select_chunk(topk_pools) >= 16 topk_pools) and writes its local
-// top topk_pools (key and pool, in ascending pool order) into the entry's workspace; the last
-// chunk to finish (a counter per entry, which it resets to 0 for the next launch and every graph
-// replay) ranks the ceil(npools / chunk) lists, at most TOPK_MAX_POOLS / chunk * topk_pools keys.
-// Exact: a pool of the global top k has fewer than k better pools in all, so fewer in its chunk,
-// so it is in its chunk's top k; and the lists, concatenated in chunk order, are in ascending pool
-// order, so the merge's "lower position first" is "lower pool index first".
+// Past TOPK_SINGLE_BLOCK_POOLS: a radix select over the whole row by all its blocks, four launches
+// (the launch helper makes them, the same four whatever the rows). Block c of an entry owns pools
+// c * SELECT_CHUNK .. + SELECT_CHUNK - 1 (32 blocks at 262,144 pools, one key per thread per 1024).
+//   select_radix_hist_batch phase 0: each block's shared histogram of the keys' bits 31..20 (4096
+//     bins), added into the entry's global histogram (only its non-zero bins);
+//   phase 1: every block finds the threshold bin of phase 0 (a scan of the 4096 bins: the bin
+//     holding the topk-th largest key, and how many of the keys still to take lie in it), block 0
+//     records it, and the keys in that bin add their bits 19..10 into a second histogram (1024);
+//   phase 2: likewise, bits 9..0 of the keys whose bits 31..10 are the threshold's (1024 bins);
+//   select_topk_pools_batch: every block finds the threshold key T and `need`, the keys equal to T
+//     to take (count_above(T) = topk - need < topk <= count_above + count_equal), and writes its
+//     pools' two bitmaps (key > T, key == T; a warp's ballot per 32 pools). The last block of the
+//     entry (a counter, reset for the next launch and every graph replay) stages both maps of the
+//     row (at most 8192 + 8192 words) in shared memory, takes every bit of the first and the
+//     `need` lowest bits of the second (ties to the lower pool index, as select_core), compacts
+//     them in ascending pool order (per-warp popcounts, one block exchange, shuffle scans over the
+//     lanes) into the rows list, appends the tail, writes count[e] and zeroes the three histograms.
+// Why: the chunked selection this replaces ranked each chunk's local top k in one block and the
+// last chunk merged ceil(npools / chunk) x topk candidates in one block: two single-block 4-pass
+// selects over 8-16K keys in series, 23.2 us at 32,768 pools and 50.9 us at 262,144 on the H200
+// (GLM-5.3-Flash, top-512 at kpool 4; the issue asks 30). Here the serial part is one block's
+// scan of at most 4096 bins a launch and the last block's compaction of at most 2 x 8192 words;
+// every block reads its 8192 scores once a launch through L2 (8 loads in flight a thread, issued
+// before the scan). So the time is four PDL launch boundaries (a one-thread kernel costs about 2.6
+// us a launch in the step: extend_selection_batch) plus a few L2 round trips each, about 15-20 us
+// expected (estimated when written, without a GPU: bench/bench_reach.py measures it), whatever the
+// row length past 16384 pools and whatever the ties; the per-token shape (top 2048 of up to
+// 202,752 at kpool 1) takes the same four. The price: in slots of more than 16384 pools a row of
+// fewer still waits for three launches whose blocks exit at once. Not chosen: folding phase 2
+// into the last launch (three launches: the last block would have to reread every key sharing
+// T's top 22 bits, the whole row when all scores are equal); two 16-bit phases (64K-bin
+// histograms: global atomics per key, 256 KB an entry to scan or clear); one launch with a
+// spinning grid barrier (the blocks of a batch are not all resident, m = 64 is 2048 blocks, and
+// the wk_t GEMV runs beside: a spin could deadlock).
 //
-// Workspace of entry e (u32, at workspace + e * select_ws_words(pps, topk, chunk)): the counter,
-// 3 words of padding, then ceil(pps / chunk) * topk keys and as many pool indices. Read only past
-// TOPK_SINGLE_BLOCK_POOLS complete pools; the counters must be zero before the first launch.
+// Workspace of entry e (u32, at workspace + e * select_ws_words(pps); allocated zeroed, and every
+// launch sequence leaves the counter and the histograms zero again): the counter, 3 words of
+// padding, the thresholds phases 1 and 2 found (prefix, keys still to take: 4 words), the three
+// histograms (4096 + 1024 + 1024), then the two bitmaps of select_map_words(pps) words each
+// (rewritten for the row's words every time: never cleared). Read only past
+// TOPK_SINGLE_BLOCK_POOLS complete pools. The radix passes and the final kernel take the same
+// rows (select_row_plan), so whatever a pass adds the final kernel's last block clears.
+#define SELECT_THREADS 1024u
+#define SELECT_CHUNK 8192u  // SELECT_THREADS x 8 keys, model/kernels/dsa_select.py SELECT_CHUNK
+#define SEL_KEYS_PER_THREAD 8
+#define SEL_HIST0_BINS 4096u  // bits 31..20
+#define SEL_HIST_BINS 1024u   // bits 19..10, then 9..0
+#define SEL_WS_STATE 4u
+#define SEL_WS_HIST0 8u
+#define SEL_WS_MAPS (SEL_WS_HIST0 + SEL_HIST0_BINS + 2u * SEL_HIST_BINS)  // 6152
+static_assert(SELECT_CHUNK == SELECT_THREADS * SEL_KEYS_PER_THREAD, "a block's keys: 8 a thread");
+static_assert(SEL_HIST0_BINS == 4u * SELECT_THREADS && SEL_HIST_BINS == SELECT_THREADS, "bins a thread: 4, 1");
+static_assert(SEL_WS_MAPS % 4u == 0, "the bitmaps are read as 16-byte vectors");
+static_assert(TOPK_MAX_POOLS_CUDA / 32u <= 8u * SELECT_THREADS, "a row's bitmaps fit 64 KiB of shared memory");
 namespace {
 struct SelectSmem {
     uint32_t hist[256];
@@ -562,12 +604,48 @@ struct SelectSmem {
     bool last;
 };
 
-__host__ __device__ __forceinline__ uint32_t select_chunks(uint32_t pools, uint32_t chunk) {
-    return (pools + chunk - 1u) / chunk;
+__host__ __device__ __forceinline__ uint32_t select_chunks(uint32_t pools) {
+    return (pools + SELECT_CHUNK - 1u) / SELECT_CHUNK;
 }
 
-__device__ __forceinline__ size_t select_ws_words(uint32_t pps, uint32_t topk, uint32_t chunk) {
-    return 4u + 2u * (size_t)select_chunks(pps, chunk) * topk;
+// Words of one bitmap over a slot's pools, a multiple of 4 (16-byte vectors).
+__host__ __device__ __forceinline__ uint32_t select_map_words(uint32_t pps) { return ((pps + 31u) / 32u + 3u) & ~3u; }
+
+__device__ __forceinline__ size_t select_ws_words(uint32_t pps) {
+    return SEL_WS_MAPS + 2u * (size_t)select_map_words(pps);
+}
+
+// What select_topk_pools_batch does with entry e: nothing (padding: SEL_SKIP), count 0 (a row past
+// slot_rows or the capacity, a list past sel_cap, a launch of another block size: SEL_FAIL), or its
+// list (SEL_RUN, with the row's numbers). The radix passes histogram exactly the rows this plans
+// for the chunked path, so the final kernel's last block clears whatever they added.
+enum SelectPlanKind { SEL_SKIP, SEL_FAIL, SEL_RUN };
+struct SelectPlan {
+    uint32_t row, npools, tail0, tail_n, base;
+    bool ranked, multi;
+};
+__device__ __forceinline__ SelectPlanKind select_row_plan(const uint32_t* __restrict__ entries, uint32_t e,
+                                                          uint32_t row_add, uint32_t slot_rows, uint32_t sel_cap,
+                                                          uint32_t topk_pools, uint32_t kpool, uint32_t tail,
+                                                          SelectPlan& p) {
+    const BatchEntry b = load_entry(entries, e);
+    if (entry_is_pad(b)) return SEL_SKIP;
+    p.row = b.row + row_add;
+    if (p.row >= slot_rows) return SEL_FAIL;
+    p.npools = (p.row + 1u) / kpool;
+    p.tail0 = p.npools * kpool;
+    p.tail_n = tail ? p.row + 1u - p.tail0 : 0u;
+    p.ranked = p.npools > topk_pools;
+    p.base = p.ranked ? topk_pools * kpool : p.tail0;  // where the tail goes
+    p.multi = p.ranked && p.npools > TOPK_SINGLE_BLOCK_POOLS;
+    if (p.base + p.tail_n > sel_cap || p.npools > TOPK_MAX_POOLS_CUDA || (p.multi && blockDim.x != SELECT_THREADS))
+        return SEL_FAIL;
+    return SEL_RUN;
+}
+
+// Whether entry e's row takes the radix passes (and so the final kernel's last-block epilogue).
+__device__ __forceinline__ bool select_row_radix(const SelectPlanKind k, const SelectPlan& p, uint32_t topk_pools) {
+    return k == SEL_RUN && p.multi && topk_pools > 0u;
 }
 
 // keys[0..n) from n f32 scores (through L2: the indexer releases its dependents early), four loads
@@ -720,88 +798,322 @@ __device__ __forceinline__ bool last_of(uint32_t* counter, uint32_t n, SelectSme
     __syncthreads();
     return sm.last;
 }
+
+// ---- the radix passes of the chunked selection --------------------------------------------------
+
+// The bin of an entry's global histogram (PER bins a thread, PER * blockDim.x in all, through L2:
+// the pass before released its dependents early) that holds the remaining-th largest key among
+// those it counts: returns the bin and sets `remaining` to the rank the key has inside it. The
+// whole block; every thread gets the result. Exactly one bin qualifies where the histogram counts
+// at least `remaining` keys (what the passes guarantee); else bin 0 with 1 (never out of bounds).
+template <int PER>
+__device__ __forceinline__ uint32_t radix_pick(const uint32_t* __restrict__ hist, uint32_t& remaining,
+                                               SelectSmem& sm) {
+    const uint32_t tid = threadIdx.x;
+    uint32_t c[PER];
+    if constexpr (PER == 4) {
+        const uint4 v = __ldcg(reinterpret_cast<const uint4*>(hist) + tid);
+        c[0] = v.x, c[1] = v.y, c[2] = v.z, c[3] = v.w;
+    } else {
+        c[0] = __ldcg(hist + tid);
+    }
+    uint32_t local = 0u;
+#pragma unroll
+    for (int b = 0; b < PER; ++b) local += c[b];
+    if (tid == 0) {
+        sm.digit = 0u;
+        sm.remaining = 1u;
+    }
+    uint32_t total;
+    const uint32_t before = block_exclusive_scan(local, sm.warp_gt, &total);  // ends with a barrier
+    uint32_t above = total - before - local;  // keys in the bins of higher threads
+#pragma unroll
+    for (int b = PER - 1; b >= 0; --b) {
+        if (above < remaining && above + c[b] >= remaining) {
+            sm.digit = tid * PER + (uint32_t)b;
+            sm.remaining = remaining - above;
+        }
+        above += c[b];
+    }
+    __syncthreads();
+    const uint32_t d = sm.digit;
+    remaining = sm.remaining;
+    __syncthreads();  // digit / remaining are rewritten by the next pick
+    return d;
+}
+
+// The threshold after `done` (1..3) passes: its known top bits in `prefix` (bits 31..20, 31..10 or
+// all 32) and `remaining`, the keys still to take among those sharing them. Pass 1 scans the first
+// histogram; passes 2 and 3 start from what the pass before recorded (SEL_WS_STATE) and scan its
+// histogram. The whole block.
+__device__ __forceinline__ void radix_threshold(const uint32_t* ws, uint32_t done, uint32_t topk_pools,
+                                                SelectSmem& sm, uint32_t& prefix, uint32_t& remaining) {
+    if (done == 1u) {
+        remaining = topk_pools;
+        prefix = radix_pick<4>(ws + SEL_WS_HIST0, remaining, sm) << 20;
+        return;
+    }
+    const uint32_t* st = ws + SEL_WS_STATE + 2u * (done - 2u);
+    const uint32_t p = __ldcg(st);
+    remaining = __ldcg(st + 1);
+    const uint32_t* hist = ws + SEL_WS_HIST0 + SEL_HIST0_BINS + SEL_HIST_BINS * (done - 2u);
+    prefix = p | (radix_pick<1>(hist, remaining, sm) << (done == 2u ? 10 : 0));
+}
+
+// The chunk's keys: thread t holds pools lo + t + SELECT_THREADS * u (u < 8) of the row: warp w's
+// lanes the 32 pools of words w, w + 32, ... of the chunk, coalesced. Past the row's pools 0.0,
+// which no pass counts (each tests j < len).
+__device__ __forceinline__ void load_chunk_scores(const float* __restrict__ sc, uint32_t len,
+                                                  float (&v)[SEL_KEYS_PER_THREAD]) {
+#pragma unroll
+    for (int u = 0; u < SEL_KEYS_PER_THREAD; ++u) {
+        const uint32_t j = threadIdx.x + SELECT_THREADS * (uint32_t)u;
+        v[u] = j < len ? __ldcg(sc + j) : 0.0f;
+    }
+}
+}  // namespace
+
+// Phase `phase` (0, 1, 2) of the chunked selection's radix select (see above), grid and arguments
+// as select_topk_pools_batch's, SELECT_THREADS threads. Adds the histogram of the phase's 12 / 10 /
+// 10 key bits of block c's pools (among those sharing the threshold's bits found so far) into the
+// entry's workspace; phases 1 and 2 first find that threshold from the phase before's histogram
+// (block 0 records it for the next). Rows one block ranks, padding, rows past slot_rows or the
+// capacity or sel_cap: nothing (select_row_plan). Releases right after its wait: the next phase's
+// blocks are resident when this one completes.
+extern "C" __global__ void __launch_bounds__(1024, 2) select_radix_hist_batch(
+    const float* __restrict__ scores, const uint32_t* __restrict__ entries, uint32_t m, uint32_t row_add,
+    uint32_t slot_rows, uint32_t sel_cap, uint32_t topk_pools, uint32_t kpool, uint32_t tail,
+    uint32_t* __restrict__ workspace, uint32_t phase) {
+    __shared__ uint32_t hist[SEL_HIST0_BINS];
+    __shared__ SelectSmem sm;
+    wait_then_release();
+    const uint32_t e = blockIdx.y, c = blockIdx.x, tid = threadIdx.x, lane = tid & 31u;
+    if (e >= m || phase > 2u) return;
+    SelectPlan p;
+    const SelectPlanKind kind = select_row_plan(entries, e, row_add, slot_rows, sel_cap, topk_pools, kpool, tail, p);
+    if (!select_row_radix(kind, p, topk_pools) || c >= select_chunks(p.npools)) return;
+    const uint32_t pps = pools_per_slot(slot_rows, kpool);
+    uint32_t* ws = workspace + (size_t)e * select_ws_words(pps);
+    const uint32_t lo = c * SELECT_CHUNK, len = min(SELECT_CHUNK, p.npools - lo);
+    float v[SEL_KEYS_PER_THREAD];
+    load_chunk_scores(scores + (size_t)e * pps + lo, len, v);  // in flight while the threshold is found
+    const uint32_t bins = phase == 0u ? SEL_HIST0_BINS : SEL_HIST_BINS;
+    for (uint32_t i = tid; i < bins; i += SELECT_THREADS) hist[i] = 0u;
+    uint32_t prefix = 0u, mask = 0u, remaining = topk_pools;
+    if (phase > 0u) {
+        radix_threshold(ws, phase, topk_pools, sm, prefix, remaining);  // its barriers order the zeroing
+        mask = phase == 1u ? 0xFFF00000u : 0xFFFFFC00u;
+        if (c == 0 && tid == 0) {
+            ws[SEL_WS_STATE + 2u * (phase - 1u)] = prefix;
+            ws[SEL_WS_STATE + 2u * (phase - 1u) + 1u] = remaining;
+        }
+    } else {
+        __syncthreads();
+    }
+    const uint32_t shift = phase == 0u ? 20u : phase == 1u ? 10u : 0u;
+#pragma unroll
+    for (int u = 0; u < SEL_KEYS_PER_THREAD; ++u) {
+        const uint32_t key = ordered_key(v[u]);
+        if (tid + SELECT_THREADS * (uint32_t)u < len && (key & mask) == prefix) {
+            const uint32_t digit = (key >> shift) & (bins - 1u);
+            const uint32_t peers = __match_any_sync(__activemask(), digit);
+            if (lane == (uint32_t)(__ffs(peers) - 1)) atomicAdd(&hist[digit], (uint32_t)__popc(peers));
+        }
+    }
+    __syncthreads();
+    uint32_t* g = ws + SEL_WS_HIST0 + (phase == 0u ? 0u : SEL_HIST0_BINS + SEL_HIST_BINS * (phase - 1u));
+    for (uint32_t i = tid; i < bins; i += SELECT_THREADS) {
+        const uint32_t n = hist[i];
+        if (n) atomicAdd(g + i, n);
+    }
+}
+
+namespace {
+// The last block's epilogue of the chunked selection: the row's two bitmaps staged in shared
+// memory (`maps`, 2 x select_map_words(npools) words), then every bit of the first and the `need`
+// lowest bits of the second, compacted in ascending pool order into selected[0 .. topk_pools) as
+// the pools' rows. Warp w owns a contiguous run of words (whole 32-word steps, in word order): a
+// first sweep counts its bits, one exchange of the warps' counts (as select_core's) gives each its
+// first position and its share of the ties, a second sweep places each lane's bits by lane scans.
+// Not inlined: inside the kernel's 32 registers it spilled 48 bytes (ptxas -v); called, neither it
+// nor the kernel spills.
+__device__ __noinline__ void emit_bitmaps(const uint32_t* gt_map, const uint32_t* eq_map, uint32_t npools,
+                                             uint32_t need, uint32_t topk_pools, uint32_t kpool,
+                                             uint32_t* __restrict__ sel, uint32_t* maps, SelectSmem& sm) {
+    const uint32_t tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5, nw = SELECT_THREADS >> 5;
+    const uint32_t W = (npools + 31u) / 32u, n4 = (W + 3u) / 4u;  // words with pools, their vectors
+    uint4* gts = reinterpret_cast<uint4*>(maps);  // then the eq map's n4 vectors
+    for (uint32_t base = 0; base < 2u * n4; base += 4u * SELECT_THREADS) {  // 4 loads in flight per thread
+        uint4 t[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const uint32_t k = base + tid + SELECT_THREADS * (uint32_t)u;
+            if (k < 2u * n4)
+                t[u] = __ldcg(k < n4 ? reinterpret_cast<const uint4*>(gt_map) + k
+                                     : reinterpret_cast<const uint4*>(eq_map) + (k - n4));
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const uint32_t k = base + tid + SELECT_THREADS * (uint32_t)u;
+            if (k < 2u * n4) gts[k] = t[u];
+        }
+    }
+    __syncthreads();
+    const uint32_t* g32 = maps;
+    const uint32_t* e32 = maps + 4u * n4;
+    const uint32_t seg = (W + 32u * nw - 1u) / (32u * nw) * 32u;
+    const uint32_t lo = min(warp * seg, W), hi = min(lo + seg, W);
+    uint32_t gt = 0u, eq = 0u;
+    for (uint32_t b = lo; b < hi; b += 32u) {
+        const uint32_t i = b + lane;
+        if (i < hi) {
+            gt += __popc(g32[i]);
+            eq += __popc(e32[i]);
+        }
+    }
+    gt = __reduce_add_sync(0xFFFFFFFFu, gt);
+    eq = __reduce_add_sync(0xFFFFFFFFu, eq);
+    if (lane == 0) {
+        sm.warp_gt[warp] = gt;
+        sm.warp_eq[warp] = eq;
+    }
+    __syncthreads();
+    // Lane l: warp l's counts; its ties before it, its quota of ties, its first output position.
+    const uint32_t lgt = sm.warp_gt[lane], leq = sm.warp_eq[lane];  // nw == 32
+    uint32_t eq_inc = leq;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t t = __shfl_up_sync(0xFFFFFFFFu, eq_inc, o);
+        if (lane >= (uint32_t)o) eq_inc += t;
+    }
+    const uint32_t eq_before = eq_inc - leq;
+    const uint32_t lquota = need > eq_before ? min(leq, need - eq_before) : 0u;
+    const uint32_t ltake = lgt + lquota;
+    uint32_t take_inc = ltake;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t t = __shfl_up_sync(0xFFFFFFFFu, take_inc, o);
+        if (lane >= (uint32_t)o) take_inc += t;
+    }
+    const uint32_t quota = __shfl_sync(0xFFFFFFFFu, lquota, warp);
+    uint32_t pos = __shfl_sync(0xFFFFFFFFu, take_inc - ltake, warp);
+    if (__shfl_sync(0xFFFFFFFFu, ltake, warp) == 0u) return;  // nothing chosen in this warp's words
+    uint32_t eq_seen = 0u;
+    for (uint32_t b = lo; b < hi; b += 32u) {
+        const uint32_t i = b + lane;
+        const uint32_t g = i < hi ? g32[i] : 0u;
+        uint32_t q = i < hi ? e32[i] : 0u;
+        const uint32_t qc = __popc(q);
+        uint32_t q_inc = qc;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const uint32_t t = __shfl_up_sync(0xFFFFFFFFu, q_inc, o);
+            if (lane >= (uint32_t)o) q_inc += t;
+        }
+        const uint32_t before = eq_seen + q_inc - qc;  // ties in lower words of the row
+        const uint32_t keep = quota > before ? min(qc, quota - before) : 0u;
+        if (keep < qc) {  // the lowest `keep` of the word's ties
+            uint32_t rest = q;
+            for (uint32_t k = 0; k < keep; ++k) rest &= rest - 1u;
+            q ^= rest;
+        }
+        uint32_t s = g | q;
+        const uint32_t sc = __popc(s);
+        uint32_t s_inc = sc;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const uint32_t t = __shfl_up_sync(0xFFFFFFFFu, s_inc, o);
+            if (lane >= (uint32_t)o) s_inc += t;
+        }
+        uint32_t at = pos + s_inc - sc;
+        while (s) {
+            const uint32_t bit = (uint32_t)__ffs(s) - 1u;
+            s &= s - 1u;
+            if (at < topk_pools) put_pool_rows(sel, at, 32u * i + bit, kpool);
+            ++at;
+        }
+        pos += __shfl_sync(0xFFFFFFFFu, s_inc, 31);
+        eq_seen += __shfl_sync(0xFFFFFFFFu, q_inc, 31);
+    }
+}
 }  // namespace
 
 // Grid (G, m): blockIdx.y = entry e, blockIdx.x = chunk (G = 1 when a slot holds at most
-// TOPK_SINGLE_BLOCK_POOLS pools, else ceil(pools_per_slot / chunk)). Entry e's row of its slot
-// (entries[e].row + row_add) from scores + e * pools_per_slot, its rows into selected + e * sel_cap
-// and their count into count[e]. Dynamic smem: select_smem (launch helper), one u32 key per pool a
-// block ranks. Padding entries read and write nothing; a row past slot_rows, a list longer than
-// sel_cap (a sizing error) or a row past the capacity give count 0 and no list. Two blocks per SM
-// (32 registers, 64 KiB of keys each at GLM-5.3-Flash's sizes): a batch's chunks share the SMs.
+// TOPK_SINGLE_BLOCK_POOLS pools, else ceil(pools_per_slot / SELECT_CHUNK)). Entry e's row of its
+// slot (entries[e].row + row_add) from scores + e * pools_per_slot, its rows into
+// selected + e * sel_cap and their count into count[e]. Dynamic smem: select_smem (launch helper),
+// one u32 key per pool one block ranks, or the two bitmaps of a chunked row. Rows past
+// TOPK_SINGLE_BLOCK_POOLS complete pools need the three select_radix_hist_batch phases launched
+// before this, with the same arguments and workspace. Padding entries read and write nothing; a
+// row past slot_rows, a list longer than sel_cap (a sizing error) or a row past the capacity give
+// count 0 and no list. Two blocks per SM (32 registers, 64 KiB of keys each at GLM-5.3-Flash's
+// sizes): a batch's rows share the SMs.
 extern "C" __global__ void __launch_bounds__(1024, 2) select_topk_pools_batch(
     const float* __restrict__ scores, uint32_t* __restrict__ selected, uint32_t* __restrict__ count,
     const uint32_t* __restrict__ entries, uint32_t m, uint32_t row_add, uint32_t slot_rows, uint32_t sel_cap,
-    uint32_t topk_pools, uint32_t kpool, uint32_t tail, uint32_t* __restrict__ workspace, uint32_t chunk) {
-    extern __shared__ uint32_t keys_s[];
+    uint32_t topk_pools, uint32_t kpool, uint32_t tail, uint32_t* __restrict__ workspace) {
+    extern __shared__ __align__(16) uint32_t keys_s[];
     __shared__ SelectSmem sm;
     // The q_abs GEMV runs beside it.
     wait_then_release();
     const uint32_t e = blockIdx.y, c = blockIdx.x, tid = threadIdx.x;
     if (e >= m) return;
-    const BatchEntry b = load_entry(entries, e);
-    if (entry_is_pad(b)) return;
-    const uint32_t row = b.row + row_add;
-    if (row >= slot_rows) {
+    SelectPlan p;
+    const SelectPlanKind kind = select_row_plan(entries, e, row_add, slot_rows, sel_cap, topk_pools, kpool, tail, p);
+    if (kind == SEL_SKIP) return;
+    if (kind == SEL_FAIL) {
         if (c == 0 && tid == 0) count[e] = 0u;
         return;
     }
     const uint32_t pps = pools_per_slot(slot_rows, kpool);
     const float* sc = scores + (size_t)e * pps;
     uint32_t* sel = selected + (size_t)e * sel_cap;
-    const uint32_t npools = (row + 1u) / kpool;
-    const uint32_t tail0 = npools * kpool, tail_n = tail ? row + 1u - tail0 : 0u;
-    const bool ranked = npools > topk_pools;
-    const uint32_t base = ranked ? topk_pools * kpool : tail0;  // where the tail goes
-    const bool multi = ranked && npools > TOPK_SINGLE_BLOCK_POOLS;
-    if (base + tail_n > sel_cap || npools > TOPK_MAX_POOLS_CUDA || (multi && (chunk == 0 || chunk < topk_pools))) {
-        if (c == 0 && tid == 0) count[e] = 0u;
-        return;
-    }
-    if (!multi) {
+    const uint32_t npools = p.npools, tail0 = p.tail0, tail_n = p.tail_n, base = p.base;
+    if (!p.multi) {
         if (c != 0) return;
-        if (!ranked) {
+        if (!p.ranked) {
             for (uint32_t i = tid; i < tail0; i += blockDim.x) sel[i] = i;
         } else {
             stage_score_keys(sc, npools, keys_s);
             select_core(keys_s, npools, topk_pools, sm,
                         [&](uint32_t pos, uint32_t i) { put_pool_rows(sel, pos, i, kpool); });
         }
+    } else if (!select_row_radix(kind, p, topk_pools)) {
+        if (c != 0) return;  // topk_pools 0: the list is the tail alone
     } else {
-        const uint32_t nch = select_chunks(npools, chunk);
+        const uint32_t nch = select_chunks(npools);
         if (c >= nch) return;
-        uint32_t* ws = workspace + (size_t)e * select_ws_words(pps, topk_pools, chunk);
-        const size_t cand_cap = (size_t)select_chunks(pps, chunk) * topk_pools;
-        uint32_t* cand_key = ws + 4;
-        uint32_t* cand_pool = cand_key + cand_cap;
-        const uint32_t lo = c * chunk, len = min(chunk, npools - lo);
-        stage_score_keys(sc + lo, len, keys_s);
-        uint32_t* my_key = cand_key + (size_t)c * topk_pools;
-        uint32_t* my_pool = cand_pool + (size_t)c * topk_pools;
-        select_core(keys_s, len, topk_pools, sm, [&](uint32_t pos, uint32_t i) {
-            my_key[pos] = keys_s[i];
-            my_pool[pos] = lo + i;
-        });
-        if (!last_of(ws, nch, sm)) return;
-        // Full chunks list topk_pools each, the last one min(its pools, topk_pools).
-        const uint32_t ncand = (nch - 1u) * topk_pools + min(topk_pools, npools - (nch - 1u) * chunk);
-        for (uint32_t base0 = 0; base0 < ncand; base0 += 4u * blockDim.x) {  // 4 loads in flight per thread
-            uint32_t v[4];
+        uint32_t* ws = workspace + (size_t)e * select_ws_words(pps);
+        uint32_t* gt_map = ws + SEL_WS_MAPS;
+        uint32_t* eq_map = gt_map + select_map_words(pps);
+        const uint32_t lo = c * SELECT_CHUNK, len = min(SELECT_CHUNK, npools - lo);
+        float v[SEL_KEYS_PER_THREAD];
+        load_chunk_scores(sc + lo, len, v);  // in flight while the threshold is found
+        uint32_t T, need;
+        radix_threshold(ws, 3u, topk_pools, sm, T, need);
+        const uint32_t lane = tid & 31u, warp = tid >> 5;
 #pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const uint32_t i = base0 + tid + blockDim.x * u;
-                v[u] = i < ncand ? __ldcg(cand_key + i) : 0u;
-            }
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const uint32_t i = base0 + tid + blockDim.x * u;
-                if (i < ncand) keys_s[i] = v[u];
+        for (int u = 0; u < SEL_KEYS_PER_THREAD; ++u) {
+            const uint32_t key = ordered_key(v[u]);
+            const bool in = tid + SELECT_THREADS * (uint32_t)u < len;
+            const uint32_t gtm = __ballot_sync(0xFFFFFFFFu, in && key > T);
+            const uint32_t eqm = __ballot_sync(0xFFFFFFFFu, in && key == T);
+            const uint32_t w = warp + (SELECT_THREADS >> 5) * (uint32_t)u;  // the chunk's word
+            if (lane == 0 && 32u * w < len) {
+                gt_map[lo / 32u + w] = gtm;
+                eq_map[lo / 32u + w] = eqm;
             }
         }
-        __syncthreads();
-        select_core(keys_s, ncand, topk_pools, sm, [&](uint32_t pos, uint32_t i) {
-            put_pool_rows(sel, pos, __ldcg(cand_pool + i), kpool);
-        });
+        if (!last_of(ws, nch, sm)) return;
+        // The next launch's histograms start from zero (every block of the entry has read them).
+        uint4* h = reinterpret_cast<uint4*>(ws + SEL_WS_HIST0);
+        for (uint32_t i = tid; i < (SEL_HIST0_BINS + 2u * SEL_HIST_BINS) / 4u; i += SELECT_THREADS)
+            h[i] = make_uint4(0u, 0u, 0u, 0u);
+        if (dynamic_smem_bytes() < 32u * ((npools + 127u) / 128u)) {  // 2 maps of W words, in vectors
+            if (tid == 0) count[e] = 0u;
+            return;
+        }
+        emit_bitmaps(gt_map, eq_map, npools, need, topk_pools, kpool, sel, keys_s, sm);
     }
     for (uint32_t i = tid; i < tail_n; i += blockDim.x) sel[base + i] = tail0 + i;
     if (tid == 0) count[e] = base + tail_n;

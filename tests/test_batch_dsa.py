@@ -433,6 +433,7 @@ BATCH_KERNELS = [
     ("dsa_cache", "dsa_cache_write_batch", Pdl.WAIT, True),
     ("dsa_select", "indexer_scores_batch", Pdl.WAIT, True),
     ("dsa_select", "indexer_scores_batch_mma2", Pdl.WAIT, True),
+    ("dsa_select", "select_radix_hist_batch", Pdl.WAIT, True),
     ("dsa_select", "select_topk_pools_batch", Pdl.WAIT, True),
     ("dsa_select", "extend_selection_batch", Pdl.WAIT, True),
     ("sparse_mla", "sparse_mla_partial_batch", Pdl.WAIT, True),

@@ -1,6 +1,7 @@
 """The drafter's reach out to 1,048,576 tokens on the host: the selection past the one-block
-capacity (16384 pools) up to 262,144 pools through the host twin, the chunked selection's algorithm
-against the plain top-k, the wrapper's refusals, the sizing derived from the capacity, the refusal
+capacity (16384 pools) up to 262,144 pools through the host twin, the chunked selection's radix
+select (a NumPy model) against the plain top-k, the wrapper's refusals and its launches, the sizing
+derived from the capacity, the refusal
 of a served length past the reservation, the bytes a sequence holds, and the indexer's twin and
 path choice at long contexts. tests/test_gpu_dsa_reach.py runs the same checks on the PTX."""
 
@@ -13,7 +14,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 from batch_dsa_util import ScoreShape, check_scores, entries_of, read_layout, score_world, scores_f64
-from dsa_reach_util import SelectShape, check_select_reach, chunked_select_ref, layout_rows, reach_scores
+from dsa_reach_util import (
+    KINDS,
+    TIE_KINDS,
+    SelectShape,
+    check_select_reach,
+    check_select_replays,
+    layout_rows,
+    radix_select_ref,
+    reach_scores,
+    replay_rounds,
+)
 
 from model.config import deepseek_v32, glm5_flash, tiny
 from model.dsa import DsaSizingError, check_served_context, drafter_context_rows, max_dsa_context
@@ -22,7 +33,10 @@ from model.kernels.dsa_select import (
     SCORES_MMA2_SMEM,
     SCORES_MMA_MAX_GRID,
     SCORES_MMA_ROUND,
+    SELECT_CHUNK,
     SELECT_MAX_TOPK,
+    SELECT_THREADS,
+    SELECT_WS_HEAD_WORDS,
     TOPK_MAX_POOLS,
     TOPK_SINGLE_BLOCK_POOLS,
     indexer_score_bytes,
@@ -31,8 +45,8 @@ from model.kernels.dsa_select import (
     scores_mma_grid,
     scores_mma_groups,
     scores_use_mma,
-    select_chunk,
     select_grid,
+    select_map_words,
     select_max_pools,
     select_rows_ref,
     select_smem,
@@ -45,31 +59,46 @@ from runtime.device_ptr import DevicePtr
 from runtime.host_backend import HostBackend
 
 GLM_1M = 1 << 20
-KINDS = ["random", "ties", "coarse", "special"]
 
 
 # ---- the chunked selection's algorithm --------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + TIE_KINDS)
 @pytest.mark.parametrize(
-    "npools,topk,chunk",
+    "npools,topk",
     [
-        (16385, 512, 8192),
-        (100_003, 512, 8192),
-        (262_144, 512, 8192),
-        (262_144, 2048, 32768),
-        (1000, 3, 16),  # many chunks, a last chunk shorter than topk
-        (777, 5, 7),
-        (40, 8, 8),  # chunk == topk: every chunk lists all its pools
+        (16385, 512),  # one pool past the one-block cap: 3 chunks, the last of one pool
+        (100_003, 512),
+        (262_143, 512),
+        (262_144, 512),
+        (202_752, 2048),  # GLM-5.2's per-token indexer at kpool 1
+        (163_840, 2048),  # DeepSeek-V3.2's
+        (20_000, 1),
+        (16_500, 16_499),  # all but one
     ],
 )
-def test_chunked_selection_is_the_plain_top_k(kind, npools, topk, chunk):
-    """Each chunk's top k (ties to the lower pool), concatenated in chunk order, then their top k
-    with ties to the lower position: the global top k, ties included, for every input."""
+def test_radix_selection_is_the_plain_top_k(kind, npools, topk):
+    """The radix select's passes (per-chunk histograms of bits 31..20, 19..10, 9..0 among the keys
+    sharing the threshold's digits), its threshold and its tie quota: the global top k, ties to the
+    lower pool, for every input (the model asserts exactly one threshold bin a pass and
+    count_above(T) < k <= count_above + count_equal)."""
     scores = reach_scores(np.random.default_rng(npools + topk), 1, npools, kind)[0]
     want = select_rows_ref(scores, npools - 1, topk, 1, tail=False)  # kpool 1: rows are pools
-    np.testing.assert_array_equal(chunked_select_ref(scores, npools, topk, chunk), want)
+    np.testing.assert_array_equal(radix_select_ref(scores, npools, topk), want)
+
+
+def test_the_model_sees_a_wrong_tie_break():
+    """The check above could not fail if select_rows_ref and the model agreed by accident: taking
+    the highest-indexed ties instead of the lowest differs wherever the cut is inside a tie."""
+    scores = reach_scores(np.random.default_rng(2), 1, 20_000, "cut")[0]
+    got = radix_select_ref(scores, 20_000, 512)
+    want = select_rows_ref(scores, 19_999, 512, 1, tail=False)
+    np.testing.assert_array_equal(got, want)
+    tied = np.flatnonzero(scores == 5.0)
+    above = int((scores > 5.0).sum())
+    wrong = np.sort(np.concatenate([np.flatnonzero(scores > 5.0), tied[-(512 - above) :]]))
+    assert above < 512 < above + tied.size and not np.array_equal(wrong, want)
 
 
 # ---- the twin past the old capacity -----------------------------------------------------------
@@ -99,13 +128,22 @@ def test_twin_selection_small_topk_past_the_cap(m_live):
     check_select_reach(HostBackend(), reach_scores(rng, len(lay[0]), sh.pps, "ties"), sh, lay)
 
 
+def test_twin_selection_graph_replays():
+    """A captured graph of the launches replayed over new scores, then over rows moved between
+    the one block and the chunked path (tests/test_gpu_dsa_reach.py replays the PTX alike)."""
+    sh = SelectShape(slot_rows=4 * 40_000, kpool=4, topk=64, tail=True)
+    rng = np.random.default_rng(12)
+    counts = [[40_000, 16_385, 1023], [40_000, 16_385, 1023], [16_384, 39_999, 20_001]]
+    check_select_replays(HostBackend(), sh, replay_rounds(rng, sh, counts, ["random", "cut", "equal"]))
+
+
 def test_twin_selection_past_sel_cap_is_count_zero():
     """A list cap too small for topk * kpool + tail is the visible failure at any pool count."""
     sh = SelectShape(slot_rows=4 * 20_000, kpool=4, topk=512, tail=True)
     rng = np.random.default_rng(3)
     ent, _ = entries_of([(0, 4 * 20_000 - 1), (1, 4 * 17_000 + 2)], 0)
     gpu = HostBackend()
-    words = select_workspace_words(sh.pps, sh.topk)
+    words = select_workspace_words(sh.pps)
     p = {
         "scores": gpu.alloc(2 * sh.pps * 4),
         "sel": gpu.alloc(2 * 100 * 4),
@@ -176,38 +214,78 @@ def test_select_wrapper_refuses_what_it_cannot_rank():
     for m in (0, 70000):
         with pytest.raises(ValueError, match=f"m={m}"):
             dsa_select.select_topk_pools_batch(gpu, **_select_kwargs(p, m=m, workspace=p))
+    with pytest.raises(ValueError, match="is not 16-byte aligned"):
+        dsa_select.select_topk_pools_batch(gpu, **_select_kwargs(p, workspace=p.offset(4)))
     gpu.free(p)
 
 
+@pytest.mark.parametrize("m", [1, 64])
+@pytest.mark.parametrize("slot_rows,kpool", [(GLM_1M, 4), (202_752, 1), (4 * TOPK_SINGLE_BLOCK_POOLS, 4)])
+def test_select_launches_follow_the_shapes(slot_rows, kpool, m):
+    """Where a slot can hold more than TOPK_SINGLE_BLOCK_POOLS pools: the three histogram phases,
+    then the selection, over one grid, with SELECT_THREADS threads; else the selection alone. A
+    function of the shapes only (the rows are device data), so a captured graph replays them all."""
+    gpu = _LaunchRecorder()
+    z = gpu.alloc(1 << 16)
+    dsa_select.select_topk_pools_batch(
+        gpu, **_select_kwargs(z, m=m, slot_rows=slot_rows, kpool=kpool, workspace=z)
+    )
+    pps = slot_rows // kpool
+    grid = (*select_grid(m, pps), 1)
+    block = (SELECT_THREADS, 1, 1)
+    want = [("select_topk_pools_batch", grid, block, z, select_smem(pps))]
+    if pps > TOPK_SINGLE_BLOCK_POOLS:
+        want = [("select_radix_hist_batch", grid, block, phase, 0) for phase in range(3)] + want
+    assert gpu.launches == want
+    gpu.free(z)
+
+
 def test_select_sizing_follows_the_kernel():
-    """Chunks of max(8192, 16 topk) pools; a merge of under 16384 + topk keys; shared memory within an
-    H200 block's 227 KiB for every topk the chunked selection takes; no workspace where one block
-    ranks every row."""
-    assert select_chunk(512) == 8192 and select_chunk(2048) == 32768 and select_chunk(1) == 8192
-    assert select_grid(5, TOPK_SINGLE_BLOCK_POOLS, 512) == (1, 5)
-    assert select_grid(5, TOPK_MAX_POOLS, 512) == (32, 5)
-    assert select_workspace_words(TOPK_SINGLE_BLOCK_POOLS, 512) == 0
-    assert select_workspace_bytes(256, 4 * TOPK_SINGLE_BLOCK_POOLS, 4, 512) == 0
-    assert select_workspace_words(TOPK_MAX_POOLS, 512) == 4 + 2 * 32 * 512
-    assert select_workspace_bytes(3, GLM_1M, 4, 512) == 3 * (4 + 2 * 32 * 512) * 4
-    assert select_smem(1024, 512) == 4096
-    assert select_smem(TOPK_MAX_POOLS, 512) == 65536
-    for topk in (1, 3, 100, 512, 1000, 1024, 1500, 2048):
-        chunks = -(-TOPK_MAX_POOLS // select_chunk(topk))
-        assert chunks * topk < 16384 + topk, topk
-        assert select_smem(TOPK_MAX_POOLS, topk) <= 227 * 1024, topk
+    """Blocks of SELECT_CHUNK pools; a workspace of the histograms and two bitmaps a bit per pool,
+    the same for every top-k; shared memory for a row's bitmaps within the one block's 64 KiB; no
+    workspace where one block ranks every row."""
+    assert SELECT_CHUNK == 8 * SELECT_THREADS == 8192
+    assert select_grid(5, TOPK_SINGLE_BLOCK_POOLS) == (1, 5)
+    assert select_grid(5, TOPK_SINGLE_BLOCK_POOLS + 1) == (3, 5)
+    assert select_grid(5, TOPK_MAX_POOLS) == (32, 5)
+    assert select_grid(2, 202_752) == (25, 2)  # GLM-5.2's per-token indexer at kpool 1
+    assert select_workspace_words(TOPK_SINGLE_BLOCK_POOLS) == 0
+    assert select_workspace_bytes(256, 4 * TOPK_SINGLE_BLOCK_POOLS, 4) == 0
+    assert SELECT_WS_HEAD_WORDS == 8 + 4096 + 2 * 1024
+    assert select_map_words(TOPK_MAX_POOLS) == 8192
+    assert select_map_words(TOPK_SINGLE_BLOCK_POOLS + 1) == 516  # 513 words, rounded to 4
+    assert select_workspace_words(TOPK_MAX_POOLS) == 6152 + 2 * 8192
+    assert select_workspace_bytes(3, GLM_1M, 4) == 3 * (6152 + 2 * 8192) * 4
+    for pps in (TOPK_SINGLE_BLOCK_POOLS + 1, 100_003, 202_752, TOPK_MAX_POOLS - 1, TOPK_MAX_POOLS):
+        words = select_workspace_words(pps)
+        assert words % 4 == 0 and select_map_words(pps) * 32 >= pps, pps  # 16-byte entries
+        assert select_smem(pps) == 64 * 1024, pps  # one block's 16384 keys hold a row's maps
+    assert select_smem(1024) == 4096
     assert select_max_pools(512) == TOPK_MAX_POOLS
     assert select_max_pools(SELECT_MAX_TOPK + 1) == TOPK_SINGLE_BLOCK_POOLS
 
 
 def test_capacity_constants_match_the_kernel():
     src = (Path(__file__).resolve().parent.parent / "ptx" / "dsa_select.cu").read_text()
-    cap = re.search(r"#define TOPK_MAX_POOLS_CUDA (\d+)u", src)
-    one = re.search(r"#define TOPK_SINGLE_BLOCK_POOLS (\d+)u", src)
-    assert cap and int(cap.group(1)) == TOPK_MAX_POOLS
-    assert one and int(one.group(1)) == TOPK_SINGLE_BLOCK_POOLS
-    words = re.search(r"return 4u \+ 2u \* \(size_t\)select_chunks\(pps, chunk\) \* topk;", src)
+
+    def define(name: str) -> int:
+        hit = re.search(rf"#define {name} (\d+)u", src)
+        assert hit, f"ptx/dsa_select.cu has no #define {name}"
+        return int(hit.group(1))
+
+    assert define("TOPK_MAX_POOLS_CUDA") == TOPK_MAX_POOLS
+    assert define("TOPK_SINGLE_BLOCK_POOLS") == TOPK_SINGLE_BLOCK_POOLS
+    assert define("SELECT_CHUNK") == SELECT_CHUNK
+    assert define("SELECT_THREADS") == SELECT_THREADS
+    assert (
+        define("SEL_WS_HIST0") + define("SEL_HIST0_BINS") + 2 * define("SEL_HIST_BINS")
+        == SELECT_WS_HEAD_WORDS
+    )
+    assert "#define SEL_WS_MAPS (SEL_WS_HIST0 + SEL_HIST0_BINS + 2u * SEL_HIST_BINS)" in src
+    words = re.search(r"return SEL_WS_MAPS \+ 2u \* \(size_t\)select_map_words\(pps\);", src)
     assert words, "ptx/dsa_select.cu select_ws_words no longer reads as select_workspace_words"
+    maps = re.search(r"return \(\(pps \+ 31u\) / 32u \+ 3u\) & ~3u;", src)
+    assert maps, "ptx/dsa_select.cu select_map_words no longer reads as select_map_words"
 
 
 # ---- sizing and the load-time refusal ---------------------------------------------------------
@@ -502,9 +580,10 @@ def test_a_proposer_past_the_one_block_cap_selects_exactly(share):
         assert (last + 1) // d.index_kpool > TOPK_SINGLE_BLOCK_POOLS
         assert cnt[0] == want.size
         np.testing.assert_array_equal(sel[: want.size], want)
-        ws = np.empty(select_workspace_bytes(1, prop.rows_cap, d.index_kpool, d.topk_pools) // 4, np.uint32)
+        ws = np.empty(select_workspace_bytes(1, prop.rows_cap, d.index_kpool) // 4, np.uint32)
         gpu.copy_d2h(ws, s.select_ws)
         assert ws[0] == 0, "the workspace counter must be left zero"
+        assert not ws[8:SELECT_WS_HEAD_WORDS].any(), "the workspace histograms must be left zero"
         gpu.free(hidden)
         prop.free_state(st)
     finally:

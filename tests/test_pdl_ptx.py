@@ -54,6 +54,7 @@ def test_the_drafter_step_kernels_take_part():
         "rmsnorm_gemv_seg_batch",
         "rmsnorm_gemv_seg_bf16_batch",
         "dsa_cache_write_batch",
+        "select_radix_hist_batch",
         "select_topk_pools_batch",
         "bgemv_bf16_f32_batch",
         "sparse_mla_partial_batch",
@@ -78,6 +79,7 @@ def test_the_drafter_step_kernels_take_part():
         "dsa_cache_write_plain_batch",
         "indexer_scores_batch",
         "indexer_scores_batch_mma2",
+        "select_radix_hist_batch",
         "select_topk_pools_batch",
         "extend_selection_batch",
         "sparse_mla_partial_batch",
@@ -171,6 +173,9 @@ _EARLY_RELEASE_SUCCESSORS = [
     ("draft_head", "head_argmax_fp8_mma", "x"),
     ("bgemv", "sum_rows_residual_rmsnorm_batch", "f32"),  # o_proj's partial rows
     ("dsa_select", "select_topk_pools_batch", "f32"),  # the indexer's scores
+    ("dsa_select", "select_topk_pools_batch", "u32"),  # the last radix phase's histogram and threshold
+    ("dsa_select", "select_radix_hist_batch", "f32"),  # the indexer's scores
+    ("dsa_select", "select_radix_hist_batch", "u32"),  # the phase before's histogram and threshold
     ("sparse_mla", "sparse_mla_combine_batch", "f32"),  # the partials and their (m, l)
     ("moe", "moe_gate_up_batch", "u32"),  # the router's grouping of the expert ids
 ]

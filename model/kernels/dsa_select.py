@@ -5,9 +5,9 @@ drafted after it (``index_share_for_mtp_iteration``, ``model.dsa``, "Shared sele
 ``TOPK_MAX_POOLS`` is the selection kernel's capacity in pools (``select_max_pools`` for a given
 ``topk_pools``); ``model.dsa.max_dsa_context`` derives the drafter's reach from it, so a kernel
 change moves the sizing with it. Up to ``TOPK_SINGLE_BLOCK_POOLS`` complete pools one block ranks
-a row; past that the row's pools are ranked in chunks by several blocks and merged by the last one,
-through a workspace the caller allocates zeroed (``select_workspace_bytes``). CUDA:
-ptx/dsa_select.cu.
+a row; past that all the row's blocks run a radix select (three histogram phases, then the bitmaps
+of the chosen pools, which the last block compacts: four launches, whatever the rows), through a
+workspace the caller allocates zeroed (``select_workspace_bytes``). CUDA: ptx/dsa_select.cu.
 
 Each kernel covers m batch entries (model/kernels/batch.py), each entry over its own slot's pools
 with its own row, query and output rows; an entry's bits do not depend on the batch.
@@ -31,14 +31,20 @@ TOPK_MAX_POOLS = 262144
 # Pools one block ranks alone (one u32 key each in its 64 KiB of shared memory, the kernel's
 # capacity before it had chunks): a slot of at most this many pools needs no workspace.
 TOPK_SINGLE_BLOCK_POOLS = 16384
-# Chunks of at least this many pools, and at least 16 x topk_pools: the merge then ranks at most
-# about TOPK_MAX_POOLS / 16 = 16384 candidates (64 KiB of keys; ceil(pools / chunk) x topk_pools,
-# under 16384 + topk_pools), and a chunk's local top k is a small part of it. At topk 512 a chunk
-# of 8192 keys and a merge of up to 16384 split the work about evenly.
-SELECT_CHUNK_MIN = 8192
-# The largest topk_pools the chunked selection ranks (its chunk of 16 x 2048 keys is 128 KiB of
-# shared memory); a larger one is ranked by one block, up to TOPK_SINGLE_BLOCK_POOLS pools.
+# Past it a row is ranked by a radix select over all its blocks (ptx/dsa_select.cu
+# select_radix_hist_batch, three phases, then select_topk_pools_batch): block c of an entry takes
+# pools c * SELECT_CHUNK .. + SELECT_CHUNK - 1, eight keys per thread of SELECT_THREADS
+# (ptx/dsa_select.cu SELECT_CHUNK, SELECT_THREADS; tests/test_dsa_reach.py reads them).
+SELECT_CHUNK = 8192
+SELECT_THREADS = 1024
+# The largest topk_pools the chunked selection takes: the per-token indexers' 2048 (GLM-5.2,
+# DeepSeek-V3.2, kpool 1), the largest it is tested at. The radix passes themselves would take any
+# top-k; a larger one is ranked by one block, up to TOPK_SINGLE_BLOCK_POOLS pools.
 SELECT_MAX_TOPK = 2048
+# The chunked selection's workspace per entry (ptx/dsa_select.cu SEL_WS_MAPS): a counter and 3
+# words of padding, the two thresholds the phases record (4 words), the histograms of the key bits
+# 31..20 (4096 bins), 19..10 and 9..0 (1024 each); then two bitmaps over the slot's pools.
+SELECT_WS_HEAD_WORDS = 4 + 4 + 4096 + 2 * 1024
 
 
 def complete_pools(row: int, kpool: int) -> int:
@@ -89,52 +95,53 @@ def select_max_pools(topk_pools: int) -> int:
     return TOPK_MAX_POOLS if topk_pools <= SELECT_MAX_TOPK else TOPK_SINGLE_BLOCK_POOLS
 
 
-def select_chunk(topk_pools: int) -> int:
-    """Pools per block of the chunked selection (at least 16 x topk_pools)."""
-    return max(SELECT_CHUNK_MIN, 16 * topk_pools)
-
-
 def select_is_chunked(pools_per_slot: int) -> bool:
     """Whether a slot of ``pools_per_slot`` pools can need the chunked selection (and its
     workspace)."""
     return pools_per_slot > TOPK_SINGLE_BLOCK_POOLS
 
 
-def select_workspace_words(pools_per_slot: int, topk_pools: int) -> int:
-    """u32 words of one entry's workspace (ptx/dsa_select.cu select_ws_words): a counter and three
-    words of padding, then each chunk's topk_pools keys and as many pool indices; 0 where one block
-    ranks every row."""
+def select_map_words(pools_per_slot: int) -> int:
+    """u32 words of one of the chunked selection's bitmaps (a bit per pool), a multiple of 4
+    (ptx/dsa_select.cu select_map_words)."""
+    return (-(-pools_per_slot // 32) + 3) & ~3
+
+
+def select_workspace_words(pools_per_slot: int) -> int:
+    """u32 words of one entry's workspace (ptx/dsa_select.cu select_ws_words): the counter, the
+    thresholds and the three histograms (SELECT_WS_HEAD_WORDS), then the bitmaps of the pools above
+    the threshold and of those equal to it; 0 where one block ranks every row. The top-k does not
+    change it."""
     if not select_is_chunked(pools_per_slot):
         return 0
-    chunks = -(-pools_per_slot // select_chunk(topk_pools))
-    return 4 + 2 * chunks * topk_pools
+    return SELECT_WS_HEAD_WORDS + 2 * select_map_words(pools_per_slot)
 
 
-def select_workspace_bytes(rows: int, slot_rows: int, kpool: int, topk_pools: int) -> int:
+def select_workspace_bytes(rows: int, slot_rows: int, kpool: int) -> int:
     """Bytes of the selection workspace for launches of up to ``rows`` entries over slots of
-    ``slot_rows`` rows (dense per entry). Allocate it zeroed: the kernel's per-entry counters must
-    start at 0, and every launch leaves them 0 again (graph-capturable: no host sync, no reset)."""
+    ``slot_rows`` rows (dense per entry, 16-byte aligned where the buffer is). Allocate it zeroed:
+    the kernels' per-entry counter and histograms must start at 0, and every launch leaves them 0
+    again (graph-capturable: no host sync, no reset)."""
     pps = SlotGeometry(slot_rows, 1, kpool, 1).pools_per_slot
-    return rows * select_workspace_words(pps, topk_pools) * 4
+    return rows * select_workspace_words(pps) * 4
 
 
-def select_smem(pools_per_slot: int, topk_pools: int) -> int:
-    """Dynamic shared memory of select_topk_pools_batch: one u32 key per pool a block ranks (one
-    block's pools, a chunk's, or the merge's candidates)."""
+def select_smem(pools_per_slot: int) -> int:
+    """Dynamic shared memory of select_topk_pools_batch: one u32 key per pool one block ranks, and
+    where rows can be chunked, the two bitmaps of a row (what the last block stages)."""
     words = min(pools_per_slot, TOPK_SINGLE_BLOCK_POOLS)
     if select_is_chunked(pools_per_slot):
-        chunk = select_chunk(topk_pools)
-        words = max(words, chunk, -(-pools_per_slot // chunk) * topk_pools)
+        words = max(words, 2 * select_map_words(pools_per_slot))
     return words * 4
 
 
-def select_grid(m: int, pools_per_slot: int, topk_pools: int) -> tuple[int, int]:
-    """select_topk_pools_batch's grid: (blocks per entry, m); one block per chunk of the slot's
-    pools where a row can need chunks. Blocks past a row's chunks exit at once; the grid never
-    changes a list (a selection is a unique set)."""
+def select_grid(m: int, pools_per_slot: int) -> tuple[int, int]:
+    """The selection kernels' grid: (blocks per entry, m); one block per SELECT_CHUNK pools of the
+    slot where a row can need the chunked selection. Blocks past a row's pools exit at once; the
+    grid never changes a list (a selection is a unique set)."""
     if not select_is_chunked(pools_per_slot):
         return 1, m
-    return -(-pools_per_slot // select_chunk(topk_pools)), m
+    return -(-pools_per_slot // SELECT_CHUNK), m
 
 
 def _select(mem, scores, selected, count, row, topk_pools, kpool, tail, sel_cap):
@@ -242,24 +249,39 @@ INDEXER_SCORES_BATCH_MMA2 = declare(
 )(_indexer_scores_twin)
 
 
+_SELECT_ROW_ARGS = [
+    ("entries", PTR),
+    ("m", U32),
+    ("row_add", U32),
+    ("slot_rows", U32),
+    ("sel_cap", U32),
+    ("topk_pools", U32),
+    ("kpool", U32),
+    ("tail", U32),
+    ("workspace", PTR),
+]
+
+
+@declare(
+    "dsa_select",
+    "select_radix_hist_batch",
+    [("scores", PTR), *_SELECT_ROW_ARGS, ("phase", U32)],
+    writes=("workspace",),
+    pdl=True,
+    releases=True,  # right after its wait: the next phase's blocks are resident when it completes
+)
+def SELECT_RADIX_HIST_BATCH(
+    mem, scores, entries, m, row_add, slot_rows, sel_cap, topk_pools, kpool, tail, workspace, phase
+):
+    """A histogram phase of the chunked selection: its counts live in the workspace, the kernel's
+    scratch, which select_topk_pools_batch's twin does not need (it ranks the scores itself), so
+    the twin writes nothing."""
+
+
 @declare(
     "dsa_select",
     "select_topk_pools_batch",
-    [
-        ("scores", PTR),
-        ("selected", PTR),
-        ("count", PTR),
-        ("entries", PTR),
-        ("m", U32),
-        ("row_add", U32),
-        ("slot_rows", U32),
-        ("sel_cap", U32),
-        ("topk_pools", U32),
-        ("kpool", U32),
-        ("tail", U32),
-        ("workspace", PTR),
-        ("chunk", U32),
-    ],
+    [("scores", PTR), ("selected", PTR), ("count", PTR), *_SELECT_ROW_ARGS],
     writes=("selected", "count", "workspace"),
     pdl=True,
     releases=True,  # right after its wait: the q_abs GEMV runs beside it
@@ -278,11 +300,10 @@ def SELECT_TOPK_POOLS_BATCH(
     kpool,
     tail,
     workspace,
-    chunk,
 ):
     """The top-k pools' rows of each entry: scores + e * pools_per_slot -> selected + e * sel_cap,
-    count[e]. The workspace is the kernel's scratch (the twin leaves it, as the kernel leaves its
-    counters, zero)."""
+    count[e]. The workspace is the kernels' scratch (the twin leaves it, as the kernels leave its
+    counter and histograms, zero)."""
     pps = SlotGeometry(slot_rows, 1, kpool, 1).pools_per_slot
     for e, _, row in _entry_rows(mem, entries, m, row_add):
         cnt = count.offset(e * 4)
@@ -534,9 +555,13 @@ def select_topk_pools_batch(
     extra)``) or a row at or past ``slot_rows`` gives count 0. Padding entries read and write
     nothing.
 
-    ``workspace``: ``select_workspace_bytes(rows, slot_rows, kpool, topk_pools)`` bytes for up to
-    ``rows`` >= m entries, allocated zeroed once (the launch leaves its counters zero), needed
-    where a slot holds more than TOPK_SINGLE_BLOCK_POOLS pools; elsewhere it may be None."""
+    ``workspace``: ``select_workspace_bytes(rows, slot_rows, kpool)`` bytes for up to ``rows`` >= m
+    entries, 16-byte aligned and allocated zeroed once (the launches leave it zero), needed where a
+    slot holds more than TOPK_SINGLE_BLOCK_POOLS pools; elsewhere it may be None.
+
+    Where a slot can hold more, this is four launches (select_radix_hist_batch phases 0, 1, 2, then
+    select_topk_pools_batch; ptx/dsa_select.cu says why), the same four for every launch of those
+    shapes, whatever the rows: a captured graph replays them all."""
     _check_m("select_topk_pools_batch", m)
     pps = SlotGeometry(slot_rows, 1, kpool, 1).pools_per_slot
     if pps > TOPK_MAX_POOLS:
@@ -554,27 +579,31 @@ def select_topk_pools_batch(
     if chunked and workspace is None:
         raise ValueError(
             f"select_topk_pools_batch: slots of {pps} pools (more than {TOPK_SINGLE_BLOCK_POOLS}) need a "
-            "workspace of select_workspace_bytes(rows, slot_rows, kpool, topk_pools) bytes, allocated zeroed"
+            "workspace of select_workspace_bytes(rows, slot_rows, kpool) bytes, allocated zeroed"
         )
+    if chunked and int(workspace) % 16:
+        # The histograms and bitmaps are read as 16-byte vectors (select_workspace_words keeps each
+        # entry's part a multiple of 16 bytes).
+        raise ValueError(
+            f"select_topk_pools_batch: the workspace at {int(workspace):#x} is not 16-byte aligned"
+        )
+    grid = select_grid(m, pps)
+    ws = count if workspace is None else workspace  # never read where no row can need chunks
+    row_args = (entries, m, row_add, slot_rows, sel_cap, topk_pools, kpool, int(bool(tail)), ws)
+    if chunked:
+        hist = gpu.kernel(*SELECT_RADIX_HIST_BATCH.key)
+        for phase in range(3):
+            launch(gpu, hist, grid, SELECT_THREADS, scores, *row_args, phase, stream=stream)
     launch(
         gpu,
         gpu.kernel(*SELECT_TOPK_POOLS_BATCH.key),
-        select_grid(m, pps, topk_pools),
-        1024,
+        grid,
+        SELECT_THREADS,
         scores,
         selected,
         count,
-        entries,
-        m,
-        row_add,
-        slot_rows,
-        sel_cap,
-        topk_pools,
-        kpool,
-        int(bool(tail)),
-        count if workspace is None else workspace,  # never read where no row can need chunks
-        select_chunk(topk_pools),
-        smem=select_smem(pps, topk_pools),
+        *row_args,
+        smem=select_smem(pps),
         stream=stream,
     )
 
