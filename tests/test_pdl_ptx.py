@@ -58,6 +58,8 @@ def test_the_drafter_step_kernels_take_part():
         "bgemv_bf16_f32_batch",
         "sparse_mla_partial_batch",
         "sparse_mla_combine_batch",
+        "sparse_mla_partial_wide_batch",
+        "sparse_mla_combine_wide_batch",
         "router_group_batch",
         "moe_gate_up_batch",
         "moe_down_batch",
@@ -82,6 +84,8 @@ def test_the_drafter_step_kernels_take_part():
         "extend_selection_batch",
         "sparse_mla_partial_batch",
         "sparse_mla_combine_batch",
+        "sparse_mla_partial_wide_batch",
+        "sparse_mla_combine_wide_batch",
         "head_argmax_fp8_batch",
         "head_argmax_bf16_batch",
         "head_argmax_fp8_mma",
@@ -172,6 +176,7 @@ _EARLY_RELEASE_SUCCESSORS = [
     ("bgemv", "sum_rows_residual_rmsnorm_batch", "f32"),  # o_proj's partial rows
     ("dsa_select", "select_topk_pools_batch", "f32"),  # the indexer's scores
     ("sparse_mla", "sparse_mla_combine_batch", "f32"),  # the partials and their (m, l)
+    ("sparse_mla", "sparse_mla_combine_wide_batch", "f32"),  # the wide partials and their (m, l)
     ("moe", "moe_gate_up_batch", "u32"),  # the router's grouping of the expert ids
 ]
 
