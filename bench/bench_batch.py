@@ -782,6 +782,11 @@ def batch_table(rows: Sequence[dict[str, Any]]) -> str:
 # ---- the run ---------------------------------------------------------------------------------------
 
 
+def _attention_split_rows(choice: str) -> int | None:
+    """--attention: None (auto), 0 (the split pair) or the wide pair's split length."""
+    return None if choice == "auto" else 0 if choice == "pair" else int(choice)
+
+
 def run(args: Any, gpu: Any) -> dict[str, Any]:
     """The batch benchmark on ``gpu`` at the shapes of ``args.model`` (``MODELS``: GLM-5.3-Flash,
     GLM-5.2 or DeepSeek-V3.2): every B of ``args.batches`` for every context kind of
@@ -879,6 +884,7 @@ def _measure_weights(
         context_chunk=256,
         tensor_core_head={"auto": None, "tensor-core": True, "cuda-core": False}[args.head],
         tensor_core_projections={"auto": None, "tensor-core": True, "cuda-core": False}[args.projections],
+        attention_split_rows=_attention_split_rows(getattr(args, "attention", "auto")),
     )
     prop = ArmProposer(gpu, cfg, weights, opt)
     del weights
@@ -897,6 +903,7 @@ def _measure_weights(
 
     res["tensor_core_head"] = prop.tensor_core_head
     res["tensor_core_projections"] = prop.tensor_core_projections
+    res["attention_split_rows"] = prop.attention_split_rows
     rng = np.random.default_rng(1)
     try:
         for kind in args.kinds if kinds is None else kinds:
@@ -1060,6 +1067,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=("auto", "tensor-core", "cuda-core"),
         default="auto",
         help="ProposerOptions.tensor_core_projections (auto: tensor cores for 4 or more sequences)",
+    )
+    ap.add_argument(
+        "--attention",
+        choices=("auto", "pair", "64", "128", "192", "256"),
+        default="auto",
+        help="ProposerOptions.attention_split_rows: the split pair, or the wide pair at this split length "
+        "(auto: the wide pair at 256 rows for 16 or more sequences)",
     )
     ap.add_argument(
         "--profile", type=int, default=0, help="per-kernel device time of one eager propose at this B"

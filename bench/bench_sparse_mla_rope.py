@@ -4,6 +4,15 @@ without its RoPE part, at the GLM-5 / DeepSeek-V3.2 decode shape by default: 64 
 width 512, rope width 64, 2048 selected rows per entry, 64 entries (each its own slot).
 
     python3 bench/bench_sparse_mla_rope.py [--old-ptx DIR]
+    python3 bench/bench_sparse_mla_rope.py --wide [--ms 1,16,64,256] [--heads-list 64,128]
+        [--rope-list 0,64] [--split-rows 64,128,256] [--no-pdl] [--json PATH]
+
+``--wide``: the split pair against the wide pair (sparse_mla_partial_wide_batch +
+sparse_mla_combine_wide_batch, all heads per block) at each split length, for every batch size,
+head count and rope width given (latent 512, ``--sel`` selected rows per entry): a table of the
+pair's time (partial + merge, and each alone) per launch, the speedup of each wide split length
+over the split pair, and each form's largest deviation from the split pair's output (BF16: a few
+2**-8 of the output's largest is rounding, more is a bug).
 
 Each configuration is timed with CUDA events over ``--iters`` back-to-back launches, in
 ``--rounds`` interleaved rounds (median reported), as the pair (the launch helper) and as the
@@ -68,6 +77,132 @@ def old_partial_kernel(gpu, ptx_dir: Path):
     return KernelHandle(decl, CudaFunction(gpu, func, decl, gpu.pdl_supported))
 
 
+def _csv(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v]
+
+
+def wide_world(gpu, rng, m: int, heads: int, dim: int, rd: int, sel: int, slot_rows: int, block_size: int):
+    """Device buffers of m entries (each its own slot, sel distinct rows of slot_rows selected in
+    random order), as main's."""
+    bps = -(-slot_rows // block_size)
+    nblocks = m * bps
+    cache = np.frombuffer(rng.bytes(nblocks * block_size * dim), np.uint8).copy()
+    cache[(cache & 0x7F) == 0x7F] &= 0x80  # no NaN codes
+    host = {
+        "q": rng.standard_normal((m, heads, dim)).astype(np.float32),
+        "cache": cache,
+        "scales": rng.uniform(1e-3, 1e-2, nblocks * block_size).astype(np.float32),
+        "tables": rng.permutation(nblocks).astype(np.uint32),
+        "sel": np.stack([rng.choice(slot_rows, sel, replace=False) for _ in range(m)]).astype(np.uint32),
+        "cnt": np.full(m, sel, np.uint32),
+        "entries": np.stack([np.arange(m), np.zeros(m), np.zeros(m), np.zeros(m)], 1).astype(np.uint32),
+    }
+    if rd:
+        host["q_rope"] = rng.standard_normal((m, heads, rd)).astype(BF16)
+        host["rope_keys"] = rng.standard_normal((m, slot_rows, rd)).astype(BF16)
+    p = {}
+    for k, v in host.items():
+        p[k] = gpu.alloc(v.nbytes)
+        gpu.copy_h2d(p[k], np.ascontiguousarray(v))
+    return p
+
+
+def wide_main(a) -> None:
+    """The --wide table (the module docstring)."""
+    import json
+
+    from runtime.cuda_backend import CudaBackend
+
+    gpu = CudaBackend(pdl=not a.no_pdl)
+    dim, sel = a.dim, a.sel
+    ms, splits = sorted(_csv(a.ms)), _csv(a.split_rows)
+    for r in splits:
+        if not sparse_mla.wide_split_rows_ok(r):
+            raise SystemExit(
+                f"--split-rows {r}: not a multiple of 64 from 64 to {sparse_mla.WIDE_MAX_SPLIT_ROWS}"
+            )
+    e0, e1 = gpu.event_create(), gpu.event_create()
+
+    def timed(fn) -> float:
+        """Median over the rounds of the mean time per launch in us."""
+        fn()
+        gpu.synchronize()
+        per = []
+        for _ in range(a.rounds):
+            gpu.event_record(e0)
+            for _ in range(a.iters):
+                fn()
+            gpu.event_record(e1)
+            gpu.synchronize()
+            per.append(gpu.event_elapsed_ms(e0, e1) * 1e3 / a.iters)
+        return statistics.median(per)
+
+    rows = []
+    for heads in _csv(a.heads_list):
+        for rd in _csv(a.rope_list):
+            rng = np.random.default_rng(heads + rd)
+            p = wide_world(gpu, rng, ms[-1], heads, dim, rd, sel, a.slot_rows, a.block_size)
+            pb, mb = sparse_mla.split_workspace_batch(heads, dim, sel, ms[-1])  # the larger workspace
+            part, ml = gpu.alloc(pb), gpu.alloc(mb)
+            outs = {f: gpu.alloc(ms[-1] * heads * dim * 2) for f in ["pair", *map(str, splits)]}
+            scale = 1.0 / float(np.sqrt(dim + rd))
+            try:
+                for m in ms:
+                    base = dict(
+                        q=p["q"], cache=p["cache"], scales=p["scales"], tables=p["tables"], selected=p["sel"],
+                        count=p["cnt"], part=part, ml=ml, entries=p["entries"], m=m, slot_rows=a.slot_rows,
+                        sel_cap=sel, heads=heads, dim=dim, block_size=a.block_size, scale=scale,
+                    )  # fmt: skip
+                    if rd:
+                        base.update(q_rope=p["q_rope"], rope_keys=p["rope_keys"], rope_dim=rd)
+                    forms = {"pair": lambda o, kw=base: sparse_mla.sparse_mla_split_batch(gpu, out=o, **kw)}
+                    for r in splits:
+                        forms[str(r)] = lambda o, r=r, kw=base: sparse_mla.sparse_mla_wide_batch(
+                            gpu, out=o, split_rows=r, **kw
+                        )
+                    res = {"m": m, "heads": heads, "rope_dim": rd, "sel": sel}
+                    for f, fn in forms.items():
+                        res[f] = timed(lambda fn=fn, o=outs[f]: fn(o))
+                    # Each form's output against the split pair's, every entry.
+                    n = m * heads * dim
+                    ref = np.empty(n, np.uint16)
+                    gpu.copy_d2h(ref, outs["pair"])
+                    rf = ref.view(BF16).astype(np.float32)
+                    for r in splits:
+                        got = np.empty(n, np.uint16)
+                        gpu.copy_d2h(got, outs[str(r)])
+                        gf = got.view(BF16).astype(np.float32)
+                        res[f"dev_{r}"] = float(np.abs(gf - rf).max() / max(np.abs(rf).max(), 1e-30))
+                    rows.append(res)
+                    best = min(splits, key=lambda r: res[str(r)])
+                    print(
+                        f"m={m:4d} heads={heads:3d} rope={rd:3d}: pair {res['pair']:9.1f} us | "
+                        + " | ".join(
+                            f"wide {r}: {res[str(r)]:8.1f} (x{res['pair'] / res[str(r)]:.2f})" for r in splits
+                        )
+                        + f" | best {best}",
+                        flush=True,
+                    )
+            finally:
+                for ptr in (*p.values(), part, ml, *outs.values()):
+                    gpu.free(ptr)
+    gpu.event_destroy(e0)
+    gpu.event_destroy(e1)
+    gpu.close()
+    print(
+        f"\nus per launch (partial + merge), median of {a.rounds} rounds of {a.iters}; latent {dim}, {sel} rows"
+    )
+    head = "| m | heads | rope | split pair | " + " | ".join(f"wide {r}" for r in splits) + " | deviation |"
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for r0 in rows:
+        dev = max(r0[f"dev_{r}"] for r in splits)
+        cells = " | ".join(f"{r0[str(r)]:.1f} (x{r0['pair'] / r0[str(r)]:.2f})" for r in splits)
+        print(f"| {r0['m']} | {r0['heads']} | {r0['rope_dim']} | {r0['pair']:.1f} | {cells} | {dev:.1e} |")
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", type=int, default=64)
@@ -80,7 +215,19 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--old-ptx", type=Path, default=None)
+    ap.add_argument("--wide", action="store_true", help="the split pair against the wide pair (a table)")
+    ap.add_argument("--ms", default="1,16,64,256", help="--wide: batch sizes")
+    ap.add_argument("--heads-list", default="64,128", help="--wide: head counts")
+    ap.add_argument("--rope-list", default="0,64", help="--wide: rope widths")
+    ap.add_argument("--split-rows", default="64,128,256", help="--wide: the wide pair's split lengths")
+    ap.add_argument(
+        "--no-pdl", action="store_true", help="--wide: launch without programmatic dependent launch"
+    )
+    ap.add_argument("--json", type=Path, default=None, help="--wide: write the rows here")
     a = ap.parse_args()
+    if a.wide:
+        wide_main(a)
+        return
 
     from runtime.cuda_backend import CudaBackend
 

@@ -67,7 +67,7 @@ class BatchScratch:
     count: DevicePtr
     select_ws: DevicePtr  # the chunked selection's per-row workspace (zeroed; left zeroed by each launch)
     router_counter: DevicePtr  # u32s, zero between launches (router_group_batch's last-block handshakes)
-    attn_part: DevicePtr  # sparse_mla_split_batch's per-split outputs and (max, sum), per row
+    attn_part: DevicePtr  # the attention's per-split outputs and (max, sum), per row
     attn_ml: DevicePtr
 
     @classmethod
@@ -81,16 +81,24 @@ class BatchScratch:
         fused_rows: int,
         selection_extra: int = 0,
         part_row_bytes: int = 0,
+        attn_split_rows: int = 0,
     ) -> BatchScratch:
         """``selection_extra``: rows a shared selection gains after it was made
         (``DecoderLayer.selection_extra``); ``part_row_bytes``: the layer's split-k workspace per row
-        (``DecoderLayer.part_row_bytes``)."""
+        (``DecoderLayer.part_row_bytes``); ``attn_split_rows``: the layer's attention form
+        (``DecoderLayer.attn_split_rows``: 0 the split pair, else the wide pair's split length),
+        which sizes the attention's workspace."""
         a, d, m, H = cfg.attention, cfg.dsa, cfg.moe, cfg.hidden_size
         slots = m.num_experts_per_tok + 1
         inter = max(m.moe_intermediate_size, cfg.intermediate_size)
         b = arena.zeros
         sel_rows = selection_rows(d, slot_rows, selection_extra)
-        part_bytes, ml_bytes = sparse_mla.split_workspace(sh.local_heads, a.kv_lora_rank, sel_rows)
+        if attn_split_rows:
+            part_bytes, ml_bytes = sparse_mla.wide_workspace(
+                sh.local_heads, a.kv_lora_rank, sel_rows, attn_split_rows
+            )
+        else:
+            part_bytes, ml_bytes = sparse_mla.split_workspace(sh.local_heads, a.kv_lora_rank, sel_rows)
         hl = sh.local_heads
         return cls(
             rows=rows,
@@ -139,7 +147,10 @@ class DecoderLayer:
     launches are sized for it. ``kv_layer``: the layer's index in the pools' latent cache and
     indexer pools. ``tensor_core``: the projections on tensor cores (``model.kernels.proj_mma``) where
     their shapes allow, else (and without it) the CUDA-core GEMVs; the two are not bit-identical,
-    so one layer uses one form for every launch."""
+    so one layer uses one form for every launch. ``attention_split_rows``: the attention over the
+    selection as the wide pair (``sparse_mla.sparse_mla_wide_batch``: all heads per block, splits of
+    this many rows) where its shapes allow, else (and with 0) the split pair; as with the
+    projections, one form for every launch (``attn_split_rows`` is the one taken)."""
 
     def __init__(
         self,
@@ -152,6 +163,7 @@ class DecoderLayer:
         kv_layer: int = 0,
         selection_extra: int = 0,
         tensor_core: bool = False,
+        attention_split_rows: int = 0,
     ) -> None:
         if sh.world_size > 1 and comm is None:
             raise ValueError(
@@ -166,6 +178,15 @@ class DecoderLayer:
         self.kv_layer = kv_layer
         self.selection_extra = selection_extra
         a, d = cfg.attention, cfg.dsa
+        if attention_split_rows and not sparse_mla.wide_split_rows_ok(attention_split_rows):
+            raise ValueError(
+                f"attention_split_rows {attention_split_rows!r}: 0, or a multiple of {sparse_mla.SPLIT_ROWS} "
+                f"from {sparse_mla.SPLIT_ROWS} to {sparse_mla.WIDE_MAX_SPLIT_ROWS}"
+            )
+        # The attention's form, by configuration and shape alone (never by m): a sequence's bits
+        # depend on the split length.
+        wide_ok = sparse_mla.wide_supported(a.kv_lora_rank, a.qk_rope_head_dim)
+        self.attn_split_rows = attention_split_rows if wide_ok else 0
         self.ctx_rows = context_rows(cfg)  # rows of fused_in a context row needs
         # With a rope part the nope queries are packed per head (rope_q_batch) for the absorption.
         self.rope = a.qk_rope_head_dim > 0
@@ -600,7 +621,11 @@ class DecoderLayer:
             rope_dim=a.qk_rope_head_dim,
             stream=stream,
         )
-        if sparse_mla.split_supported(C, sel_cap):
+        if self.attn_split_rows:
+            sparse_mla.sparse_mla_wide_batch(
+                gpu, part=s.attn_part, ml=s.attn_ml, split_rows=self.attn_split_rows, **attend
+            )
+        elif sparse_mla.split_supported(C, sel_cap):
             sparse_mla.sparse_mla_split_batch(gpu, part=s.attn_part, ml=s.attn_ml, **attend)
         else:
             sparse_mla.sparse_mla_attend_batch(gpu, **attend)

@@ -64,7 +64,7 @@ from runtime.kernels.quantize_fp8 import quantize_fp8
 from .block import BatchScratch, DecoderLayer, xn_stride
 from .config import ModelConfig
 from .dsa import DsaState, check_served_context, shared_selection_extra
-from .kernels import draft_head, draft_sample, draft_sample_shard
+from .kernels import draft_head, draft_sample, draft_sample_shard, sparse_mla
 from .kernels import proj_mma as pm
 from .kernels.batch import ENTRY_BYTES, ENTRY_WORDS, MAX_ROWS, PAD_SLOT
 from .kernels.bgemv_fp8 import GemvSegment
@@ -130,6 +130,13 @@ class ProposerOptions:
     # for every batch; each is batch-invariant. None: on for a proposer of 4 or more sequences
     # (as tensor_core_head), off for one that drafts alone, whose GEMVs are tuned for one row.
     tensor_core_projections: bool | None = None
+    # The block's attention over its selection: 0 the split pair (64-row splits x 16-head tiles,
+    # tuned for one sequence's latency), or the wide pair's split length (64 to 256, a multiple of
+    # 64: all heads of a sequence per block, each selected row gathered once per 64 heads, a quarter
+    # of the partials at 256; model/kernels/sparse_mla.py sparse_mla_wide_batch). The forms are not
+    # bit-identical, so a proposer uses one for every batch; each is batch-invariant. None:
+    # sparse_mla.auto_split_rows(max_sequences) (the wide pair at 256 rows from 16 sequences).
+    attention_split_rows: int | None = None
     # Context rows one launch feeds (all sequences of a catch-up together): weights are read once
     # per chunk.
     context_chunk: int = 32
@@ -167,6 +174,13 @@ class ProposerOptions:
             raise ProposerError(f"max_sequences must be 1..{MAX_ROWS}, got {self.max_sequences}")
         if self.o_proj_groups < 1:
             raise ProposerError(f"o_proj_groups must be >= 1, got {self.o_proj_groups}")
+        asr = self.attention_split_rows
+        off = isinstance(asr, int) and not isinstance(asr, bool) and asr == 0
+        if asr is not None and not (off or sparse_mla.wide_split_rows_ok(asr)):
+            raise ProposerError(
+                f"attention_split_rows must be None, 0 or a multiple of {sparse_mla.SPLIT_ROWS} from "
+                f"{sparse_mla.SPLIT_ROWS} to {sparse_mla.WIDE_MAX_SPLIT_ROWS}, got {asr!r}"
+            )
         b = self.batch_buckets
         if (
             not isinstance(b, tuple)
@@ -396,6 +410,10 @@ class MtpProposer:
             )
             want_tcp = options.tensor_core_projections
             self.tensor_core_projections = options.max_sequences >= 4 if want_tcp is None else bool(want_tcp)
+            want_asr = options.attention_split_rows
+            self.attention_split_rows = (
+                sparse_mla.auto_split_rows(options.max_sequences) if want_asr is None else want_asr
+            )
             self.layer = DecoderLayer(
                 gpu,
                 cfg,
@@ -405,6 +423,7 @@ class MtpProposer:
                 comm,
                 selection_extra=shared_selection_extra(cfg.dsa, options.max_draft_tokens),
                 tensor_core=self.tensor_core_projections,
+                attention_split_rows=self.attention_split_rows,
             )
             if tables is None:
                 emb = (
@@ -468,6 +487,7 @@ class MtpProposer:
                 attn.fused_rows,
                 self.layer.selection_extra,
                 part_row_bytes=self.part_row_bytes,
+                attn_split_rows=self.layer.attn_split_rows,
             )
             self.step = self._alloc_step(m)
             self.ctx = self._alloc_context(options.context_chunk)
@@ -575,6 +595,7 @@ class MtpProposer:
             "native_fp8": options.native_fp8,
             "quantize_experts": options.quantize_experts,
             "tensor_core_projections": options.tensor_core_projections,
+            "attention_split_rows": options.attention_split_rows,
         }
         fp = int.from_bytes(hashlib.sha256(json.dumps(what, sort_keys=True).encode()).digest()[:8], "little")
         W, gpu = self.cfg.parallel.world_size, self.gpu

@@ -9,6 +9,7 @@
 // and slot's block table. The row count is read from device memory (the selection kernel wrote it).
 #include "batch.cuh"
 #include "model_common.cuh"
+#include "mma_bf16.cuh"
 
 // ---- sparse_mla_attend_batch: the one-launch kernel (CUDA cores) -------------------------------
 // A block per (head, entry), block 256. Each warp runs an online softmax over rows j = warp, warp + 8, ...
@@ -623,4 +624,500 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_combine_batch(
     if (entry_is_pad(b)) return;
     const size_t hd = (size_t)heads * dim, splits = batch_splits(sel_cap);
     combine_head(part + e * splits * hd, ml + e * splits * heads * 2u, n, out + e * hd, heads, dim, sm);
+}
+
+// ---- the wide pair: sparse_mla_partial_wide_batch + sparse_mla_combine_wide_batch ---------------
+// The split pair above for proposers of many sequences. Where the pair's time went (H200, one
+// propose of 3 drafts, 2048 selected rows, 64 heads, latent 512, kernels timed without PDL): at
+// 256 sequences partial 4.449 ms + combine 1.118 ms, at 64 (rope 64) 1.231 + 0.285 ms. Its tile of
+// 64 rows x 16 heads gathers and widens every selected row once per 16 heads (4 times at 64 heads,
+// 8 at 128), and its f32 partials are 32 splits x 64 heads x 512 x 4 B = 4 MB per sequence and
+// draft, written and read back by the merge (1 GB per draft at 256 sequences), while the products
+// themselves (QK and PV with the hi/lo halves) are about 0.5 GFLOP per sequence and draft.
+//
+// Block (split, head group, entry), 256 threads, one block per SM (its shared memory, below): the
+// split is `split_rows` rows (64 to 256, a multiple of 64; the launch helper's argument, chosen per
+// proposer, never per batch), the head group 64 heads (128 heads: two groups, each row gathered
+// twice instead of 8 times). The split's 64-row tiles run in turn with an online softmax:
+//   - the block's q (64 heads, hi/lo BF16 halves as above) is staged in shared memory once, and
+//     every row of the split is gathered and widened once (FP8 -> BF16, exact);
+//   - scores: warp w takes heads 16 (w % 4) .. + 16 and the tile's rows 32 (w / 4) .. + 32
+//     (four 8-row n-tiles), operands through ldmatrix; with the RoPE term a second product per
+//     n-tile on the rope keys' tile (BF16, one product per k-step) and the head's rope query held
+//     in registers for the whole split;
+//   - softmax: the two warps of a head tile exchange their tile maxima through shared memory; each
+//     then updates the same running max m, rescales its own share of the output and its own share
+//     of the sum l (the two shares are added once at the end) and writes p = exp(s - m) * row
+//     scale as hi/lo BF16 halves;
+//   - output: warp w accumulates O for its 16 heads over dims 16 (2 i + w / 4) .. + 16 (i < 16:
+//     half of the 512 dims, 128 f32 registers), B from the BF16 tile through ldmatrix.trans; the
+//     next tile's rows are loaded into registers during this product (they are stored once it
+//     is done: shared memory has no room for a second tile).
+// The partials are then split_rows / 64 times fewer: at 256 rows 8 splits, 1 MB per sequence and
+// draft. The per-split result is the pair's (unnormalised output, max, sum) over the split's rows,
+// which sparse_mla_combine_wide_batch merges as sparse_mla_combine_batch does (per head, exp(m_s - M)
+// in split order).
+// Shared memory (pitches of the widest rows whatever the width, + 8 BF16 for conflict-free
+// ldmatrix rows): q hi/lo [64][520] x 2, C [64][520], p hi/lo [64][72] x 2 (BF16), the rope keys'
+// tile [64][72] (RoPE only), the split's row slots and scales (and rows, RoPE), the two warps'
+// maxima [2][64]: 230912 bytes with rope, 256 rows (227 KB is the limit), so one block per SM, and
+// its 255 registers are the SM's. A tile is 4096 MMAs (QK and PV, hi and lo: 64 heads x 64 rows x
+// 512 x 2 x 2 / 4096 per m16n8k16) and 800 KB of ldmatrix reads; the floor at 256 sequences is
+// about 0.2 ms per draft on the H200 (mma.sync at some 60% of the tensor peak).
+// rope_dim: 0 or a multiple of 16 up to 64 (one tile of rope keys; the pair above takes 128).
+#define MLA_WH 64
+#define MLA_WMAX_SPLIT 256
+#define MLA_WMAX_ROPE 64
+#define MLA_WPP (MLA_RT + 8)
+#define MLA_WDP (512 + 8)
+#define MLA_WRP (MLA_WMAX_ROPE + 8)
+
+namespace {
+__device__ __forceinline__ bool wide_split_ok(uint32_t split_rows) {
+    return split_rows % MLA_RT == 0 && split_rows >= MLA_RT && split_rows <= MLA_WMAX_SPLIT;
+}
+__device__ __forceinline__ bool wide_rope_ok(uint32_t rope_dim) {
+    return rope_dim % 16u == 0 && rope_dim <= MLA_WMAX_ROPE;
+}
+// Partials per entry of the wide pair's workspace (model/kernels/sparse_mla.py wide_splits).
+__device__ __forceinline__ uint32_t wide_splits(uint32_t sel_cap, uint32_t split_rows) {
+    return max((sel_cap + split_rows - 1u) / split_rows, 1u);
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const uint16_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"((uint32_t)__cvta_generic_to_shared(p)));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t (&r)[4], const uint16_t* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"((uint32_t)__cvta_generic_to_shared(p)));
+}
+__device__ __forceinline__ void mma_w(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    mma_bf16_16816(d, a[0], a[1], a[2], a[3], b0, b1);
+}
+
+// 16 E4M3 bytes -> 16 BF16 (exact), as two 16-byte words.
+__device__ __forceinline__ void widen16(uint4 v, uint4& lo, uint4& hi) {
+    e4m3x4_to_bf16x2(v.x, lo.x, lo.y);
+    e4m3x4_to_bf16x2(v.y, lo.z, lo.w);
+    e4m3x4_to_bf16x2(v.z, hi.x, hi.y);
+    e4m3x4_to_bf16x2(v.w, hi.z, hi.w);
+}
+
+__device__ __forceinline__ uint32_t pack_hi_lo(float a, float b, uint32_t& lo) {
+    const uint16_t ha = bf16_hi_part(a), hb = bf16_hi_part(b);
+    lo = (uint32_t)bf16_lo_part(a, ha) | ((uint32_t)bf16_lo_part(b, hb) << 16);
+    return (uint32_t)ha | ((uint32_t)hb << 16);
+}
+
+// One split of one head group (DIM: 512, or 0 for the runtime `dim_arg`), the file comment above.
+template <uint32_t DIM, bool ROPE>
+__device__ __forceinline__ void mla_wide_split(
+    const float* __restrict__ q, const uint16_t* __restrict__ q_rope, const uint8_t* __restrict__ cache,
+    const float* __restrict__ scales, const uint16_t* __restrict__ rope_keys,
+    const uint32_t* __restrict__ block_table, const uint32_t* __restrict__ selected, uint32_t n,
+    float* __restrict__ part, float* __restrict__ ml, uint32_t heads, uint32_t dim_arg, uint32_t rope_dim,
+    uint32_t block_size, float scale, uint32_t split_rows, uint8_t* smem) {
+    const uint32_t dim = DIM ? DIM : dim_arg;
+    const uint32_t split = blockIdx.x, j0 = split * split_rows, hg = blockIdx.y * MLA_WH;
+    if (j0 >= n || hg >= heads) return;
+    const uint32_t ns = min(split_rows, n - j0);  // the split's rows
+    const uint32_t tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const uint32_t mt = warp & 3u, half = warp >> 2;
+    const uint32_t hm = hg + 16u * mt;  // the warp's first head
+    const bool live = hm < heads;       // a head tile past the model's heads computes nothing
+    // Pitches fixed for every width (the widest's): a runtime pitch made the row addresses values
+    // that ptxas kept in registers, and spilled.
+    constexpr uint32_t dp = MLA_WDP, rp = MLA_WRP, PP = MLA_WPP;
+    uint16_t* qhi = reinterpret_cast<uint16_t*>(smem);  // [WH][dp]
+    uint16_t* qlo = qhi + (size_t)MLA_WH * dp;          // [WH][dp]
+    uint16_t* cs = qlo + (size_t)MLA_WH * dp;           // [RT][dp]
+    uint16_t* phi = cs + (size_t)MLA_RT * dp;           // [WH][PP]
+    uint16_t* plo = phi + MLA_WH * PP;                  // [WH][PP]
+    uint16_t* krs = plo + MLA_WH * PP;                  // [RT][rp], ROPE only
+    uint32_t* slot_s = reinterpret_cast<uint32_t*>(krs + (ROPE ? MLA_RT * rp : 0u));  // [split_rows]
+    float* sc_s = reinterpret_cast<float*>(slot_s + split_rows);                       // [split_rows]
+    float* red = sc_s + split_rows;                                                    // [2][WH]
+    uint32_t* r_s = reinterpret_cast<uint32_t*>(red + 2 * MLA_WH);                     // [split_rows], ROPE
+
+    // q as hi/lo halves, every float4 of a round in flight before its first use (as the pair
+    // above); the split's row slots (one row per thread) while the first round is in flight. Warp w
+    // takes heads w, w + 8, ..., lane l the float4s l, l + 32, ... of a head (no division by a
+    // runtime width).
+    constexpr int QL = 16;
+    const uint32_t d4 = dim / 4u;
+    const float4* q4 = reinterpret_cast<const float4*>(q) + (size_t)hg * d4;
+    for (uint32_t base = 0; base < MLA_WH / 8u * 4u; base += QL) {  // the warp's (head, quarter of a row) pairs
+        float4 v[QL];
+#pragma unroll
+        for (int u = 0; u < QL; ++u) {
+            const uint32_t hh = warp + 8u * ((base + u) >> 2), c = lane + 32u * ((base + u) & 3u);
+            v[u] = c < d4 && hg + hh < heads ? __ldg(q4 + (size_t)hh * d4 + c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+        if (base == 0 && tid < split_rows) {
+            uint32_t slot = 0xFFFFFFFFu, r = 0xFFFFFFFFu;
+            float sc = 0.0f;
+            if (tid < ns) {
+                r = selected[j0 + tid];
+                slot = block_table[r / block_size] * block_size + r % block_size;
+                sc = scales[slot];
+            }
+            slot_s[tid] = slot;
+            sc_s[tid] = sc;
+            if (ROPE) r_s[tid] = r;
+        }
+#pragma unroll
+        for (int u = 0; u < QL; ++u) {
+            const uint32_t hh = warp + 8u * ((base + u) >> 2), c = lane + 32u * ((base + u) & 3u);
+            if (c >= d4) continue;
+            uint32_t l0, l1;
+            const uint32_t h0 = pack_hi_lo(v[u].x, v[u].y, l0), h1 = pack_hi_lo(v[u].z, v[u].w, l1);
+            *reinterpret_cast<uint2*>(qhi + hh * dp + 4u * c) = make_uint2(h0, h1);
+            *reinterpret_cast<uint2*>(qlo + hh * dp + 4u * c) = make_uint2(l0, l1);
+        }
+    }
+    // The rope query of heads hm + g and hm + g + 8 (the score product's A fragments; past `heads`
+    // zeros), read at each tile's score product through L1: held in registers for the whole split
+    // they cost the output product registers it spilled without.
+    const uint32_t* rq0 = reinterpret_cast<const uint32_t*>(q_rope + (size_t)(hm + g) * rope_dim);
+    const uint32_t* rq1 = reinterpret_cast<const uint32_t*>(q_rope + (size_t)(hm + g + 8u) * rope_dim);
+    const bool rv0 = ROPE && hm + g < heads, rv1 = ROPE && hm + g + 8u < heads;
+    __syncthreads();
+
+    // A tile's rows in registers: warp w the rows w, w + 8, ..., lane l the 16 FP8 at 16 l of each
+    // (dim / 16 <= 32 lanes); the rope keys 8 BF16 per load, thread i the rows i / 8, i / 8 + 32 at
+    // 8 (i % 8) (rope_dim / 8 <= 8). Rows past the split are zeros.
+    constexpr int CL = MLA_RT / 8, KL = 2;
+    const uint32_t kr_row = tid >> 3, kr_c = tid & 7u;
+    const bool c_in = lane < dim / 16u, k_in = kr_c < rope_dim / 8u;
+    uint4 cv[CL], kv[KL];
+    auto fetch = [&](uint32_t tile) {
+#pragma unroll
+        for (int u = 0; u < CL; ++u) {
+            const uint32_t jr = MLA_RT * tile + warp + 8u * u;
+            cv[u] = c_in && jr < ns ? ld_stream16(reinterpret_cast<const uint4*>(cache + (size_t)slot_s[jr] * dim) + lane)
+                                    : make_uint4(0u, 0u, 0u, 0u);
+        }
+        if (ROPE) {
+#pragma unroll
+            for (int u = 0; u < KL; ++u) {
+                const uint32_t jr = MLA_RT * tile + kr_row + 32u * u;
+                kv[u] = k_in && jr < ns ? __ldg(reinterpret_cast<const uint4*>(rope_keys + (size_t)r_s[jr] * rope_dim) + kr_c)
+                                        : make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+    };
+    auto store = [&]() {
+        if (c_in) {
+#pragma unroll
+            for (int u = 0; u < CL; ++u) {
+                uint4 lo, hi;
+                widen16(cv[u], lo, hi);
+                uint4* dst = reinterpret_cast<uint4*>(cs + (warp + 8u * u) * dp + 16u * lane);
+                dst[0] = lo;
+                dst[1] = hi;
+            }
+        }
+        if (ROPE && k_in) {
+#pragma unroll
+            for (int u = 0; u < KL; ++u) *reinterpret_cast<uint4*>(krs + (kr_row + 32u * u) * rp + 8u * kr_c) = kv[u];
+        }
+    };
+
+    // ldmatrix row addresses of lane `lane`: A (16 x 16, row-major) rows lane % 16, columns
+    // 8 (lane / 16); B of the scores (rows of C / of the rope keys, k contiguous) rows
+    // lane % 8 + 8 (lane / 16), columns 8 (lane / 8 % 2); B of the output (C k-major, .trans)
+    // rows lane % 8 + 8 (lane / 8 % 2), columns 8 (lane / 16).
+    const uint32_t a_off = (16u * mt + (lane & 15u)) * dp + 8u * (lane >> 4);
+    const uint32_t pa_off = (16u * mt + (lane & 15u)) * PP + 8u * (lane >> 4);
+    const uint32_t sb_row = 32u * half + (lane & 7u) + 8u * (lane >> 4), sb_col = 8u * ((lane >> 3) & 1u);
+    const uint32_t ob_off = ((lane & 7u) + 8u * ((lane >> 3) & 1u)) * dp + 8u * (lane >> 4) + 16u * half;
+
+    float o[32][4];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // heads hm + g, hm + g + 8
+    const uint32_t tiles = (ns + MLA_RT - 1u) / MLA_RT;
+    fetch(0);
+    for (uint32_t tile = 0; tile < tiles; ++tile) {
+        store();
+        __syncthreads();
+        float s[4][4];  // n-tile j: rows 32 half + 8 j + 2 t (+1), heads g (0, 1) and g + 8 (2, 3)
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+        if (live) {
+            float acc[4][4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+            const uint16_t* cb = cs + sb_row * dp + sb_col;
+#pragma unroll 4
+            for (uint32_t k0 = 0; k0 < dim; k0 += 16u) {
+                uint32_t ah[4], al[4], b01[4], b23[4];
+                ldsm_x4(ah, qhi + a_off + k0);
+                ldsm_x4(al, qlo + a_off + k0);
+                ldsm_x4(b01, cb + k0);
+                ldsm_x4(b23, cb + 16u * dp + k0);
+                mma_w(acc[0], ah, b01[0], b01[1]);
+                mma_w(acc[1], ah, b01[2], b01[3]);
+                mma_w(acc[2], ah, b23[0], b23[1]);
+                mma_w(acc[3], ah, b23[2], b23[3]);
+                mma_w(acc[0], al, b01[0], b01[1]);
+                mma_w(acc[1], al, b01[2], b01[3]);
+                mma_w(acc[2], al, b23[0], b23[1]);
+                mma_w(acc[3], al, b23[2], b23[3]);
+            }
+            float racc[4][4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) racc[j][0] = racc[j][1] = racc[j][2] = racc[j][3] = 0.0f;
+            if (ROPE) {
+                uint32_t rq[MLA_WMAX_ROPE / 16][4];
+#pragma unroll
+                for (uint32_t k = 0; k < MLA_WMAX_ROPE / 16; ++k) {
+                    const bool in = 16u * k < rope_dim;
+                    rq[k][0] = in && rv0 ? __ldg(rq0 + 8u * k + t) : 0u;
+                    rq[k][1] = in && rv1 ? __ldg(rq1 + 8u * k + t) : 0u;
+                    rq[k][2] = in && rv0 ? __ldg(rq0 + 8u * k + 4u + t) : 0u;
+                    rq[k][3] = in && rv1 ? __ldg(rq1 + 8u * k + 4u + t) : 0u;
+                }
+                const uint16_t* kb = krs + sb_row * rp + sb_col;
+#pragma unroll
+                for (uint32_t k = 0; k < MLA_WMAX_ROPE / 16; ++k) {
+                    if (16u * k >= rope_dim) continue;
+                    uint32_t b01[4], b23[4];
+                    ldsm_x4(b01, kb + 16u * k);
+                    ldsm_x4(b23, kb + 16u * rp + 16u * k);
+                    mma_w(racc[0], rq[k], b01[0], b01[1]);
+                    mma_w(racc[1], rq[k], b01[2], b01[3]);
+                    mma_w(racc[2], rq[k], b23[0], b23[1]);
+                    mma_w(racc[3], rq[k], b23[2], b23[3]);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const uint32_t jr = MLA_RT * tile + 32u * half + 8u * j + 2u * t + c;
+                    const bool in = jr < ns;
+                    const float sc = in ? sc_s[jr] : 0.0f;
+                    if (ROPE) {
+                        // (latent . q * row scale + rope) * scale: the row scale is the latent term's.
+                        s[j][c] = in ? __fmul_rn(fmaf(acc[j][c], sc, racc[j][c]), scale) : -INFINITY;
+                        s[j][2 + c] = in ? __fmul_rn(fmaf(acc[j][2 + c], sc, racc[j][2 + c]), scale) : -INFINITY;
+                    } else {
+                        const float f = __fmul_rn(sc, scale);
+                        s[j][c] = in ? acc[j][c] * f : -INFINITY;
+                        s[j][2 + c] = in ? acc[j][2 + c] * f : -INFINITY;
+                    }
+                    mx0 = fmaxf(mx0, s[j][c]);
+                    mx1 = fmaxf(mx1, s[j][2 + c]);
+                }
+            }
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xFFFFFFFFu, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xFFFFFFFFu, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xFFFFFFFFu, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xFFFFFFFFu, mx1, 2));
+            if (t == 0) {
+                red[half * MLA_WH + 16u * mt + g] = mx0;
+                red[half * MLA_WH + 16u * mt + g + 8u] = mx1;
+            }
+        }
+        __syncthreads();
+        if (live) {
+            // Both warps of the head tile take the tile's max in the same order: the same m, the
+            // same rescale of their shares.
+            const float n0 = fmaxf(m0, fmaxf(red[16u * mt + g], red[MLA_WH + 16u * mt + g]));
+            const float n1 = fmaxf(m1, fmaxf(red[16u * mt + g + 8u], red[MLA_WH + 16u * mt + g + 8u]));
+            const float c0 = expf(m0 - n0), c1 = expf(m1 - n1);  // 0 at the first tile (m = -inf)
+            m0 = n0;
+            m1 = n1;
+            float e0 = 0.0f, e1 = 0.0f;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                float p[4];
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const uint32_t jr = MLA_RT * tile + 32u * half + 8u * j + 2u * t + c;
+                    const float sc = jr < ns ? sc_s[jr] : 0.0f;
+                    const float x0 = expf(s[j][c] - n0), x1 = expf(s[j][2 + c] - n1);
+                    e0 += x0;
+                    e1 += x1;
+                    // p carries the row's FP8 scale into the output product (c_j = fp8_j * scale_j).
+                    p[c] = x0 * sc;
+                    p[2 + c] = x1 * sc;
+                }
+                const uint32_t col = 32u * half + 8u * j + 2u * t;
+                uint32_t lo0, lo1;
+                const uint32_t hi0 = pack_hi_lo(p[0], p[1], lo0), hi1 = pack_hi_lo(p[2], p[3], lo1);
+                *reinterpret_cast<uint32_t*>(phi + (16u * mt + g) * PP + col) = hi0;
+                *reinterpret_cast<uint32_t*>(plo + (16u * mt + g) * PP + col) = lo0;
+                *reinterpret_cast<uint32_t*>(phi + (16u * mt + g + 8u) * PP + col) = hi1;
+                *reinterpret_cast<uint32_t*>(plo + (16u * mt + g + 8u) * PP + col) = lo1;
+            }
+            l0 = fmaf(l0, c0, e0);
+            l1 = fmaf(l1, c1, e1);
+#pragma unroll
+            for (int i = 0; i < 32; ++i) {
+                o[i][0] *= c0;
+                o[i][1] *= c0;
+                o[i][2] *= c1;
+                o[i][3] *= c1;
+            }
+        }
+        __syncthreads();
+        if (tile + 1u < tiles) fetch(tile + 1u);  // in flight during the output product
+        if (live) {
+#pragma unroll 1
+            for (uint32_t k0 = 0; k0 < MLA_RT; k0 += 16u) {
+                uint32_t ah[4], al[4];
+                ldsm_x4(ah, phi + pa_off + k0);
+                ldsm_x4(al, plo + pa_off + k0);
+                const uint16_t* cb = cs + ob_off + k0 * dp;
+#pragma unroll
+                for (int i = 0; i < 16; ++i) {
+                    if (!DIM && 16u * (2u * i + half) >= dim) continue;
+                    uint32_t b[4];
+                    ldsm_x4_t(b, cb + 32u * i);
+                    mma_w(o[2 * i], ah, b[0], b[1]);
+                    mma_w(o[2 * i + 1], ah, b[2], b[3]);
+                    mma_w(o[2 * i], al, b[0], b[1]);
+                    mma_w(o[2 * i + 1], al, b[2], b[3]);
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+    // The sum: each lane's share over its rows, then the four lanes of a head, then the two warps.
+    if (live) {
+        l0 += __shfl_xor_sync(0xFFFFFFFFu, l0, 1);
+        l0 += __shfl_xor_sync(0xFFFFFFFFu, l0, 2);
+        l1 += __shfl_xor_sync(0xFFFFFFFFu, l1, 1);
+        l1 += __shfl_xor_sync(0xFFFFFFFFu, l1, 2);
+        if (t == 0) {
+            red[half * MLA_WH + 16u * mt + g] = l0;
+            red[half * MLA_WH + 16u * mt + g + 8u] = l1;
+        }
+    }
+    __syncthreads();
+    if (!live) return;
+    const uint32_t h0 = hm + g, h1 = hm + g + 8u;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        const uint32_t d = 16u * (2u * (i >> 1) + half) + 8u * (i & 1) + 2u * t;
+        if (!DIM && d >= dim) continue;
+        if (h0 < heads)
+            *reinterpret_cast<float2*>(part + ((size_t)split * heads + h0) * dim + d) = make_float2(o[i][0], o[i][1]);
+        if (h1 < heads)
+            *reinterpret_cast<float2*>(part + ((size_t)split * heads + h1) * dim + d) = make_float2(o[i][2], o[i][3]);
+    }
+    if (half == 0 && t == 0) {
+        if (h0 < heads)
+            *reinterpret_cast<float2*>(ml + ((size_t)split * heads + h0) * 2u) =
+                make_float2(m0, red[16u * mt + g] + red[MLA_WH + 16u * mt + g]);
+        if (h1 < heads)
+            *reinterpret_cast<float2*>(ml + ((size_t)split * heads + h1) * 2u) =
+                make_float2(m1, red[16u * mt + g + 8u] + red[MLA_WH + 16u * mt + g + 8u]);
+    }
+}
+}  // namespace
+
+// Grid (wide_splits(sel_cap, split_rows), ceil(heads / 64), m), block 256, blockIdx.z = entry e:
+// the split blockIdx.x of e's selection (count[e] rows, at most sel_cap) for heads
+// 64 blockIdx.y .. + 64, into e's workspace: part + e * splits * heads * dim ([split][head][dim]
+// f32, unnormalised) and ml + e * splits * heads * 2 ((max, sum) per split and head). Addressed
+// as sparse_mla_partial_batch otherwise (q, q_rope, the slot's block table and rope keys).
+// Splits past the count and padding entries exit (padding reads and writes nothing), as does every
+// block for a split_rows, rope_dim or dim the kernel does not take (wide_split_ok, wide_rope_ok,
+// dim % 16 == 0 and 16 <= dim <= 512).
+extern "C" __global__ void __launch_bounds__(256, 1) sparse_mla_partial_wide_batch(
+    const float* __restrict__ q, const uint16_t* __restrict__ q_rope, const uint8_t* __restrict__ cache,
+    const float* __restrict__ scales, const uint16_t* __restrict__ rope_keys, const uint32_t* __restrict__ tables,
+    const uint32_t* __restrict__ selected, const uint32_t* __restrict__ count, float* __restrict__ part,
+    float* __restrict__ ml, const uint32_t* __restrict__ entries, uint32_t m, uint32_t slot_rows, uint32_t sel_cap,
+    uint32_t heads, uint32_t dim, uint32_t rope_dim, uint32_t block_size, float scale, uint32_t split_rows) {
+    extern __shared__ __align__(16) uint8_t smem[];
+    wait_then_release();
+    const uint32_t e = blockIdx.z;
+    if (e >= m || blockDim.x != 256u || !wide_split_ok(split_rows) || !wide_rope_ok(rope_dim) || dim % 16u != 0 ||
+        dim == 0 || dim > 512u)
+        return;
+    const uint32_t n = min(count[e], sel_cap);  // beside the entry's load, as in sparse_mla_attend_batch
+    const BatchEntry b = load_entry(entries, e);
+    if (entry_is_pad(b)) return;
+    const size_t hd = (size_t)heads * dim, splits = wide_splits(sel_cap, split_rows);
+    const float* qe = q + e * hd;
+    const uint32_t* table = tables + (size_t)b.slot * blocks_per_slot(slot_rows, block_size);
+    const uint32_t* sel = selected + (size_t)e * sel_cap;
+    float* pe = part + e * splits * hd;
+    float* me = ml + e * splits * heads * 2u;
+    // rope_dim is uniform: the NoPE builds have no rope instruction at all.
+    if (rope_dim == 0u) {
+        if (dim == 512u)
+            mla_wide_split<512, false>(qe, q_rope, cache, scales, rope_keys, table, sel, n, pe, me, heads, dim, 0u,
+                                       block_size, scale, split_rows, smem);
+        else
+            mla_wide_split<0, false>(qe, q_rope, cache, scales, rope_keys, table, sel, n, pe, me, heads, dim, 0u,
+                                     block_size, scale, split_rows, smem);
+    } else {
+        const uint16_t* qre = q_rope + (size_t)e * heads * rope_dim;
+        const uint16_t* kre = rope_keys + (size_t)b.slot * slot_rows * rope_dim;
+        if (dim == 512u)
+            mla_wide_split<512, true>(qe, qre, cache, scales, kre, table, sel, n, pe, me, heads, dim, rope_dim,
+                                      block_size, scale, split_rows, smem);
+        else
+            mla_wide_split<0, true>(qe, qre, cache, scales, kre, table, sel, n, pe, me, heads, dim, rope_dim,
+                                    block_size, scale, split_rows, smem);
+    }
+}
+
+// The merge of the wide partials: out[h] = sum_s exp(m_s - M) part_s[h] / sum_s exp(m_s - M) l_s
+// over the ceil(count / split_rows) splits, in split order, as sparse_mla_combine_batch. Grid
+// (ceil(heads / 2), m), block 256: 128 threads per head, thread i owning dims 4 i .. 4 i + 3
+// (dim <= 512, dim % 16 == 0), each summing every split itself with eight splits' loads in flight
+// (a few splits per head: no cross-warp sum). The partials and their (m, l) come through L2 (the
+// partials kernel releases its dependents early, ptx/common.cuh). Padding entries, and every block
+// for a split_rows the partials kernel does not take, read and write nothing.
+#define MLA_CW 8
+extern "C" __global__ void __launch_bounds__(256) sparse_mla_combine_wide_batch(
+    const float* __restrict__ part, const float* __restrict__ ml, const uint32_t* __restrict__ count,
+    uint16_t* __restrict__ out, const uint32_t* __restrict__ entries, uint32_t m, uint32_t sel_cap, uint32_t heads,
+    uint32_t dim, uint32_t split_rows) {
+    wait_then_release();
+    const uint32_t e = blockIdx.y, h = 2u * blockIdx.x + (threadIdx.x >> 7), d = 4u * (threadIdx.x & 127u);
+    if (e >= m || h >= heads || dim % 16u != 0 || dim > 512u || !wide_split_ok(split_rows)) return;
+    const uint32_t n = min(count[e], sel_cap);  // beside the entry's load, as in sparse_mla_attend_batch
+    const BatchEntry b = load_entry(entries, e);
+    if (entry_is_pad(b) || d >= dim) return;
+    const size_t hd = (size_t)heads * dim, stride = wide_splits(sel_cap, split_rows);
+    const float* p = part + e * stride * hd + (size_t)h * dim + d;
+    const float2* mlh = reinterpret_cast<const float2*>(ml + e * stride * heads * 2u) + h;
+    const uint32_t splits = (n + split_rows - 1u) / split_rows;
+    float M = -INFINITY;
+    for (uint32_t s = 0; s < splits; ++s) M = fmaxf(M, __ldcg(mlh + (size_t)s * heads).x);
+    float L = 0.0f;
+    float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    for (uint32_t s0 = 0; s0 < splits; s0 += MLA_CW) {
+        float4 v[MLA_CW];
+        float2 w[MLA_CW];
+#pragma unroll
+        for (int u = 0; u < MLA_CW; ++u) {
+            const uint32_t s = s0 + u;
+            v[u] = s < splits ? __ldcg(reinterpret_cast<const float4*>(p + s * hd)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            w[u] = s < splits ? __ldcg(mlh + (size_t)s * heads) : make_float2(-INFINITY, 0.0f);
+        }
+#pragma unroll
+        for (int u = 0; u < MLA_CW; ++u) {
+            if (s0 + u >= splits) continue;
+            const float x = expf(w[u].x - M);
+            L = fmaf(w[u].y, x, L);
+            o.x = fmaf(v[u].x, x, o.x);
+            o.y = fmaf(v[u].y, x, o.y);
+            o.z = fmaf(v[u].z, x, o.z);
+            o.w = fmaf(v[u].w, x, o.w);
+        }
+    }
+    if (splits == 0u) o = make_float4(0.0f, 0.0f, 0.0f, 0.0f), L = 1.0f;  // empty selection: zero
+    *reinterpret_cast<uint2*>(out + (size_t)h * dim + d) =
+        make_uint2(pack_bf16x2(o.x / L, o.y / L), pack_bf16x2(o.z / L, o.w / L));
 }

@@ -438,6 +438,8 @@ BATCH_KERNELS = [
     ("dsa_select", "extend_selection_batch", Pdl.WAIT, True),
     ("sparse_mla", "sparse_mla_partial_batch", Pdl.WAIT, True),
     ("sparse_mla", "sparse_mla_combine_batch", Pdl.WAIT, True),
+    ("sparse_mla", "sparse_mla_partial_wide_batch", Pdl.WAIT, True),
+    ("sparse_mla", "sparse_mla_combine_wide_batch", Pdl.WAIT, True),
     ("sparse_mla", "sparse_mla_attend_batch", Pdl.NONE, False),
 ]
 
@@ -455,7 +457,11 @@ def test_batched_kernels_pdl_flags(module, function, pdl, releases):
 
 @pytest.mark.parametrize(
     "module,function,form",
-    [("dsa_select", "select_topk_pools_batch", "f32"), ("sparse_mla", "sparse_mla_combine_batch", "f32")],
+    [
+        ("dsa_select", "select_topk_pools_batch", "f32"),
+        ("sparse_mla", "sparse_mla_combine_batch", "f32"),
+        ("sparse_mla", "sparse_mla_combine_wide_batch", "f32"),
+    ],
     ids=lambda v: str(v),
 )
 def test_a_batched_successor_of_an_early_release_reads_it_through_l2(module, function, form):

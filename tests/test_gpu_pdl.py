@@ -57,13 +57,17 @@ def _bits(gpu, ptr, n: int) -> bytes:
     return out.tobytes()
 
 
-def test_pdl_on_and_off_agree_bit_for_bit(cuda):
+# The attention as the split pair (this proposer's size picks it) and as the wide pair.
+@pytest.mark.parametrize("attention", [None, 64], ids=["split-pair", "wide-64"])
+def test_pdl_on_and_off_agree_bit_for_bit(cuda, attention):
     w = bf16_weights(CFG, 11)
+    mk = dict(gpu=cuda, attention_split_rows=attention)
     arms = {  # name -> (proposer, PDL on?)
-        "graph+pdl": (make_proposer(CFG, w, gpu=cuda, use_graphs=True), True),
-        "eager+pdl": (make_proposer(CFG, w, gpu=cuda), True),
-        "graph": (make_proposer(CFG, w, gpu=cuda, use_graphs=True), False),
+        "graph+pdl": (make_proposer(CFG, w, use_graphs=True, **mk), True),
+        "eager+pdl": (make_proposer(CFG, w, **mk), True),
+        "graph": (make_proposer(CFG, w, use_graphs=True, **mk), False),
     }
+    assert {p.layer.attn_split_rows for p, _ in arms.values()} == {attention or 0}
     states = {name: p.alloc_state() for name, (p, _) in arms.items()}
     rng = np.random.default_rng(11)
     n = 900

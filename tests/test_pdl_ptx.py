@@ -59,6 +59,8 @@ def test_the_drafter_step_kernels_take_part():
         "bgemv_bf16_f32_batch",
         "sparse_mla_partial_batch",
         "sparse_mla_combine_batch",
+        "sparse_mla_partial_wide_batch",
+        "sparse_mla_combine_wide_batch",
         "router_group_batch",
         "moe_gate_up_batch",
         "moe_down_batch",
@@ -84,6 +86,8 @@ def test_the_drafter_step_kernels_take_part():
         "extend_selection_batch",
         "sparse_mla_partial_batch",
         "sparse_mla_combine_batch",
+        "sparse_mla_partial_wide_batch",
+        "sparse_mla_combine_wide_batch",
         "head_argmax_fp8_batch",
         "head_argmax_bf16_batch",
         "head_argmax_fp8_mma",
@@ -177,6 +181,7 @@ _EARLY_RELEASE_SUCCESSORS = [
     ("dsa_select", "select_radix_hist_batch", "f32"),  # the indexer's scores
     ("dsa_select", "select_radix_hist_batch", "u32"),  # the phase before's histogram and threshold
     ("sparse_mla", "sparse_mla_combine_batch", "f32"),  # the partials and their (m, l)
+    ("sparse_mla", "sparse_mla_combine_wide_batch", "f32"),  # the wide partials and their (m, l)
     ("moe", "moe_gate_up_batch", "u32"),  # the router's grouping of the expert ids
 ]
 

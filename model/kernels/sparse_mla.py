@@ -78,18 +78,18 @@ HEAD_TILE = 16
 MAX_SPLITS = 1024
 
 
-def _partial(mem, q, n, c, rope, part, ml, heads, dim, scale):
+def _partial(mem, q, n, c, rope, part, ml, heads, dim, scale, split_rows=SPLIT_ROWS):
     s = _scores(mem, q, c, rope, heads, dim, scale)
-    for sp in range(-(-n // SPLIT_ROWS)):
-        seg = slice(sp * SPLIT_ROWS, min(n, (sp + 1) * SPLIT_ROWS))
+    for sp in range(-(-n // split_rows)):
+        seg = slice(sp * split_rows, min(n, (sp + 1) * split_rows))
         m = s[:, seg].max(1)
         e = np.exp(s[:, seg] - m[:, None])
         mem.write(part.offset(sp * heads * dim * 4), dot_rows(e, c[seg].T))
         mem.write(ml.offset(sp * heads * 8), np.stack([m, e.sum(1, dtype=np.float32)], 1).astype(np.float32))
 
 
-def _combine(mem, part, ml, n, out, heads, dim):
-    splits = -(-n // SPLIT_ROWS)
+def _combine(mem, part, ml, n, out, heads, dim, split_rows=SPLIT_ROWS):
+    splits = -(-n // split_rows)
     if splits == 0:
         mem.write(out, np.zeros((heads, dim), BF16))
         return
@@ -506,5 +506,292 @@ def sparse_mla_attend_batch(
         rope_dim,
         block_size,
         scale,
+        stream=stream,
+    )
+
+
+# ---- the wide pair: all heads of an entry per block, longer splits (ptx/sparse_mla.cu) -----------
+# sparse_mla_partial_wide_batch takes a split of ``split_rows`` rows (64 to 256, a multiple of 64)
+# for 64 heads at once, its 64-row tiles folded with an online softmax: every selected row is
+# gathered once per 64 heads (not per 16) and the partials are split_rows / 64 times fewer.
+# sparse_mla_combine_wide_batch merges them as sparse_mla_combine_batch does. The per-split result
+# is the split pair's function with another split length, so the twins are _partial and _combine
+# at split_rows. Which form (and split length) a proposer uses is fixed by its configuration
+# (``auto_split_rows``), never by a batch's size: a sequence's bits depend on the form.
+WIDE_HEADS = 64
+WIDE_MAX_SPLIT_ROWS = 256
+# The rope query's fragments of the wide kernel: up to 64 rope dims (the models' width); a wider
+# rope part keeps the split pair.
+WIDE_MAX_ROPE_DIM = 64
+# Fixed shared-memory pitches of the wide kernel (BF16 elements): the widest latent and rope rows.
+_WIDE_DP = 512 + 8
+_WIDE_RP = WIDE_MAX_ROPE_DIM + 8
+
+
+def wide_split_rows_ok(split_rows: int) -> bool:
+    """A split length the wide kernel takes: a multiple of 64 from 64 to WIDE_MAX_SPLIT_ROWS."""
+    return (
+        not isinstance(split_rows, bool)
+        and isinstance(split_rows, int)
+        and split_rows % SPLIT_ROWS == 0
+        and SPLIT_ROWS <= split_rows <= WIDE_MAX_SPLIT_ROWS
+    )
+
+
+def wide_rope_dim_ok(rope_dim: int) -> bool:
+    """0 (NoPE) or a multiple of 16 up to WIDE_MAX_ROPE_DIM."""
+    return 0 <= rope_dim <= WIDE_MAX_ROPE_DIM and rope_dim % 16 == 0
+
+
+def _wide_dim_ok(dim: int) -> bool:
+    return dim % 16 == 0 and 16 <= dim <= 512
+
+
+def wide_supported(dim: int, rope_dim: int) -> bool:
+    """Shapes the wide pair takes: dim a multiple of 16 up to 512, rope_dim wide_rope_dim_ok."""
+    return _wide_dim_ok(dim) and wide_rope_dim_ok(rope_dim)
+
+
+def wide_splits(sel_cap: int, split_rows: int) -> int:
+    """Partials per entry of the wide pair: a selection of at most sel_cap rows."""
+    return max(-(-sel_cap // split_rows), 1)
+
+
+def wide_workspace(heads: int, dim: int, sel_cap: int, split_rows: int) -> tuple[int, int]:
+    """Bytes of (part, ml) per entry of the wide pair (entry e's at e times these)."""
+    splits = wide_splits(sel_cap, split_rows)
+    return splits * heads * dim * 4, splits * heads * 8
+
+
+def wide_smem(rope_dim: int, split_rows: int) -> int:
+    """ptx/sparse_mla.cu sparse_mla_partial_wide_batch: q hi/lo [64][520] and C [64][520] BF16, p
+    hi/lo [64][72] BF16, the two warps' maxima [2][64] f32, the split's slots and scales; with a
+    RoPE part also the rope keys' tile [64][72] BF16 and the split's rows."""
+    base = 2 * WIDE_HEADS * _WIDE_DP * 2 + SPLIT_ROWS * _WIDE_DP * 2 + 2 * WIDE_HEADS * 72 * 2
+    rope = SPLIT_ROWS * _WIDE_RP * 2 + 4 * split_rows if rope_dim else 0
+    return base + 8 * split_rows + 2 * WIDE_HEADS * 4 + rope
+
+
+# The auto choice per proposer size (ProposerOptions.attention_split_rows None). Proposers of 16 or
+# more sequences take the wide pair at 256-row splits: a full batch of 16 already fills the chip
+# (16 x 2048 rows / 256 = 128 blocks, one per SM), and at 64 and 256 sequences the split pair's
+# repeated gathers and 4 MB of partials per sequence are where its time went. Smaller proposers
+# keep the split pair, whose one-sequence latency is tuned (a lone sequence of a wide proposer
+# makes only 2048 / 256 = 8 blocks). bench/bench_sparse_mla_rope.py --wide times both forms at
+# every split length and batch size: the threshold and the length are to be revisited with its
+# table (shorter splits may pay at 4 to 15 sequences).
+AUTO_WIDE_MIN_SEQUENCES = 16
+AUTO_WIDE_SPLIT_ROWS = 256
+
+
+def auto_split_rows(max_sequences: int) -> int:
+    """0 (the split pair) or the wide pair's split length for a proposer of max_sequences."""
+    return AUTO_WIDE_SPLIT_ROWS if max_sequences >= AUTO_WIDE_MIN_SEQUENCES else 0
+
+
+@declare(
+    "sparse_mla",
+    "sparse_mla_partial_wide_batch",
+    [
+        ("q", PTR),
+        ("q_rope", PTR),
+        ("cache", PTR),
+        ("scales", PTR),
+        ("rope_keys", PTR),
+        ("tables", PTR),
+        ("selected", PTR),
+        ("count", PTR),
+        ("part", PTR),
+        ("ml", PTR),
+        ("entries", PTR),
+        ("m", U32),
+        ("slot_rows", U32),
+        ("sel_cap", U32),
+        ("heads", U32),
+        ("dim", U32),
+        ("rope_dim", U32),
+        ("block_size", U32),
+        ("scale", F32),
+        ("split_rows", U32),
+    ],
+    writes=("part", "ml"),
+    pdl=True,
+    releases=True,  # right after its wait: the merge launches during its tail
+)
+def SPARSE_MLA_PARTIAL_WIDE_BATCH(
+    mem,
+    q,
+    q_rope,
+    cache,
+    scales,
+    rope_keys,
+    tables,
+    selected,
+    count,
+    part,
+    ml,
+    entries,
+    m,
+    slot_rows,
+    sel_cap,
+    heads,
+    dim,
+    rope_dim,
+    block_size,
+    scale,
+    split_rows,
+):
+    """Each entry's per-split partial attention over splits of split_rows rows (unnormalised output
+    [split][head][dim] and its (max, sum) per split and head) into its workspace (wide_workspace).
+    For a split length, rope_dim or dim the kernel does not take it writes nothing, as the kernel."""
+    if not (wide_split_rows_ok(split_rows) and wide_rope_dim_ok(rope_dim) and _wide_dim_ok(dim)):
+        return
+    bps, splits = _blocks_per_slot(slot_rows, block_size), wide_splits(sel_cap, split_rows)
+    for e, slot, n in _batch_entries(mem, entries, m, count, sel_cap):
+        table, sel = tables.offset(slot * bps * 4), selected.offset(e * sel_cap * 4)
+        _, c = _gather_n(mem, cache, scales, table, sel, n, dim, block_size)
+        qr, kr = _entry_rope(q_rope, rope_keys, e, slot, slot_rows, heads, rope_dim)
+        _partial(
+            mem,
+            q.offset(e * heads * dim * 4),
+            n,
+            c,
+            _rope_term(mem, qr, kr, sel, n, heads, rope_dim),
+            part.offset(e * splits * heads * dim * 4),
+            ml.offset(e * splits * heads * 8),
+            heads,
+            dim,
+            scale,
+            split_rows,
+        )
+
+
+@declare(
+    "sparse_mla",
+    "sparse_mla_combine_wide_batch",
+    [
+        ("part", PTR),
+        ("ml", PTR),
+        ("count", PTR),
+        ("out", PTR),
+        ("entries", PTR),
+        ("m", U32),
+        ("sel_cap", U32),
+        ("heads", U32),
+        ("dim", U32),
+        ("split_rows", U32),
+    ],
+    writes=("out",),
+    pdl=True,
+    releases=True,  # right after its wait: wv launches during its tail
+)
+def SPARSE_MLA_COMBINE_WIDE_BATCH(mem, part, ml, count, out, entries, m, sel_cap, heads, dim, split_rows):
+    """The exact merge of each entry's wide splits into out + e * heads * dim."""
+    if not (wide_split_rows_ok(split_rows) and _wide_dim_ok(dim)):
+        return
+    splits = wide_splits(sel_cap, split_rows)
+    for e, _, n in _batch_entries(mem, entries, m, count, sel_cap):
+        _combine(
+            mem,
+            part.offset(e * splits * heads * dim * 4),
+            ml.offset(e * splits * heads * 8),
+            n,
+            out.offset(e * heads * dim * 2),
+            heads,
+            dim,
+            split_rows,
+        )
+
+
+def sparse_mla_wide_batch(
+    gpu,
+    *,
+    q,
+    cache,
+    scales,
+    tables,
+    selected,
+    count,
+    part,
+    ml,
+    out,
+    entries,
+    m,
+    slot_rows,
+    sel_cap,
+    heads,
+    dim,
+    block_size,
+    scale,
+    split_rows,
+    q_rope=None,
+    rope_keys=None,
+    rope_dim=0,
+    stream=None,
+):
+    """The wide attention for ``m`` batch entries: partials over grid ``(wide_splits(sel_cap,
+    split_rows), ceil(heads / 64), m)`` (one block per SM: ``wide_smem``), then the merge over
+    ``(ceil(heads / 2), m)``. Addressed as ``sparse_mla_split_batch`` (the RoPE part too), with the
+    workspace of ``wide_workspace(heads, dim, sel_cap, split_rows)`` per entry. ``split_rows``: a
+    multiple of 64 from 64 to 256, the proposer's choice (never the batch's: a sequence's bits
+    depend on it). Each entry's output is that of a launch of its entry alone, bit for bit;
+    padding entries read and write nothing."""
+    if not wide_split_rows_ok(split_rows):
+        raise ValueError(
+            f"sparse_mla_wide_batch: split_rows {split_rows!r} is not a multiple of {SPLIT_ROWS} "
+            f"from {SPLIT_ROWS} to {WIDE_MAX_SPLIT_ROWS}"
+        )
+    if not _wide_dim_ok(dim):
+        raise ValueError(f"sparse_mla_wide_batch: dim {dim} is not a multiple of 16 from 16 to 512")
+    _check_batch("sparse_mla_wide_batch", m)
+    q_rope, rope_keys = _rope_args("sparse_mla_wide_batch", q, q_rope, rope_keys, rope_dim)
+    if not wide_rope_dim_ok(rope_dim):
+        raise ValueError(
+            f"sparse_mla_wide_batch: rope_dim {rope_dim} is past the wide kernel's {WIDE_MAX_ROPE_DIM} "
+            "(the split pair takes it)"
+        )
+    launch(
+        gpu,
+        gpu.kernel(*SPARSE_MLA_PARTIAL_WIDE_BATCH.key),
+        (wide_splits(sel_cap, split_rows), -(-heads // WIDE_HEADS), m),
+        256,
+        q,
+        q_rope,
+        cache,
+        scales,
+        rope_keys,
+        tables,
+        selected,
+        count,
+        part,
+        ml,
+        entries,
+        m,
+        slot_rows,
+        sel_cap,
+        heads,
+        dim,
+        rope_dim,
+        block_size,
+        scale,
+        split_rows,
+        smem=wide_smem(rope_dim, split_rows),
+        stream=stream,
+    )
+    launch(
+        gpu,
+        gpu.kernel(*SPARSE_MLA_COMBINE_WIDE_BATCH.key),
+        (-(-heads // 2), m),
+        256,
+        part,
+        ml,
+        count,
+        out,
+        entries,
+        m,
+        sel_cap,
+        heads,
+        dim,
+        split_rows,
         stream=stream,
     )
