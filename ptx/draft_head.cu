@@ -914,11 +914,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) head_argmax_fp8_mma_v1(
 //   shared memory a HMMA; the block's 8 warps cover 256 weight rows, so one pass over the tile's x
 //   serves twice v1's weights: 48 bytes of L2 traffic a HMMA;
 // - holds one block an SM (__launch_bounds__(256, 1): 64 accumulators, 32 widened A registers,
-//   two superblocks of raw weights and four column groups of x a lane; ptxas -v, nvcc 13.0: 242
+//   two superblocks of raw weights and four column groups of x a lane; ptxas -v, nvcc 13.0: 240
 //   registers, no spills) with up to 210 KB of x: k-slices of 13 superblocks at 64 rows (5 a weight
 //   group at k = 4096, against v1's 13), all of k once per block up to 26 rows; one barrier a slice
-//   (wait for the slice's copies, barrier, then copy the next slice into the buffer the previous
-//   step read);
+//   (wait for the slice's copies, barrier; the next slice's copies into the buffer the previous
+//   step read are issued a few superblocks at a time between the MMAs of the slice's first half);
 // - stages x superblock-major ([superblock][row][64 elements], a row's 16-byte chunks XOR-swizzled
 //   by the row's parity: the quarter warps' loads are conflict-free without padding), so a column
 //   group's loads sit at an immediate offset (1 KB a group) from one base register per superblock;
@@ -1065,10 +1065,12 @@ __device__ __forceinline__ void mma2_issue_x(const uint16_t* __restrict__ x, uin
 }
 
 // The block's x staging through its weight groups (block-uniform). Step i (a slice of a group) is
-// in buffer i & 1. A turn at a slice's first superblock waits for the slice's copies, passes the
-// barrier (every thread's copies visible; every warp done with the buffer of step i - 1) and
-// copies step i + 1's slice (the group's next, or the next group's first) into that buffer.
-// Whole: all of k staged once, no turns.
+// in buffer i & 1. A turn at a slice's first superblock waits for the slice's copies and passes the
+// barrier (every thread's copies visible; every warp done with the buffer of step i - 1); step
+// i + 1's slice (the group's next, or the next group's first) is then copied into that buffer a few
+// superblocks at a time, at the first half of step i's superblocks (feed), so that the copies'
+// issue runs between MMAs instead of stalling every warp after the barrier. Whole: all of k staged
+// once, no turns.
 struct Mma2Stage {
     const uint16_t* xt;
     uint32_t rows, k, nsb, S;
@@ -1077,6 +1079,8 @@ struct Mma2Stage {
     uint32_t s0;       // the current slice's first superblock
     uint32_t turn;     // the superblock of the next turn (0xFFFFFFFF: none in this group)
     uint32_t bufsize;  // uint4 a buffer: rows * 8 * S
+    uint32_t nbuf, nsb0, ncnt;  // the next slice: its buffer, first superblock, superblocks (0: none)
+    uint32_t fed, per;          // its superblocks copied so far, and per feed
 
     __device__ __forceinline__ uint32_t buf() const { return whole ? 0u : ((it - 1u) & 1u) * bufsize; }
 
@@ -1084,12 +1088,25 @@ struct Mma2Stage {
     __device__ __forceinline__ void step(uint32_t sb, bool more_groups) {
         cp_async_wait<0>();
         __syncthreads();
-        const uint32_t nx = sb + S, nbuf = ((it + 1u) & 1u) * bufsize;  // step it begins; step it + 1's buffer
-        if (nx < nsb) mma2_issue_x(xt, rows, k, nx, min(S, nsb - nx), nbuf);
-        else if (more_groups) mma2_issue_x(xt, rows, k, 0u, S, nbuf);  // S < nsb when sliced
+        const uint32_t nx = sb + S, len = min(S, nsb - sb);  // the slice this turn begins
+        nbuf = ((it + 1u) & 1u) * bufsize;                    // step it begins; step it + 1's buffer
+        nsb0 = nx < nsb ? nx : 0u;
+        ncnt = nx < nsb ? min(S, nsb - nx) : more_groups ? S : 0u;  // S < nsb when sliced
+        const uint32_t half = (len + 1u) / 2u;
+        per = (ncnt + half - 1u) / half;
+        fed = 0u;
         ++it;
         s0 = sb;
         turn = nx < nsb ? nx : 0xFFFFFFFFu;
+    }
+
+    // At every superblock of a slice, after its turn: the next slice's next `per` superblocks.
+    __device__ __forceinline__ void feed() {
+        if (fed < ncnt) {
+            const uint32_t c = min(per, ncnt - fed);
+            mma2_issue_x(xt, rows, k, nsb0 + fed, c, nbuf + fed * rows * 8u);
+            fed += c;
+        }
     }
 };
 
@@ -1123,6 +1140,7 @@ __device__ __forceinline__ void mma2_group(const uint8_t* __restrict__ wq, const
     // Superblock sb from raw (the buffer of its parity), which is then refilled with sb + 2.
     auto superblock = [&](uint32_t sb, uint4 (&raw)[4]) {
         if (sb == st.turn) st.step(sb, more);  // block-uniform
+        st.feed();                              // every thread: its share of the copies
         if (!mine) return;
         uint32_t a[MMA2_MT][4][4];
         mma2_widen(raw, a);
@@ -1210,6 +1228,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) head_argmax_fp8_mma(
         st.s0 = 0u;
         st.turn = 0u;
         st.bufsize = rows * 8u * S;
+        st.ncnt = st.fed = st.per = st.nbuf = st.nsb0 = 0u;
         uint16_t* lt = logits + (size_t)s.tile.e0 * n;
         mma2_issue_x(st.xt, rows, k, 0u, S, 0u);  // all of k when whole, else slice 0 into buffer 0
         if (whole) {
