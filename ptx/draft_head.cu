@@ -921,7 +921,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) head_argmax_fp8_mma_v1(
 //   step read are issued a few superblocks at a time between the MMAs of the slice's first half);
 // - stages x superblock-major ([superblock][row][64 elements], a row's 16-byte chunks XOR-swizzled
 //   by the row's parity: the quarter warps' loads are conflict-free without padding), so a column
-//   group's loads sit at an immediate offset (1 KB a group) from one base register per superblock;
+//   group's loads sit at an immediate offset (1 KB a group) from one base register per superblock
+//   (v1 recomputed each group's address per superblock). Not ldmatrix: a lane's B fragments for the
+//   four MMAs of a superblock are its own 32 contiguous bytes (the k pairs of MMA j are elements
+//   16t + 4j ..), two 16-byte loads; ldmatrix.x4 also gives 16 bytes a lane an instruction;
 // - keeps the weight stream two superblocks ahead in registers (superblock sb + 2's loads issued
 //   once sb is widened) and eight ahead in L2 (one prefetch per 128-byte line, running on into
 //   the block's next weight group; the first lines before the grid dependency wait).
@@ -1158,6 +1161,14 @@ __device__ __forceinline__ void mma2_group(const uint8_t* __restrict__ wq, const
         if (sb + 1u < nsb) superblock(sb + 1u, rb);
     }
     if (!mine) return;
+    float sc[MMA2_MT][2];  // the scales of the lane's rows g + 16 mt and g + 8 + 16 mt
+#pragma unroll
+    for (int mt = 0; mt < MMA2_MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const uint32_t r = row0 + (uint32_t)mt * MMA_ROWS + 8u * (uint32_t)h + g;
+            sc[mt][h] = r < n ? scale[r] : 0.0f;
+        }
 #pragma unroll
     for (int c = 0; c < NG; ++c) {
         const uint32_t c0 = (uint32_t)c * MMA_N + 2u * t;  // this lane's tile rows c0, c0 + 1
@@ -1165,11 +1176,10 @@ __device__ __forceinline__ void mma2_group(const uint8_t* __restrict__ wq, const
 #pragma unroll
         for (int mt = 0; mt < MMA2_MT; ++mt) {
             const uint32_t r0 = row0 + (uint32_t)mt * MMA_ROWS + g, r1 = r0 + 8u;
-            const float s0 = r0 < n ? scale[r0] : 0.0f, s1 = r1 < n ? scale[r1] : 0.0f;
-            const unsigned long long q0 = mma_store(acc[mt][c][0], s0, r0, c0, n, rows, lt);
-            const unsigned long long q1 = mma_store(acc[mt][c][1], s0, r0, c0 + 1u, n, rows, lt);
-            const unsigned long long q2 = mma_store(acc[mt][c][2], s1, r1, c0, n, rows, lt);
-            const unsigned long long q3 = mma_store(acc[mt][c][3], s1, r1, c0 + 1u, n, rows, lt);
+            const unsigned long long q0 = mma_store(acc[mt][c][0], sc[mt][0], r0, c0, n, rows, lt);
+            const unsigned long long q1 = mma_store(acc[mt][c][1], sc[mt][0], r0, c0 + 1u, n, rows, lt);
+            const unsigned long long q2 = mma_store(acc[mt][c][2], sc[mt][1], r1, c0, n, rows, lt);
+            const unsigned long long q3 = mma_store(acc[mt][c][3], sc[mt][1], r1, c0 + 1u, n, rows, lt);
             k0 = q0 > k0 ? q0 : k0;
             k0 = q2 > k0 ? q2 : k0;
             k1 = q1 > k1 ? q1 : k1;
