@@ -469,7 +469,8 @@ def draft_commit_batch(
 #
 # head_argmax_fp8_mma: 8 warps x 32 weight rows a block (one block an SM), x staged superblock-major
 # in up to MMA_X_SMEM_MAX bytes. v1: 8 warps x 16 rows (two blocks an SM), x row-major in up to
-# MMA_V1_X_SMEM_MAX bytes.
+# MMA_V1_X_SMEM_MAX bytes. One exception to "the same bits": an E4M3 NaN code (0x7F / 0xFF) widens
+# to +-480 in head_argmax_fp8_mma, NaN in v1 and the twin; quantize_fp8 gives none for finite weights.
 
 MMA_TILE_ROWS = 64
 MMA_GROUP_ROWS = 256  # 8 warps x 32 weight rows
