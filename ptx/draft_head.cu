@@ -167,6 +167,7 @@ __device__ __forceinline__ bool head_fp8_group(const uint8_t* __restrict__ wq, c
 // batch before the wait included, so B = 1 keeps its speed.
 #include "batch.cuh"
 #include "fp8_batch.cuh"
+#include "mma_bf16.cuh"  // e4m3x4_to_bf16x2 (head_argmax_fp8_mma)
 
 namespace {
 // Weight rows per warp and 16-byte loads per row per lane in flight when the tiles hold 2..4 rows
@@ -571,9 +572,11 @@ extern "C" __global__ void __launch_bounds__(256, 4) head_argmax_bf16_batch(
                         flag_byte);
 }
 
-// ---- the tensor-core variant -----------------------------------------------------------------------
+// ---- the tensor-core variant, first form -----------------------------------------------------------
 //
-// head_argmax_fp8_mma: head_argmax_fp8_batch's contract (the same arguments and commit), its logits
+// head_argmax_fp8_mma_v1: the tensor-core head before head_argmax_fp8_mma (below), which replaced it
+// with the same bits; kept for comparison (bench/bench_head.py, the GPU tests' bit-for-bit check).
+// head_argmax_fp8_batch's contract (the same arguments and commit), its logits
 // from mma.sync.m16n8k16 with BF16 inputs and f32 accumulation. A warp's 16 weight rows are the
 // MMA's M; a tile of up to 64 rows of x is up to eight n8 column groups (the MMA's N = 8), and each
 // 64-element superblock of k is four MMAs per column group. The FP8 weights are dequantised to BF16
@@ -780,7 +783,7 @@ __device__ __forceinline__ bool tile_any_live(const uint32_t* entries, const Bat
 // registers (ptxas -v, nvcc 13.0: 128, no spills), so 16 warps a SM; the L2 prefetches of the next
 // weight batch (mma_slice) and of the first two before the wait keep about as many bytes in flight
 // as the 32 warps of the 64-register heads do at m = 1.
-extern "C" __global__ void __launch_bounds__(256, 2) head_argmax_fp8_mma(
+extern "C" __global__ void __launch_bounds__(256, 2) head_argmax_fp8_mma_v1(
     const uint8_t* __restrict__ wq, const float* __restrict__ scale, const uint16_t* __restrict__ x,
     uint16_t* __restrict__ logits, unsigned long long* keys, uint32_t* counter, uint32_t* entries, uint32_t* drafts,
     uint32_t draft_index, uint32_t kmax, uint32_t* __restrict__ host_drafts, uint32_t publish, uint32_t m, uint32_t n,
@@ -879,6 +882,383 @@ extern "C" __global__ void __launch_bounds__(256, 2) head_argmax_fp8_mma(
             }
         }
         cp_async_wait<0>();  // none in flight when the block exits (the last step issued an empty group)
+    }
+    __syncthreads();
+    commit_tile_keys<MMA_TILE>(best_s, m, tiles, keys, counter, entries, drafts, draft_index, kmax, host_drafts,
+                               publish, flags, flag_byte);
+}
+
+// ---- the tensor-core head: two weight tiles a warp ------------------------------------------------
+//
+// head_argmax_fp8_mma: head_argmax_fp8_mma_v1's contract, tiles of x (up to 64 rows, balanced, the
+// same tiling), fragments and arithmetic, so every logit and commit bit for bit (the GPU tests
+// compare the two kernels), reorganised for throughput at 16..256 rows. v1 measured on the H200
+// (one eager propose of 3 drafts, kernels timed one by one, no PDL): 1.52 ms a launch at m = 256
+// (4 tiles; 325 GFLOP: about 214 TFLOP/s) and 0.44 ms at m = 64 (about 186 TFLOP/s), against a
+// byte floor of 0.15 ms (635 MB at 4.25 TB/s) and a mma.sync BF16 rate of several hundred
+// TFLOP/s. What v1 spends per HMMA (m16n8k16), at 64 rows of x:
+// - the widening: cvt.rn.f16x2.e4m3x2, two f16 -> f32 and a BF16 pack per weight pair (SASS of its
+//   loop: 58 F2FP.F16.E4M3.UNPACK_B, 117 HADD2.F32, 59 F2FP.BF16.PACK_AB, 29 SHF per 128 HMMA);
+// - 256 bytes of shared memory (two 16-byte x loads per column group feed its four MMAs), which
+//   caps an SM at 0.5 HMMA a clock (128 B/clk); and 64 bytes of L2 -> SM traffic (each 128-row
+//   weight group's 512 KB of FP8 plus the tile's 512 KB of x, re-staged for every weight group):
+//   at twice v1's rate that is about 6 TB/s, the L2's whole bandwidth;
+// - two block barriers per k-slice of 5 superblocks (96 KB of x per block, two blocks an SM),
+//   after each of which every warp waits on its weight loads at once.
+// This kernel:
+// - widens by the byte permute of ptx/mma_bf16.cuh (e4m3x4_to_bf16x2: 8 integer / BF16x2
+//   instructions per 4 weights and no conversion instruction; the same BF16 values, so the same
+//   MMA inputs);
+// - gives each warp 32 weight rows (two M tiles 16 rows apart; a row sits at the M position it has
+//   in v1, row % 16), so each x fragment loaded from shared memory feeds two MMAs: 128 bytes of
+//   shared memory a HMMA; the block's 8 warps cover 256 weight rows, so one pass over the tile's x
+//   serves twice v1's weights: 48 bytes of L2 traffic a HMMA;
+// - holds one block an SM (__launch_bounds__(256, 1): 64 accumulators, 32 widened A registers,
+//   two superblocks of raw weights and four column groups of x a lane; ptxas -v, nvcc 13.0: 240
+//   registers, no spills) with up to 210 KB of x: k-slices of 13 superblocks at 64 rows (5 a weight
+//   group at k = 4096, against v1's 13), all of k once per block up to 26 rows; one barrier a slice
+//   (wait for the slice's copies, barrier; the next slice's copies into the buffer the previous
+//   step read are issued a few superblocks at a time between the MMAs of the slice's first half);
+// - stages x superblock-major ([superblock][row][64 elements], a row's 16-byte chunks XOR-swizzled
+//   by the row's parity: the quarter warps' loads are conflict-free without padding), so a column
+//   group's loads sit at an immediate offset (1 KB a group) from one base register per superblock
+//   (v1 recomputed each group's address per superblock). Not ldmatrix: a lane's B fragments for the
+//   four MMAs of a superblock are its own 32 contiguous bytes (the k pairs of MMA j are elements
+//   16t + 4j ..), two 16-byte loads; ldmatrix.x4 also gives 16 bytes a lane an instruction;
+// - keeps the weight stream two superblocks ahead in registers (superblock sb + 2's loads issued
+//   once sb is widened) and eight ahead in L2 (one prefetch per 128-byte line, running on into
+//   the block's next weight group; the first lines before the grid dependency wait).
+// Tiles of 128 rows (16 column groups: the weights widened and read half as often at m >= 128)
+// would need 128 accumulators a lane with two M tiles, or lose the x reuse with one: the shared
+// memory and L2 figures above favour two M tiles. The tile's column groups are a template at every
+// count 1..8 (v1 rounded up to a power of two: 8 groups' MMAs for 33..40 rows). Weight groups of
+// 256 rows over 132 blocks: 605 groups in 5 rounds at m = 64 (4.58 a block, 92% balanced), 2420
+// in 19 at m = 256 (4 tiles, 96%).
+//
+// The MMA order is v1's: per (weight row, x row) one accumulator from 0, superblocks in order, MMAs
+// j = 0..3 within one, the same k pairs per MMA; then the scale multiply and the BF16 rounding.
+// Neither the M tile, the column group, the tile, the slicing nor the grid changes a bit (batch
+// invariance, SPEC.md, as v1). bench/bench_head.py times the two kernels side by side.
+//
+// E4M3 NaN codes: 0x7F / 0xFF widen to +-480 here (ptx/mma_bf16.cuh), to NaN in v1 and the twin.
+// quantize_fp8 saturates every finite weight to +-448 (only a NaN in its BF16 source gives a NaN
+// code), so for every finite head the outputs are v1's.
+//
+// Needs k % 64 == 0, 16-byte aligned wq and x and P >= 256 (P: bytes of dynamic shared memory per
+// row of the largest tile; else the kernel computes nothing and every live entry commits the
+// empty key, token 0, NONFINITE_NAN; the launch helper refuses such shapes).
+namespace {
+constexpr int MMA2_MT = 2;                           // M tiles (16 weight rows each) a warp
+constexpr uint32_t MMA2_WROWS = MMA_ROWS * MMA2_MT;  // weight rows a warp: 32
+constexpr int MMA2_Q = 4;                            // column groups whose x is loaded together
+constexpr uint32_t MMA2_PF = 8;                      // L2 prefetch distance in superblocks (even)
+
+// The lane's four weight rows (row0 + g + 8i, i = 0..3; past n: row n - 1) at offset 16t.
+struct Mma2Rows {
+    const uint8_t* w[4];
+};
+
+__device__ __forceinline__ Mma2Rows mma2_rows(const uint8_t* __restrict__ wq, uint32_t row0, uint32_t n, uint32_t k,
+                                              uint32_t g, uint32_t t) {
+    Mma2Rows r;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r.w[i] = wq + (size_t)min(row0 + g + 8u * (uint32_t)i, n - 1u) * k + 16u * t;
+    return r;
+}
+
+__device__ __forceinline__ void mma2_load(const Mma2Rows& r, uint32_t sb, uint4 (&raw)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) raw[i] = ld_stream16(r.w[i] + 64u * sb);
+}
+
+// The line of superblock sb of each of the four rows towards L2.
+__device__ __forceinline__ void mma2_prefetch(const Mma2Rows& r, uint32_t sb) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("prefetch.global.L2 [%0];" ::"l"(r.w[i] + 64u * sb));
+}
+
+// A fragments of one superblock for both M tiles: a[mt][j] = MMA j's {a0, a1, a2, a3} from rows
+// g + 16 mt (raw[2 mt]) and g + 8 + 16 mt (raw[2 mt + 1]). Word j of a row holds its weights
+// 16t + 4j .. + 3: the low pair is MMA j's k pair (2t, 2t + 1), the high pair (2t + 8, 2t + 9),
+// what v1's e4m3x2_to_bf16x2 of the word and of the word >> 16 give.
+__device__ __forceinline__ void mma2_widen(const uint4 (&raw)[4], uint32_t (&a)[MMA2_MT][4][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MMA2_MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            e4m3x4_to_bf16x2(word_of(raw[2 * mt], j), a[mt][j][0], a[mt][j][2]);
+            e4m3x4_to_bf16x2(word_of(raw[2 * mt + 1], j), a[mt][j][1], a[mt][j][3]);
+        }
+}
+
+// The lane's x chunks in a superblock of the staged slice (uint4 indices from the superblock's
+// first): column group c < NG - 1 at b0 / b1 + 64c (row 8c + g: its parity is g's), the last group
+// at l0 / l1 (its row clamped to the tile's last). x0 holds elements 16t .. 16t + 7, x1 the next 8.
+struct Mma2X {
+    uint32_t b0, b1, l0, l1;
+};
+
+template <int NG>
+__device__ __forceinline__ Mma2X mma2_x_lanes(uint32_t rows, uint32_t g, uint32_t t) {
+    const uint32_t rl = min((uint32_t)(NG - 1) * MMA_N + g, rows - 1u), p = g & 1u, pl = rl & 1u;
+    return Mma2X{8u * g + ((2u * t) ^ p), 8u * g + ((2u * t + 1u) ^ p), 8u * rl + ((2u * t) ^ pl),
+                 8u * rl + ((2u * t + 1u) ^ pl)};
+}
+
+// One superblock's MMAs for column groups 0 .. NG - 1 and both M tiles (xs: the superblock's first
+// uint4 in the slice), MMA2_Q groups at a time: their x first, then MMA j of every group and tile
+// before MMA j + 1 of any. Each accumulator takes j = 0..3 in order: v1's bits.
+template <int NG>
+__device__ __forceinline__ void mma2_groups(const uint32_t (&a)[MMA2_MT][4][4], const uint4* xs, const Mma2X& xl,
+                                            float (&acc)[MMA2_MT][NG][4]) {
+    constexpr int Q = NG < MMA2_Q ? NG : MMA2_Q;
+#pragma unroll
+    for (int c0 = 0; c0 < NG; c0 += Q) {
+        uint4 x0[Q], x1[Q];
+#pragma unroll
+        for (int q = 0; q < Q; ++q) {
+            const int c = c0 + q;
+            if (c < NG - 1) {
+                x0[q] = xs[xl.b0 + 64u * (uint32_t)c];
+                x1[q] = xs[xl.b1 + 64u * (uint32_t)c];
+            } else if (c == NG - 1) {
+                x0[q] = xs[xl.l0];
+                x1[q] = xs[xl.l1];
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int q = 0; q < Q; ++q)
+#pragma unroll
+                for (int mt = 0; mt < MMA2_MT; ++mt)
+                    if (c0 + q < NG) {
+                        const uint4& xh = j < 2 ? x0[q] : x1[q];
+                        mma_16816_bf16(acc[mt][c0 + q], a[mt][j][0], a[mt][j][1], a[mt][j][2], a[mt][j][3],
+                                       word_of(xh, 2 * (j & 1)), word_of(xh, 2 * (j & 1) + 1));
+                    }
+    }
+}
+
+// Superblocks [sb0, sb0 + cnt) of the tile's `rows` rows of x into shared memory from uint4 `buf`
+// on: superblock i of the slice, row r at uint4 (i * rows + r) * 8, its chunk u (elements 8u ..
+// 8u + 7) at + (u ^ (r & 1)). By cp.async (L2 only: x may come from a kernel that released its
+// dependents early) as one commit group; every thread of the block.
+__device__ __forceinline__ void mma2_issue_x(const uint16_t* __restrict__ x, uint32_t rows, uint32_t k, uint32_t sb0,
+                                             uint32_t cnt, uint32_t buf) {
+    const uint32_t per_row = 8u * cnt, kc = k / 8u;
+    const uint4* xv = reinterpret_cast<const uint4*>(x) + 8u * sb0;
+    const uint32_t base = (uint32_t)__cvta_generic_to_shared(x_smem) + 16u * buf;
+    // Element j = r * per_row + c, j = threadIdx.x + i * blockDim.x: (r, c) stepped by blockDim's
+    // quotient and remainder.
+    const uint32_t dr = blockDim.x / per_row, dc = blockDim.x % per_row;
+    uint32_t r = threadIdx.x / per_row, c = threadIdx.x % per_row;
+    for (; r < rows;) {
+        const uint32_t dst = ((c >> 3) * rows + r) * 8u + ((c & 7u) ^ (r & 1u));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(base + 16u * dst), "l"(xv + (size_t)r * kc + c)
+                     : "memory");
+        r += dr;
+        c += dc;
+        if (c >= per_row) {
+            c -= per_row;
+            ++r;
+        }
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+// The block's x staging through its weight groups (block-uniform). Step i (a slice of a group) is
+// in buffer i & 1. A turn at a slice's first superblock waits for the slice's copies and passes the
+// barrier (every thread's copies visible; every warp done with the buffer of step i - 1); step
+// i + 1's slice (the group's next, or the next group's first) is then copied into that buffer a few
+// superblocks at a time, at the first half of step i's superblocks (feed), so that the copies'
+// issue runs between MMAs instead of stalling every warp after the barrier. Whole: all of k staged
+// once, no turns.
+struct Mma2Stage {
+    const uint16_t* xt;
+    uint32_t rows, k, nsb, S;
+    bool whole;
+    uint32_t it;       // steps begun: the current slice is in buffer (it - 1) & 1
+    uint32_t s0;       // the current slice's first superblock
+    uint32_t turn;     // the superblock of the next turn (0xFFFFFFFF: none in this group)
+    uint32_t bufsize;  // uint4 a buffer: rows * 8 * S
+    uint32_t nbuf, nsb0, ncnt;  // the next slice: its buffer, first superblock, superblocks (0: none)
+    uint32_t fed, per;          // its superblocks copied so far, and per feed
+
+    __device__ __forceinline__ uint32_t buf() const { return whole ? 0u : ((it - 1u) & 1u) * bufsize; }
+
+    // At superblock sb == turn (more_groups: the block has a next weight group).
+    __device__ __forceinline__ void step(uint32_t sb, bool more_groups) {
+        cp_async_wait<0>();
+        __syncthreads();
+        const uint32_t nx = sb + S, len = min(S, nsb - sb);  // the slice this turn begins
+        nbuf = ((it + 1u) & 1u) * bufsize;                    // step it begins; step it + 1's buffer
+        nsb0 = nx < nsb ? nx : 0u;
+        ncnt = nx < nsb ? min(S, nsb - nx) : more_groups ? S : 0u;  // S < nsb when sliced
+        const uint32_t half = (len + 1u) / 2u;
+        per = (ncnt + half - 1u) / half;
+        fed = 0u;
+        ++it;
+        s0 = sb;
+        turn = nx < nsb ? nx : 0xFFFFFFFFu;
+    }
+
+    // At every superblock of a slice, after its turn: the next slice's next `per` superblocks.
+    __device__ __forceinline__ void feed() {
+        if (fed < ncnt) {
+            const uint32_t c = min(per, ncnt - fed);
+            mma2_issue_x(xt, rows, k, nsb0 + fed, c, nbuf + fed * rows * 8u);
+            fed += c;
+        }
+    }
+};
+
+// One 256-row weight group gi over the tile (every thread of the block: the turns hold barriers):
+// warp w's rows row0 = (gi * 8 + w) * 32 .. + 31, rows past n not stored; its logits, and its best
+// keys per tile row into best_s.
+template <int NG>
+__device__ __forceinline__ void mma2_group(const uint8_t* __restrict__ wq, const float* __restrict__ scale, uint32_t gi,
+                                           uint32_t next_gi, uint32_t groups, uint32_t n, Mma2Stage& st,
+                                           uint16_t* __restrict__ lt, unsigned long long (*best_s)[MMA_TILE]) {
+    const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const uint32_t row0 = (gi * WARPS + warp) * MMA2_WROWS;
+    const bool mine = row0 < n;  // warp-uniform; a warp past n still takes every turn
+    const bool more = next_gi < groups;
+    const uint32_t nsb = st.nsb, k = st.k, rows = st.rows;
+    const Mma2Rows wr = mma2_rows(wq, row0, n, k, g, t);
+    const uint32_t next_row0 = (next_gi * WARPS + warp) * MMA2_WROWS;
+    const bool next_mine = more && next_row0 < n;
+    const Mma2X xl = mma2_x_lanes<NG>(rows, g, t);
+    float acc[MMA2_MT][NG][4];
+#pragma unroll
+    for (int mt = 0; mt < MMA2_MT; ++mt)
+#pragma unroll
+        for (int c = 0; c < NG; ++c) acc[mt][c][0] = acc[mt][c][1] = acc[mt][c][2] = acc[mt][c][3] = 0.0f;
+    uint4 ra[4], rb[4];  // the raw weights of superblocks sb (even) and sb + 1
+    if (mine) {
+        mma2_load(wr, 0u, ra);
+        if (nsb > 1u) mma2_load(wr, 1u, rb);
+    }
+    st.turn = st.whole ? 0xFFFFFFFFu : 0u;
+    // Superblock sb from raw (the buffer of its parity), which is then refilled with sb + 2.
+    auto superblock = [&](uint32_t sb, uint4 (&raw)[4]) {
+        if (sb == st.turn) st.step(sb, more);  // block-uniform
+        st.feed();                              // every thread: its share of the copies
+        if (!mine) return;
+        uint32_t a[MMA2_MT][4][4];
+        mma2_widen(raw, a);
+        if (sb + 2u < nsb) mma2_load(wr, sb + 2u, raw);
+        if ((sb & 1u) == 0u) {  // one prefetch a 128-byte line: every other superblock
+            const uint32_t p = sb + MMA2_PF;
+            if (p < nsb) mma2_prefetch(wr, p);
+            else if (next_mine && p - nsb < nsb) mma2_prefetch(mma2_rows(wq, next_row0, n, k, g, t), p - nsb);
+        }
+        const uint4* xs = reinterpret_cast<const uint4*>(x_smem) + st.buf() + (sb - st.s0) * rows * 8u;
+        mma2_groups<NG>(a, xs, xl, acc);
+    };
+    for (uint32_t sb = 0; sb < nsb; sb += 2u) {
+        superblock(sb, ra);
+        if (sb + 1u < nsb) superblock(sb + 1u, rb);
+    }
+    if (!mine) return;
+    float sc[MMA2_MT][2];  // the scales of the lane's rows g + 16 mt and g + 8 + 16 mt
+#pragma unroll
+    for (int mt = 0; mt < MMA2_MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const uint32_t r = row0 + (uint32_t)mt * MMA_ROWS + 8u * (uint32_t)h + g;
+            sc[mt][h] = r < n ? scale[r] : 0.0f;
+        }
+#pragma unroll
+    for (int c = 0; c < NG; ++c) {
+        const uint32_t c0 = (uint32_t)c * MMA_N + 2u * t;  // this lane's tile rows c0, c0 + 1
+        unsigned long long k0 = 0ull, k1 = 0ull;
+#pragma unroll
+        for (int mt = 0; mt < MMA2_MT; ++mt) {
+            const uint32_t r0 = row0 + (uint32_t)mt * MMA_ROWS + g, r1 = r0 + 8u;
+            const unsigned long long q0 = mma_store(acc[mt][c][0], sc[mt][0], r0, c0, n, rows, lt);
+            const unsigned long long q1 = mma_store(acc[mt][c][1], sc[mt][0], r0, c0 + 1u, n, rows, lt);
+            const unsigned long long q2 = mma_store(acc[mt][c][2], sc[mt][1], r1, c0, n, rows, lt);
+            const unsigned long long q3 = mma_store(acc[mt][c][3], sc[mt][1], r1, c0 + 1u, n, rows, lt);
+            k0 = q0 > k0 ? q0 : k0;
+            k0 = q2 > k0 ? q2 : k0;
+            k1 = q1 > k1 ? q1 : k1;
+            k1 = q3 > k1 ? q3 : k1;
+        }
+        k0 = max_over_g(k0);
+        k1 = max_over_g(k1);
+        if (g == 0u) {  // lane t owns best_s[warp][c0], [c0 + 1]: no other lane writes them
+            best_s[warp][c0] = k0 > best_s[warp][c0] ? k0 : best_s[warp][c0];
+            best_s[warp][c0 + 1u] = k1 > best_s[warp][c0 + 1u] ? k1 : best_s[warp][c0 + 1u];
+        }
+    }
+}
+}  // namespace
+
+// Grid: tiles x the blocks per tile (gridDim.x a multiple of tiles), block 256: 8 warps x 32 rows =
+// 256-row weight groups, grid-stride; dynamic shared memory tmax * P bytes (up to 210 KB: one
+// block an SM): all of k when P >= 2k, else two buffers of S = P / 256 superblocks.
+extern "C" __global__ void __launch_bounds__(256, 1) head_argmax_fp8_mma(
+    const uint8_t* __restrict__ wq, const float* __restrict__ scale, const uint16_t* __restrict__ x,
+    uint16_t* __restrict__ logits, unsigned long long* keys, uint32_t* counter, uint32_t* entries, uint32_t* drafts,
+    uint32_t draft_index, uint32_t kmax, uint32_t* __restrict__ host_drafts, uint32_t publish, uint32_t m, uint32_t n,
+    uint32_t k, uint8_t* __restrict__ flags, uint32_t flag_byte, uint32_t tiles) {
+    __shared__ unsigned long long best_s[WARPS][MMA_TILE];  // warp w's best key per tile row
+    const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    best_s[warp][lane] = 0ull;
+    best_s[warp][lane + 32u] = 0ull;
+    const HeadBatchShape s = head_batch_shape<MMA_TILE>(m, tiles);
+    const uint32_t nsb = k / 64u;
+    const uint32_t per_row = dynamic_smem_bytes() / s.tmax;  // P
+    const bool whole = per_row >= 128u * nsb;                // one slice, staged once
+    const uint32_t S = whole ? nsb : per_row / 256u;
+    const bool shape_ok = k % 64u == 0 && k > 0 && aligned16(wq) && aligned16(x) && S > 0u;
+    const uint32_t groups = (n + WARPS * MMA2_WROWS - 1u) / (WARPS * MMA2_WROWS);
+    {
+        // The first group's first weight lines towards L2 before the wait (weights only: no kernel
+        // writes them), so that the stream starts under the previous kernel's tail.
+        const uint32_t row0 = (s.gfirst * WARPS + warp) * MMA2_WROWS;
+        if (s.active && shape_ok && s.gfirst < groups && row0 < n) {
+            const Mma2Rows r = mma2_rows(wq, row0, n, k, g, t);
+            for (uint32_t sb = 0; sb < min(nsb, MMA2_PF + 2u); sb += 2u) mma2_prefetch(r, sb);
+        }
+    }
+    wait_then_release();
+    const bool live = s.active && shape_ok && tile_any_live(entries, s.tile);  // block-uniform
+    if (live) {
+        const uint32_t rows = s.tile.rows, ngc = (rows + MMA_N - 1u) / MMA_N;
+        Mma2Stage st;
+        st.xt = x + (size_t)s.tile.e0 * k;
+        st.rows = rows;
+        st.k = k;
+        st.nsb = nsb;
+        st.S = S;
+        st.whole = whole;
+        st.it = 0u;  // the prologue's slice is step 0's, in buffer 0; the first turn begins it
+        st.s0 = 0u;
+        st.turn = 0u;
+        st.bufsize = rows * 8u * S;
+        st.ncnt = st.fed = st.per = st.nbuf = st.nsb0 = 0u;
+        uint16_t* lt = logits + (size_t)s.tile.e0 * n;
+        mma2_issue_x(st.xt, rows, k, 0u, S, 0u);  // all of k when whole, else slice 0 into buffer 0
+        if (whole) {
+            cp_async_wait<0>();
+            __syncthreads();
+        }
+        for (uint32_t gi = s.gfirst; gi < groups; gi += s.stride) {  // block-uniform
+            const uint32_t nx = gi + s.stride;
+            switch (ngc) {  // the tile's column groups exactly
+                case 1: mma2_group<1>(wq, scale, gi, nx, groups, n, st, lt, best_s); break;
+                case 2: mma2_group<2>(wq, scale, gi, nx, groups, n, st, lt, best_s); break;
+                case 3: mma2_group<3>(wq, scale, gi, nx, groups, n, st, lt, best_s); break;
+                case 4: mma2_group<4>(wq, scale, gi, nx, groups, n, st, lt, best_s); break;
+                case 5: mma2_group<5>(wq, scale, gi, nx, groups, n, st, lt, best_s); break;
+                case 6: mma2_group<6>(wq, scale, gi, nx, groups, n, st, lt, best_s); break;
+                case 7: mma2_group<7>(wq, scale, gi, nx, groups, n, st, lt, best_s); break;
+                default: mma2_group<8>(wq, scale, gi, nx, groups, n, st, lt, best_s); break;
+            }
+        }
+        cp_async_wait<0>();  // none in flight when the block exits
     }
     __syncthreads();
     commit_tile_keys<MMA_TILE>(best_s, m, tiles, keys, counter, entries, drafts, draft_index, kmax, host_drafts,

@@ -5,7 +5,7 @@ poisoned with guard bytes after it, and the commit contract checked entry by ent
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -81,6 +81,7 @@ class HeadCase:
     publish: bool
     flag_byte: int
     mma: bool = False  # launch the tensor-core variant (head_argmax_batch_mma)
+    mma_v1: bool = False  # with mma: through head_argmax_fp8_mma_v1, the kernel it replaced
 
     @property
     def m(self) -> int:
@@ -116,8 +117,10 @@ class HeadCase:
 
     def launch(self, gpu, w, x, logits, keys, ctr, entries, drafts, host, flags, sc=None) -> None:
         head = draft_head.head_argmax_batch_mma if self.mma else draft_head.head_argmax_batch
+        extra = {"v1": True} if self.mma and self.mma_v1 else {}
         head(
             gpu,
+            **extra,
             w=w,
             scale=sc,
             x=x,
@@ -145,18 +148,7 @@ class HeadCase:
         """Entry e alone (m = 1, live, the same drafts row)."""
         ent = self.entries[e : e + 1].copy()
         ent[0, 0] = slot
-        return HeadCase(
-            self.w,
-            self.s,
-            self.x[e : e + 1].copy(),
-            ent,
-            self.drafts[e : e + 1].copy(),
-            self.draft_index,
-            self.kmax,
-            self.publish,
-            self.flag_byte,
-            self.mma,
-        )
+        return replace(self, x=self.x[e : e + 1].copy(), entries=ent, drafts=self.drafts[e : e + 1].copy())
 
     def subset(self, order: list[int], pad_at: list[int] | None = None) -> tuple[HeadCase, list[int]]:
         """The rows ``order`` of this case as a new batch, with padding entries inserted before the
@@ -170,19 +162,7 @@ class HeadCase:
         src = [max(r, 0) for r in rows]
         ent = self.entries[src].copy()
         ent[[j for j, r in enumerate(rows) if r < 0], 0] = PAD_SLOT
-        case = HeadCase(
-            self.w,
-            self.s,
-            self.x[src].copy(),
-            ent,
-            self.drafts[src].copy(),
-            self.draft_index,
-            self.kmax,
-            self.publish,
-            self.flag_byte,
-            self.mma,
-        )
-        return case, rows
+        return replace(self, x=self.x[src].copy(), entries=ent, drafts=self.drafts[src].copy()), rows
 
 
 def head_case(

@@ -568,17 +568,18 @@ def test_the_batched_heads_read_x_and_entries_through_l2(function):
     assert 0 <= wait < body.find("griddepcontrol.launch_dependents")
 
 
-# ---- the tensor-core variant's twin --------------------------------------------------------------
+# ---- the tensor-core heads' twin --------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("v1", [False, True])
 @pytest.mark.parametrize("m,n,k,pads", [(1, 37, 64, 0), (9, 300, 256, 3), (200, 20, 64, 30)])
-def test_mma_twin_is_the_batch_twin(host, m, n, k, pads):
-    """head_argmax_fp8_mma's twin is head_argmax_fp8_batch's math (the kernels differ in how the
+def test_mma_twin_is_the_batch_twin(host, m, n, k, pads, v1):
+    """Both tensor-core kernels' twin is head_argmax_fp8_batch's math (the kernels differ in how the
     device sums, not in what): the same bytes, and the same commit contract."""
     rng = np.random.default_rng(m + n)
     case = head_case(rng, True, m, n, k, pads)
     plain = case.run(host)
-    case.mma = True
+    case.mma, case.mma_v1 = True, v1
     mma = case.run(host)
     check_commit(case, mma)
     for name in ("entries", "drafts", "host", "flags", "keys", "ctr"):
@@ -587,42 +588,65 @@ def test_mma_twin_is_the_batch_twin(host, m, n, k, pads):
         assert logits_of(case, mma)[e].tobytes() == logits_of(case, plain)[e].tobytes()
 
 
+def _x_bytes(whole: bool, s: int, k: int, v1: bool) -> int:
+    """Bytes a row of the tile's x takes in the kernel's layout (all of k, or two slices of s)."""
+    if v1:
+        return 2 * k + 16 if whole else 2 * (128 * s + 16)
+    return 2 * k if whole else 2 * 128 * s
+
+
+@pytest.mark.parametrize("v1", [False, True])
 @pytest.mark.parametrize("k", [64, 256, 1024, 4096, 4160, 7168])
-def test_mma_tiling_fits_and_the_kernel_reads_it_back(k):
-    """Every m: the fewest tiles of at most 64 rows (balanced), at most MMA_X_SMEM_MAX bytes, all of
-    k staged once where it fits and else two buffers of S >= 1 superblocks, S as large as fits; the
-    kernel's own derivation (mma_x_slice of the bytes per row of the largest tile) gets that back."""
+def test_mma_tiling_fits_and_the_kernel_reads_it_back(k, v1):
+    """Every m: the fewest tiles of at most 64 rows (balanced), at most the kernel's shared-memory
+    budget, all of k staged once where it fits and else two buffers of S >= 1 superblocks, S as
+    large as fits; the kernel's own derivation (its x_slice of the bytes per row of the largest
+    tile) gets that back."""
     nsb = k // 64
+    tiling = draft_head.mma_v1_tiling if v1 else draft_head.mma_tiling
+    x_slice = draft_head.mma_v1_x_slice if v1 else draft_head.mma_x_slice
+    budget = draft_head.MMA_V1_X_SMEM_MAX if v1 else draft_head.MMA_X_SMEM_MAX
     for m in range(1, 257):
-        tiles, smem = draft_head.mma_tiling(m, k)
+        tiles, smem = tiling(m, k)
         rows = -(-m // tiles)
         assert tiles == -(-m // draft_head.MMA_TILE_ROWS) and rows <= draft_head.MMA_TILE_ROWS
-        assert smem <= draft_head.MMA_X_SMEM_MAX and smem % rows == 0
-        whole, s = draft_head.mma_x_slice(k, smem // rows)
-        if rows * (2 * k + 16) <= draft_head.MMA_X_SMEM_MAX:
-            assert (whole, s, smem) == (True, nsb, rows * (2 * k + 16))
+        assert smem <= budget and smem % rows == 0
+        whole, s = x_slice(k, smem // rows)
+        if rows * _x_bytes(True, nsb, k, v1) <= budget:
+            assert (whole, s, smem) == (True, nsb, rows * _x_bytes(True, nsb, k, v1))
         else:
-            assert not whole and 1 <= s < nsb and smem == rows * 2 * (128 * s + 16)
-            assert rows * 2 * (128 * (s + 1) + 16) > draft_head.MMA_X_SMEM_MAX  # the largest S
-        assert ((128 * s + 16) // 16) % 2 == 1  # rows an odd number of 16-byte bank groups apart
+            assert not whole and 1 <= s < nsb and smem == rows * _x_bytes(False, s, k, v1)
+            assert rows * _x_bytes(False, s + 1, k, v1) > budget  # the largest S
+        if v1:
+            assert ((128 * s + 16) // 16) % 2 == 1  # rows an odd number of 16-byte bank groups apart
 
 
 def test_mma_tiling_at_the_model_shapes():
     """What the proposer's batches get at hidden 4096: one pass over the weights up to 64 rows; all
-    of x once per block up to 11 rows; slices of 5 superblocks at 64 rows."""
-    assert draft_head.mma_tiling(1, 4096) == (1, 8208)
-    assert draft_head.mma_tiling(11, 4096) == (1, 11 * 8208)
-    assert draft_head.mma_tiling(12, 4096) == (1, 12 * 2 * (128 * 31 + 16))
-    assert draft_head.mma_tiling(64, 4096) == (1, 64 * 2 * (128 * 5 + 16))
+    of x once per block up to 26 rows (v1: 11); slices of 13 superblocks at 64 rows (v1: 5)."""
+    assert draft_head.mma_tiling(1, 4096) == (1, 8192)
+    assert draft_head.mma_tiling(26, 4096) == (1, 26 * 8192)
+    assert draft_head.mma_tiling(27, 4096) == (1, 27 * 256 * 31)
+    assert draft_head.mma_tiling(64, 4096) == (1, 64 * 256 * 13)
     assert draft_head.mma_tiling(65, 4096)[0] == 2
-    assert draft_head.mma_tiling(256, 4096) == (4, 64 * 2 * (128 * 5 + 16))
-    assert draft_head.mma_x_slice(4096, 100) == (False, 0)  # too little: the kernel computes nothing
+    assert draft_head.mma_tiling(256, 4096) == (4, 64 * 256 * 13)
+    assert draft_head.mma_x_slice(4096, 255) == (False, 0)  # too little: the kernel computes nothing
+    assert draft_head.mma_v1_tiling(1, 4096) == (1, 8208)
+    assert draft_head.mma_v1_tiling(11, 4096) == (1, 11 * 8208)
+    assert draft_head.mma_v1_tiling(12, 4096) == (1, 12 * 2 * (128 * 31 + 16))
+    assert draft_head.mma_v1_tiling(64, 4096) == (1, 64 * 2 * (128 * 5 + 16))
+    assert draft_head.mma_v1_tiling(256, 4096) == (4, 64 * 2 * (128 * 5 + 16))
+    assert draft_head.mma_v1_x_slice(4096, 100) == (False, 0)
+    # One block of head_argmax_fp8_mma an SM: its x beside the 4 KB of static keys in the H200's
+    # 227 KB a block.
+    assert draft_head.MMA_X_SMEM_MAX + 8 * 64 * 8 <= 227 * 1024
 
 
-def test_mma_shapes_and_refusals(host):
+@pytest.mark.parametrize("v1", [False, True])
+def test_mma_shapes_and_refusals(host, v1):
     p = host.alloc(1 << 16)
     kw = dict(w=p, scale=p, x=p, logits=p, keys=p, counter=p, entries=p, drafts=p, host_drafts=p, flags=p)
-    kw.update(publish=True, m=2, n=10, draft_index=0, kmax=4, flag_byte=0)
+    kw.update(publish=True, m=2, n=10, draft_index=0, kmax=4, flag_byte=0, v1=v1)
     with pytest.raises(ValueError, match="k % 64"):
         draft_head.head_argmax_batch_mma(host, **kw, k=48)
     with pytest.raises(ValueError, match="FP8"):
@@ -632,7 +656,24 @@ def test_mma_shapes_and_refusals(host):
     host.free(p)
 
 
-def test_mma_kernel_without_its_shape_commits_the_empty_key(host):
+def test_mma_launch_shapes(host):
+    """The grid is a multiple of the tiles, at most the resident blocks, and one round covers the
+    weight groups of each kernel's rows per block (256 rows; v1 128)."""
+    n, k = 154_880, 4096
+    for v1, group in ((False, draft_head.MMA_GROUP_ROWS), (True, draft_head.MMA_V1_GROUP_ROWS)):
+        for m in (1, 17, 64, 65, 129, 256):
+            grid, smem, tiles = draft_head.head_mma_launch(host, m, n, k, v1)
+            tiling = draft_head.mma_v1_tiling if v1 else draft_head.mma_tiling
+            assert (tiles, smem) == tiling(m, k)
+            per_tile = grid // tiles
+            assert grid % tiles == 0 and grid <= host.NOTIONAL_RESIDENT_BLOCKS
+            groups = -(-n // group)
+            rounds = -(-groups // per_tile)
+            assert rounds == -(-groups // (host.NOTIONAL_RESIDENT_BLOCKS // tiles)), (v1, m)
+
+
+@pytest.mark.parametrize("function", ["head_argmax_fp8_mma", "head_argmax_fp8_mma_v1"])
+def test_mma_kernel_without_its_shape_commits_the_empty_key(host, function):
     """Launched directly with k % 64 != 0 the kernel computes nothing: every live entry commits
     token 0 flagged NONFINITE_NAN (the twin as the kernel), padding nothing."""
     rng = np.random.default_rng(2)
@@ -640,7 +681,7 @@ def test_mma_kernel_without_its_shape_commits_the_empty_key(host):
 
     def run(gpu, w, x, logits, keys, ctr, entries, drafts, host, flags, sc):
         args = (w, sc, x, logits, keys, ctr, entries, drafts, 1, 4, host, 1, 5, 30, 48, flags, 2, 1)
-        launch(gpu, gpu.kernel(*draft_head.HEAD_ARGMAX_FP8_MMA.key), 4, 256, *args)
+        launch(gpu, gpu.kernel("draft_head", function), 4, 256, *args)
 
     out = run_bufs(host, run, case.bufs())
     check_commit(case, out)
@@ -648,11 +689,24 @@ def test_mma_kernel_without_its_shape_commits_the_empty_key(host):
         assert (token_of(case, out, e), flag_of(case, out, e)) == (0, draft_head.NONFINITE_NAN)
 
 
+def _read_only_loads(body: str) -> set[tuple[str, str]]:
+    return set(re.findall(r"ld\.global\.nc(?!\.L1::no_allocate)(\.v[24])?\.(u16|b16|u32|b32|f32)\s", body))
+
+
 def test_mma_ptx_uses_the_tensor_cores_and_reads_x_through_l2():
-    body = _entry_body("draft_head", "head_argmax_fp8_mma")
-    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in body
-    assert "cvt.rn.f16x2.e4m3x2" in body and "cvt.rn.bf16x2.f32" in body
-    ro = re.findall(r"ld\.global\.nc(?!\.L1::no_allocate)(\.v[24])?\.(u16|b16|u32|b32|f32)\s", body)
-    assert set(ro) <= {("", "f32")}, sorted(set(ro))  # the row scales
-    assert "cp.async.cg.shared.global" in body  # x staged through L2 only
-    assert "ld.global.cg.v4.u32" not in body and "cp.async.ca" not in body
+    """Both kernels: mma.sync on BF16, x staged by cp.async through L2 only, no read-only load but
+    the row scales'. head_argmax_fp8_mma widens by byte permutes and one BF16x2 multiply (no
+    conversion instruction), v1 through the f16 conversion."""
+    for function in ("head_argmax_fp8_mma", "head_argmax_fp8_mma_v1"):
+        body = _entry_body("draft_head", function)
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in body, function
+        assert _read_only_loads(body) <= {("", "f32")}, (function, sorted(_read_only_loads(body)))
+        assert "cp.async.cg.shared.global" in body, function  # x staged through L2 only
+        assert "ld.global.cg.v4.u32" not in body and "cp.async.ca" not in body, function
+    new, v1 = (
+        _entry_body("draft_head", "head_argmax_fp8_mma"),
+        _entry_body("draft_head", "head_argmax_fp8_mma_v1"),
+    )
+    assert "cvt.rn.f16x2.e4m3x2" not in new and "cvt.rn.bf16x2.f32" not in new
+    assert "prmt.b32" in new and "mul.rn.bf16x2" in new
+    assert "cvt.rn.f16x2.e4m3x2" in v1 and "cvt.rn.bf16x2.f32" in v1

@@ -18,6 +18,8 @@ Tolerances (tests/kernel_util.py):
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from batch_head_util import (
@@ -536,7 +538,7 @@ def test_argmax_pack_and_draft_commit_batch_exact(cuda):
         assert g[name].tobytes() == h[name].tobytes(), name
 
 
-# ---- the tensor-core variant: head_argmax_fp8_mma ---------------------------------------------------
+# ---- the tensor-core heads: head_argmax_fp8_mma and head_argmax_fp8_mma_v1 --------------------------
 
 MMA_CASES = [
     (1, 37, 64, 0),
@@ -546,30 +548,44 @@ MMA_CASES = [
     (64, 777, 256, 10),
     (200, 129, 512, 50),
     (256, 40, 64, 0),
-    # x in double-buffered k-slices (mma_tiling): 12 rows of 4096 (slices 31, 31, 2), 64 of 1024
-    # (5, 5, 5, 1: a slice shorter than a load batch), 3 tiles of 44 / 43 rows, 4 of 64 at k = 4160
-    # (65 superblocks) with fewer weight groups than blocks
+    # x in double-buffered k-slices (mma_tiling; v1: mma_v1_tiling): 12 rows of 4096 (v1 31, 31,
+    # 2; whole), 30 rows of 4096 (28, 28, 8), 64 of 1024 (v1 5, 5, 5, 1: a slice shorter than a
+    # load batch; whole), 64 of 2048 (13, 13, 6), 64 of 1728 (13, 13, 1: a one-superblock slice
+    # after an odd start), 3 tiles of 44 / 43 rows (19, 19, 19, 7), 4 of 64 at k = 4160 (65
+    # superblocks: 5 x 13) with fewer weight groups than blocks
     (12, 3000, 4096, 2),
+    (30, 3000, 4096, 3),
     (64, 1500, 1024, 5),
+    (64, 1500, 2048, 5),
+    (64, 1100, 1728, 6),
     (130, 700, 4096, 13),
     (256, 300, 4160, 20),
+    # awkward tilings: 2 tiles of 33 / 32 rows (5 and 4 column groups in one launch), of 64 / 63,
+    # of 64 and 64, 3 of 43; n past a warp's first M tile (513 = 2 x 256 + 1, 257) or inside its
+    # second (600, 1000)
+    (65, 1000, 4096, 3),
+    (127, 600, 4096, 7),
+    (128, 513, 4096, 0),
+    (129, 257, 4096, 9),
 ]
 
 
+@pytest.mark.parametrize("v1", [False, True])
 @pytest.mark.parametrize("m,n,k,pads", MMA_CASES)
-def test_mma_head_against_the_twin(cuda, m, n, k, pads):
+def test_mma_head_against_the_twin(cuda, m, n, k, pads, v1):
     rng = np.random.default_rng()
     case = head_case(
         rng, True, m, n, k, pads, draft_index=int(rng.integers(0, 4)), flag_byte=int(rng.integers(0, 4))
     )
-    case.mma = True
+    case.mma, case.mma_v1 = True, v1
     g, h = case.run(cuda), case.run(HostBackend())
     check_commit(case, g)
     check_commit(case, h)
-    check_against_twin(case, g, h, f"mma m={m} n={n} k={k}")
+    check_against_twin(case, g, h, f"mma{'_v1' if v1 else ''} m={m} n={n} k={k}")
 
 
-def test_mma_ties_nan_and_inf_rows(cuda):
+@pytest.mark.parametrize("v1", [False, True])
+def test_mma_ties_nan_and_inf_rows(cuda, v1):
     rng = np.random.default_rng()
     n, k = 1000, 256
     w = random_bf16(rng, (n, k), exp_lo=-6)
@@ -580,7 +596,7 @@ def test_mma_ties_nan_and_inf_rows(cuda):
     x[1, 7] = np.nan
     x[2, 9] = np.inf
     case = head_case(rng, True, 4, n, k, w=w)
-    case.x, case.mma = x, True
+    case.x, case.mma, case.mma_v1 = x, True, v1
     case, rows = case.subset([0, 1, 2, 3], pad_at=[2])
     g = case.run(cuda)
     check_commit(case, g)
@@ -600,34 +616,66 @@ def test_mma_ties_nan_and_inf_rows(cuda):
             assert tok not in (a, b) and flag == 0
 
 
-def test_mma_batch_invariance_bit_for_bit(cuda, pool_weights):
-    """As test_batch_invariance_bit_for_bit for the tensor-core kernel: 200 rows alone, then in
-    batches of 17, 200, 1, 64 and 3 (tiles of up to 64 rows, a row in any column of any column group;
-    x staged once per block at 1 and 3 rows, in double-buffered k-slices at 17, 50 and 64)."""
+def _mma_invariance(cuda, pool_weights, sizes, v1: bool, repeats: bool) -> None:
+    """The pool's 200 rows launched alone (m = 1), then batches of each size in ``sizes`` in
+    shuffled orders with padding entries anywhere (m // 5 of them; with ``repeats`` the live rows
+    drawn with replacement, so a batch may hold more rows than the pool and a row twice): every
+    row has the bits it had alone."""
     rng = np.random.default_rng()
     base, resident = pool_weights[True]
-    base = HeadCase(**{**base.__dict__, "mma": True})
+    base = replace(base, mma=True, mma_v1=v1)
     refcase = {e: base.row(e) for e in range(base.m)}
     ref = {e: refcase[e].run(cuda, resident) for e in range(base.m)}
-    for m in (17, 200, 1, 64, 3):
+    for m in sizes:
         pads = m // 5
-        order = [int(v) for v in rng.permutation(base.m)[: m - pads]]
+        if repeats:
+            order = [int(v) for v in rng.integers(0, base.m, m - pads)]
+        else:
+            order = [int(v) for v in rng.permutation(base.m)[: m - pads]]
         case, rows = base.subset(order, pad_at=[int(p) for p in rng.integers(0, len(order) + 1, pads)])
         out = case.run(cuda, resident)
         check_commit(case, out)
         check_rows_equal(case, out, rows, ref, refcase)
 
 
-def test_mma_bits_do_not_depend_on_the_slicing_the_tiles_or_the_grid(cuda):
+@pytest.mark.parametrize("v1", [False, True])
+def test_mma_batch_invariance_bit_for_bit(cuda, pool_weights, v1):
+    """As test_batch_invariance_bit_for_bit for the tensor-core kernels: 200 rows alone, then in
+    batches of 17, 200, 1, 64 and 3 (tiles of up to 64 rows, a row in any column of any column
+    group; x staged once per block at 1, 3 and 17 rows (v1: 1 and 3), in double-buffered k-slices
+    at 50 and 64)."""
+    _mma_invariance(cuda, pool_weights, (17, 200, 1, 64, 3), v1, repeats=False)
+
+
+def test_mma_batch_invariance_at_awkward_tilings(cuda, pool_weights):
+    """head_argmax_fp8_mma at m = 65 (2 tiles of 33 / 32 rows: 5 and 4 column groups), 127, 128,
+    129 (3 tiles of 43), 200 (4 tiles of 50) and 256 (4 of 64), rows drawn with replacement: every
+    row has the bits it had alone."""
+    _mma_invariance(cuda, pool_weights, (65, 127, 128, 129, 200, 256), False, repeats=True)
+
+
+# The slicings each kernel is launched with below: bytes of x a row of the tile for all of k (whole)
+# or two buffers of S superblocks.
+def _mma_per_row(v1: bool, k: int) -> tuple[int, ...]:
+    if v1:
+        return (2 * k + 16, *(2 * (128 * sb + 16) for sb in (1, 3, 7, 13)))
+    return (2 * k, *(256 * sb for sb in (1, 3, 7, 13)))
+
+
+@pytest.mark.parametrize("v1,expect", [(False, 54), (True, 45)])
+def test_mma_bits_do_not_depend_on_the_slicing_the_tiles_or_the_grid(cuda, v1, expect):
     """One batch of 100 rows launched directly with other tile counts (2, 3, 7, 10), other shared
     memory (all of x once, or slices of 1, 3, 7 and 13 superblocks: up to 64 steps a weight group),
-    at most MMA_X_SMEM_MAX as the launch helper, and other grids (one block per tile, an odd
+    at most the kernel's budget as the launch helper, and other grids (one block per tile, an odd
     stride, more blocks than weight groups): every live row's logits and every commit byte are
     those of the launch helper's shape."""
     rng = np.random.default_rng()
     m, n, k = 100, 2000, HIDDEN
     case = head_case(rng, True, m, n, k, pads=9, draft_index=2, flag_byte=1)
-    case.mma = True
+    case.mma, case.mma_v1 = True, v1
+    decl = draft_head.HEAD_ARGMAX_FP8_MMA_V1 if v1 else draft_head.HEAD_ARGMAX_FP8_MMA
+    budget = draft_head.MMA_V1_X_SMEM_MAX if v1 else draft_head.MMA_X_SMEM_MAX
+    group_rows = draft_head.MMA_V1_GROUP_ROWS if v1 else draft_head.MMA_GROUP_ROWS
     resident = {"w": cuda.alloc(case.w.nbytes), "sc": cuda.alloc(case.s.nbytes)}
     cuda.copy_h2d(resident["w"], np.ascontiguousarray(case.w))
     cuda.copy_h2d(resident["sc"], case.s)
@@ -635,13 +683,13 @@ def test_mma_bits_do_not_depend_on_the_slicing_the_tiles_or_the_grid(cuda):
         ref = case.run(cuda, resident)
         check_commit(case, ref)
         live = case.live
-        groups = -(-n // draft_head.MMA_GROUP_ROWS)
+        groups = -(-n // group_rows)
         ran = 0
         for tiles in (2, 3, 7, 10):
             rows = -(-m // tiles)
-            for per_row in (2 * k + 16, *(2 * (128 * sb + 16) for sb in (1, 3, 7, 13))):
+            for per_row in _mma_per_row(v1, k):
                 smem = rows * per_row
-                if smem > draft_head.MMA_X_SMEM_MAX:
+                if smem > budget:
                     continue
                 for blocks in (1, 5, groups + 3):
 
@@ -662,8 +710,7 @@ def test_mma_bits_do_not_depend_on_the_slicing_the_tiles_or_the_grid(cuda):
                             host,
                         )
                         args += (int(case.publish), m, n, k, flags, case.flag_byte, tiles)
-                        kern = gpu.kernel(*draft_head.HEAD_ARGMAX_FP8_MMA.key)
-                        launch(gpu, kern, tiles * blocks, 256, *args, smem=smem)
+                        launch(gpu, gpu.kernel(*decl.key), tiles * blocks, 256, *args, smem=smem)
 
                     out = run_bufs(cuda, run, {**case.bufs(), **resident})
                     what = f"tiles={tiles} bytes/row={per_row} blocks/tile={blocks}"
@@ -672,7 +719,7 @@ def test_mma_bits_do_not_depend_on_the_slicing_the_tiles_or_the_grid(cuda):
                     for name in ("entries", "drafts", "host", "flags", "keys", "ctr"):
                         assert out[name].tobytes() == ref[name].tobytes(), f"{what}: {name}"
                     ran += 1
-        assert ran == 45
+        assert ran == expect
     finally:
         for p in resident.values():
             cuda.free(p)
@@ -701,12 +748,55 @@ def test_mma_full_fp8_head(cuda, full_head, m, pads):
         )
 
 
+@pytest.mark.parametrize("m,pads", [(1, 0), (17, 3), (64, 0), (100, 7), (256, 11)])
+def test_mma_equals_mma_v1_bit_for_bit(cuda, full_head, m, pads):
+    """The full 154880 x 4096 FP8 head (the real slicing and grid: 5 or 13 slices a weight group,
+    a tile's blocks over 605 or 1210 weight groups): every live row's logits and every byte of
+    the commit (entries, drafts, host drafts, flags, keys, counter) of head_argmax_fp8_mma are
+    head_argmax_fp8_mma_v1's. The weights come from quantize_fp8, so no E4M3 NaN code (which the
+    two widen differently) is among them."""
+    rng = np.random.default_rng()
+    f = full_head
+    resident = {"w": f["pq"], "sc": f["ps"]}
+    case = head_case(rng, True, m, VOCAB, HIDDEN, pads, wq=(f["q"], f["s"]))
+    case.mma = True
+    new = case.run(cuda, resident)
+    old = replace(case, mma_v1=True).run(cuda, resident)
+    check_commit(case, new)
+    live = case.live
+    assert logits_of(case, new)[live].tobytes() == logits_of(case, old)[live].tobytes(), f"m={m}: logits"
+    for name in ("entries", "drafts", "host", "flags", "keys", "ctr"):
+        assert new[name].tobytes() == old[name].tobytes(), f"m={m}: {name}"
+
+
+@pytest.mark.parametrize("m", [1, 64, 100])
+def test_mma_equals_mma_v1_at_every_e4m3_code(cuda, m):
+    """Weight bytes drawn uniformly from every E4M3 code but the two NaN codes (subnormals, zeros of
+    both signs, +-448; what quantize_fp8 never gives in such a mix), random row scales: the two
+    kernels' widenings give the same BF16 operands, so the same logits and commits bit for bit."""
+    rng = np.random.default_rng()
+    n, k = 3000, HIDDEN
+    codes = np.setdiff1d(np.arange(256), [0x7F, 0xFF]).astype(np.uint8)
+    q = rng.choice(codes, (n, k)).view(FP8)
+    s = (2.0 ** rng.uniform(-12, -4, n)).astype(np.float32)
+    case = head_case(rng, True, m, n, k, pads=m // 7, wq=(q, s))
+    case.mma = True
+    new = case.run(cuda)
+    old = replace(case, mma_v1=True).run(cuda)
+    check_commit(case, new)
+    live = case.live
+    assert logits_of(case, new)[live].tobytes() == logits_of(case, old)[live].tobytes(), f"m={m}: logits"
+    for name in ("entries", "drafts", "host", "flags", "keys", "ctr"):
+        assert new[name].tobytes() == old[name].tobytes(), f"m={m}: {name}"
+
+
 # ---- what the heads measure (printed; run with -s) -------------------------------------------------
 
 
 def test_report_head_times(cuda, full_head):
     """Device time per launch of the full FP8 head (154880 x 4096, 634 MB) for the CUDA-core
-    batched kernel and the tensor-core one, at m = 1, 2, 4, 8, 16, 32, 64, 128, 256:
+    batched kernel and the tensor-core ones (head_argmax_fp8_mma and v1), at m = 1, 2, 4, 8, 16,
+    32, 64, 128, 256 (bench/bench_head.py times the launch alone in a graph):
     printed for the lead (pytest -s -k report_head_times); asserts only that each ran. Launches
     back to back on one stream between two events (PDL on, as in the graphs), so a launch's time
     includes its overlap with the one before."""
@@ -717,8 +807,8 @@ def test_report_head_times(cuda, full_head):
     for m in (1, 2, 4, 8, 16, 32, 64, 128, 256):
         case = head_case(rng, True, m, VOCAB, HIDDEN, 0, wq=(f["q"], f["s"]))
         times = {}
-        for kind in ["batch", "mma"]:
-            case.mma = kind == "mma"
+        for kind in ["batch", "mma", "mma_v1"]:
+            case.mma, case.mma_v1 = kind != "batch", kind == "mma_v1"
 
             def timed(gpu, w, x, logits, keys, ctr, entries, drafts, host, flags, sc=None, kind=kind):
                 def once():
@@ -741,8 +831,9 @@ def test_report_head_times(cuda, full_head):
         rows.append((m, times))
     floor = VOCAB * HIDDEN / 4.8e12 * 1e3
     print(f"\nFP8 head 154880 x 4096, ms per launch (mean of {reps}); 634 MB at 4.8 TB/s = {floor:.3f} ms")
-    print(f"{'m':>4} {'batch':>8} {'mma':>8}  batch/floor  mma/floor")
+    print(f"{'m':>4} {'batch':>8} {'mma':>8} {'mma_v1':>8}  batch/floor  mma/floor  v1/floor")
     for m, t in rows:
         print(
-            f"{m:4d} {t['batch']:8.3f} {t['mma']:8.3f}  {t['batch'] / floor:11.2f}  {t['mma'] / floor:9.2f}"
+            f"{m:4d} {t['batch']:8.3f} {t['mma']:8.3f} {t['mma_v1']:8.3f}  {t['batch'] / floor:11.2f}"
+            f"  {t['mma'] / floor:9.2f}  {t['mma_v1'] / floor:8.2f}"
         )

@@ -91,6 +91,7 @@ def test_the_drafter_step_kernels_take_part():
         "head_argmax_fp8_batch",
         "head_argmax_bf16_batch",
         "head_argmax_fp8_mma",
+        "head_argmax_fp8_mma_v1",
         "bgemv_bf16_f32_batch",
         "bgemv_bf16_bf16_batch",
         "bgemv_fp8_f32_batch",
@@ -175,6 +176,7 @@ _EARLY_RELEASE_SUCCESSORS = [
     ("draft_head", "head_argmax_bf16_batch", "x"),  # after sum_rows_residual_rmsnorm_batch
     ("draft_head", "head_argmax_fp8_batch", "x"),
     ("draft_head", "head_argmax_fp8_mma", "x"),
+    ("draft_head", "head_argmax_fp8_mma_v1", "x"),
     ("bgemv", "sum_rows_residual_rmsnorm_batch", "f32"),  # o_proj's partial rows
     ("dsa_select", "select_topk_pools_batch", "f32"),  # the indexer's scores
     ("dsa_select", "select_topk_pools_batch", "u32"),  # the last radix phase's histogram and threshold

@@ -453,44 +453,74 @@ def draft_commit_batch(
     )
 
 
-# ---- the tensor-core variant ------------------------------------------------------------------------
+# ---- the tensor-core heads ----------------------------------------------------------------------------
 #
-# ptx/draft_head.cu head_argmax_fp8_mma: head_argmax_fp8_batch's contract, its logits from
-# mma.sync.m16n8k16 (the FP8 weights dequantised to BF16 in registers once per block, f32
-# accumulation, the row scale after the sum). Tiles of up to MMA_TILE_ROWS rows (eight column groups
-# of the MMA's N = 8, each A fragment applied to all of them), so the weights are read and
-# dequantised ceil(m / 64) times per launch. x is staged per tile as BF16 in k-slices (mma_x_slice).
+# ptx/draft_head.cu head_argmax_fp8_mma (and head_argmax_fp8_mma_v1, the kernel it replaced, kept
+# for comparison): head_argmax_fp8_batch's contract, its logits from mma.sync.m16n8k16 (the FP8
+# weights widened to BF16 in registers, f32 accumulation, the row scale after the sum). Tiles of up
+# to MMA_TILE_ROWS rows (eight column groups of the MMA's N = 8, each A fragment applied to all of
+# them), so the weights are read and widened ceil(m / 64) times per launch. x is staged per tile
+# in shared memory, all of k or double-buffered k-slices (mma_x_slice / mma_v1_x_slice).
 # Not the CUDA-core heads' bits (the tensor core sums each k16 step its own way): the twin is the
 # same f32 math, which the GPU test holds it to within the GEMV bound; rows are bit-identical across
 # batches (each MMA output column depends on its own x row only, and the MMAs over k run in one
-# order whatever the tile or the slicing).
+# order whatever the tile or the slicing), and the two kernels give the same bits (the same MMAs in
+# the same order; they differ in how the work is spread and staged: the .cu's comment).
+#
+# head_argmax_fp8_mma: 8 warps x 32 weight rows a block (one block an SM), x staged superblock-major
+# in up to MMA_X_SMEM_MAX bytes. v1: 8 warps x 16 rows (two blocks an SM), x row-major in up to
+# MMA_V1_X_SMEM_MAX bytes. One exception to "the same bits": an E4M3 NaN code (0x7F / 0xFF) widens
+# to +-480 in head_argmax_fp8_mma, NaN in v1 and the twin; quantize_fp8 gives none for finite weights.
 
 MMA_TILE_ROWS = 64
-MMA_GROUP_ROWS = 128  # 8 warps x 16 weight rows
-MMA_X_SMEM_MAX = 96 * 1024
+MMA_GROUP_ROWS = 256  # 8 warps x 32 weight rows
+MMA_X_SMEM_MAX = 210 * 1024  # 13 superblocks a slice at 64 rows; the static 4 KB and one block fit an SM
+MMA_V1_GROUP_ROWS = 128  # 8 warps x 16 weight rows
+MMA_V1_X_SMEM_MAX = 96 * 1024
 
 
 def mma_x_slice(k: int, per_row: int) -> tuple[bool, int]:
-    """The kernel's x staging for ``per_row`` bytes of dynamic shared memory per row of the largest
-    tile: (whole, S). Whole: one slice of all k // 64 superblocks, staged once per block (per_row >=
-    2k + 16); else two buffers of S superblocks a row (per_row >= 2 (128 S + 16)). S == 0: the kernel
-    cannot run (it computes nothing)."""
+    """head_argmax_fp8_mma's x staging for ``per_row`` bytes of dynamic shared memory per row of the
+    largest tile: (whole, S). Whole: all k // 64 superblocks (128 bytes a row each), staged once
+    per block (per_row >= 2k); else two buffers of S = per_row // 256 superblocks a row. S == 0:
+    the kernel cannot run (it computes nothing)."""
+    nsb = k // 64
+    if per_row >= 128 * nsb:
+        return True, nsb
+    return False, per_row // 256
+
+
+def mma_tiling(m: int, k: int) -> tuple[int, int]:
+    """(tiles, dynamic shared bytes) of head_argmax_fp8_mma: ceil(m / MMA_TILE_ROWS) balanced tiles;
+    all of the largest tile's x (2k bytes a row) where it fits MMA_X_SMEM_MAX, else the two slice
+    buffers of the most superblocks that fit (mma_x_slice)."""
+    tiles = -(-m // MMA_TILE_ROWS)
+    rows = -(-m // tiles)
+    if rows * 2 * k <= MMA_X_SMEM_MAX:
+        return tiles, rows * 2 * k
+    return tiles, rows * 256 * (MMA_X_SMEM_MAX // (rows * 256))
+
+
+def mma_v1_x_slice(k: int, per_row: int) -> tuple[bool, int]:
+    """head_argmax_fp8_mma_v1's x staging (rows 2k + 16 or 128 S + 16 bytes apart): (whole, S).
+    Whole: per_row >= 2k + 16; else two buffers of S superblocks a row (per_row >= 2 (128 S + 16)).
+    S == 0: the kernel cannot run."""
     nsb = k // 64
     if per_row >= 128 * nsb + 16:
         return True, nsb
     return False, (per_row // 2 - 16) // 128 if per_row >= 288 else 0
 
 
-def mma_tiling(m: int, k: int) -> tuple[int, int]:
-    """(tiles, dynamic shared bytes) of head_argmax_fp8_mma: ceil(m / MMA_TILE_ROWS) balanced tiles;
-    all of the largest tile's x (rows of 2k + 16 bytes) where it fits MMA_X_SMEM_MAX, else the two
-    slice buffers of the most superblocks that fit (mma_x_slice)."""
+def mma_v1_tiling(m: int, k: int) -> tuple[int, int]:
+    """(tiles, dynamic shared bytes) of head_argmax_fp8_mma_v1: the tiles of mma_tiling; all of the
+    largest tile's x (rows of 2k + 16 bytes) where it fits MMA_V1_X_SMEM_MAX, else the two slice
+    buffers of the most superblocks that fit (mma_v1_x_slice)."""
     tiles = -(-m // MMA_TILE_ROWS)
     rows = -(-m // tiles)
     whole = 2 * k + 16
-    if rows * whole <= MMA_X_SMEM_MAX:
+    if rows * whole <= MMA_V1_X_SMEM_MAX:
         return tiles, rows * whole
-    s = (MMA_X_SMEM_MAX // rows // 2 - 16) // 128
+    s = (MMA_V1_X_SMEM_MAX // rows // 2 - 16) // 128
     return tiles, rows * 2 * (128 * s + 16)
 
 
@@ -498,15 +528,7 @@ def _mma_supported(wq, x, k: int) -> bool:
     return k > 0 and k % 64 == 0 and wq.addr % 16 == 0 and x.addr % 16 == 0
 
 
-@declare(
-    "draft_head",
-    "head_argmax_fp8_mma",
-    [("wq", PTR), ("scale", PTR), ("x", PTR), *_HEAD_BATCH_TAIL],
-    writes=_HEAD_BATCH_WRITES,
-    pdl=True,
-    releases=True,
-)
-def HEAD_ARGMAX_FP8_MMA(
+def _head_mma_twin(
     mem,
     wq,
     scale,
@@ -529,7 +551,7 @@ def HEAD_ARGMAX_FP8_MMA(
 ):
     """head_argmax_fp8_batch's twin, up to MMA_TILE_ROWS rows per tile; a shape the kernel cannot
     run (k % 64 != 0, an unaligned pointer) computes nothing: every live entry commits the empty key
-    (token 0, NONFINITE_NAN), as on the device."""
+    (token 0, NONFINITE_NAN), as on the device. Both tensor-core kernels: their bits are the same."""
     tiles_ok = 1 <= m <= MAX_ROWS and 1 <= tiles <= m and -(-m // tiles) <= MMA_TILE_ROWS
     if tiles_ok and not _mma_supported(wq, x, k):
         _batch_commit(
@@ -561,11 +583,23 @@ def HEAD_ARGMAX_FP8_MMA(
     )
 
 
-def head_mma_launch(gpu, m: int, n: int, k: int) -> tuple[int, int, int]:
-    """(grid, dynamic shared bytes, tiles) of head_argmax_fp8_mma."""
-    tiles, smem = mma_tiling(m, k)
-    groups = max(1, -(-n // MMA_GROUP_ROWS))
-    resident = gpu.resident_blocks(gpu.kernel(*HEAD_ARGMAX_FP8_MMA.key), 256, smem)
+_MMA_ARGS = [("wq", PTR), ("scale", PTR), ("x", PTR), *_HEAD_BATCH_TAIL]
+HEAD_ARGMAX_FP8_MMA = declare(
+    "draft_head", "head_argmax_fp8_mma", _MMA_ARGS, writes=_HEAD_BATCH_WRITES, pdl=True, releases=True
+)(_head_mma_twin)
+HEAD_ARGMAX_FP8_MMA_V1 = declare(
+    "draft_head", "head_argmax_fp8_mma_v1", _MMA_ARGS, writes=_HEAD_BATCH_WRITES, pdl=True, releases=True
+)(_head_mma_twin)
+
+
+def head_mma_launch(gpu, m: int, n: int, k: int, v1: bool = False) -> tuple[int, int, int]:
+    """(grid, dynamic shared bytes, tiles) of head_argmax_fp8_mma (v1: of head_argmax_fp8_mma_v1):
+    the tiles' blocks side by side (blockIdx % tiles), each tile's blocks grid-striding over the
+    weight groups in rounds of the blocks resident at once."""
+    decl = HEAD_ARGMAX_FP8_MMA_V1 if v1 else HEAD_ARGMAX_FP8_MMA
+    tiles, smem = mma_v1_tiling(m, k) if v1 else mma_tiling(m, k)
+    groups = max(1, -(-n // (MMA_V1_GROUP_ROWS if v1 else MMA_GROUP_ROWS)))
+    resident = gpu.resident_blocks(gpu.kernel(*decl.key), 256, smem)
     return tiles * grid_stride_blocks(groups, max(1, resident // tiles)), smem, tiles
 
 
@@ -590,18 +624,22 @@ def head_argmax_batch_mma(
     flags,
     flag_byte,
     stream=None,
+    v1=False,
 ):
     """head_argmax_batch (FP8 head) through the tensor-core kernel: the same buffers, commit and
-    padding rules; k % 64 == 0 and 16-byte aligned w and x."""
+    padding rules; k % 64 == 0 and 16-byte aligned w and x. ``v1``: through head_argmax_fp8_mma_v1
+    (the same bits; for comparison). Both give every row the bits it has in any other batch, so
+    the kernel may be chosen by m."""
     _check_batch(m, n, k, draft_index, kmax, flag_byte, "head_argmax_batch_mma")
     if scale is None:
         raise ValueError("head_argmax_batch_mma: the tensor-core head is the FP8 head (scale is required)")
     if not _mma_supported(w, x, k):
         raise ValueError(f"head_argmax_batch_mma: needs k % 64 == 0 (k={k}) and 16-byte aligned w and x")
-    grid, smem, tiles = head_mma_launch(gpu, m, n, k)
+    grid, smem, tiles = head_mma_launch(gpu, m, n, k, v1)
+    decl = HEAD_ARGMAX_FP8_MMA_V1 if v1 else HEAD_ARGMAX_FP8_MMA
     launch(
         gpu,
-        gpu.kernel(*HEAD_ARGMAX_FP8_MMA.key),
+        gpu.kernel(*decl.key),
         grid,
         256,
         w,
