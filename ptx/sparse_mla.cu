@@ -1118,6 +1118,6 @@ extern "C" __global__ void __launch_bounds__(256) sparse_mla_combine_wide_batch(
         }
     }
     if (splits == 0u) o = make_float4(0.0f, 0.0f, 0.0f, 0.0f), L = 1.0f;  // empty selection: zero
-    *reinterpret_cast<uint2*>(out + (size_t)h * dim + d) =
+    *reinterpret_cast<uint2*>(out + e * hd + (size_t)h * dim + d) =
         make_uint2(pack_bf16x2(o.x / L, o.y / L), pack_bf16x2(o.z / L, o.w / L));
 }
