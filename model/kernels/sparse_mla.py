@@ -577,9 +577,10 @@ def wide_smem(rope_dim: int, split_rows: int) -> int:
 # (16 x 2048 rows / 256 = 128 blocks, one per SM), and at 64 and 256 sequences the split pair's
 # repeated gathers and 4 MB of partials per sequence are where its time went. Smaller proposers
 # keep the split pair, whose one-sequence latency is tuned (a lone sequence of a wide proposer
-# makes only 2048 / 256 = 8 blocks). bench/bench_sparse_mla_rope.py --wide times both forms at
-# every split length and batch size: the threshold and the length are to be revisited with its
-# table (shorter splits may pay at 4 to 15 sequences).
+# makes only 2048 / 256 = 8 blocks). Measured (H200, GLM-5.3-Flash, a 256-sequence proposer,
+# BENCHMARKS.md "Selection, attention and head at scale"): B = 256 16.5 ms at 256 rows, 17.4 at
+# 128, 19.7 with the split pair; B = 1 1.45, 1.41 and 1.34 ms. The launch alone at m = 16 is 2.3x
+# faster at 256 rows than the split pair; 4..15 sequences were not measured in the proposer.
 AUTO_WIDE_MIN_SEQUENCES = 16
 AUTO_WIDE_SPLIT_ROWS = 256
 
