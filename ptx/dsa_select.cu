@@ -668,6 +668,21 @@ __device__ __forceinline__ void stage_score_keys(const float* __restrict__ src, 
     __syncthreads();
 }
 
+// The warps' shares of an ordered emission: lane l holds warp l's counts of keys above the
+// threshold (lgt) and equal to it (leq); the `need` ties go to the lowest warps first. Returns the
+// calling warp's quota of ties, its first output position and how many it takes in all.
+struct TieShare {
+    uint32_t quota, pos, take;
+};
+__device__ __forceinline__ TieShare tie_share(uint32_t lgt, uint32_t leq, uint32_t need, uint32_t warp) {
+    const uint32_t eq_before = warp_inclusive_scan(leq) - leq;
+    const uint32_t lquota = need > eq_before ? min(leq, need - eq_before) : 0u;
+    const uint32_t ltake = lgt + lquota;
+    const uint32_t take_before = warp_inclusive_scan(ltake) - ltake;
+    return TieShare{__shfl_sync(0xFFFFFFFFu, lquota, warp), __shfl_sync(0xFFFFFFFFu, take_before, warp),
+                    __shfl_sync(0xFFFFFFFFu, ltake, warp)};
+}
+
 // The exact top k of keys[0..n) (higher key first, then lower position), the whole block:
 // emit(pos, i) for every chosen position i, pos = its place among the chosen in ascending i
 // (0 .. min(n, k) - 1). keys must be complete (a barrier after their writes). Ends with a barrier.
@@ -743,23 +758,9 @@ __device__ void select_core(const uint32_t* keys, uint32_t n, uint32_t k, Select
     __syncthreads();
     // Lane l: warp l's counts; its ties before it, its quota of ties, its first output position.
     const uint32_t lgt = lane < nw ? sm.warp_gt[lane] : 0u, leq = lane < nw ? sm.warp_eq[lane] : 0u;
-    uint32_t eq_inc = leq;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const uint32_t t = __shfl_up_sync(0xFFFFFFFFu, eq_inc, o);
-        if (lane >= (uint32_t)o) eq_inc += t;
-    }
-    const uint32_t eq_before = eq_inc - leq;
-    const uint32_t lquota = need > eq_before ? min(leq, need - eq_before) : 0u;
-    const uint32_t ltake = lgt + lquota;
-    uint32_t take_inc = ltake;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const uint32_t t = __shfl_up_sync(0xFFFFFFFFu, take_inc, o);
-        if (lane >= (uint32_t)o) take_inc += t;
-    }
-    const uint32_t quota = __shfl_sync(0xFFFFFFFFu, lquota, warp);
-    uint32_t pos = __shfl_sync(0xFFFFFFFFu, take_inc - ltake, warp);
+    const TieShare share = tie_share(lgt, leq, need, warp);
+    const uint32_t quota = share.quota;
+    uint32_t pos = share.pos;
     const uint32_t below = (1u << lane) - 1u;
     uint32_t eq_seen = 0u;
     for (uint32_t base = lo; base < hi; base += 32u) {
@@ -980,36 +981,17 @@ __device__ __noinline__ void emit_bitmaps(const uint32_t* gt_map, const uint32_t
     __syncthreads();
     // Lane l: warp l's counts; its ties before it, its quota of ties, its first output position.
     const uint32_t lgt = sm.warp_gt[lane], leq = sm.warp_eq[lane];  // nw == 32
-    uint32_t eq_inc = leq;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const uint32_t t = __shfl_up_sync(0xFFFFFFFFu, eq_inc, o);
-        if (lane >= (uint32_t)o) eq_inc += t;
-    }
-    const uint32_t eq_before = eq_inc - leq;
-    const uint32_t lquota = need > eq_before ? min(leq, need - eq_before) : 0u;
-    const uint32_t ltake = lgt + lquota;
-    uint32_t take_inc = ltake;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const uint32_t t = __shfl_up_sync(0xFFFFFFFFu, take_inc, o);
-        if (lane >= (uint32_t)o) take_inc += t;
-    }
-    const uint32_t quota = __shfl_sync(0xFFFFFFFFu, lquota, warp);
-    uint32_t pos = __shfl_sync(0xFFFFFFFFu, take_inc - ltake, warp);
-    if (__shfl_sync(0xFFFFFFFFu, ltake, warp) == 0u) return;  // nothing chosen in this warp's words
+    const TieShare share = tie_share(lgt, leq, need, warp);
+    const uint32_t quota = share.quota;
+    uint32_t pos = share.pos;
+    if (share.take == 0u) return;  // nothing chosen in this warp's words
     uint32_t eq_seen = 0u;
     for (uint32_t b = lo; b < hi; b += 32u) {
         const uint32_t i = b + lane;
         const uint32_t g = i < hi ? g32[i] : 0u;
         uint32_t q = i < hi ? e32[i] : 0u;
         const uint32_t qc = __popc(q);
-        uint32_t q_inc = qc;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const uint32_t t = __shfl_up_sync(0xFFFFFFFFu, q_inc, o);
-            if (lane >= (uint32_t)o) q_inc += t;
-        }
+        const uint32_t q_inc = warp_inclusive_scan(qc);
         const uint32_t before = eq_seen + q_inc - qc;  // ties in lower words of the row
         const uint32_t keep = quota > before ? min(qc, quota - before) : 0u;
         if (keep < qc) {  // the lowest `keep` of the word's ties
@@ -1019,12 +1001,7 @@ __device__ __noinline__ void emit_bitmaps(const uint32_t* gt_map, const uint32_t
         }
         uint32_t s = g | q;
         const uint32_t sc = __popc(s);
-        uint32_t s_inc = sc;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const uint32_t t = __shfl_up_sync(0xFFFFFFFFu, s_inc, o);
-            if (lane >= (uint32_t)o) s_inc += t;
-        }
+        const uint32_t s_inc = warp_inclusive_scan(sc);
         uint32_t at = pos + s_inc - sc;
         while (s) {
             const uint32_t bit = (uint32_t)__ffs(s) - 1u;

@@ -30,25 +30,26 @@ __device__ __forceinline__ uint32_t ordered_key(float v) {
 
 // ---- block scans (blockDim.x a multiple of 32, <= 1024) ------------------------------------------
 
+// Inclusive prefix sum over a warp's lanes (every lane of the warp takes part).
+__device__ __forceinline__ uint32_t warp_inclusive_scan(uint32_t v) {
+    const uint32_t lane = threadIdx.x & 31;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t t = __shfl_up_sync(0xFFFFFFFFu, v, o);
+        if (lane >= (uint32_t)o) v += t;
+    }
+    return v;
+}
+
 // Exclusive prefix sum of one u32 per thread, in thread order; *total gets the block's sum.
 // `scratch` holds 32 u32. Ends with a barrier so scratch can be reused at once.
 __device__ __forceinline__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* scratch, uint32_t* total) {
     const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-    uint32_t inc = v;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const uint32_t t = __shfl_up_sync(0xFFFFFFFFu, inc, o);
-        if (lane >= (uint32_t)o) inc += t;
-    }
+    const uint32_t inc = warp_inclusive_scan(v);
     if (lane == 31) scratch[warp] = inc;
     __syncthreads();
     uint32_t wsum = lane < nwarps ? scratch[lane] : 0u;
-    uint32_t winc = wsum;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const uint32_t t = __shfl_up_sync(0xFFFFFFFFu, winc, o);
-        if (lane >= (uint32_t)o) winc += t;
-    }
+    const uint32_t winc = warp_inclusive_scan(wsum);
     const uint32_t warp_excl = __shfl_sync(0xFFFFFFFFu, winc - wsum, warp);
     *total = __shfl_sync(0xFFFFFFFFu, winc, 31);
     __syncthreads();

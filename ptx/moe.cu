@@ -564,12 +564,7 @@ __device__ __forceinline__ void group_pairs_warp(const uint32_t (*ids_s)[128], u
     uint32_t carry = 0u;
     for (uint32_t x0 = 0; x0 < n_local; x0 += 32u) {
         const uint32_t x = x0 + lane, v = x < n_local ? cnt_s[x] : 0u;
-        uint32_t incl = v;
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-            const uint32_t u = __shfl_up_sync(ALL, incl, d);
-            if (lane >= (uint32_t)d) incl += u;
-        }
+        const uint32_t incl = warp_inclusive_scan(v);
         if (x < n_local) {
             group[g.counts + x] = v;
             group[g.offsets + x] = carry + incl - v;
