@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from batch_dsa_util import bytes_of, free_all, poison_all, upload_all
+from sparse_mla_rope_util import assert_close, outputs_f32  # noqa: F401 - re-exported to the wide tests
 
 from model.kernels import sparse_mla
 from model.kernels.batch import ENTRY_BYTES, PAD_SLOT
@@ -360,23 +361,6 @@ def run_wide(
         return got
     finally:
         free_all(gpu, p, nan, *outs.values())
-
-
-def outputs_f32(got: dict, sh: WideShape, m: int) -> np.ndarray:
-    return got["out"].view(BF16).reshape(m, sh.heads, sh.dim).astype(np.float32)
-
-
-def assert_close(g: np.ndarray, ref: np.ndarray, rtol: float, atol: float, what: str) -> None:
-    g64, r64 = np.asarray(g, np.float64), np.asarray(ref, np.float64)
-    assert not np.isnan(g64).any(), f"{what}: NaN (unwritten?) elements"
-    err = np.abs(g64 - r64)
-    bad = err > rtol * np.abs(r64) + atol
-    if bad.any():
-        i = np.unravel_index(int(np.argmax(err - rtol * np.abs(r64))), err.shape)
-        raise AssertionError(
-            f"{what}: {int(bad.sum())} of {bad.size} outside rtol {rtol} atol {atol}; worst at {i}: "
-            f"{g64[i]} vs {r64[i]}"
-        )
 
 
 def check_outputs(got: dict, sh: WideShape, case: WideCase, ref_of) -> None:
