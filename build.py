@@ -132,7 +132,7 @@ def canonical_ptx(text: str) -> str:
     return _PATH_HASH.sub(lambda m: m.group(1) + "00000000", text)
 
 
-FRESH_COMPILES = 4
+FRESH_COMPILES = 12
 
 
 def compile_body(nvcc: str, cu: Path, out_dir: Path) -> str:
@@ -200,9 +200,10 @@ def check(ptx_dir: Path, nvcc: str | None) -> list[str]:
         try:
             fresh = compile_body(nvcc, cu, tmp)
             # nvcc 13.0 now and then numbers the virtual registers of the same source
-            # differently (gemv_bf16.cu: two cvta.to.global operands swapped, 1 in about 25
-            # checks while other compiles ran): a .ptx is current when any of a few fresh
-            # compiles equals it. A hand edit matches none of them.
+            # differently (gemv_bf16.cu: two cvta.to.global operands swapped and every use
+            # after them renamed; 1 in about 25 checks in one session, 5 of 8 compiles run side
+            # by side in another): a .ptx is current when any of a dozen fresh compiles equals
+            # it. A hand edit matches none of them.
             for _ in range(FRESH_COMPILES - 1):
                 if fresh == body:
                     break

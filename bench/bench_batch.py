@@ -819,6 +819,7 @@ def run(args: Any, gpu: Any) -> dict[str, Any]:
         "model": model,
         "served_rows": cfg.dsa.max_context,
         "copy_bw_GBps": bw / 1e9,
+        "pdl": getattr(gpu, "pdl", None),
         "sampling": None if sampling is None else dataclasses.asdict(sampling),
         "rows": [],
         "memory_estimate": {},
@@ -1091,6 +1092,13 @@ def main(argv: list[str] | None = None) -> int:
         help="also time a sampled propose: temperature[,top_p[,top_k]] (e.g. 0.8,0.95)",
     )
     ap.add_argument("--no-step", dest="step", action="store_false", help="skip the whole drafter step")
+    ap.add_argument("--ptx-dir", default=None, help="load the kernels' PTX from here (a variant build)")
+    ap.add_argument(
+        "--no-pdl",
+        dest="pdl",
+        action="store_false",
+        help="capture and replay the graphs without programmatic dependent launch",
+    )
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     for kd in args.kinds:  # refused before a GPU minute is spent
@@ -1098,11 +1106,13 @@ def main(argv: list[str] | None = None) -> int:
             contexts_for(resolve_kind(kd, model_config(args.model), args.k), 1)
         except ValueError as e:
             ap.error(str(e))
+    from bench.bench_propose import pdl_set
     from runtime.cuda_backend import CudaBackend
 
-    gpu = CudaBackend()
+    gpu = CudaBackend(ptx_dir=args.ptx_dir)
     try:
-        res = run(args, gpu)
+        with pdl_set(gpu, args.pdl):
+            res = run(args, gpu)
     finally:
         gpu.close()
     if args.json:
