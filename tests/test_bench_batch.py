@@ -527,3 +527,31 @@ def test_run_on_the_host_backend_sizes_skips_and_passes_the_model(monkeypatch):
     bb._torch_rows(args, res, cfg)
     assert not calls and all(math.isnan(r["torch_graph_ms"]) for r in res["rows"])
     assert gpu.stats().live_bytes == 0
+
+
+@pytest.mark.parametrize(
+    "argv, pdl_during_run, ptx_dir", [([], True, None), (["--no-pdl", "--ptx-dir", "v"], False, "v")]
+)
+def test_main_passes_pdl_and_the_ptx_dir_to_the_backend(monkeypatch, argv, pdl_during_run, ptx_dir):
+    """--ptx-dir reaches the backend; --no-pdl turns PDL off for the whole run (so the graphs are
+    captured without it) and the backend's own setting is restored after."""
+    import runtime.cuda_backend as cb
+
+    seen: dict = {}
+
+    class FakeBackend:
+        def __init__(self, ptx_dir=None):
+            seen["ptx_dir"] = ptx_dir
+            self.pdl = True
+
+        def close(self):
+            seen["pdl_at_close"] = self.pdl
+
+    def fake_run(args, gpu):
+        seen["pdl_in_run"] = gpu.pdl
+        return {"rows": []}
+
+    monkeypatch.setattr(cb, "CudaBackend", FakeBackend)
+    monkeypatch.setattr(bb, "run", fake_run)
+    assert bb.main(["--batches", "1", "--kinds", "uniform", *argv]) == 0
+    assert seen == {"ptx_dir": ptx_dir, "pdl_in_run": pdl_during_run, "pdl_at_close": True}
