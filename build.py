@@ -14,9 +14,11 @@ hand-edited .ptx or a system header that changed under an unchanged source.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import logging
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -132,13 +134,35 @@ def canonical_ptx(text: str) -> str:
     return _PATH_HASH.sub(lambda m: m.group(1) + "00000000", text)
 
 
-FRESH_COMPILES = 12
+FRESH_COMPILES = 4
+
+
+# nvcc 13.0's PTX for one source can differ from run to run: gemv_bf16.cu came out with two
+# registers' roles swapped (two cvta.to.global lines and every later use) in 5 of 8 compiles run
+# side by side (2026-12-04), while with address-space randomisation off 10 of 10 were the same.
+# So nvcc runs under `setarch -R` where the machine has it and allows it, for builds and checks;
+# with it the PTX still followed the length of the source's path (a clone at another path got the
+# other order every time), so nvcc compiles a copy in a temporary folder (compile_body).
+@functools.cache
+def _no_aslr() -> tuple[str, ...]:
+    setarch = shutil.which("setarch")
+    if setarch is None:
+        return ()
+    cmd = (setarch, platform.machine(), "-R")
+    return cmd if subprocess.run([*cmd, "true"], capture_output=True).returncode == 0 else ()
 
 
 def compile_body(nvcc: str, cu: Path, out_dir: Path) -> str:
     out = out_dir / (cu.stem + ".ptx")
-    cmd = [nvcc, *NVCC_FLAGS, str(cu), "-o", str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    # The source and its headers copied to a folder of their own in out_dir (checks run side by
+    # side there) and compiled by bare name: the PTX must not depend on where the clone is
+    # (_no_aslr).
+    src = out_dir / f"{cu.stem}.src"
+    src.mkdir(exist_ok=True)
+    for f in source_closure(cu):
+        shutil.copyfile(f, src / f.name)
+    cmd = [*_no_aslr(), nvcc, *NVCC_FLAGS, cu.name, "-o", str(out.resolve())]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=src)
     if res.returncode != 0:
         raise RuntimeError(f"nvcc failed on {cu.name}:\n{' '.join(cmd)}\n{res.stderr}")
     if res.stderr.strip():
@@ -199,11 +223,9 @@ def check(ptx_dir: Path, nvcc: str | None) -> list[str]:
             return None
         try:
             fresh = compile_body(nvcc, cu, tmp)
-            # nvcc 13.0 now and then numbers the virtual registers of the same source
-            # differently (gemv_bf16.cu: two cvta.to.global operands swapped and every use
-            # after them renamed; 1 in about 25 checks in one session, 5 of 8 compiles run side
-            # by side in another): a .ptx is current when any of a dozen fresh compiles equals
-            # it. A hand edit matches none of them.
+            # Where setarch is missing nvcc may still number the registers differently (see
+            # _no_aslr): a .ptx is current when any of a few fresh compiles equals it. A hand
+            # edit matches none of them.
             for _ in range(FRESH_COMPILES - 1):
                 if fresh == body:
                     break
