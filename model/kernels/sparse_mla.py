@@ -205,30 +205,106 @@ def SPARSE_MLA_ATTEND_BATCH(
         )
 
 
+# The arguments of the partial and merge launches (the wide pair adds split_rows to each).
+_PARTIAL_ARGS = (
+    ("q", PTR),
+    ("q_rope", PTR),
+    ("cache", PTR),
+    ("scales", PTR),
+    ("rope_keys", PTR),
+    ("tables", PTR),
+    ("selected", PTR),
+    ("count", PTR),
+    ("part", PTR),
+    ("ml", PTR),
+    ("entries", PTR),
+    ("m", U32),
+    ("slot_rows", U32),
+    ("sel_cap", U32),
+    ("heads", U32),
+    ("dim", U32),
+    ("rope_dim", U32),
+    ("block_size", U32),
+    ("scale", F32),
+)
+_COMBINE_ARGS = (
+    ("part", PTR),
+    ("ml", PTR),
+    ("count", PTR),
+    ("out", PTR),
+    ("entries", PTR),
+    ("m", U32),
+    ("sel_cap", U32),
+    ("heads", U32),
+    ("dim", U32),
+)
+
+
+def _partial_entries(
+    mem,
+    q,
+    q_rope,
+    cache,
+    scales,
+    rope_keys,
+    tables,
+    selected,
+    count,
+    part,
+    ml,
+    entries,
+    m,
+    slot_rows,
+    sel_cap,
+    heads,
+    dim,
+    rope_dim,
+    block_size,
+    scale,
+    splits,
+    split_rows,
+):
+    """Each entry's partials over splits of split_rows rows into its workspace of `splits` splits
+    (both pairs' twin)."""
+    bps = _blocks_per_slot(slot_rows, block_size)
+    for e, slot, n in _batch_entries(mem, entries, m, count, sel_cap):
+        table, sel = tables.offset(slot * bps * 4), selected.offset(e * sel_cap * 4)
+        _, c = _gather_n(mem, cache, scales, table, sel, n, dim, block_size)
+        qr, kr = _entry_rope(q_rope, rope_keys, e, slot, slot_rows, heads, rope_dim)
+        _partial(
+            mem,
+            q.offset(e * heads * dim * 4),
+            n,
+            c,
+            _rope_term(mem, qr, kr, sel, n, heads, rope_dim),
+            part.offset(e * splits * heads * dim * 4),
+            ml.offset(e * splits * heads * 8),
+            heads,
+            dim,
+            scale,
+            split_rows,
+        )
+
+
+def _combine_entries(mem, part, ml, count, out, entries, m, sel_cap, heads, dim, splits, split_rows):
+    """Each entry's merge of its `splits` splits of split_rows rows (both pairs' twin)."""
+    for e, _, n in _batch_entries(mem, entries, m, count, sel_cap):
+        _combine(
+            mem,
+            part.offset(e * splits * heads * dim * 4),
+            ml.offset(e * splits * heads * 8),
+            n,
+            out.offset(e * heads * dim * 2),
+            heads,
+            dim,
+            split_rows,
+        )
+
+
 @declare(
     "sparse_mla",
     "sparse_mla_partial_batch",
-    [
-        ("q", PTR),
-        ("q_rope", PTR),
-        ("cache", PTR),
-        ("scales", PTR),
-        ("rope_keys", PTR),
-        ("tables", PTR),
-        ("selected", PTR),
-        ("count", PTR),
-        ("part", PTR),
-        ("ml", PTR),
-        ("entries", PTR),
-        ("m", U32),
-        ("slot_rows", U32),
-        ("sel_cap", U32),
-        ("heads", U32),
-        ("dim", U32),
-        ("rope_dim", U32),
-        ("block_size", U32),
-        ("scale", F32),
-    ],
+    list(_PARTIAL_ARGS),
     writes=("part", "ml"),
     pdl=True,
     releases=True,  # right after its wait: the merge launches during its tail
@@ -259,56 +335,45 @@ def SPARSE_MLA_PARTIAL_BATCH(
     workspace (split_workspace_batch)."""
     if not rope_dim_ok(rope_dim):
         return
-    bps, splits = _blocks_per_slot(slot_rows, block_size), batch_splits(sel_cap)
-    for e, slot, n in _batch_entries(mem, entries, m, count, sel_cap):
-        table, sel = tables.offset(slot * bps * 4), selected.offset(e * sel_cap * 4)
-        _, c = _gather_n(mem, cache, scales, table, sel, n, dim, block_size)
-        qr, kr = _entry_rope(q_rope, rope_keys, e, slot, slot_rows, heads, rope_dim)
-        _partial(
-            mem,
-            q.offset(e * heads * dim * 4),
-            n,
-            c,
-            _rope_term(mem, qr, kr, sel, n, heads, rope_dim),
-            part.offset(e * splits * heads * dim * 4),
-            ml.offset(e * splits * heads * 8),
-            heads,
-            dim,
-            scale,
-        )
+    _partial_entries(
+        mem,
+        q,
+        q_rope,
+        cache,
+        scales,
+        rope_keys,
+        tables,
+        selected,
+        count,
+        part,
+        ml,
+        entries,
+        m,
+        slot_rows,
+        sel_cap,
+        heads,
+        dim,
+        rope_dim,
+        block_size,
+        scale,
+        batch_splits(sel_cap),
+        SPLIT_ROWS,
+    )
 
 
 @declare(
     "sparse_mla",
     "sparse_mla_combine_batch",
-    [
-        ("part", PTR),
-        ("ml", PTR),
-        ("count", PTR),
-        ("out", PTR),
-        ("entries", PTR),
-        ("m", U32),
-        ("sel_cap", U32),
-        ("heads", U32),
-        ("dim", U32),
-    ],
+    list(_COMBINE_ARGS),
     writes=("out",),
     pdl=True,
     releases=True,  # right after its wait: wv launches during its tail
 )
 def SPARSE_MLA_COMBINE_BATCH(mem, part, ml, count, out, entries, m, sel_cap, heads, dim):
     """The exact merge of each entry's splits into out + e * heads * dim."""
-    splits = batch_splits(sel_cap)
-    for e, _, n in _batch_entries(mem, entries, m, count, sel_cap):
-        _combine(
-            mem,
-            part.offset(e * splits * heads * dim * 4),
-            ml.offset(e * splits * heads * 8),
-            n,
-            out.offset(e * heads * dim * 2),
-            heads,
-            dim,
-        )
+    _combine_entries(
+        mem, part, ml, count, out, entries, m, sel_cap, heads, dim, batch_splits(sel_cap), SPLIT_ROWS
+    )
 
 
 def split_supported(dim: int, rows_capacity: int) -> bool:
@@ -593,28 +658,7 @@ def auto_split_rows(max_sequences: int) -> int:
 @declare(
     "sparse_mla",
     "sparse_mla_partial_wide_batch",
-    [
-        ("q", PTR),
-        ("q_rope", PTR),
-        ("cache", PTR),
-        ("scales", PTR),
-        ("rope_keys", PTR),
-        ("tables", PTR),
-        ("selected", PTR),
-        ("count", PTR),
-        ("part", PTR),
-        ("ml", PTR),
-        ("entries", PTR),
-        ("m", U32),
-        ("slot_rows", U32),
-        ("sel_cap", U32),
-        ("heads", U32),
-        ("dim", U32),
-        ("rope_dim", U32),
-        ("block_size", U32),
-        ("scale", F32),
-        ("split_rows", U32),
-    ],
+    [*_PARTIAL_ARGS, ("split_rows", U32)],
     writes=("part", "ml"),
     pdl=True,
     releases=True,  # right after its wait: the merge launches during its tail
@@ -647,41 +691,36 @@ def SPARSE_MLA_PARTIAL_WIDE_BATCH(
     For a split length, rope_dim or dim the kernel does not take it writes nothing, as the kernel."""
     if not (wide_split_rows_ok(split_rows) and wide_rope_dim_ok(rope_dim) and _wide_dim_ok(dim)):
         return
-    bps, splits = _blocks_per_slot(slot_rows, block_size), wide_splits(sel_cap, split_rows)
-    for e, slot, n in _batch_entries(mem, entries, m, count, sel_cap):
-        table, sel = tables.offset(slot * bps * 4), selected.offset(e * sel_cap * 4)
-        _, c = _gather_n(mem, cache, scales, table, sel, n, dim, block_size)
-        qr, kr = _entry_rope(q_rope, rope_keys, e, slot, slot_rows, heads, rope_dim)
-        _partial(
-            mem,
-            q.offset(e * heads * dim * 4),
-            n,
-            c,
-            _rope_term(mem, qr, kr, sel, n, heads, rope_dim),
-            part.offset(e * splits * heads * dim * 4),
-            ml.offset(e * splits * heads * 8),
-            heads,
-            dim,
-            scale,
-            split_rows,
-        )
+    _partial_entries(
+        mem,
+        q,
+        q_rope,
+        cache,
+        scales,
+        rope_keys,
+        tables,
+        selected,
+        count,
+        part,
+        ml,
+        entries,
+        m,
+        slot_rows,
+        sel_cap,
+        heads,
+        dim,
+        rope_dim,
+        block_size,
+        scale,
+        wide_splits(sel_cap, split_rows),
+        split_rows,
+    )
 
 
 @declare(
     "sparse_mla",
     "sparse_mla_combine_wide_batch",
-    [
-        ("part", PTR),
-        ("ml", PTR),
-        ("count", PTR),
-        ("out", PTR),
-        ("entries", PTR),
-        ("m", U32),
-        ("sel_cap", U32),
-        ("heads", U32),
-        ("dim", U32),
-        ("split_rows", U32),
-    ],
+    [*_COMBINE_ARGS, ("split_rows", U32)],
     writes=("out",),
     pdl=True,
     releases=True,  # right after its wait: wv launches during its tail
@@ -691,17 +730,7 @@ def SPARSE_MLA_COMBINE_WIDE_BATCH(mem, part, ml, count, out, entries, m, sel_cap
     if not (wide_split_rows_ok(split_rows) and _wide_dim_ok(dim)):
         return
     splits = wide_splits(sel_cap, split_rows)
-    for e, _, n in _batch_entries(mem, entries, m, count, sel_cap):
-        _combine(
-            mem,
-            part.offset(e * splits * heads * dim * 4),
-            ml.offset(e * splits * heads * 8),
-            n,
-            out.offset(e * heads * dim * 2),
-            heads,
-            dim,
-            split_rows,
-        )
+    _combine_entries(mem, part, ml, count, out, entries, m, sel_cap, heads, dim, splits, split_rows)
 
 
 def sparse_mla_wide_batch(
