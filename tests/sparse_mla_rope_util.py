@@ -11,6 +11,7 @@ term does: a kernel that dropped it, or read another slot's keys, fails the floa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,15 +85,16 @@ class RopeCase:
     cnt: np.ndarray  # [m] u32, poison for padding
 
 
-def rope_case(rng: np.random.Generator, sh: RopeShape, m: int, npad: int) -> RopeCase:
-    """m entries, npad of them padding at random places; the live ones alternate the slots and run
-    through COUNTS (from a random start), each selecting distinct rows of its slot in random order."""
+def rope_case(rng: np.random.Generator, sh, m: int, npad: int, counts: Sequence[int] = COUNTS) -> RopeCase:
+    """m entries, npad of them padding at random places; the live ones alternate the slots of ``sh``
+    (a RopeShape, or anything with its slots, slot_rows and sel_cap) and run through ``counts``
+    (from a random start), each selecting distinct rows of its slot in random order."""
     pad_at = set(rng.choice(m, npad, replace=False).tolist()) if npad else set()
     ent = np.zeros((m, 4), np.uint32)
     sel = np.full((m, sh.sel_cap), 0xFFFFFFFF, np.uint32)
     cnt = np.full(m, 0xFFFFFFFF, np.uint32)
     live, pads = [], []
-    k0 = int(rng.integers(0, len(COUNTS)))
+    k0 = int(rng.integers(0, len(counts)))
     for e in range(m):
         ent[e, 2] = 1000 + e  # the token word: ignored
         if e in pad_at:
@@ -100,7 +102,7 @@ def rope_case(rng: np.random.Generator, sh: RopeShape, m: int, npad: int) -> Rop
             pads.append(e)
             continue
         slot = (len(live) + k0) % sh.slots
-        n = COUNTS[(len(live) + k0) % len(COUNTS)]
+        n = counts[(len(live) + k0) % len(counts)]
         rows = rng.choice(sh.slot_rows, n, replace=False).astype(np.uint32)
         ent[e, 0], ent[e, 1] = slot, 5
         sel[e, :n], cnt[e] = rows, n

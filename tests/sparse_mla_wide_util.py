@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import numpy as np
 from batch_dsa_util import bytes_of, free_all, poison_all, upload_all
-from sparse_mla_rope_util import assert_close, outputs_f32  # noqa: F401 - re-exported to the wide tests
+from sparse_mla_rope_util import RopeCase, assert_close, outputs_f32, rope_case  # noqa: F401 - re-exported to the wide tests
 
 from model.kernels import sparse_mla
-from model.kernels.batch import ENTRY_BYTES, PAD_SLOT
+from model.kernels.batch import ENTRY_BYTES
 from runtime.dtypes import BF16, quantize_rows_fp8
 from runtime.launch import launch
 
@@ -111,39 +111,12 @@ def wide_world(rng: np.random.Generator, sh: WideShape, m: int) -> dict[str, np.
     return world
 
 
-@dataclass
-class WideCase:
-    entries: np.ndarray  # [m, 4] u32
-    live: list  # (e, slot, rows selected)
-    pads: list
-    sel: np.ndarray  # [m, sel_cap] u32, poison past each count
-    cnt: np.ndarray  # [m] u32, poison for padding
+WideCase = RopeCase
 
 
 def wide_case(rng: np.random.Generator, sh: WideShape, m: int, npad: int) -> WideCase:
-    """m entries, npad of them padding at random places; the live ones alternate the slots and run
-    through the shape's counts (from a random start), each selecting distinct rows of its slot in
-    random order."""
-    counts = sh.counts()
-    pad_at = set(rng.choice(m, npad, replace=False).tolist()) if npad else set()
-    ent = np.zeros((m, 4), np.uint32)
-    sel = np.full((m, sh.sel_cap), 0xFFFFFFFF, np.uint32)
-    cnt = np.full(m, 0xFFFFFFFF, np.uint32)
-    live, pads = [], []
-    k0 = int(rng.integers(0, len(counts)))
-    for e in range(m):
-        ent[e, 2] = 1000 + e  # the token word: ignored
-        if e in pad_at:
-            ent[e, 0], ent[e, 1] = PAD_SLOT, 77
-            pads.append(e)
-            continue
-        slot = (len(live) + k0) % sh.slots
-        n = counts[(len(live) + k0) % len(counts)]
-        rows = rng.choice(sh.slot_rows, n, replace=False).astype(np.uint32)
-        ent[e, 0], ent[e, 1] = slot, 5
-        sel[e, :n], cnt[e] = rows, n
-        live.append((e, slot, rows))
-    return WideCase(ent, live, pads, sel, cnt)
+    """rope_case through the shape's counts."""
+    return rope_case(rng, sh, m, npad, sh.counts())
 
 
 def _scores_f64(world, sh: WideShape, e: int, slot: int, rows: np.ndarray, rope: bool = True):
