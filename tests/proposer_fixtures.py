@@ -89,3 +89,36 @@ def cache_snapshot(prop: MtpProposer, st) -> dict[str, np.ndarray]:
 def assert_same_caches(a: dict, b: dict) -> None:
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=f"cache {k} differs")
+
+
+def drafts_match_alone(gpu, cfg, batched: MtpProposer, alone: MtpProposer, k: int, step_counts) -> None:
+    """Three sequences fed the same random rows on both proposers: each step catches up
+    ``step_counts[step]`` rows a sequence (``catchup_batch`` against ``catchup_drafter``), drafts k
+    at 0, 1 and 2 rows behind the end (``propose_batch`` against ``propose`` one at a time, equal
+    drafts and equal caches), then verifies 0, 1 and 2 of them."""
+    rng = np.random.default_rng(4)
+    n = cfg.dsa.max_context + 2
+    seqs = [(batched.alloc_state(), alone.alloc_state()) for _ in range(3)]
+    toks = [rng.integers(0, cfg.vocab_size, n + 1) for _ in seqs]
+    hids = [rng.standard_normal((n + 1, cfg.hidden_size)).astype(np.float32) for _ in seqs]
+    for step, counts in enumerate(step_counts):
+        bases = [alone.drafter_rows(b) for _, b in seqs]
+        ptrs = [upload_rows(gpu, h[base : base + c]) for h, base, c in zip(hids, bases, counts)]
+        tk = [t[base : base + c + 1] for t, base, c in zip(toks, bases, counts)]
+        batched.catchup_batch([a for a, _ in seqs], tk, ptrs, bases)
+        for (_, b), t, p, base in zip(seqs, tk, ptrs, bases):
+            alone.catchup_drafter(b, t, p, base)
+        pos = [alone.drafter_rows(b) - back for (_, b), back in zip(seqs, [0, 1, 2])]
+        hid = upload_rows(gpu, np.stack([h[p] for h, p in zip(hids, pos)]))
+        last = [int(t[p + 1]) for t, p in zip(toks, pos)]
+        got = batched.propose_batch([a for a, _ in seqs], last, hid, pos, k)
+        for i, (_, b) in enumerate(seqs):
+            one = upload_rows(gpu, hids[i][pos[i] : pos[i] + 1])
+            assert list(got[i]) == alone.propose(b, last[i], one, pos[i], k), f"step {step} sequence {i}"
+            gpu.free(one)
+            assert_same_caches(cache_snapshot(batched, seqs[i][0]), cache_snapshot(alone, b))
+        batched.after_verify_batch([a for a, _ in seqs], [0, 1, 2])
+        for (_, b), acc in zip(seqs, [0, 1, 2]):
+            alone.after_verify(b, acc)
+        for p in ptrs + [hid]:
+            gpu.free(p)

@@ -19,6 +19,7 @@ from tests.proposer_fixtures import (
     assert_same_caches,
     bf16_weights,
     cache_snapshot,
+    drafts_match_alone,
     make_proposer,
     upload_rows,
 )
@@ -425,32 +426,7 @@ def test_tensor_core_projections_keep_the_host_bits():
     assert (lay.tc_fused, lay.tc_q, lay.tc_wk, lay.tc_wv, lay.tc_o) == (True,) * 5
     alone = make_proposer(cfg, weights, tensor_core_projections=False, **mk)
     assert not alone.layer.tc_fused and not alone.layer.tc_o
-    rng = np.random.default_rng(4)
-    n = cfg.dsa.max_context + 2
-    seqs = [(batched.alloc_state(), alone.alloc_state()) for _ in range(3)]
-    toks = [rng.integers(0, cfg.vocab_size, n + 1) for _ in seqs]
-    hids = [rng.standard_normal((n + 1, cfg.hidden_size)).astype(np.float32) for _ in seqs]
-    for step, counts in enumerate([[9, 20, 13], [3, 1, 4]]):
-        bases = [alone.drafter_rows(b) for _, b in seqs]
-        ptrs = [upload_rows(gpu, h[base : base + c]) for h, base, c in zip(hids, bases, counts)]
-        tk = [t[base : base + c + 1] for t, base, c in zip(toks, bases, counts)]
-        batched.catchup_batch([a for a, _ in seqs], tk, ptrs, bases)
-        for (_, b), t, p, base in zip(seqs, tk, ptrs, bases):
-            alone.catchup_drafter(b, t, p, base)
-        pos = [alone.drafter_rows(b) - back for (_, b), back in zip(seqs, [0, 1, 2])]
-        hid = upload_rows(gpu, np.stack([h[p] for h, p in zip(hids, pos)]))
-        last = [int(t[p + 1]) for t, p in zip(toks, pos)]
-        got = batched.propose_batch([a for a, _ in seqs], last, hid, pos, KMAX)
-        for i, (_, b) in enumerate(seqs):
-            one = upload_rows(gpu, hids[i][pos[i] : pos[i] + 1])
-            assert list(got[i]) == alone.propose(b, last[i], one, pos[i], KMAX), f"step {step} sequence {i}"
-            gpu.free(one)
-            assert_same_caches(cache_snapshot(batched, seqs[i][0]), cache_snapshot(alone, b))
-        batched.after_verify_batch([a for a, _ in seqs], [0, 1, 2])
-        for (_, b), acc in zip(seqs, [0, 1, 2]):
-            alone.after_verify(b, acc)
-        for p in ptrs + [hid]:
-            gpu.free(p)
+    drafts_match_alone(gpu, cfg, batched, alone, KMAX, [[9, 20, 13], [3, 1, 4]])
     batched.close()
     alone.close()
     for n, want in ((1, False), (4, True)):

@@ -284,7 +284,7 @@ def test_a_wide_proposer_drafts_batch_invariantly(family):
     splits) drafts and caches in a batch, through bucket graphs, exactly what it drafts for each
     sequence alone; its drafts are the split pair proposer's where the two agree to the last bit
     is not required (the forms round differently), so only the wide form is compared with itself."""
-    from proposer_fixtures import assert_same_caches, bf16_weights, cache_snapshot, make_proposer, upload_rows
+    from proposer_fixtures import bf16_weights, drafts_match_alone, make_proposer
 
     from model.config import tiny, tiny_rope
 
@@ -302,33 +302,8 @@ def test_a_wide_proposer_drafts_batch_invariantly(family):
     batched = make_proposer(cfg, weights, use_graphs=True, batch_buckets=(1, 4), **mk)
     alone = make_proposer(cfg, weights, **mk)
     assert batched.layer.attn_split_rows == alone.layer.attn_split_rows == 64
-    rng = np.random.default_rng(4)
-    n = cfg.dsa.max_context + 2
-    seqs = [(batched.alloc_state(), alone.alloc_state()) for _ in range(3)]
-    toks = [rng.integers(0, cfg.vocab_size, n + 1) for _ in seqs]
-    hids = [rng.standard_normal((n + 1, cfg.hidden_size)).astype(np.float32) for _ in seqs]
     try:
-        for step, counts in enumerate([[150, 200, 90], [3, 1, 4]]):
-            bases = [alone.drafter_rows(b) for _, b in seqs]
-            ptrs = [upload_rows(gpu, h[base : base + c]) for h, base, c in zip(hids, bases, counts)]
-            tk = [t[base : base + c + 1] for t, base, c in zip(toks, bases, counts)]
-            batched.catchup_batch([a for a, _ in seqs], tk, ptrs, bases)
-            for (_, b), t, p, base in zip(seqs, tk, ptrs, bases):
-                alone.catchup_drafter(b, t, p, base)
-            pos = [alone.drafter_rows(b) - back for (_, b), back in zip(seqs, [0, 1, 2])]
-            hid = upload_rows(gpu, np.stack([h[p] for h, p in zip(hids, pos)]))
-            last = [int(t[p + 1]) for t, p in zip(toks, pos)]
-            got = batched.propose_batch([a for a, _ in seqs], last, hid, pos, k)
-            for i, (_, b) in enumerate(seqs):
-                one = upload_rows(gpu, hids[i][pos[i] : pos[i] + 1])
-                assert list(got[i]) == alone.propose(b, last[i], one, pos[i], k), f"step {step} sequence {i}"
-                gpu.free(one)
-                assert_same_caches(cache_snapshot(batched, seqs[i][0]), cache_snapshot(alone, b))
-            batched.after_verify_batch([a for a, _ in seqs], [0, 1, 2])
-            for (_, b), acc in zip(seqs, [0, 1, 2]):
-                alone.after_verify(b, acc)
-            for p in ptrs + [hid]:
-                gpu.free(p)
+        drafts_match_alone(gpu, cfg, batched, alone, k, [[150, 200, 90], [3, 1, 4]])
     finally:
         batched.close()
         alone.close()
